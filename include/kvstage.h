@@ -1,0 +1,113 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * libkvstage: the client side of the kvstage staging proxy.
+ *
+ * A client leases fixed-size slots of the proxy's shared pool, fills them,
+ * and hands them to a room; only the proxy's transports move slot bytes.
+ * Every slot carries an epoch: a lease naming an old epoch is refused.
+ *
+ * Errors are 0 or a negative errno, liburing style; kvs_strerror() explains.
+ * A kvs_client is not thread-safe: use one per thread (connections are cheap).
+ */
+#ifndef KVSTAGE_H
+#define KVSTAGE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define KVS_VERSION_MAJOR 0
+#define KVS_VERSION_MINOR 1
+#define KVS_VERSION_PATCH 0
+#define KVS_VERSION_STRING "0.1.0"
+
+#define KVS_ROOM_DESC_SIZE 128
+#define KVS_DEFAULT_SOCKET "/run/kvstage/kvstaged.sock"
+
+typedef struct kvs_client kvs_client;
+typedef struct kvs_room kvs_room;
+
+/* The right to write (sender) or read (receiver) one slot, at one epoch. */
+struct kvs_lease {
+	uint32_t slot;
+	uint32_t epoch;
+};
+
+/* Opaque, serialisable; copy it as bytes through your own bootstrap channel. */
+struct kvs_room_desc {
+	uint8_t bytes[KVS_ROOM_DESC_SIZE];
+};
+
+struct kvs_event {
+	uint32_t type;          /* KVS_EV_* */
+	int32_t status;         /* 0, or -errno saying why */
+	uint64_t user_data;     /* the room's, as given at open */
+	uint64_t bytes;         /* bytes the room delivered */
+	struct kvs_lease lease; /* RECV_DONE: chunk 0's slot; REJECTED: the lease the op named */
+};
+
+enum {
+	KVS_EV_SEND_DONE = 1, /* final: the receiver has every byte */
+	KVS_EV_RECV_DONE,     /* final: the room is complete; read it with kvs_room_lease */
+	KVS_EV_ABORTED,       /* final: aborted, and nothing of the room is in flight any more */
+	KVS_EV_FAILED,        /* final: a transport or the proxy failed the room; status says why */
+	KVS_EV_REJECTED,      /* not final: the proxy refused one op and changed nothing */
+};
+
+/* Connects to the proxy (NULL: $KVSTAGE_SOCKET, else KVS_DEFAULT_SOCKET). Returns 0, or -errno. */
+int kvs_connect(const char *socket_path, kvs_client **out);
+/* Closes the connection; the proxy aborts every room and frees every slot it still holds. */
+void kvs_close(kvs_client *c);
+
+/* Bytes in one slot (the chunk size of every room). */
+size_t kvs_slot_size(const kvs_client *c);
+/* Slots in the pool. */
+uint32_t kvs_slot_count(const kvs_client *c);
+/* Rooms this connection may have open at once. */
+unsigned kvs_max_rooms(const kvs_client *c);
+
+/* Leases n slots into out[]. Returns 0, or -ENOBUFS (none leased), -EINVAL, -ENOTCONN. */
+int kvs_acquire(kvs_client *c, unsigned n, struct kvs_lease *out);
+/* Returns the slot's memory if c holds l now (leased or received), else NULL. */
+void *kvs_lease_ptr(kvs_client *c, const struct kvs_lease *l);
+/* Gives l back. Returns 0, or -ESTALE (old epoch), -EPERM (not c's), -EBUSY (in flight), -EINVAL. */
+int kvs_release(kvs_client *c, const struct kvs_lease *l);
+
+/* Opens a receiving room of bytes; fills desc for the sender. Returns 0, or -errno (-EMFILE: no room handle free). */
+int kvs_recv_open(kvs_client *c, uint64_t bytes, uint64_t user_data, kvs_room **room,
+		  struct kvs_room_desc *desc);
+/* Opens the sending side of the room desc names. Returns 0, or -EPERM (bad token), -ESTALE (room gone), -ECANCELED, -errno. */
+int kvs_send_open(kvs_client *c, const struct kvs_room_desc *desc, uint64_t user_data,
+		  kvs_room **room);
+/* Hands leased slot l, holding the chunk at offset (len bytes), to the room; l is no longer c's. Returns 0, or -errno. */
+int kvs_send(kvs_room *r, const struct kvs_lease *l, uint64_t offset, uint32_t len);
+/* Aborts the room from either side; idempotent. Returns 0, or -ENOTCONN, -EAGAIN (ring full). */
+int kvs_abort(kvs_room *r);
+/* Receiver: the lease of the slot holding chunk i, once complete. Returns 0, or -EAGAIN (not complete), -ERANGE, -errno. */
+int kvs_room_lease(kvs_room *r, unsigned i, struct kvs_lease *out);
+/* Closes the room: aborts it if unfinished, releases what it still holds; r is invalid after. Returns 0, or -errno. */
+int kvs_room_close(kvs_room *r);
+/* Chunks in the room (bytes cut into slot-size pieces). */
+unsigned kvs_room_chunks(const kvs_room *r);
+/* Bytes of the room. */
+uint64_t kvs_room_bytes(const kvs_room *r);
+
+/* Takes up to max waiting events without blocking. Returns the count, or -ENOTCONN. */
+int kvs_poll(kvs_client *c, struct kvs_event *ev, unsigned max);
+/* Waits (blocked, not spinning) for one event. Returns 1, or -ETIMEDOUT, -ENOTCONN; timeout_ms < 0 waits for ever. */
+int kvs_wait(kvs_client *c, struct kvs_event *ev, int timeout_ms);
+/* An fd that is readable when events may be waiting (then call kvs_poll). */
+int kvs_event_fd(kvs_client *c);
+
+/* A static string explaining a (negative) kvstage error code. */
+const char *kvs_strerror(int err);
+/* The library's version, KVS_VERSION_STRING at build time. */
+const char *kvs_version(void);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* KVSTAGE_H */

@@ -1,0 +1,232 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * Client registry: each client's region (rings, reply and request areas),
+ * its room handles, the events we post to it, and its end. A client's
+ * death aborts every room it is in and frees every slot it holds; what a
+ * transport still pins becomes a tombstone.
+ */
+#include <errno.h>
+#include <fcntl.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/eventfd.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <rte_atomic.h>
+
+#include "log.h"
+#include "proxy.h"
+
+#define BURST 32
+
+static int region_create(struct kvsp *p, struct kvsp_client *c)
+{
+	struct kvs_cmem_layout l;
+	kvs_cmem_layout(&l, p->cfg.slot_count, p->cfg.sq_count, p->cfg.cq_count);
+	int fd = memfd_create("kvstage-client", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+	if (fd < 0)
+		return -errno;
+	c->cmem_fd = fd;
+	if (ftruncate(fd, (off_t)l.size) < 0 ||
+	    /* A client must not shrink what we read and write. */
+	    fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) < 0)
+		return -errno;
+	void *m = mmap(NULL, l.size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+	if (m == MAP_FAILED)
+		return -errno;
+	c->cshm = m;
+	c->cmem_size = l.size;
+	c->reply_leases = (struct kvs_lease *)((uint8_t *)m + l.reply_off);
+	memcpy((uint8_t *)m + l.sq_off, p->sq_tmpl, p->tmpl_len);
+	memcpy((uint8_t *)m + l.cq_off, p->cq_tmpl, p->tmpl_len);
+	int rc = kvs_ring_map(&c->sq, p->ctrl_fd, p->ctrl->sq_geom_off, fd, l.sq_off,
+			      l.cq_off - l.sq_off);
+	if (rc == 0)
+		rc = kvs_ring_map(&c->cq, p->ctrl_fd, p->ctrl->cq_geom_off, fd, l.cq_off,
+				  l.size - l.cq_off);
+	return rc;
+}
+
+static void client_free(struct kvsp_client *c)
+{
+	kvs_ring_unmap(&c->sq);
+	kvs_ring_unmap(&c->cq);
+	if (c->cshm)
+		munmap(c->cshm, c->cmem_size);
+	if (c->cmem_fd >= 0)
+		close(c->cmem_fd);
+	if (c->efd >= 0)
+		close(c->efd);
+	if (c->sock >= 0)
+		close(c->sock);
+	free(c->handles);
+	free(c);
+}
+
+struct kvsp_client *kvsp_client_new(struct kvsp *p, int sock, pid_t pid, uid_t uid)
+{
+	unsigned idx;
+	for (idx = 0; idx < p->cfg.max_clients; idx++)
+		if (!p->clients[idx])
+			break;
+	if (idx == p->cfg.max_clients)
+		return NULL;
+	struct kvsp_client *c = calloc(1, sizeof(*c));
+	if (!c)
+		return NULL;
+	c->sock = sock;
+	c->cmem_fd = -1;
+	c->efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+	c->handles = calloc(p->cfg.client_rooms, sizeof(*c->handles));
+	int rc = c->efd < 0 || !c->handles ? -ENOMEM : region_create(p, c);
+	if (rc < 0) {
+		LOG_WARN("client setup failed: %s", strerror(-rc));
+		c->sock = -1; /* the caller owns it still */
+		client_free(c);
+		return NULL;
+	}
+	if (++p->next_cid == 0)
+		++p->next_cid;
+	c->id = p->next_cid;
+	c->idx = (uint16_t)idx;
+	c->pid = pid;
+	c->uid = uid;
+	p->clients[idx] = c;
+	p->nclients++;
+	__atomic_fetch_add(&p->stats->clients, 1, __ATOMIC_RELAXED);
+	__atomic_fetch_add(&p->stats->clients_total, 1, __ATOMIC_RELAXED);
+	return c;
+}
+
+void kvsp_client_destroy(struct kvsp *p, struct kvsp_client *c)
+{
+	for (uint16_t h = 0; h < p->cfg.client_rooms; h++)
+		if (c->handles[h].state != KVSP_H_FREE)
+			kvsp_room_detach(p, c, h, -ECONNRESET);
+	/* What it still leases (outside rooms) goes back to the pool. */
+	struct kvsp_slots *s = &p->slots;
+	for (uint32_t i = 0; i < s->count; i++)
+		if (s->pub[i].owner == c->id)
+			kvsp_slot_drop(p, i);
+	p->clients[c->idx] = NULL;
+	p->nclients--;
+	__atomic_fetch_sub(&p->stats->clients, 1, __ATOMIC_RELAXED);
+	client_free(c);
+}
+
+struct kvsp_client *kvsp_client_get(struct kvsp *p, uint16_t cidx, uint32_t cid)
+{
+	struct kvsp_client *c = cidx < p->cfg.max_clients ? p->clients[cidx] : NULL;
+	return c && c->id == cid ? c : NULL;
+}
+
+static void mark_kick(struct kvsp *p, struct kvsp_client *c)
+{
+	if (!c->kick) {
+		c->kick = true;
+		p->kicks[p->nkicks++] = c->idx;
+	}
+}
+
+void kvsp_kicks_flush(struct kvsp *p)
+{
+	if (!p->nkicks)
+		return;
+	/* Pairs with the client's fence between setting `waiting` and its
+	 * last look at the ring or reply: our posts are stores, `waiting` is
+	 * a load, and without a full barrier both could miss each other. */
+	rte_atomic_thread_fence(__ATOMIC_SEQ_CST);
+	for (unsigned k = 0; k < p->nkicks; k++) {
+		struct kvsp_client *c = p->clients[p->kicks[k]];
+		if (!c || !c->kick)
+			continue;
+		c->kick = false;
+		if (__atomic_load_n(&c->cshm->waiting, __ATOMIC_RELAXED))
+			eventfd_write(c->efd, 1);
+	}
+	p->nkicks = 0;
+}
+
+static void post(struct kvsp *p, struct kvsp_client *c, const struct kvs_cqe *e)
+{
+	/* Space is reserved (see kvsp_client_poll); a miss means the client
+	 * scribbled on its own ring. */
+	if (kvs_ring_push(&c->cq, e, sizeof(*e), 1) == 1)
+		__atomic_fetch_add(&p->stats->events, 1, __ATOMIC_RELAXED);
+	else
+		__atomic_fetch_add(&p->stats->events_dropped, 1, __ATOMIC_RELAXED);
+	mark_kick(p, c);
+}
+
+void kvsp_client_final(struct kvsp *p, const struct kvsp_side *s, uint16_t type, int status,
+		       uint64_t bytes, uint32_t slot, uint32_t epoch)
+{
+	struct kvsp_client *c = kvsp_client_get(p, s->cidx, s->cid);
+	if (!c)
+		return;
+	struct kvsp_handle *hd = &c->handles[s->handle];
+	if (hd->state != KVSP_H_OPEN && hd->state != KVSP_H_CLOSING)
+		return; /* one final per handle, ever */
+	struct kvs_cqe e = { .type = type, .handle = s->handle, .status = status,
+			     .user_data = hd->user_data, .bytes = bytes,
+			     .slot = slot, .epoch = epoch };
+	post(p, c, &e);
+	c->finals_owed--;
+	hd->state = hd->state == KVSP_H_CLOSING ? KVSP_H_FREE : KVSP_H_ENDED;
+}
+
+void kvsp_count_reject(struct kvsp *p, int err)
+{
+	uint64_t *ctr;
+	switch (err) {
+	case -ESTALE: ctr = &p->stats->rej_stale; break;
+	case -EPERM: ctr = &p->stats->rej_perm; break;
+	case -EBUSY: ctr = &p->stats->rej_busy; break;
+	case -ENOBUFS: ctr = &p->stats->rej_nobufs; break;
+	default: ctr = &p->stats->rej_inval; break;
+	}
+	__atomic_fetch_add(ctr, 1, __ATOMIC_RELAXED);
+}
+
+void kvsp_client_reject(struct kvsp *p, struct kvsp_client *c, uint16_t h, int status,
+			const struct kvs_sqe *q)
+{
+	bool valid = h < p->cfg.client_rooms && c->handles[h].state != KVSP_H_FREE;
+	struct kvs_cqe e = { .type = KVS_EV_REJECTED, .handle = valid ? h : KVS_NO_HANDLE,
+			     .status = status,
+			     .user_data = valid ? c->handles[h].user_data : 0,
+			     .bytes = q->arg, .slot = q->slot, .epoch = q->epoch };
+	kvsp_count_reject(p, status);
+	post(p, c, &e);
+}
+
+void kvsp_client_reply(struct kvsp *p, struct kvsp_client *c, uint32_t seq, int status)
+{
+	c->cshm->reply.status = status;
+	/* Release: the reply fields and lease area are written before the
+	 * client can see this seq. */
+	__atomic_store_n(&c->cshm->reply.seq, seq, __ATOMIC_RELEASE);
+	if (status < 0)
+		kvsp_count_reject(p, status);
+	mark_kick(p, c);
+}
+
+int kvsp_client_poll(struct kvsp *p, struct kvsp_client *c)
+{
+	/* Each op can use at most one completion slot (a rejection) or owe
+	 * one more final (an open); finals already owed keep theirs. Taking
+	 * no more ops than that leaves every final room on the ring. */
+	unsigned room = kvs_ring_free(&c->cq);
+	if (room <= c->finals_owed)
+		return KVSP_IDLE;
+	unsigned n = room - c->finals_owed;
+	if (n > BURST)
+		n = BURST;
+	struct kvs_sqe q[BURST];
+	n = kvs_ring_pop(&c->sq, q, sizeof(q[0]), n);
+	for (unsigned i = 0; i < n; i++)
+		kvsp_client_op(p, c, &q[i]);
+	__atomic_fetch_add(&p->stats->ops, n, __ATOMIC_RELAXED);
+	return n ? KVSP_BUSY : KVSP_IDLE;
+}

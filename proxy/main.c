@@ -1,0 +1,280 @@
+/* SPDX-License-Identifier: MIT */
+/* kvstaged: command line, then the loop. */
+#include <errno.h>
+#include <fcntl.h>
+#include <getopt.h>
+#include <limits.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "kvstage.h"
+#include "log.h"
+#include "proxy.h"
+
+static void usage(FILE *f)
+{
+	fprintf(f,
+"Usage: kvstaged [OPTION]...\n"
+"The kvstage staging proxy: owns a shared-memory pool of slots that engines\n"
+"lease, fill and hand to rooms; only its transports move slot bytes.\n"
+"Runs in the foreground until SIGTERM or SIGINT (a second one exits at once).\n"
+"\n"
+"  -s, --socket PATH        Unix socket to serve (default: $KVSTAGE_SOCKET,\n"
+"                           else " KVS_DEFAULT_SOCKET ")\n"
+"  -n, --slots N            slots in the pool (default 256)\n"
+"  -z, --slot-size BYTES    bytes per slot, a multiple of 4K; K, M, G suffixes\n"
+"                           (default 1M)\n"
+"      --hugepages MODE     auto | on | off (default auto: 2 MiB hugepages when\n"
+"                           free, else normal pages with MADV_HUGEPAGE)\n"
+"      --no-lock            do not mlock the pool\n"
+"      --allow-uid UID      also admit clients with this uid (repeatable; our own\n"
+"                           uid, our gid and root are always admitted)\n"
+"      --allow-gid GID      also admit clients with this gid (repeatable)\n"
+"      --max-rooms N        rooms open at once, proxy-wide (default 4096)\n"
+"      --client-rooms N     rooms one connection may hold open (default 256)\n"
+"      --max-clients N      connections at once (default 256)\n"
+"      --ring N             submission ring entries per connection, a power of\n"
+"                           two (default 1024)\n"
+"      --room-timeout MS    abort a room that makes no progress for MS\n"
+"                           milliseconds (default 30000; 0: never)\n"
+"      --shutdown-grace MS  on SIGTERM, let active rooms finish for MS before\n"
+"                           aborting them (default 5000)\n"
+"      --spin-us US         busy-poll US microseconds after the last work,\n"
+"                           then sleep until kicked (default 50)\n"
+"      --failpoints         accept failpoint control from kvstage-ctl (tests)\n"
+"      --ready-fd FD        write \"ready\\n\" to FD once serving, then close it\n"
+"  -l, --log-level LEVEL    error | warn | info | debug (default info)\n"
+"  -h, --help               show this help\n"
+"  -V, --version            show the version\n");
+}
+
+/* Parses BYTES with an optional K/M/G suffix. Returns 0, or -EINVAL. */
+static int parse_size(const char *s, uint64_t *out)
+{
+	char *end;
+	errno = 0;
+	unsigned long long v = strtoull(s, &end, 10);
+	if (errno || end == s || s[0] == '-')
+		return -EINVAL;
+	unsigned shift = 0;
+	switch (*end) {
+	case 'k': case 'K': shift = 10; end++; break;
+	case 'm': case 'M': shift = 20; end++; break;
+	case 'g': case 'G': shift = 30; end++; break;
+	}
+	if (*end == 'i' || *end == 'B')
+		end += (*end == 'i' && end[1] == 'B') ? 2 : 1;
+	if (*end || (shift && v > (ULLONG_MAX >> shift)))
+		return -EINVAL;
+	*out = v << shift;
+	return 0;
+}
+
+static int parse_uint(const char *s, uint64_t max, uint64_t *out)
+{
+	char *end;
+	errno = 0;
+	unsigned long long v = strtoull(s, &end, 10);
+	if (errno || end == s || *end || s[0] == '-' || v > max)
+		return -EINVAL;
+	*out = v;
+	return 0;
+}
+
+static int bad(const char *opt, const char *val, const char *why)
+{
+	fprintf(stderr, "kvstaged: invalid %s '%s': %s\n", opt, val, why);
+	fprintf(stderr, "Try 'kvstaged --help'.\n");
+	return 2;
+}
+
+enum {
+	O_HUGE = 256, O_NOLOCK, O_UID, O_GID, O_ROOMS, O_CROOMS, O_CLIENTS, O_RING, O_TIMEOUT,
+	O_GRACE, O_SPIN, O_FP, O_READY,
+};
+
+int main(int argc, char **argv)
+{
+	static const struct option opts[] = {
+		{ "socket", required_argument, NULL, 's' },
+		{ "slots", required_argument, NULL, 'n' },
+		{ "slot-size", required_argument, NULL, 'z' },
+		{ "hugepages", required_argument, NULL, O_HUGE },
+		{ "no-lock", no_argument, NULL, O_NOLOCK },
+		{ "allow-uid", required_argument, NULL, O_UID },
+		{ "allow-gid", required_argument, NULL, O_GID },
+		{ "max-rooms", required_argument, NULL, O_ROOMS },
+		{ "client-rooms", required_argument, NULL, O_CROOMS },
+		{ "max-clients", required_argument, NULL, O_CLIENTS },
+		{ "ring", required_argument, NULL, O_RING },
+		{ "room-timeout", required_argument, NULL, O_TIMEOUT },
+		{ "shutdown-grace", required_argument, NULL, O_GRACE },
+		{ "spin-us", required_argument, NULL, O_SPIN },
+		{ "failpoints", no_argument, NULL, O_FP },
+		{ "ready-fd", required_argument, NULL, O_READY },
+		{ "log-level", required_argument, NULL, 'l' },
+		{ "help", no_argument, NULL, 'h' },
+		{ "version", no_argument, NULL, 'V' },
+		{ 0 },
+	};
+	struct kvsp_config cfg = {
+		.socket_path = getenv("KVSTAGE_SOCKET"),
+		.slot_count = 256,
+		.slot_size = 1 << 20,
+		.huge = KVSP_HUGE_AUTO,
+		.lock = true,
+		.log_level = KVSP_LOG_INFO,
+		.max_rooms = 4096,
+		.client_rooms = 256,
+		.max_clients = 256,
+		.sq_count = 1024,
+		.room_timeout_ns = 30000ull * 1000000,
+		.shutdown_grace_ns = 5000ull * 1000000,
+		.spin_ns = 50000,
+	};
+	int ready_fd = -1, opt;
+	uint64_t v;
+
+	while ((opt = getopt_long(argc, argv, "s:n:z:l:hV", opts, NULL)) != -1) {
+		switch (opt) {
+		case 's':
+			cfg.socket_path = optarg;
+			break;
+		case 'n':
+			if (parse_uint(optarg, 1u << 24, &v) || v == 0)
+				return bad("--slots", optarg, "want 1 to 16777216");
+			cfg.slot_count = (uint32_t)v;
+			break;
+		case 'z':
+			if (parse_size(optarg, &v) || v < 4096 || v % 4096 || v > (1ull << 32))
+				return bad("--slot-size", optarg, "want a multiple of 4K, at most 4G");
+			cfg.slot_size = v;
+			break;
+		case O_HUGE:
+			if (!strcmp(optarg, "auto"))
+				cfg.huge = KVSP_HUGE_AUTO;
+			else if (!strcmp(optarg, "on"))
+				cfg.huge = KVSP_HUGE_ON;
+			else if (!strcmp(optarg, "off"))
+				cfg.huge = KVSP_HUGE_OFF;
+			else
+				return bad("--hugepages", optarg, "want auto, on or off");
+			break;
+		case O_NOLOCK:
+			cfg.lock = false;
+			break;
+		case O_UID:
+		case O_GID:
+			if (parse_uint(optarg, UINT32_MAX - 1, &v))
+				return bad(opt == O_UID ? "--allow-uid" : "--allow-gid", optarg,
+					   "want a number");
+			if (opt == O_UID && cfg.n_allow_uid < KVSP_MAX_ALLOW)
+				cfg.allow_uid[cfg.n_allow_uid++] = (uid_t)v;
+			else if (opt == O_GID && cfg.n_allow_gid < KVSP_MAX_ALLOW)
+				cfg.allow_gid[cfg.n_allow_gid++] = (gid_t)v;
+			else
+				return bad(opt == O_UID ? "--allow-uid" : "--allow-gid", optarg,
+					   "at most 16 of each");
+			break;
+		case O_ROOMS:
+			if (parse_uint(optarg, 1u << 24, &v) || !v)
+				return bad("--max-rooms", optarg, "want 1 to 16777216");
+			cfg.max_rooms = (uint32_t)v;
+			break;
+		case O_CROOMS:
+			if (parse_uint(optarg, 65534, &v) || !v)
+				return bad("--client-rooms", optarg, "want 1 to 65534");
+			cfg.client_rooms = (uint32_t)v;
+			break;
+		case O_CLIENTS:
+			if (parse_uint(optarg, 65535, &v) || !v)
+				return bad("--max-clients", optarg, "want 1 to 65535");
+			cfg.max_clients = (uint32_t)v;
+			break;
+		case O_RING:
+			if (parse_uint(optarg, 65536, &v) || v < 64 || (v & (v - 1)))
+				return bad("--ring", optarg, "want a power of two, 64 to 65536");
+			cfg.sq_count = (uint32_t)v;
+			break;
+		case O_TIMEOUT:
+			if (parse_uint(optarg, 86400000, &v))
+				return bad("--room-timeout", optarg, "want milliseconds, 0 to 86400000");
+			cfg.room_timeout_ns = v * 1000000;
+			break;
+		case O_GRACE:
+			if (parse_uint(optarg, 86400000, &v))
+				return bad("--shutdown-grace", optarg, "want milliseconds");
+			cfg.shutdown_grace_ns = v * 1000000;
+			break;
+		case O_SPIN:
+			if (parse_uint(optarg, 1000000, &v))
+				return bad("--spin-us", optarg, "want 0 to 1000000");
+			cfg.spin_ns = v * 1000;
+			break;
+		case O_FP:
+			cfg.failpoints = true;
+			break;
+		case O_READY:
+			if (parse_uint(optarg, INT_MAX, &v) || fcntl((int)v, F_GETFD) < 0)
+				return bad("--ready-fd", optarg, "not an open file descriptor");
+			ready_fd = (int)v;
+			break;
+		case 'l': {
+			int lvl = kvsp_log_parse(optarg);
+			if (lvl < 0)
+				return bad("--log-level", optarg, "want error, warn, info or debug");
+			cfg.log_level = lvl;
+			break;
+		}
+		case 'h':
+			usage(stdout);
+			return 0;
+		case 'V':
+			printf("kvstaged %s\n", KVS_VERSION_STRING);
+			return 0;
+		default:
+			fprintf(stderr, "Try 'kvstaged --help'.\n");
+			return 2;
+		}
+	}
+	if (optind < argc) {
+		fprintf(stderr, "kvstaged: unexpected argument '%s'\nTry 'kvstaged --help'.\n",
+			argv[optind]);
+		return 2;
+	}
+	if (!cfg.socket_path || !*cfg.socket_path)
+		cfg.socket_path = KVS_DEFAULT_SOCKET;
+	if (cfg.slot_size * cfg.slot_count / cfg.slot_count != cfg.slot_size ||
+	    cfg.slot_size * cfg.slot_count > (1ull << 40)) {
+		fprintf(stderr, "kvstaged: pool of %u x %llu bytes is larger than 1 TiB\n",
+			cfg.slot_count, (unsigned long long)cfg.slot_size);
+		return 2;
+	}
+
+	static struct kvsp p;
+	int rc = kvsp_init(&p, &cfg);
+	if (rc == 0)
+		rc = kvsp_listen(&p);
+	if (rc < 0) {
+		LOG_ERR("cannot start: %s", strerror(-rc));
+		kvsp_fini(&p);
+		return 1;
+	}
+	LOG_INFO("serving %s: %u slots x %llu KiB = %llu MiB pool (hugepages %s, %slocked)%s",
+		 cfg.socket_path, cfg.slot_count, (unsigned long long)(cfg.slot_size >> 10),
+		 (unsigned long long)(p.pool_size >> 20), p.huge ? "yes" : "no",
+		 p.locked ? "" : "not ", cfg.failpoints ? ", failpoints on" : "");
+	if (ready_fd >= 0) {
+		if (write(ready_fd, "ready\n", 6) != 6)
+			LOG_WARN("--ready-fd: %s", strerror(errno));
+		close(ready_fd);
+	}
+	rc = kvsp_run(&p);
+	if (rc != 0)
+		return rc; /* forced: leave memory a transport may touch mapped */
+	kvsp_fini(&p);
+	return 0;
+}

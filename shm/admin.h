@@ -1,0 +1,52 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * The admin protocol: failpoints, driven from outside the proxy (kvstage-ctl,
+ * tests). Only a proxy started with --failpoints accepts it. Internal: not
+ * part of the public client API.
+ */
+#ifndef KVS_SHM_ADMIN_H
+#define KVS_SHM_ADMIN_H
+
+#include <stdint.h>
+
+enum kvs_admin_op {
+	KVS_ADMIN_FP_SET = 1, /* set a failpoint's action */
+	KVS_ADMIN_FP_WAIT,    /* answer once the failpoint has been hit `hits` times */
+	KVS_ADMIN_FP_GET,     /* answer with its hit count now */
+};
+
+enum kvs_fp_action {
+	KVS_FP_OFF = 0, /* pass; anything it holds is let go */
+	KVS_FP_PAUSE,   /* hold whatever reaches it until set off */
+	KVS_FP_FAIL,    /* fail whatever reaches it with err */
+};
+
+struct kvs_admin_req {
+	uint32_t op;      /* enum kvs_admin_op */
+	uint32_t action;  /* enum kvs_fp_action */
+	int32_t err;      /* FAIL: the -errno to fail with */
+	uint32_t match_set;
+	uint64_t match;   /* only rooms whose user_data (either side) equals this */
+	uint64_t hits;
+	char name[32];
+};
+
+struct kvs_admin_rep {
+	int32_t status;
+	uint32_t rsvd;
+	uint64_t hits;
+	char msg[96];
+};
+
+/* Connects to the proxy as an admin. Returns the fd, or -errno. */
+int kvs_admin_connect(const char *socket_path);
+/* Sets failpoint name to action ("off", "pause", "fail[=ERRNO]"), for rooms whose user_data is *match (NULL: all). Returns 0, or -errno. */
+int kvs_admin_fp_set(int fd, const char *name, const char *action, const uint64_t *match);
+/* Waits until failpoint name has been hit hits times (timeout_ms < 0: for ever). Returns 0, -ETIMEDOUT, or -errno. */
+int kvs_admin_fp_wait(int fd, const char *name, uint64_t hits, int timeout_ms);
+/* Reads failpoint name's hit count into *hits. Returns 0, or -errno. */
+int kvs_admin_fp_get(int fd, const char *name, uint64_t *hits);
+/* The message of the last failed call on this thread. */
+const char *kvs_admin_msg(void);
+
+#endif

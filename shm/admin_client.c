@@ -1,0 +1,127 @@
+/* SPDX-License-Identifier: MIT */
+#include "admin.h"
+
+#include <errno.h>
+#include <poll.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "layout.h"
+#include "sock.h"
+
+static __thread char last_msg[96];
+
+const char *kvs_admin_msg(void)
+{
+	return last_msg;
+}
+
+int kvs_admin_connect(const char *path)
+{
+	int fd = kvs_sock_connect(path);
+	if (fd < 0)
+		return fd;
+	struct kvs_hello h = { .magic = KVS_MAGIC_HELLO, .abi = KVS_ABI, .kind = KVS_HELLO_ADMIN };
+	int rc = kvs_sock_send(fd, &h, sizeof(h), NULL, 0);
+	if (rc < 0) {
+		close(fd);
+		return rc;
+	}
+	return fd;
+}
+
+static int call(int fd, const struct kvs_admin_req *q, struct kvs_admin_rep *r, int timeout_ms)
+{
+	int rc = kvs_sock_send(fd, q, sizeof(*q), NULL, 0);
+	if (rc < 0)
+		return rc;
+	struct pollfd pfd = { .fd = fd, .events = POLLIN };
+	do
+		rc = poll(&pfd, 1, timeout_ms);
+	while (rc < 0 && errno == EINTR);
+	if (rc < 0)
+		return -errno;
+	if (rc == 0)
+		return -ETIMEDOUT;
+	union {
+		struct kvs_admin_rep rep;
+		struct kvs_welcome refused; /* the proxy turned the connection away */
+	} m;
+	ssize_t n = kvs_sock_recv(fd, &m, sizeof(m), NULL, NULL, 0);
+	if (n < 0)
+		return (int)n;
+	if (n == sizeof(m.refused) && m.refused.magic == KVS_MAGIC_HELLO) {
+		memcpy(last_msg, m.refused.msg, sizeof(last_msg));
+		last_msg[sizeof(last_msg) - 1] = 0;
+		return m.refused.status < 0 ? m.refused.status : -EPROTO;
+	}
+	if (n != sizeof(*r))
+		return -ENOTCONN;
+	*r = m.rep;
+	memcpy(last_msg, r->msg, sizeof(last_msg));
+	last_msg[sizeof(last_msg) - 1] = 0;
+	return r->status;
+}
+
+static int set_name(struct kvs_admin_req *q, const char *name)
+{
+	if (!name || strlen(name) >= sizeof(q->name))
+		return -EINVAL;
+	strcpy(q->name, name);
+	return 0;
+}
+
+int kvs_admin_fp_set(int fd, const char *name, const char *action, const uint64_t *match)
+{
+	struct kvs_admin_req q = { .op = KVS_ADMIN_FP_SET };
+	struct kvs_admin_rep r;
+	if (set_name(&q, name) < 0)
+		return -EINVAL;
+	if (!strcmp(action, "off")) {
+		q.action = KVS_FP_OFF;
+	} else if (!strcmp(action, "pause")) {
+		q.action = KVS_FP_PAUSE;
+	} else if (!strncmp(action, "fail", 4)) {
+		q.action = KVS_FP_FAIL;
+		q.err = -EIO;
+		if (action[4] == '=') {
+			char *end;
+			long e = strtol(action + 5, &end, 10);
+			if (*end || e <= 0 || e > 4095)
+				return -EINVAL;
+			q.err = (int32_t)-e;
+		} else if (action[4]) {
+			return -EINVAL;
+		}
+	} else {
+		return -EINVAL;
+	}
+	if (match) {
+		q.match_set = 1;
+		q.match = *match;
+	}
+	return call(fd, &q, &r, -1);
+}
+
+int kvs_admin_fp_wait(int fd, const char *name, uint64_t hits, int timeout_ms)
+{
+	struct kvs_admin_req q = { .op = KVS_ADMIN_FP_WAIT, .hits = hits };
+	struct kvs_admin_rep r;
+	if (set_name(&q, name) < 0)
+		return -EINVAL;
+	return call(fd, &q, &r, timeout_ms);
+}
+
+int kvs_admin_fp_get(int fd, const char *name, uint64_t *hits)
+{
+	struct kvs_admin_req q = { .op = KVS_ADMIN_FP_GET };
+	struct kvs_admin_rep r;
+	if (set_name(&q, name) < 0)
+		return -EINVAL;
+	int rc = call(fd, &q, &r, -1);
+	if (rc == 0)
+		*hits = r.hits;
+	return rc;
+}

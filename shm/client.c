@@ -1,0 +1,727 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * libkvstage: the client side. Async ops (send, abort, close) are checked
+ * here against the proxy's read-only slot table and enqueued; the proxy
+ * checks them again and answers a refusal with a REJECTED event. Sync ops
+ * (acquire, release, opens, room map) wait for the proxy's reply, so their
+ * result reflects every op submitted before them.
+ */
+#include "client.h"
+
+#include <errno.h>
+#include <poll.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/eventfd.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <rte_atomic.h>
+#include <rte_pause.h>
+
+#include "sock.h"
+
+#define LIVENESS_NS 1000000ull /* async calls look at the socket at most every 1 ms */
+
+static uint64_t mono_ns(void)
+{
+	struct timespec ts;
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+/* True once the proxy's end of the socket is gone. Costs a syscall. */
+static bool proxy_gone(kvs_client *c)
+{
+	char b;
+	if (c->dead)
+		return true;
+	ssize_t n = recv(c->sock, &b, 1, MSG_PEEK | MSG_DONTWAIT);
+	if (n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR))
+		c->dead = true;
+	c->alive_ns = mono_ns();
+	return c->dead;
+}
+
+/* Rate-limited proxy_gone for the async fast path. */
+static bool proxy_gone_lazy(kvs_client *c)
+{
+	if (c->dead)
+		return true;
+	struct timespec ts;
+	clock_gettime(CLOCK_MONOTONIC_COARSE, &ts);
+	uint64_t now = (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+	if (now - c->alive_ns < LIVENESS_NS)
+		return false;
+	return proxy_gone(c);
+}
+
+static void kick_proxy(kvs_client *c)
+{
+	/* Pairs with the proxy's fence between setting `sleeping` and its last
+	 * look at the rings: our enqueue (a store) must be visible before we
+	 * load `sleeping`, or both sides could decide the other will act. */
+	rte_atomic_thread_fence(__ATOMIC_SEQ_CST);
+	if (__atomic_load_n(&c->ctrl->sleeping, __ATOMIC_RELAXED))
+		eventfd_write(c->wake_fd, 1);
+}
+
+/* Moves completions from the ring to the stash, so the proxy never stalls
+ * on a full ring while we wait for a reply. */
+static void stash_fill(kvs_client *c)
+{
+	while (c->stash_n < c->stash_cap) {
+		unsigned tail = (c->stash_head + c->stash_n) % c->stash_cap;
+		if (!kvs_ring_pop(&c->cq, &c->stash[tail], sizeof(struct kvs_cqe), 1))
+			break;
+		c->stash_n++;
+	}
+}
+
+static int submit(kvs_client *c, const struct kvs_sqe *q)
+{
+	if (proxy_gone_lazy(c))
+		return -ENOTCONN;
+	if (kvs_ring_push(&c->sq, q, sizeof(*q), 1) == 1) {
+		kick_proxy(c);
+		return 0;
+	}
+	/* Full: the proxy drains it unless it is gone or we owe it a poll. */
+	kick_proxy(c);
+	uint64_t until = mono_ns() + 1000000;
+	do {
+		rte_pause();
+		if (kvs_ring_push(&c->sq, q, sizeof(*q), 1) == 1) {
+			kick_proxy(c);
+			return 0;
+		}
+	} while (mono_ns() < until);
+	return proxy_gone(c) ? -ENOTCONN : -EAGAIN;
+}
+
+/* Blocks until the eventfd fires, the proxy hangs up, or timeout_ms. */
+static int block(kvs_client *c, int timeout_ms)
+{
+	struct pollfd p[2] = { { .fd = c->efd, .events = POLLIN },
+			       { .fd = c->sock, .events = POLLIN | POLLRDHUP } };
+	int rc;
+	do
+		rc = poll(p, 2, timeout_ms);
+	while (rc < 0 && errno == EINTR);
+	if (rc < 0)
+		return -errno;
+	if (p[1].revents)
+		if (proxy_gone(c))
+			return -ENOTCONN;
+	if (p[0].revents) {
+		eventfd_t v;
+		eventfd_read(c->efd, &v);
+	}
+	return rc;
+}
+
+static int sync_call(kvs_client *c, struct kvs_sqe *q)
+{
+	if (c->dead)
+		return -ENOTCONN;
+	if (c->stash_n == c->stash_cap)
+		return -EAGAIN; /* events are waiting: kvs_poll first */
+	q->seq = ++c->seq;
+	int rc = submit(c, q);
+	if (rc < 0) {
+		c->seq--;
+		return rc;
+	}
+	uint64_t spin_until = c->spin_ns ? mono_ns() + c->spin_ns : 0;
+	for (unsigned i = 0;; i++) {
+		/* Acquire pairs with the proxy's release store of reply.seq:
+		 * the reply fields and lease area are complete once we see it. */
+		if (__atomic_load_n(&c->cshm->reply.seq, __ATOMIC_ACQUIRE) == q->seq)
+			return c->cshm->reply.status;
+		stash_fill(c);
+		if (spin_until && ((i & 63) || mono_ns() < spin_until)) {
+			rte_pause();
+			continue;
+		}
+		__atomic_store_n(&c->cshm->waiting, 1, __ATOMIC_RELAXED);
+		/* Pairs with the proxy's fence between its reply and reading
+		 * `waiting`: one of us sees the other's store. */
+		rte_atomic_thread_fence(__ATOMIC_SEQ_CST);
+		if (__atomic_load_n(&c->cshm->reply.seq, __ATOMIC_ACQUIRE) != q->seq) {
+			rc = block(c, 100);
+			if (rc < 0) {
+				__atomic_store_n(&c->cshm->waiting, 0, __ATOMIC_RELAXED);
+				return rc;
+			}
+			if (rc == 0 && proxy_gone(c))
+				return -ENOTCONN;
+		}
+		__atomic_store_n(&c->cshm->waiting, 0, __ATOMIC_RELAXED);
+	}
+}
+
+/* ------------------------------------------------------------ connect */
+
+static void unmap_all(kvs_client *c)
+{
+	kvs_ring_unmap(&c->sq);
+	kvs_ring_unmap(&c->cq);
+	if (c->pool)
+		munmap(c->pool, c->pool_size);
+	if (c->ctrl)
+		munmap((void *)c->ctrl, c->ctrl_size);
+	if (c->cshm)
+		munmap(c->cshm, c->cmem_size);
+}
+
+void kvs_close(kvs_client *c)
+{
+	if (!c)
+		return;
+	for (unsigned i = 0; i < c->nrooms; i++) {
+		free(c->rooms[i].sent);
+		free(c->rooms[i].map);
+	}
+	/* The hang-up is what tells the proxy to abort and reclaim. */
+	if (c->sock >= 0)
+		close(c->sock);
+	int fds[] = { c->wake_fd, c->efd };
+	for (unsigned i = 0; i < 2; i++)
+		if (fds[i] >= 0)
+			close(fds[i]);
+	unmap_all(c);
+	free(c->rooms);
+	free(c->free_idx);
+	free(c->stash);
+	free(c);
+}
+
+static void *map_fd(int fd, size_t len, int prot)
+{
+	struct stat st;
+	if (fstat(fd, &st) < 0 || (uint64_t)st.st_size < len)
+		return NULL;
+	void *p = mmap(NULL, len, prot, MAP_SHARED, fd, 0);
+	return p == MAP_FAILED ? NULL : p;
+}
+
+static int handshake(kvs_client *c, const char *path, int fds[KVS_WELCOME_NFDS],
+		     struct kvs_welcome *w)
+{
+	int sock = kvs_sock_connect(path);
+	if (sock < 0)
+		return sock;
+	c->sock = sock;
+	/* A wedged proxy must not hang kvs_connect. */
+	struct timeval tv = { .tv_sec = 10 };
+	setsockopt(sock, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+	struct kvs_hello h = { .magic = KVS_MAGIC_HELLO, .abi = KVS_ABI, .kind = KVS_HELLO_CLIENT };
+	int rc = kvs_sock_send(sock, &h, sizeof(h), NULL, 0);
+	if (rc < 0)
+		return rc;
+	int nfds = KVS_WELCOME_NFDS;
+	ssize_t n = kvs_sock_recv(sock, w, sizeof(*w), fds, &nfds, 0);
+	if (n < 0)
+		return n == -EAGAIN ? -ETIMEDOUT : (int)n;
+	if (n != sizeof(*w) || w->magic != KVS_MAGIC_HELLO) {
+		for (int i = 0; i < nfds; i++)
+			close(fds[i]);
+		return n == 0 ? -ECONNRESET : -EPROTO;
+	}
+	if (w->status < 0 || nfds != KVS_WELCOME_NFDS) {
+		for (int i = 0; i < nfds; i++)
+			close(fds[i]);
+		return w->status < 0 ? w->status : -EPROTO;
+	}
+	if (w->abi != KVS_ABI) {
+		for (int i = 0; i < nfds; i++)
+			close(fds[i]);
+		return -EPROTO;
+	}
+	tv.tv_sec = 0;
+	setsockopt(sock, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+	return 0;
+}
+
+static int attach(kvs_client *c, const struct kvs_welcome *w, const int fds[KVS_WELCOME_NFDS])
+{
+	int pool_fd = fds[0], ctrl_fd = fds[1], cmem_fd = fds[2];
+	c->wake_fd = fds[3];
+	c->efd = fds[4];
+
+	c->ctrl_size = w->ctrl_size;
+	c->ctrl = map_fd(ctrl_fd, c->ctrl_size, PROT_READ);
+	if (!c->ctrl || c->ctrl->magic != KVS_MAGIC_CTRL || c->ctrl->abi != KVS_ABI ||
+	    c->ctrl->instance != w->instance)
+		return -EPROTO;
+	c->slot_size = c->ctrl->slot_size;
+	c->slot_count = c->ctrl->slot_count;
+	c->pool_size = c->ctrl->pool_size;
+	c->slots = (const struct kvs_slot *)((const uint8_t *)c->ctrl + c->ctrl->slots_off);
+	c->pool = map_fd(pool_fd, c->pool_size, PROT_READ | PROT_WRITE);
+	if (!c->pool)
+		return -ENOMEM;
+
+	struct kvs_cmem_layout l;
+	kvs_cmem_layout(&l, c->slot_count, c->ctrl->sq_count, c->ctrl->cq_count);
+	if (l.size != w->cmem_size)
+		return -EPROTO;
+	c->cmem_size = l.size;
+	c->cshm = map_fd(cmem_fd, c->cmem_size, PROT_READ | PROT_WRITE);
+	if (!c->cshm)
+		return -ENOMEM;
+	c->reply_leases = (const struct kvs_lease *)((uint8_t *)c->cshm + l.reply_off);
+	int rc = kvs_ring_map(&c->sq, ctrl_fd, c->ctrl->sq_geom_off, cmem_fd, l.sq_off,
+			      l.cq_off - l.sq_off);
+	if (rc == 0)
+		rc = kvs_ring_map(&c->cq, ctrl_fd, c->ctrl->cq_geom_off, cmem_fd, l.cq_off,
+				  l.size - l.cq_off);
+	if (rc < 0)
+		return rc;
+
+	c->id = w->client_id;
+	c->instance = w->instance;
+	c->nrooms = c->ctrl->client_rooms;
+	c->rooms = calloc(c->nrooms, sizeof(*c->rooms));
+	c->free_idx = calloc(c->nrooms, sizeof(*c->free_idx));
+	c->stash_cap = c->ctrl->cq_count;
+	c->stash = calloc(c->stash_cap, sizeof(*c->stash));
+	if (!c->rooms || !c->free_idx || !c->stash)
+		return -ENOMEM;
+	for (unsigned i = 0; i < c->nrooms; i++) {
+		c->rooms[i].c = c;
+		c->rooms[i].idx = (uint16_t)i;
+		c->free_idx[i] = (uint16_t)(c->nrooms - 1 - i);
+	}
+	c->nfree = c->nrooms;
+	return 0;
+}
+
+int kvs_connect(const char *path, kvs_client **out)
+{
+	if (!out)
+		return -EINVAL;
+	*out = NULL;
+	if (!path)
+		path = getenv("KVSTAGE_SOCKET");
+	if (!path || !*path)
+		path = KVS_DEFAULT_SOCKET;
+	kvs_client *c = calloc(1, sizeof(*c));
+	if (!c)
+		return -ENOMEM;
+	c->sock = c->wake_fd = c->efd = -1;
+	const char *spin = getenv("KVSTAGE_SPIN_US");
+	c->spin_ns = (spin ? strtoull(spin, NULL, 10) : 20) * 1000;
+
+	int fds[KVS_WELCOME_NFDS];
+	struct kvs_welcome w;
+	int rc = handshake(c, path, fds, &w);
+	if (rc == 0) {
+		rc = attach(c, &w, fds);
+		/* The mappings keep what we need; these three are not used again. */
+		close(fds[0]);
+		close(fds[1]);
+		close(fds[2]);
+	}
+	if (rc < 0) {
+		kvs_close(c);
+		return rc;
+	}
+	c->alive_ns = mono_ns();
+	*out = c;
+	return 0;
+}
+
+size_t kvs_slot_size(const kvs_client *c)
+{
+	return c->slot_size;
+}
+
+uint32_t kvs_slot_count(const kvs_client *c)
+{
+	return c->slot_count;
+}
+
+unsigned kvs_max_rooms(const kvs_client *c)
+{
+	return c->nrooms;
+}
+
+int kvs_event_fd(kvs_client *c)
+{
+	return c->efd;
+}
+
+/* -------------------------------------------------------------- leases */
+
+/* The proxy's verdict on l for c, read from the table it publishes. */
+static int lease_state(const kvs_client *c, const struct kvs_lease *l)
+{
+	if (l->slot >= c->slot_count)
+		return -EINVAL;
+	const struct kvs_slot *s = &c->slots[l->slot];
+	if (__atomic_load_n(&s->epoch, __ATOMIC_RELAXED) != l->epoch)
+		return -ESTALE;
+	if (__atomic_load_n(&s->owner, __ATOMIC_RELAXED) != c->id)
+		return -EPERM;
+	return __atomic_load_n(&s->state, __ATOMIC_RELAXED);
+}
+
+int kvs_acquire(kvs_client *c, unsigned n, struct kvs_lease *out)
+{
+	if (!n || n > c->slot_count || !out)
+		return -EINVAL;
+	struct kvs_sqe q = { .op = KVS_OP_ACQUIRE, .arg = n };
+	int rc = sync_call(c, &q);
+	if (rc < 0)
+		return rc;
+	memcpy(out, c->reply_leases, n * sizeof(*out));
+	return 0;
+}
+
+void *kvs_lease_ptr(kvs_client *c, const struct kvs_lease *l)
+{
+	int st = lease_state(c, l);
+	if (st != KVS_SLOT_LEASED && st != KVS_SLOT_RECV_FILLED)
+		return NULL;
+	return c->pool + (size_t)l->slot * c->slot_size;
+}
+
+int kvs_release(kvs_client *c, const struct kvs_lease *l)
+{
+	struct kvs_sqe q = { .op = KVS_OP_RELEASE, .slot = l->slot, .epoch = l->epoch };
+	return sync_call(c, &q);
+}
+
+/* --------------------------------------------------------------- rooms */
+
+static kvs_room *room_new(kvs_client *c, uint8_t role, uint64_t user_data)
+{
+	if (!c->nfree)
+		return NULL;
+	kvs_room *r = &c->rooms[c->free_idx[--c->nfree]];
+	r->role = role;
+	r->state = KVS_ROOM_OPEN;
+	r->user_data = user_data;
+	return r;
+}
+
+static void room_free(kvs_room *r)
+{
+	kvs_client *c = r->c;
+	free(r->sent);
+	free(r->map);
+	uint16_t idx = r->idx;
+	memset(r, 0, sizeof(*r));
+	r->c = c;
+	r->idx = idx;
+	c->free_idx[c->nfree++] = idx;
+}
+
+static void room_set_size(kvs_room *r, uint64_t bytes, uint64_t chunk)
+{
+	r->bytes = bytes;
+	r->chunk = chunk;
+	r->nchunks = (uint32_t)((bytes + chunk - 1) / chunk);
+}
+
+int kvs_recv_open(kvs_client *c, uint64_t bytes, uint64_t user_data, kvs_room **room,
+		  struct kvs_room_desc *desc)
+{
+	if (!room || !desc || !bytes)
+		return -EINVAL;
+	if (c->dead)
+		return -ENOTCONN;
+	kvs_room *r = room_new(c, KVS_ROLE_RECV, user_data);
+	if (!r)
+		return -EMFILE;
+	struct kvs_sqe q = { .op = KVS_OP_RECV_OPEN, .handle = r->idx, .arg = bytes,
+			     .arg2 = user_data };
+	int rc = sync_call(c, &q);
+	if (rc < 0) {
+		room_free(r);
+		return rc;
+	}
+	room_set_size(r, bytes, c->cshm->reply.slot_size);
+	memcpy(desc->bytes, c->cshm->reply.desc, KVS_ROOM_DESC_SIZE);
+	*room = r;
+	return 0;
+}
+
+int kvs_send_open(kvs_client *c, const struct kvs_room_desc *desc, uint64_t user_data,
+		  kvs_room **room)
+{
+	if (!room || !desc)
+		return -EINVAL;
+	if (c->dead)
+		return -ENOTCONN;
+	kvs_room *r = room_new(c, KVS_ROLE_SEND, user_data);
+	if (!r)
+		return -EMFILE;
+	/* Sized for the largest room the pool allows, so nothing can fail
+	 * after the proxy has opened it. */
+	r->sent = calloc((c->slot_count + 63) / 64, sizeof(uint64_t));
+	if (!r->sent) {
+		room_free(r);
+		return -ENOMEM;
+	}
+	memcpy(c->cshm->request, desc->bytes, KVS_ROOM_DESC_SIZE);
+	struct kvs_sqe q = { .op = KVS_OP_SEND_OPEN, .handle = r->idx, .arg2 = user_data };
+	int rc = sync_call(c, &q);
+	if (rc < 0) {
+		room_free(r);
+		return rc;
+	}
+	room_set_size(r, c->cshm->reply.bytes, c->cshm->reply.slot_size);
+	*room = r;
+	return 0;
+}
+
+unsigned kvs_room_chunks(const kvs_room *r)
+{
+	return r->nchunks;
+}
+
+uint64_t kvs_room_bytes(const kvs_room *r)
+{
+	return r->bytes;
+}
+
+int kvs_send(kvs_room *r, const struct kvs_lease *l, uint64_t offset, uint32_t len)
+{
+	kvs_client *c = r->c;
+	if (c->dead)
+		return -ENOTCONN;
+	if (r->role != KVS_ROLE_SEND || r->state == KVS_ROOM_CLOSING)
+		return -EBADF;
+	if (r->state == KVS_ROOM_ENDED)
+		return -ECANCELED;
+	if (offset % r->chunk || offset >= r->bytes)
+		return -EINVAL;
+	uint64_t want = r->bytes - offset < r->chunk ? r->bytes - offset : r->chunk;
+	if (len != want)
+		return -EINVAL;
+	uint32_t i = (uint32_t)(offset / r->chunk);
+	if (r->sent[i / 64] & (1ull << (i % 64)))
+		return -EEXIST;
+	int st = lease_state(c, l);
+	if (st < 0)
+		return st;
+	if (st != KVS_SLOT_LEASED)
+		return -EBUSY;
+	struct kvs_sqe q = { .op = KVS_OP_SEND, .handle = r->idx, .slot = l->slot,
+			     .epoch = l->epoch, .arg = offset, .arg2 = len };
+	int rc = submit(c, &q);
+	if (rc == 0)
+		r->sent[i / 64] |= 1ull << (i % 64);
+	return rc;
+}
+
+int kvs_abort(kvs_room *r)
+{
+	kvs_client *c = r->c;
+	if (c->dead)
+		return -ENOTCONN;
+	if (r->state != KVS_ROOM_OPEN || r->aborted)
+		return 0;
+	struct kvs_sqe q = { .op = KVS_OP_ABORT, .handle = r->idx };
+	int rc = submit(c, &q);
+	if (rc == 0)
+		r->aborted = true;
+	return rc;
+}
+
+int kvs_room_lease(kvs_room *r, unsigned i, struct kvs_lease *out)
+{
+	kvs_client *c = r->c;
+	if (r->role != KVS_ROLE_RECV || r->state == KVS_ROOM_CLOSING)
+		return -EBADF;
+	if (r->state != KVS_ROOM_ENDED)
+		return -EAGAIN;
+	if (r->final_type != KVS_EV_RECV_DONE)
+		return r->final_status ? r->final_status : -ECANCELED;
+	if (i >= r->nchunks)
+		return -ERANGE;
+	if (i == 0) {
+		*out = r->first;
+		return 0;
+	}
+	if (!r->map) {
+		struct kvs_lease *map = malloc(r->nchunks * sizeof(*map));
+		if (!map)
+			return -ENOMEM;
+		struct kvs_sqe q = { .op = KVS_OP_ROOM_MAP, .handle = r->idx };
+		int rc = sync_call(c, &q);
+		if (rc == 0 && c->cshm->reply.n != r->nchunks)
+			rc = -EPROTO;
+		if (rc < 0) {
+			free(map);
+			return rc;
+		}
+		memcpy(map, c->reply_leases, r->nchunks * sizeof(*map));
+		r->map = map;
+	}
+	*out = r->map[i];
+	return 0;
+}
+
+int kvs_room_close(kvs_room *r)
+{
+	kvs_client *c = r->c;
+	if (r->state == KVS_ROOM_CLOSING || !r->role)
+		return -EBADF;
+	if (c->dead) {
+		room_free(r);
+		return 0;
+	}
+	struct kvs_sqe q = { .op = KVS_OP_CLOSE, .handle = r->idx };
+	int rc = submit(c, &q);
+	if (rc < 0)
+		return rc;
+	if (r->state == KVS_ROOM_ENDED) {
+		room_free(r);
+	} else {
+		/* The proxy still owes this handle its final event; keep the
+		 * index reserved until that arrives. */
+		r->state = KVS_ROOM_CLOSING;
+		free(r->sent);
+		free(r->map);
+		r->sent = NULL;
+		r->map = NULL;
+	}
+	return 0;
+}
+
+/* -------------------------------------------------------------- events */
+
+static void deliver(kvs_client *c, const struct kvs_cqe *e, struct kvs_event *ev)
+{
+	ev->type = e->type;
+	ev->status = e->status;
+	ev->user_data = e->user_data;
+	ev->bytes = e->bytes;
+	ev->lease.slot = e->slot;
+	ev->lease.epoch = e->epoch;
+	if (e->handle >= c->nrooms)
+		return;
+	kvs_room *r = &c->rooms[e->handle];
+	if (e->type == KVS_EV_REJECTED) {
+		/* A refused send did not claim its chunk: it may be sent again. */
+		if (r->sent && r->state == KVS_ROOM_OPEN && e->bytes < r->bytes) {
+			uint64_t i = e->bytes / r->chunk;
+			r->sent[i / 64] &= ~(1ull << (i % 64));
+		}
+		return;
+	}
+	if (r->state == KVS_ROOM_CLOSING) {
+		room_free(r);
+		return;
+	}
+	if (r->state != KVS_ROOM_OPEN)
+		return;
+	r->state = KVS_ROOM_ENDED;
+	r->final_type = e->type;
+	r->final_status = e->status;
+	if (e->type == KVS_EV_RECV_DONE) {
+		r->first.slot = e->slot;
+		r->first.epoch = e->epoch;
+	}
+}
+
+int kvs_poll(kvs_client *c, struct kvs_event *ev, unsigned max)
+{
+	if (c->dead)
+		return -ENOTCONN;
+	unsigned n = 0;
+	while (n < max && c->stash_n) {
+		deliver(c, &c->stash[c->stash_head], &ev[n++]);
+		c->stash_head = (c->stash_head + 1) % c->stash_cap;
+		c->stash_n--;
+	}
+	struct kvs_cqe buf[32];
+	while (n < max) {
+		unsigned want = max - n < 32 ? max - n : 32;
+		unsigned k = kvs_ring_pop(&c->cq, buf, sizeof(buf[0]), want);
+		for (unsigned i = 0; i < k; i++)
+			deliver(c, &buf[i], &ev[n++]);
+		if (k < want)
+			break;
+	}
+	if (n == 0 && proxy_gone_lazy(c))
+		return -ENOTCONN;
+	return (int)n;
+}
+
+int kvs_wait(kvs_client *c, struct kvs_event *ev, int timeout_ms)
+{
+	int n = kvs_poll(c, ev, 1);
+	if (n != 0)
+		return n;
+	uint64_t deadline = timeout_ms >= 0 ? mono_ns() + (uint64_t)timeout_ms * 1000000 : 0;
+	for (;;) {
+		__atomic_store_n(&c->cshm->waiting, 1, __ATOMIC_RELAXED);
+		/* Pairs with the proxy's fence after its enqueue: either it sees
+		 * `waiting` and kicks the eventfd, or we see its event here. */
+		rte_atomic_thread_fence(__ATOMIC_SEQ_CST);
+		n = kvs_poll(c, ev, 1);
+		if (n != 0)
+			break;
+		int left = -1;
+		if (timeout_ms >= 0) {
+			uint64_t now = mono_ns();
+			if (now >= deadline) {
+				n = -ETIMEDOUT;
+				break;
+			}
+			left = (int)((deadline - now + 999999) / 1000000);
+		}
+		n = block(c, left);
+		if (n < 0)
+			break;
+	}
+	__atomic_store_n(&c->cshm->waiting, 0, __ATOMIC_RELAXED);
+	return n;
+}
+
+/* ------------------------------------------------------------- strings */
+
+const char *kvs_version(void)
+{
+	return KVS_VERSION_STRING;
+}
+
+const char *kvs_strerror(int err)
+{
+	switch (err) {
+	case 0: return "success";
+	case -ESTALE: return "stale lease or descriptor: its epoch or generation is gone";
+	case -EPERM: return "not yours: the slot belongs to someone else, or the room token is wrong";
+	case -ENOBUFS: return "pool exhausted: no free slot";
+	case -EAGAIN: return "try again: ring full, events waiting, or room not complete yet";
+	case -EINVAL: return "invalid argument";
+	case -ENOTCONN: return "proxy gone: the connection to kvstaged is closed";
+	case -ECANCELED: return "room aborted";
+	case -ETIMEDOUT: return "timed out";
+	case -EBUSY: return "busy: the slot is in flight, or the room already has a sender";
+	case -EEXIST: return "that chunk was already sent";
+	case -EBADF: return "not an open room handle of this role";
+	case -EMFILE: return "no room handle free on this connection";
+	case -ENFILE: return "the proxy's room table is full";
+	case -EMSGSIZE: return "room larger than the whole pool";
+	case -ERANGE: return "chunk index out of range";
+	case -ESHUTDOWN: return "proxy shutting down";
+	case -ECONNRESET: return "the other side of the room went away";
+	case -EPROTO: return "protocol mismatch with the proxy (version?)";
+	case -EACCES: return "refused by the proxy (uid/gid not allowed)";
+	case -ENOENT: return "no proxy socket at that path";
+	case -ECONNREFUSED: return "no proxy listening at that path";
+	case -EOPNOTSUPP: return "not supported";
+	case -ENODEV: return "no device";
+	case -EIO: return "transport I/O error";
+	case -ENOMEM: return "out of memory";
+	default: return err < 0 ? strerror(-err) : "not an error code";
+	}
+}

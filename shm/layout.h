@@ -1,0 +1,209 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * The shared-memory format the proxy and libkvstage agree on. Versioned by
+ * KVS_ABI; every record holds indices, never pointers.
+ *
+ * Three kinds of memory cross the boundary:
+ *  - the pool (slots' payload): read-write for everyone, never interpreted;
+ *  - the control segment: written by the proxy only, sealed
+ *    (F_SEAL_FUTURE_WRITE) so clients can map it read-only and nothing else;
+ *  - a per-client region: the client's rings, request and reply areas.
+ *    The client can write all of it, so the proxy copies what it reads
+ *    from there before validating it, and keeps each ring's geometry in
+ *    the sealed control segment (see ring.h).
+ */
+#ifndef KVS_SHM_LAYOUT_H
+#define KVS_SHM_LAYOUT_H
+
+#include <stdint.h>
+#include <stddef.h>
+#include <assert.h>
+
+#define KVS_ABI 1
+#define KVS_MAGIC_CTRL 0x4b565343u  /* "KVSC" */
+#define KVS_MAGIC_HELLO 0x4b565348u /* "KVSH" */
+#define KVS_MAGIC_DESC 0x4b565344u  /* "KVSD" */
+#define KVS_PAGE 4096u
+#define KVS_CACHE_LINE 64u
+
+#define KVS_ALIGN_UP(x, a) (((x) + (a) - 1) / (a) * (a))
+
+/* ---------------------------------------------------------------- slots */
+
+enum kvs_slot_state {
+	KVS_SLOT_FREE = 0,
+	KVS_SLOT_LEASED,      /* owner may write it */
+	KVS_SLOT_INFLIGHT,    /* a transport holds it (pins > 0) */
+	KVS_SLOT_TOMBSTONE,   /* owner gone, transport still pinned: never reused until quiesced */
+	KVS_SLOT_RECV_POSTED, /* a transport may write it for a receiving room */
+	KVS_SLOT_RECV_FILLED, /* owner (a receiver) may read it */
+	KVS_SLOT_NSTATES,
+};
+
+/* One slot's published metadata: 16 bytes, written by the proxy only. */
+struct kvs_slot {
+	uint32_t epoch; /* bumped every time the slot changes owner */
+	uint8_t state;  /* enum kvs_slot_state */
+	uint8_t rsvd;
+	uint16_t pins;  /* transport operations that may still touch it */
+	uint32_t owner; /* client id, 0 = none */
+	uint32_t room;  /* room index + 1 while a room holds it, else 0 */
+};
+static_assert(sizeof(struct kvs_slot) == 16, "slot metadata is 16 bytes");
+
+/* ------------------------------------------------------- control segment */
+
+#define KVS_CTRL_HUGEPAGES 0x1u
+#define KVS_CTRL_LOCKED 0x2u
+#define KVS_CTRL_FAILPOINTS 0x4u
+
+/* Counters the proxy publishes (kvstage-stat reads them). */
+struct kvs_stats {
+	uint64_t slots[KVS_SLOT_NSTATES]; /* slots in each state, right now */
+	uint64_t rooms_open;              /* rooms not yet freed */
+	uint64_t rooms_done, rooms_aborted, rooms_failed, rooms_timed_out;
+	uint64_t clients, clients_total, clients_died, clients_refused;
+	uint64_t rej_stale, rej_perm, rej_busy, rej_inval, rej_token, rej_nobufs;
+	uint64_t ops, events, events_dropped;
+	uint64_t chunks_moved, bytes_moved;
+	uint64_t tombstones_reaped;
+	uint64_t sleeps;
+};
+
+struct kvs_ctrl {
+	uint32_t magic; /* KVS_MAGIC_CTRL */
+	uint32_t abi;   /* KVS_ABI */
+	uint64_t instance; /* random per proxy start: the proxy's generation */
+	uint64_t slot_size;
+	uint64_t pool_size;
+	uint32_t slot_count;
+	uint32_t flags;    /* KVS_CTRL_* */
+	uint32_t max_rooms;
+	uint32_t client_rooms; /* handles per client */
+	uint32_t sq_count, cq_count;
+	uint64_t slots_off;  /* struct kvs_slot[slot_count] */
+	uint64_t sq_geom_off, cq_geom_off; /* pages whose tail holds the rings' geometry */
+	int32_t proxy_pid;
+	uint32_t rsvd;
+	uint64_t started_ns; /* CLOCK_REALTIME */
+
+	/* Set while the proxy sleeps on its wake eventfd: clients kick it after
+	 * enqueueing. Own cache line: it flips on every sleep. */
+	uint32_t sleeping __attribute__((aligned(KVS_CACHE_LINE)));
+
+	struct kvs_stats stats __attribute__((aligned(KVS_CACHE_LINE)));
+};
+
+/* ---------------------------------------------------------------- rings */
+
+/* Submission record, client -> proxy. 32 bytes. */
+struct kvs_sqe {
+	uint8_t op;       /* enum kvs_op */
+	uint8_t rsvd;
+	uint16_t handle;  /* the client's room handle */
+	uint32_t seq;     /* sync ops: echoed in the reply */
+	uint32_t slot;
+	uint32_t epoch;
+	uint64_t arg;     /* ACQUIRE: n; SEND: offset; RECV_OPEN: bytes */
+	uint64_t arg2;    /* SEND: len; RECV_OPEN, SEND_OPEN: user_data */
+};
+static_assert(sizeof(struct kvs_sqe) == 32, "sqe is 32 bytes");
+
+enum kvs_op {
+	KVS_OP_NOP = 0,
+	KVS_OP_ACQUIRE,   /* sync: arg leases into the reply area */
+	KVS_OP_RELEASE,   /* sync */
+	KVS_OP_RECV_OPEN, /* sync: descriptor into the reply */
+	KVS_OP_SEND_OPEN, /* sync: descriptor from the request area */
+	KVS_OP_SEND,      /* async: errors come back as REJECTED events */
+	KVS_OP_ABORT,     /* async */
+	KVS_OP_CLOSE,     /* async */
+	KVS_OP_ROOM_MAP,  /* sync: the room's chunk leases into the reply area */
+	KVS_OP_MAX,
+};
+
+/* Completion record, proxy -> client: events only. 32 bytes. */
+struct kvs_cqe {
+	uint16_t type;   /* KVS_EV_* */
+	uint16_t handle; /* room handle, or KVS_NO_HANDLE */
+	int32_t status;
+	uint64_t user_data;
+	uint64_t bytes;
+	uint32_t slot, epoch;
+};
+static_assert(sizeof(struct kvs_cqe) == 32, "cqe is 32 bytes");
+#define KVS_NO_HANDLE 0xffffu
+
+/* --------------------------------------------------------- client region */
+
+/* Page 0 of the per-client region. The client can write all of it. */
+struct kvs_cshm {
+	/* client -> proxy hint: set while the client blocks on its eventfd */
+	uint32_t waiting;
+	uint32_t rsvd0;
+	/* proxy -> client: the answer to the last sync op */
+	struct {
+		uint32_t seq;   /* store-released last */
+		int32_t status;
+		uint32_t n;     /* leases written to the reply area */
+		uint32_t handle;
+		uint64_t bytes;
+		uint64_t slot_size;
+		uint8_t desc[128];
+	} reply __attribute__((aligned(KVS_CACHE_LINE)));
+	/* client -> proxy: arguments too big for an sqe (copied, then checked) */
+	uint8_t request[128] __attribute__((aligned(KVS_CACHE_LINE)));
+};
+static_assert(sizeof(struct kvs_cshm) <= KVS_PAGE, "client page fits");
+
+/* Offsets inside the client region; both sides compute them from the counts. */
+struct kvs_cmem_layout {
+	size_t reply_off;  /* struct kvs_lease[slot_count] */
+	size_t sq_off, cq_off; /* ring bodies (from rte_ring.prod on) */
+	size_t size;
+};
+
+/* ------------------------------------------------------------ handshake */
+
+enum kvs_hello_kind { KVS_HELLO_CLIENT = 1, KVS_HELLO_ADMIN = 2, KVS_HELLO_STAT = 3 };
+
+struct kvs_hello {
+	uint32_t magic; /* KVS_MAGIC_HELLO */
+	uint32_t abi;
+	uint32_t kind;  /* enum kvs_hello_kind */
+	uint32_t rsvd;
+};
+
+/* Reply to hello; fds follow with SCM_RIGHTS: CLIENT gets pool, ctrl,
+ * client region, proxy wake eventfd, client eventfd; STAT gets ctrl. */
+struct kvs_welcome {
+	uint32_t magic;
+	uint32_t abi;
+	int32_t status;  /* 0 or -errno; no fds when nonzero */
+	uint32_t client_id;
+	uint64_t instance;
+	uint64_t ctrl_size;
+	uint64_t cmem_size;
+	char msg[96];    /* why, when status != 0 */
+};
+#define KVS_WELCOME_NFDS 5
+
+/* -------------------------------------------------------- room descriptor */
+
+/* Wire form of struct kvs_room_desc: 128 bytes, little-endian. */
+struct kvs_desc_wire {
+	uint32_t magic;     /* KVS_MAGIC_DESC */
+	uint16_t version;   /* 1 */
+	uint16_t flags;
+	uint64_t instance;  /* the receiving proxy */
+	uint32_t room;      /* room index there */
+	uint32_t gen;       /* room generation */
+	uint8_t token[16];  /* getrandom, per room */
+	uint64_t bytes;
+	uint64_t slot_size; /* chunk size of the receiving pool */
+	char endpoint[64];  /* receiving proxy's transport endpoint, "" if local only */
+	uint8_t rsvd[8];
+};
+static_assert(sizeof(struct kvs_desc_wire) == 128, "descriptor is 128 bytes");
+
+#endif

@@ -1,0 +1,18 @@
+/* SPDX-License-Identifier: MIT */
+/* Unix SOCK_SEQPACKET messages with fds attached (SCM_RIGHTS). */
+#ifndef KVS_SHM_SOCK_H
+#define KVS_SHM_SOCK_H
+
+#include <stddef.h>
+#include <sys/types.h>
+
+#define KVS_MAX_FDS 8
+
+/* Sends one message with nfds fds. Returns 0, or -errno. */
+int kvs_sock_send(int sock, const void *buf, size_t len, const int *fds, int nfds);
+/* Receives one message into buf; fds into fds[*nfds] (CLOEXEC). Returns its length, 0 on hang-up, or -errno. */
+ssize_t kvs_sock_recv(int sock, void *buf, size_t len, int *fds, int *nfds, int flags);
+/* Connects a SOCK_SEQPACKET socket to path. Returns the fd, or -errno. */
+int kvs_sock_connect(const char *path);
+
+#endif
