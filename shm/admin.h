@@ -7,6 +7,7 @@
 #ifndef KVS_SHM_ADMIN_H
 #define KVS_SHM_ADMIN_H
 
+#include <stddef.h>
 #include <stdint.h>
 
 enum kvs_admin_op {
@@ -48,5 +49,10 @@ int kvs_admin_fp_wait(int fd, const char *name, uint64_t hits, int timeout_ms);
 int kvs_admin_fp_get(int fd, const char *name, uint64_t *hits);
 /* The message of the last failed call on this thread. */
 const char *kvs_admin_msg(void);
+
+
+struct kvs_ctrl;
+/* Maps the proxy's control segment read-only (kvstage-stat, tests). Returns 0, or -errno. */
+int kvs_stat_map(const char *socket_path, const struct kvs_ctrl **ctrl, size_t *len);
 
 #endif

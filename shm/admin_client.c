@@ -6,6 +6,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <unistd.h>
 
 #include "layout.h"
@@ -124,4 +125,34 @@ int kvs_admin_fp_get(int fd, const char *name, uint64_t *hits)
 	if (rc == 0)
 		*hits = r.hits;
 	return rc;
+}
+
+int kvs_stat_map(const char *path, const struct kvs_ctrl **ctrl, size_t *len)
+{
+	int fd = kvs_sock_connect(path);
+	if (fd < 0)
+		return fd;
+	struct kvs_hello h = { .magic = KVS_MAGIC_HELLO, .abi = KVS_ABI, .kind = KVS_HELLO_STAT };
+	struct kvs_welcome w;
+	int cfd = -1, nfds = 1;
+	int rc = kvs_sock_send(fd, &h, sizeof(h), NULL, 0);
+	if (rc == 0) {
+		ssize_t n = kvs_sock_recv(fd, &w, sizeof(w), &cfd, &nfds, 0);
+		rc = n < 0 ? (int)n : n != sizeof(w) ? -EPROTO : w.status < 0 ? w.status : 0;
+		if (rc == 0 && nfds != 1)
+			rc = -EPROTO;
+	}
+	close(fd);
+	if (rc < 0) {
+		if (cfd >= 0)
+			close(cfd);
+		return rc;
+	}
+	void *m = mmap(NULL, w.ctrl_size, PROT_READ, MAP_SHARED, cfd, 0);
+	close(cfd);
+	if (m == MAP_FAILED)
+		return -errno;
+	*ctrl = m;
+	*len = w.ctrl_size;
+	return 0;
 }
