@@ -26,6 +26,7 @@
 #include "log.h"
 #include "proxy.h"
 #include "sock.h"
+#include "statnames.h"
 #include "transport.h"
 
 #define TICK_NS 1000000ull
@@ -370,17 +371,37 @@ static void admin_close(struct kvsp *p, struct kvsp_admin *a)
 	a->waiting = false;
 }
 
+static bool admin_ready(struct kvsp *p, const struct kvs_admin_req *q, uint64_t *val)
+{
+	if (q->op == KVS_ADMIN_STAT_WAIT) {
+		long off = kvs_stat_find(q->name);
+		*val = __atomic_load_n((uint64_t *)((uint8_t *)p->stats + off), __ATOMIC_RELAXED);
+		return q->action == 0 ? *val >= q->hits : *val <= q->hits;
+	}
+	*val = p->fp[kvsp_fp_find(q->name)].hits;
+	return *val >= q->hits;
+}
+
 static void on_admin(struct kvsp *p, struct kvsp_admin *a)
 {
 	struct kvs_admin_req q;
 	ssize_t n = kvs_sock_recv(a->fd, &q, sizeof(q), NULL, NULL, MSG_DONTWAIT);
 	if (n == -EAGAIN)
 		return;
-	if (n != sizeof(q)) {
-		admin_close(p, a);
+	if (n != sizeof(q) || a->waiting) {
+		admin_close(p, a); /* garbage, or a request while one waits */
 		return;
 	}
 	q.name[sizeof(q.name) - 1] = 0;
+	if (q.op == KVS_ADMIN_STAT_WAIT) {
+		if (kvs_stat_find(q.name) < 0 || q.action > 1) {
+			admin_reply(a, -ENOENT, 0, "no such counter");
+			return;
+		}
+		a->req = q;
+		a->waiting = true; /* answered by admin_poll once it holds */
+		return;
+	}
 	int id = kvsp_fp_find(q.name);
 	if (id < 0) {
 		admin_reply(a, -ENOENT, 0, "no such failpoint");
@@ -406,7 +427,7 @@ static void on_admin(struct kvsp *p, struct kvsp_admin *a)
 		break;
 	case KVS_ADMIN_FP_WAIT:
 		a->req = q;
-		a->waiting = true; /* answered by admin_poll once hits suffice */
+		a->waiting = true;
 		break;
 	default:
 		admin_reply(a, -EOPNOTSUPP, 0, "unknown admin op");
@@ -417,12 +438,10 @@ static void admin_poll(struct kvsp *p)
 {
 	for (unsigned i = 0; i < MAX_ADMINS; i++) {
 		struct kvsp_admin *a = &p->admins[i];
-		if (a->fd < 0 || !a->waiting)
-			continue;
-		struct kvsp_fp *fp = &p->fp[kvsp_fp_find(a->req.name)];
-		if (fp->hits >= a->req.hits) {
+		uint64_t val;
+		if (a->fd >= 0 && a->waiting && admin_ready(p, &a->req, &val)) {
 			a->waiting = false;
-			admin_reply(a, 0, fp->hits, "ok");
+			admin_reply(a, 0, val, "ok");
 		}
 	}
 }
@@ -597,6 +616,7 @@ int kvsp_run(struct kvsp *p)
 			rte_pause();
 			continue;
 		}
+		deadline = tick(p);
 		sleep_until_work(p, deadline);
 		p->next_tick_ns = 0; /* look at timers and sockets right away */
 		idle_since = p->now_ns;

@@ -14,6 +14,7 @@ enum kvs_admin_op {
 	KVS_ADMIN_FP_SET = 1, /* set a failpoint's action */
 	KVS_ADMIN_FP_WAIT,    /* answer once the failpoint has been hit `hits` times */
 	KVS_ADMIN_FP_GET,     /* answer with its hit count now */
+	KVS_ADMIN_STAT_WAIT,  /* answer once counter `name` is >= (action 0) or <= (1) `hits` */
 };
 
 enum kvs_fp_action {
@@ -47,6 +48,8 @@ int kvs_admin_fp_set(int fd, const char *name, const char *action, const uint64_
 int kvs_admin_fp_wait(int fd, const char *name, uint64_t hits, int timeout_ms);
 /* Reads failpoint name's hit count into *hits. Returns 0, or -errno. */
 int kvs_admin_fp_get(int fd, const char *name, uint64_t *hits);
+/* Waits until counter name (see statnames.h) is >= value (ge) or <= value. Returns 0, -ETIMEDOUT, or -errno. */
+int kvs_admin_stat_wait(int fd, const char *name, int ge, uint64_t value, int timeout_ms);
 /* The message of the last failed call on this thread. */
 const char *kvs_admin_msg(void);
 

@@ -115,6 +115,15 @@ int kvs_admin_fp_wait(int fd, const char *name, uint64_t hits, int timeout_ms)
 	return call(fd, &q, &r, timeout_ms);
 }
 
+int kvs_admin_stat_wait(int fd, const char *name, int ge, uint64_t value, int timeout_ms)
+{
+	struct kvs_admin_req q = { .op = KVS_ADMIN_STAT_WAIT, .action = ge ? 0 : 1, .hits = value };
+	struct kvs_admin_rep r;
+	if (set_name(&q, name) < 0)
+		return -EINVAL;
+	return call(fd, &q, &r, timeout_ms);
+}
+
 int kvs_admin_fp_get(int fd, const char *name, uint64_t *hits)
 {
 	struct kvs_admin_req q = { .op = KVS_ADMIN_FP_GET };

@@ -1,0 +1,44 @@
+/* SPDX-License-Identifier: MIT */
+/* Names of the published counters, for admin barriers and tools. */
+#ifndef KVS_SHM_STATNAMES_H
+#define KVS_SHM_STATNAMES_H
+
+#include <stddef.h>
+#include <string.h>
+
+#include "layout.h"
+
+struct kvs_stat_name {
+	const char *name;
+	size_t off;
+};
+
+#define KVS_STAT(f) { #f, offsetof(struct kvs_stats, f) }
+#define KVS_STAT_SLOTS(st, n) { "slots." n, offsetof(struct kvs_stats, slots) + (st) * 8 }
+
+static const struct kvs_stat_name kvs_stat_names[] = {
+	KVS_STAT_SLOTS(KVS_SLOT_FREE, "free"),
+	KVS_STAT_SLOTS(KVS_SLOT_LEASED, "leased"),
+	KVS_STAT_SLOTS(KVS_SLOT_INFLIGHT, "inflight"),
+	KVS_STAT_SLOTS(KVS_SLOT_TOMBSTONE, "tombstone"),
+	KVS_STAT_SLOTS(KVS_SLOT_RECV_POSTED, "recv_posted"),
+	KVS_STAT_SLOTS(KVS_SLOT_RECV_FILLED, "recv_filled"),
+	KVS_STAT(rooms_open), KVS_STAT(rooms_done), KVS_STAT(rooms_aborted),
+	KVS_STAT(rooms_failed), KVS_STAT(rooms_timed_out), KVS_STAT(clients),
+	KVS_STAT(clients_total), KVS_STAT(clients_died), KVS_STAT(clients_refused),
+	KVS_STAT(rej_stale), KVS_STAT(rej_perm), KVS_STAT(rej_busy), KVS_STAT(rej_inval),
+	KVS_STAT(rej_token), KVS_STAT(rej_nobufs), KVS_STAT(ops), KVS_STAT(events),
+	KVS_STAT(events_dropped), KVS_STAT(chunks_moved), KVS_STAT(bytes_moved),
+	KVS_STAT(tombstones_reaped), KVS_STAT(sleeps),
+};
+
+/* Returns the counter's offset in struct kvs_stats, or -1. */
+static inline long kvs_stat_find(const char *name)
+{
+	for (size_t i = 0; i < sizeof(kvs_stat_names) / sizeof(kvs_stat_names[0]); i++)
+		if (!strcmp(kvs_stat_names[i].name, name))
+			return (long)kvs_stat_names[i].off;
+	return -1;
+}
+
+#endif
