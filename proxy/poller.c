@@ -306,16 +306,19 @@ static void welcome_client(struct kvsp *p, struct kvsp_pending *pd)
 static void welcome_admin(struct kvsp *p, int fd)
 {
 	if (!p->cfg.failpoints) {
-		struct kvs_admin_rep r = { .status = -EPERM };
-		snprintf(r.msg, sizeof(r.msg), "failpoints are off: start kvstaged with --failpoints");
-		kvs_sock_send(fd, &r, sizeof(r), NULL, 0);
-		close(fd);
+		refuse(p, fd, -EPERM, "failpoints are off: start kvstaged with --failpoints");
 		return;
 	}
 	unsigned i;
 	for (i = 0; i < MAX_ADMINS && p->admins[i].fd >= 0; i++)
 		;
-	if (i == MAX_ADMINS || ep_add(p, fd, EPOLLIN | EPOLLRDHUP, tag(T_ADMIN, i, 0)) < 0) {
+	if (i == MAX_ADMINS) {
+		refuse(p, fd, -EUSERS, "too many admin connections");
+		return;
+	}
+	struct kvs_welcome w = { .magic = KVS_MAGIC_HELLO, .abi = KVS_ABI, .instance = p->instance };
+	if (ep_add(p, fd, EPOLLIN | EPOLLRDHUP, tag(T_ADMIN, i, 0)) < 0 ||
+	    kvs_sock_send(fd, &w, sizeof(w), NULL, 0) < 0) {
 		close(fd);
 		return;
 	}
@@ -513,10 +516,24 @@ static bool work_waiting(struct kvsp *p)
 	return false;
 }
 
-/* Returns the next deadline any timer has. */
+/* Runs the timers; returns the next deadline any of them has. Admin
+ * barriers are answered last, after every state change of this tick, so
+ * a condition that just became true is never left waiting for a wakeup. */
 static uint64_t tick(struct kvsp *p)
 {
-	uint64_t next = kvsp_rooms_tick(p);
+	uint64_t next = UINT64_MAX;
+	if (p->draining && !p->aborted_all) {
+		if (p->now_ns >= p->drain_deadline_ns) {
+			LOG_INFO("shutdown grace over: aborting %u rooms", p->rooms_active);
+			kvsp_rooms_abort_all(p, -ESHUTDOWN);
+			p->aborted_all = true;
+		} else {
+			next = p->drain_deadline_ns;
+		}
+	}
+	uint64_t t = kvsp_rooms_tick(p);
+	if (t < next)
+		next = t;
 	for (unsigned i = 0; i < MAX_PENDING; i++) {
 		struct kvsp_pending *pd = &p->pending[i];
 		if (pd->fd < 0)
@@ -529,15 +546,6 @@ static uint64_t tick(struct kvsp *p)
 		}
 	}
 	admin_poll(p);
-	if (p->draining && !p->aborted_all) {
-		if (p->now_ns >= p->drain_deadline_ns) {
-			LOG_INFO("shutdown grace over: aborting %u rooms", p->rooms_active);
-			kvsp_rooms_abort_all(p, -ESHUTDOWN);
-			p->aborted_all = true;
-		} else if (p->drain_deadline_ns < next) {
-			next = p->drain_deadline_ns;
-		}
-	}
 	p->next_tick_ns = p->now_ns + TICK_NS;
 	return next;
 }
@@ -576,11 +584,16 @@ static bool shutdown_step(struct kvsp *p, int *exit_code)
 			return true;
 		}
 		p->draining = true;
+		__atomic_store_n(&p->stats->draining, 1, __ATOMIC_RELAXED);
 		p->drain_deadline_ns = p->now_ns + p->cfg.shutdown_grace_ns;
 		stop_listening(p);
 		LOG_INFO("draining: no new clients or rooms; %u rooms active", p->rooms_active);
 	}
-	if (p->draining && p->rooms_active == 0) {
+	/* Done when clients closed every room, or once the grace is over and
+	 * nothing is in flight: an ended room a client still holds involves
+	 * no transport, so leaving it is safe. */
+	uint64_t open = __atomic_load_n(&p->stats->rooms_open, __ATOMIC_RELAXED);
+	if (p->draining && (open == 0 || (p->aborted_all && p->rooms_active == 0))) {
 		LOG_INFO("drained: exiting");
 		*exit_code = 0;
 		return true;

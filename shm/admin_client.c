@@ -25,7 +25,16 @@ int kvs_admin_connect(const char *path)
 	if (fd < 0)
 		return fd;
 	struct kvs_hello h = { .magic = KVS_MAGIC_HELLO, .abi = KVS_ABI, .kind = KVS_HELLO_ADMIN };
+	struct kvs_welcome w;
 	int rc = kvs_sock_send(fd, &h, sizeof(h), NULL, 0);
+	if (rc == 0) {
+		ssize_t n = kvs_sock_recv(fd, &w, sizeof(w), NULL, NULL, 0);
+		rc = n < 0 ? (int)n : n != sizeof(w) || w.magic != KVS_MAGIC_HELLO ? -EPROTO : w.status;
+		if (n == sizeof(w)) {
+			memcpy(last_msg, w.msg, sizeof(last_msg));
+			last_msg[sizeof(last_msg) - 1] = 0;
+		}
+	}
 	if (rc < 0) {
 		close(fd);
 		return rc;
@@ -46,21 +55,11 @@ static int call(int fd, const struct kvs_admin_req *q, struct kvs_admin_rep *r, 
 		return -errno;
 	if (rc == 0)
 		return -ETIMEDOUT;
-	union {
-		struct kvs_admin_rep rep;
-		struct kvs_welcome refused; /* the proxy turned the connection away */
-	} m;
-	ssize_t n = kvs_sock_recv(fd, &m, sizeof(m), NULL, NULL, 0);
+	ssize_t n = kvs_sock_recv(fd, r, sizeof(*r), NULL, NULL, 0);
 	if (n < 0)
 		return (int)n;
-	if (n == sizeof(m.refused) && m.refused.magic == KVS_MAGIC_HELLO) {
-		memcpy(last_msg, m.refused.msg, sizeof(last_msg));
-		last_msg[sizeof(last_msg) - 1] = 0;
-		return m.refused.status < 0 ? m.refused.status : -EPROTO;
-	}
 	if (n != sizeof(*r))
 		return -ENOTCONN;
-	*r = m.rep;
 	memcpy(last_msg, r->msg, sizeof(last_msg));
 	last_msg[sizeof(last_msg) - 1] = 0;
 	return r->status;

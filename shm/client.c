@@ -152,12 +152,15 @@ static int sync_call(kvs_client *c, struct kvs_sqe *q)
 		rte_atomic_thread_fence(__ATOMIC_SEQ_CST);
 		if (__atomic_load_n(&c->cshm->reply.seq, __ATOMIC_ACQUIRE) != q->seq) {
 			rc = block(c, 100);
+			if (rc == 0 && proxy_gone(c))
+				rc = -ENOTCONN;
 			if (rc < 0) {
 				__atomic_store_n(&c->cshm->waiting, 0, __ATOMIC_RELAXED);
+				/* the reply may have been written before the hang-up */
+				if (__atomic_load_n(&c->cshm->reply.seq, __ATOMIC_ACQUIRE) == q->seq)
+					return c->cshm->reply.status;
 				return rc;
 			}
-			if (rc == 0 && proxy_gone(c))
-				return -ENOTCONN;
 		}
 		__atomic_store_n(&c->cshm->waiting, 0, __ATOMIC_RELAXED);
 	}
@@ -609,8 +612,10 @@ static void deliver(kvs_client *c, const struct kvs_cqe *e, struct kvs_event *ev
 		return;
 	kvs_room *r = &c->rooms[e->handle];
 	if (e->type == KVS_EV_REJECTED) {
-		/* A refused send did not claim its chunk: it may be sent again. */
-		if (r->sent && r->state == KVS_ROOM_OPEN && e->bytes < r->bytes) {
+		/* A refused send did not claim its chunk (unless the refusal
+		 * is that the chunk was claimed already): it may be sent again. */
+		if (r->sent && r->state == KVS_ROOM_OPEN && e->bytes < r->bytes &&
+		    e->status != -EEXIST) {
 			uint64_t i = e->bytes / r->chunk;
 			r->sent[i / 64] &= ~(1ull << (i % 64));
 		}
@@ -633,8 +638,8 @@ static void deliver(kvs_client *c, const struct kvs_cqe *e, struct kvs_event *ev
 
 int kvs_poll(kvs_client *c, struct kvs_event *ev, unsigned max)
 {
-	if (c->dead)
-		return -ENOTCONN;
+	/* Events the proxy posted before it went away are still delivered:
+	 * -ENOTCONN only once none is left. */
 	unsigned n = 0;
 	while (n < max && c->stash_n) {
 		deliver(c, &c->stash[c->stash_head], &ev[n++]);
@@ -650,7 +655,7 @@ int kvs_poll(kvs_client *c, struct kvs_event *ev, unsigned max)
 		if (k < want)
 			break;
 	}
-	if (n == 0 && proxy_gone_lazy(c))
+	if (n == 0 && max && proxy_gone_lazy(c))
 		return -ENOTCONN;
 	return (int)n;
 }
@@ -679,8 +684,10 @@ int kvs_wait(kvs_client *c, struct kvs_event *ev, int timeout_ms)
 			left = (int)((deadline - now + 999999) / 1000000);
 		}
 		n = block(c, left);
-		if (n < 0)
+		if (n < 0) {
+			n = kvs_poll(c, ev, 1); /* an event may have beaten the hang-up */
 			break;
+		}
 	}
 	__atomic_store_n(&c->cshm->waiting, 0, __ATOMIC_RELAXED);
 	return n;

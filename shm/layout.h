@@ -68,6 +68,7 @@ struct kvs_stats {
 	uint64_t chunks_moved, bytes_moved;
 	uint64_t tombstones_reaped;
 	uint64_t sleeps;
+	uint64_t draining; /* 1 once SIGTERM was seen */
 };
 
 struct kvs_ctrl {

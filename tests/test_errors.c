@@ -1,2 +1,375 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * Refusals: a stale lease gets -ESTALE, someone else's -EPERM, a full pool
+ * -ENOBUFS, a forged descriptor -EPERM, and none of them changes any
+ * state. Raw records that bypass libkvstage's own checks meet the same
+ * refusals in the proxy. The control segment cannot be written.
+ */
 #include <criterion/criterion.h>
-Test(x, placeholder) {}
+#include <errno.h>
+#include <signal.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include "canary.h"
+#include "harness.h"
+#include "rawclient.h"
+#include "sock.h"
+
+#define SLOTS 32
+#define SLOT (64 * 1024)
+
+static struct proxy px;
+
+static void setup(void)
+{
+	proxy_start(&px, NULL,
+		    (const char *[]){ "--slots", "32", "--slot-size", "64K", "--client-rooms", "4",
+				      NULL });
+}
+
+static void teardown(void)
+{
+	proxy_stop(&px);
+}
+
+TestSuite(errors, .init = setup, .fini = teardown, .timeout = 60);
+
+/* The whole published slot table, to prove a refusal changed nothing. */
+static void table(struct kvs_slot *out)
+{
+	for (uint32_t i = 0; i < SLOTS; i++)
+		out[i] = slot_pub(&px, i);
+}
+
+static void assert_table(const struct kvs_slot *before, const char *what)
+{
+	struct kvs_slot now[SLOTS];
+	table(now);
+	cr_assert(!memcmp(before, now, sizeof(now)), "%s changed the slot table", what);
+}
+
+/* A sync op on c after async ones: its answer means they were processed. */
+static void barrier(kvs_client *c)
+{
+	struct kvs_lease none = { 0, 0 };
+	kvs_release(c, &none);
+}
+
+Test(errors, stale_lease_refused_and_nothing_changes)
+{
+	kvs_client *c = connect_ok(&px);
+	struct kvs_lease l[2];
+	cr_assert_eq(kvs_acquire(c, 2, l), 0);
+	cr_assert_eq(kvs_release(c, &l[0]), 0);
+	struct kvs_slot before[SLOTS];
+	table(before);
+	uint64_t stale0 = stat_get(&px, "rej_stale");
+	cr_assert_eq(kvs_release(c, &l[0]), -ESTALE);
+	cr_assert_null(kvs_lease_ptr(c, &l[0]));
+	struct kvs_lease old = { l[1].slot, l[1].epoch - 1 };
+	cr_assert_eq(kvs_release(c, &old), -ESTALE);
+	assert_table(before, "stale releases");
+	cr_assert_eq(stat_get(&px, "rej_stale"), stale0 + 2);
+	cr_assert_not_null(kvs_lease_ptr(c, &l[1]), "the live lease still works");
+	/* and in a room */
+	kvs_client *rx = connect_ok(&px);
+	kvs_room *rr, *sr;
+	struct kvs_room_desc d;
+	cr_assert_eq(kvs_recv_open(rx, SLOT, 1, &rr, &d), 0);
+	cr_assert_eq(kvs_send_open(c, &d, 2, &sr), 0);
+	table(before);
+	cr_assert_eq(kvs_send(sr, &l[0], 0, SLOT), -ESTALE);
+	/* the raw record, past libkvstage's check, meets the proxy's */
+	struct kvs_sqe q = { .op = KVS_OP_SEND, .handle = 0, .slot = l[0].slot,
+			     .epoch = l[0].epoch, .arg = 0, .arg2 = SLOT };
+	for (unsigned h = 0; h < 4; h++)
+		if (c->rooms[h].role == KVS_ROLE_SEND)
+			q.handle = (uint16_t)h;
+	cr_assert_eq(raw_submit(c, &q), 0);
+	struct kvs_event ev = wait_event(c);
+	cr_assert_eq(ev.type, KVS_EV_REJECTED);
+	cr_assert_eq(ev.status, -ESTALE);
+	cr_assert_eq(ev.user_data, 2);
+	assert_table(before, "a stale send");
+	/* the room is unharmed: the live lease completes it */
+	cr_assert_eq(kvs_send(sr, &l[1], 0, SLOT), 0);
+	cr_assert_eq(wait_event(rx).type, KVS_EV_RECV_DONE);
+	kvs_close(c);
+	kvs_close(rx);
+	wait_idle(&px, 0);
+}
+
+Test(errors, foreign_lease_refused_and_nothing_changes)
+{
+	kvs_client *a = connect_ok(&px), *b = connect_ok(&px);
+	struct kvs_lease l;
+	cr_assert_eq(kvs_acquire(a, 1, &l), 0);
+	canary_fill(kvs_lease_ptr(a, &l), 1, 0, SLOT);
+	struct kvs_slot before[SLOTS];
+	table(before);
+	cr_assert_null(kvs_lease_ptr(b, &l), "b sees a's slot");
+	cr_assert_eq(kvs_release(b, &l), -EPERM);
+	kvs_room *rr, *sr;
+	struct kvs_room_desc d;
+	cr_assert_eq(kvs_recv_open(a, SLOT, 1, &rr, &d), 0);
+	cr_assert_eq(kvs_send_open(b, &d, 2, &sr), 0);
+	cr_assert_eq(kvs_send(sr, &l, 0, SLOT), -EPERM);
+	struct kvs_sqe q = { .op = KVS_OP_SEND, .slot = l.slot, .epoch = l.epoch, .arg2 = SLOT };
+	q.handle = (uint16_t)(sr - b->rooms);
+	cr_assert_eq(raw_submit(b, &q), 0);
+	struct kvs_event ev = wait_event(b);
+	cr_assert_eq(ev.type, KVS_EV_REJECTED);
+	cr_assert_eq(ev.status, -EPERM);
+	assert_table(before, "foreign leases");
+	cr_assert_eq(canary_check(kvs_lease_ptr(a, &l), 1, 0, SLOT), SLOT);
+	cr_assert_eq(kvs_release(a, &l), 0);
+	kvs_close(a);
+	kvs_close(b);
+	wait_idle(&px, 0);
+}
+
+Test(errors, full_pool_gives_enobufs_and_recovers)
+{
+	kvs_client *c = connect_ok(&px);
+	struct kvs_lease l[SLOTS];
+	cr_assert_eq(kvs_acquire(c, SLOTS, l), 0);
+	struct kvs_slot before[SLOTS];
+	table(before);
+	struct kvs_lease x;
+	cr_assert_eq(kvs_acquire(c, 1, &x), -ENOBUFS);
+	assert_table(before, "acquire from an empty pool");
+	for (int i = 0; i < 3; i++)
+		cr_assert_eq(kvs_release(c, &l[i]), 0);
+	table(before);
+	cr_assert_eq(kvs_acquire(c, 4, l), -ENOBUFS, "4 wanted, 3 free: none leased");
+	assert_table(before, "a partial acquire");
+	cr_assert_eq(stat_get(&px, "slots.free"), 3);
+	cr_assert_eq(kvs_acquire(c, 3, l), 0, "capacity returned: it recovers");
+	cr_assert_eq(kvs_acquire(c, 0, l), -EINVAL);
+	cr_assert_eq(kvs_acquire(c, SLOTS + 1, l), -EINVAL, "more than the pool can ever hold");
+	kvs_close(c);
+	wait_idle(&px, 0);
+}
+
+Test(errors, forged_stale_and_garbage_descriptors)
+{
+	kvs_client *rx = connect_ok(&px), *tx = connect_ok(&px);
+	kvs_room *rr, *sr;
+	struct kvs_room_desc d, bad;
+	cr_assert_eq(kvs_recv_open(rx, 10, 1, &rr, &d), 0);
+	struct kvs_slot before[SLOTS];
+	table(before);
+	for (int byte = 24; byte < 40; byte++) { /* every byte of the token */
+		bad = d;
+		bad.bytes[byte] ^= 0x80;
+		cr_assert_eq(kvs_send_open(tx, &bad, 2, &sr), -EPERM, "token byte %d", byte);
+	}
+	cr_assert_eq(stat_get(&px, "rej_token"), 16);
+	bad = d;
+	bad.bytes[20] ^= 1; /* generation */
+	cr_assert_eq(kvs_send_open(tx, &bad, 2, &sr), -ESTALE);
+	bad = d;
+	bad.bytes[8] ^= 1; /* proxy instance */
+	cr_assert_eq(kvs_send_open(tx, &bad, 2, &sr), -ESTALE);
+	bad = d;
+	bad.bytes[0] ^= 1; /* magic */
+	cr_assert_eq(kvs_send_open(tx, &bad, 2, &sr), -EINVAL);
+	memset(&bad, 0xff, sizeof(bad));
+	memcpy(bad.bytes, d.bytes, 16);
+	cr_assert_eq(kvs_send_open(tx, &bad, 2, &sr), -EINVAL, "room index out of range");
+	assert_table(before, "bad descriptors");
+	/* the room still works with the real one, once */
+	cr_assert_eq(kvs_send_open(tx, &d, 2, &sr), 0);
+	kvs_room *sr2;
+	cr_assert_eq(kvs_send_open(tx, &d, 3, &sr2), -EBUSY);
+	cr_assert_eq(kvs_abort(sr), 0);
+	cr_assert_eq(wait_event(rx).type, KVS_EV_ABORTED);
+	cr_assert_eq(wait_event(tx).type, KVS_EV_ABORTED);
+	kvs_room_close(rr);
+	kvs_room_close(sr);
+	barrier(rx);
+	barrier(tx);
+	/* a closed room's descriptor is stale, even once its index is reused */
+	kvs_room *again;
+	struct kvs_room_desc d2;
+	cr_assert_eq(kvs_recv_open(rx, 10, 4, &again, &d2), 0);
+	cr_assert_eq(kvs_send_open(tx, &d, 5, &sr), -ESTALE);
+	kvs_close(rx);
+	kvs_close(tx);
+	wait_idle(&px, 0);
+}
+
+Test(errors, bad_sends_are_refused_by_library_and_proxy)
+{
+	kvs_client *rx = connect_ok(&px), *tx = connect_ok(&px);
+	kvs_room *rr, *sr;
+	struct kvs_room_desc d;
+	cr_assert_eq(kvs_recv_open(rx, 2 * SLOT + 10, 1, &rr, &d), 0);
+	cr_assert_eq(kvs_send_open(tx, &d, 2, &sr), 0);
+	struct kvs_lease l[3];
+	cr_assert_eq(kvs_acquire(tx, 3, l), 0);
+	struct kvs_slot before[SLOTS];
+	table(before);
+	/* the library's own checks */
+	cr_assert_eq(kvs_send(sr, &l[0], 1, SLOT), -EINVAL, "misaligned");
+	cr_assert_eq(kvs_send(sr, &l[0], 3 * SLOT, SLOT), -EINVAL, "past the end");
+	cr_assert_eq(kvs_send(sr, &l[0], 0, SLOT - 1), -EINVAL, "short chunk");
+	cr_assert_eq(kvs_send(sr, &l[0], 2 * SLOT, SLOT), -EINVAL, "last chunk is 10 bytes");
+	cr_assert_eq(kvs_send(rr, &l[0], 0, SLOT), -EBADF, "sending on a receiving room");
+	assert_table(before, "refused sends");
+	/* the same, raw, to the proxy */
+	uint16_t h = (uint16_t)(sr - tx->rooms);
+	struct kvs_sqe bad[] = {
+		{ .op = KVS_OP_SEND, .handle = h, .slot = l[0].slot, .epoch = l[0].epoch, .arg = 1, .arg2 = SLOT },
+		{ .op = KVS_OP_SEND, .handle = h, .slot = l[0].slot, .epoch = l[0].epoch, .arg = 3 * SLOT, .arg2 = SLOT },
+		{ .op = KVS_OP_SEND, .handle = h, .slot = l[0].slot, .epoch = l[0].epoch, .arg = 0, .arg2 = SLOT + 1 },
+		{ .op = KVS_OP_SEND, .handle = h, .slot = SLOTS + 5, .epoch = 1, .arg = 0, .arg2 = SLOT },
+		{ .op = KVS_OP_SEND, .handle = 999, .slot = l[0].slot, .epoch = l[0].epoch, .arg2 = SLOT },
+		{ .op = 200, .handle = h },
+		{ .op = KVS_OP_ABORT, .handle = 3 },
+		{ .op = KVS_OP_CLOSE, .handle = 60000 },
+	};
+	const int want[] = { -EINVAL, -EINVAL, -EINVAL, -EINVAL, -EBADF, -EOPNOTSUPP, -EBADF, -EBADF };
+	for (unsigned i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+		cr_assert_eq(raw_submit(tx, &bad[i]), 0);
+		struct kvs_event ev = wait_event(tx);
+		cr_assert_eq(ev.type, KVS_EV_REJECTED, "record %u", i);
+		cr_assert_eq(ev.status, want[i], "record %u: %d", i, ev.status);
+	}
+	assert_table(before, "hostile records");
+	/* overlap: chunk 0 twice, the second from another slot */
+	cr_assert_eq(kvs_send(sr, &l[0], 0, SLOT), 0);
+	struct kvs_sqe dup = { .op = KVS_OP_SEND, .handle = h, .slot = l[1].slot,
+			       .epoch = l[1].epoch, .arg = 0, .arg2 = SLOT };
+	cr_assert_eq(raw_submit(tx, &dup), 0);
+	struct kvs_event ev = wait_event(tx);
+	cr_assert_eq(ev.type, KVS_EV_REJECTED);
+	cr_assert_eq(ev.status, -EEXIST);
+	cr_assert_eq(kvs_send(sr, &l[1], 0, SLOT), -EEXIST, "the library knows too");
+	cr_assert_not_null(kvs_lease_ptr(tx, &l[1]), "a refused send leaves the slot with us");
+	/* the room completes normally */
+	cr_assert_eq(kvs_send(sr, &l[1], SLOT, SLOT), 0);
+	cr_assert_eq(kvs_send(sr, &l[2], 2 * SLOT, 10), 0);
+	cr_assert_eq(wait_event(tx).type, KVS_EV_SEND_DONE);
+	cr_assert_eq(wait_event(rx).type, KVS_EV_RECV_DONE);
+	cr_assert_gt(stat_get(&px, "rej_inval"), 5);
+	kvs_close(rx);
+	kvs_close(tx);
+	wait_idle(&px, 0);
+}
+
+Test(errors, hostile_sync_records)
+{
+	kvs_client *c = connect_ok(&px);
+	struct kvs_sqe q[] = {
+		{ .op = KVS_OP_ACQUIRE, .arg = 0 },
+		{ .op = KVS_OP_ACQUIRE, .arg = 1ull << 40 },
+		{ .op = KVS_OP_RELEASE, .slot = UINT32_MAX, .epoch = 1 },
+		{ .op = KVS_OP_RECV_OPEN, .handle = 4, .arg = 10 },
+		{ .op = KVS_OP_RECV_OPEN, .handle = 0, .arg = 0 },
+		{ .op = KVS_OP_RECV_OPEN, .handle = 0, .arg = (uint64_t)SLOTS * SLOT + 1 },
+		{ .op = KVS_OP_ROOM_MAP, .handle = 2 },
+		{ .op = KVS_OP_SEND_OPEN, .handle = 7 },
+	};
+	const int want[] = { -EINVAL, -EINVAL, -EINVAL, -EBADF, -EINVAL, -EMSGSIZE, -EBADF, -EBADF };
+	struct kvs_slot before[SLOTS];
+	table(before);
+	for (unsigned i = 0; i < sizeof(q) / sizeof(q[0]); i++)
+		cr_assert_eq(raw_sync(c, &q[i]), want[i], "record %u", i);
+	/* garbage in the request area */
+	memset(c->cshm->request, 0xa5, sizeof(c->cshm->request));
+	struct kvs_sqe so = { .op = KVS_OP_SEND_OPEN, .handle = 0 };
+	cr_assert_eq(raw_sync(c, &so), -EINVAL);
+	assert_table(before, "hostile sync records");
+	cr_assert_eq(stat_get(&px, "rooms_open"), 0);
+	/* handles run out: -EMFILE from the library */
+	kvs_room *r[5];
+	struct kvs_room_desc d;
+	for (int i = 0; i < 4; i++)
+		cr_assert_eq(kvs_recv_open(c, 10, (uint64_t)i, &r[i], &d), 0);
+	cr_assert_eq(kvs_recv_open(c, 10, 9, &r[4], &d), -EMFILE);
+	cr_assert_eq(kvs_room_lease(r[0], 0, &(struct kvs_lease){ 0 }), -EAGAIN, "not complete");
+	kvs_close(c);
+	wait_idle(&px, 0);
+}
+
+Test(errors, release_in_flight_is_busy)
+{
+	kvs_client *rx = connect_ok(&px), *tx = connect_ok(&px);
+	kvs_room *rr, *sr;
+	struct kvs_room_desc d;
+	cr_assert_eq(kvs_recv_open(rx, SLOT, 1, &rr, &d), 0);
+	cr_assert_eq(kvs_send_open(tx, &d, 2, &sr), 0);
+	struct kvs_lease l;
+	cr_assert_eq(kvs_acquire(tx, 1, &l), 0);
+	fp_set(&px, "local.quiesce", "pause", NULL);
+	cr_assert_eq(kvs_send(sr, &l, 0, SLOT), 0);
+	fp_wait(&px, "local.quiesce", 1);
+	struct kvs_slot before[SLOTS];
+	table(before);
+	cr_assert_eq(kvs_release(tx, &l), -EBUSY);
+	cr_assert_eq(kvs_send(sr, &l, 0, SLOT), -EEXIST);
+	assert_table(before, "releasing an in-flight slot");
+	fp_set(&px, "local.quiesce", "off", NULL);
+	cr_assert_eq(wait_event(rx).type, KVS_EV_RECV_DONE);
+	cr_assert_eq(kvs_release(tx, &l), -ESTALE, "handed over: stale now");
+	kvs_close(rx);
+	kvs_close(tx);
+	wait_idle(&px, 0);
+}
+
+/* The control segment is read-only by the kernel's word. */
+#define FAULTED 42
+
+static void on_segv(int sig)
+{
+	(void)sig;
+	_exit(FAULTED);
+}
+
+static int write_ctrl(int rd, int wr, void *arg)
+{
+	(void)rd;
+	(void)wr;
+	/* our own handler, so sanitizers report the fault the same way */
+	struct sigaction sa = { .sa_handler = on_segv };
+	sigaction(SIGSEGV, &sa, NULL);
+	volatile uint32_t *p = arg;
+	*p = 0xdead; /* must fault */
+	return 0;
+}
+
+Test(errors, control_segment_cannot_be_written)
+{
+	int fd = kvs_sock_connect(px.sock);
+	cr_assert_geq(fd, 0);
+	struct kvs_hello h = { .magic = KVS_MAGIC_HELLO, .abi = KVS_ABI, .kind = KVS_HELLO_STAT };
+	cr_assert_eq(kvs_sock_send(fd, &h, sizeof(h), NULL, 0), 0);
+	struct kvs_welcome w;
+	int cfd = -1, n = 1;
+	cr_assert_eq(kvs_sock_recv(fd, &w, sizeof(w), &cfd, &n, 0), (ssize_t)sizeof(w));
+	cr_assert_eq(n, 1);
+	close(fd);
+	cr_assert_eq(mmap(NULL, w.ctrl_size, PROT_READ | PROT_WRITE, MAP_SHARED, cfd, 0), MAP_FAILED);
+	cr_assert_eq(errno, EPERM, "a writable mapping must be refused");
+	void *ro = mmap(NULL, w.ctrl_size, PROT_READ, MAP_SHARED, cfd, 0);
+	cr_assert_neq(ro, MAP_FAILED);
+	cr_assert_eq(mprotect(ro, w.ctrl_size, PROT_READ | PROT_WRITE), -1);
+	cr_assert_eq(errno, EACCES, "mprotect must not upgrade it");
+	cr_assert_eq(pwrite(cfd, "x", 1, 0), -1);
+	cr_assert_eq(errno, EPERM, "write() must be refused");
+	cr_assert_eq(ftruncate(cfd, 0), -1, "nor may it shrink");
+	struct child ch;
+	child_start(&ch, write_ctrl, (void *)&((const struct kvs_ctrl *)ro)->sleeping);
+	cr_assert_eq(child_wait(&ch), FAULTED, "writing the mapping must fault");
+	/* and the same through a connected client's mapping */
+	kvs_client *c = connect_ok(&px);
+	child_start(&ch, write_ctrl, (void *)&c->ctrl->stats.slots[0]);
+	cr_assert_eq(child_wait(&ch), FAULTED);
+	cr_assert_eq(((const struct kvs_ctrl *)ro)->magic, KVS_MAGIC_CTRL);
+	kvs_close(c);
+	munmap(ro, w.ctrl_size);
+	close(cfd);
+}
