@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Every test: the plain build, then the same suites under ASan+UBSan.
+# This is what CI runs (.ci/run) and what the README gives.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+tools/setup.sh
+
+echo "== tests (build/)"
+meson test -C build --print-errorlogs
+
+echo "== tests under ASan+UBSan (build-asan/)"
+if [ ! -f build-asan/build.ninja ]; then
+  meson setup build-asan --buildtype=debug -Db_sanitize=address,undefined \
+    -Db_lundef=false >/dev/null
+fi
+ninja -C build-asan
+ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
+  meson test -C build-asan --print-errorlogs
+echo "== all tests passed"

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Installs what kvstage needs on Debian 12 (apt), then builds it into build/.
+# Safe to run again: it installs only what is missing and rebuilds incrementally.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PKGS=(gcc pkg-config meson ninja-build libdpdk-dev libcriterion-dev libibverbs-dev
+      clang libclang-rt-14-dev gnuplot-nox ucx-utils iproute2 procps)
+[ -n "${KVSTAGE_EXTRA_PKGS:-}" ] && PKGS+=(${KVSTAGE_EXTRA_PKGS})
+
+missing=()
+for p in "${PKGS[@]}"; do
+  dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  SUDO=""
+  [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+  echo "setup: installing ${missing[*]}"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+if [ ! -f build/build.ninja ]; then
+  meson setup build --buildtype=debugoptimized >/dev/null
+fi
+ninja -C build
