@@ -99,7 +99,7 @@ uint64_t kvs_room_bytes(const kvs_room *r);
 int kvs_poll(kvs_client *c, struct kvs_event *ev, unsigned max);
 /* Waits (blocked, not spinning) for one event. Returns 1, or -ETIMEDOUT, -ENOTCONN; timeout_ms < 0 waits for ever. */
 int kvs_wait(kvs_client *c, struct kvs_event *ev, int timeout_ms);
-/* An fd that is readable when events may be waiting (then call kvs_poll). */
+/* An fd that is readable when events may be waiting (then call kvs_poll); from the first call on, the proxy signals it for every batch of events. */
 int kvs_event_fd(kvs_client *c);
 
 /* A static string explaining a (negative) kvstage error code. */

@@ -99,7 +99,7 @@ struct kvsp_client *kvsp_client_new(struct kvsp *p, int sock, pid_t pid, uid_t u
 	return c;
 }
 
-void kvsp_client_destroy(struct kvsp *p, struct kvsp_client *c)
+void kvsp_client_reclaim(struct kvsp *p, struct kvsp_client *c)
 {
 	for (uint16_t h = 0; h < p->cfg.client_rooms; h++)
 		if (c->handles[h].state != KVSP_H_FREE)
@@ -109,6 +109,12 @@ void kvsp_client_destroy(struct kvsp *p, struct kvsp_client *c)
 	for (uint32_t i = 0; i < s->count; i++)
 		if (s->pub[i].owner == c->id)
 			kvsp_slot_drop(p, i);
+	c->finals_owed = 0;
+}
+
+void kvsp_client_destroy(struct kvsp *p, struct kvsp_client *c)
+{
+	kvsp_client_reclaim(p, c);
 	p->clients[c->idx] = NULL;
 	p->nclients--;
 	__atomic_fetch_sub(&p->stats->clients, 1, __ATOMIC_RELAXED);

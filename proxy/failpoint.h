@@ -26,7 +26,7 @@ struct kvsp_fp {
 	uint8_t action; /* enum kvs_fp_action */
 	bool match_set;
 	int32_t err;
-	uint64_t match;
+	uint64_t match, mask;
 	uint64_t hits;
 };
 
@@ -40,7 +40,7 @@ static inline int kvsp_fp_eval(struct kvsp_fp *fp, bool enabled, uint64_t ud_a, 
 {
 	if (__builtin_expect(!enabled || fp->action == KVS_FP_OFF, 1))
 		return 0;
-	if (fp->match_set && fp->match != ud_a && fp->match != ud_b)
+	if (fp->match_set && (ud_a & fp->mask) != fp->match && (ud_b & fp->mask) != fp->match)
 		return 0;
 	fp->hits++;
 	return fp->action == KVS_FP_PAUSE ? KVSP_FP_HOLD : fp->err;

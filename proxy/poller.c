@@ -420,7 +420,8 @@ static void on_admin(struct kvsp *p, struct kvsp_admin *a)
 		fp->action = (uint8_t)q.action;
 		fp->err = q.err;
 		fp->match_set = q.match_set != 0;
-		fp->match = q.match;
+		fp->mask = q.mask ? q.mask : UINT64_MAX;
+		fp->match = q.match & fp->mask;
 		LOG_INFO("failpoint %s: %s", q.name,
 			 q.action == KVS_FP_OFF ? "off" : q.action == KVS_FP_PAUSE ? "pause" : "fail");
 		admin_reply(a, 0, fp->hits, "ok");
@@ -428,6 +429,15 @@ static void on_admin(struct kvsp *p, struct kvsp_admin *a)
 	case KVS_ADMIN_FP_GET:
 		admin_reply(a, 0, fp->hits, "ok");
 		break;
+	case KVS_ADMIN_FP_RELEASE: {
+		if (id != KVSP_FP_LOCAL_QUIESCE) {
+			admin_reply(a, -EOPNOTSUPP, 0, "only local.quiesce holds anything");
+			return;
+		}
+		uint64_t mask = q.mask ? q.mask : UINT64_MAX;
+		admin_reply(a, 0, kvsp_local_release(p->local, q.match & mask, mask), "ok");
+		break;
+	}
 	case KVS_ADMIN_FP_WAIT:
 		a->req = q;
 		a->waiting = true;

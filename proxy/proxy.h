@@ -188,6 +188,9 @@ void kvsp_rooms_abort_all(struct kvsp *p, int status);
 
 /* clients.c */
 struct kvsp_client *kvsp_client_new(struct kvsp *p, int sock, pid_t pid, uid_t uid);
+/* The client is gone: aborts its rooms, frees its slots (tombstones where pinned). */
+void kvsp_client_reclaim(struct kvsp *p, struct kvsp_client *c);
+/* kvsp_client_reclaim, then frees the client itself. */
 void kvsp_client_destroy(struct kvsp *p, struct kvsp_client *c);
 struct kvsp_client *kvsp_client_get(struct kvsp *p, uint16_t cidx, uint32_t cid);
 void kvsp_client_final(struct kvsp *p, const struct kvsp_side *s, uint16_t type, int status,

@@ -34,5 +34,7 @@ struct kvsp_transport {
 
 /* Sender and receiver share this proxy: a chunk lands by handing its slot over. Returns NULL on -ENOMEM. */
 struct kvsp_transport *kvsp_local_create(struct kvsp *p);
+/* Failpoint local.quiesce: lets go of held hand-offs of rooms whose user_data & mask == match. Returns how many. */
+unsigned kvsp_local_release(struct kvsp_transport *t, uint64_t match, uint64_t mask);
 
 #endif

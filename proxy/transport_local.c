@@ -10,10 +10,17 @@
 
 #include "transport.h"
 
+struct held {
+	struct kvsp_xfer x;
+	uint64_t ud_a, ud_b; /* the room's user_data, for matching */
+	bool released;
+};
+
 struct local {
 	struct kvsp_transport t;
-	struct kvsp_xfer *held; /* FIFO; at most one transfer per slot */
+	struct held *held; /* FIFO; at most one transfer per slot */
 	uint32_t cap, head, n;
+	uint32_t nreleased;
 };
 
 static int local_submit(struct kvsp_transport *t, const struct kvsp_xfer *x)
@@ -26,7 +33,8 @@ static int local_submit(struct kvsp_transport *t, const struct kvsp_xfer *x)
 	if (rc == KVSP_FP_HOLD) {
 		if (l->n == l->cap)
 			return -ENOBUFS; /* cannot happen: one transfer per slot */
-		l->held[(l->head + l->n++) % l->cap] = *x;
+		l->held[(l->head + l->n++) % l->cap] =
+			(struct held){ *x, r->recv.user_data, r->send.user_data, false };
 		return 0;
 	}
 	kvsp_xfer_done(p, x, rc);
@@ -44,7 +52,22 @@ static void local_cancel(struct kvsp_transport *t, uint32_t room)
 static bool local_pending(struct kvsp_transport *t)
 {
 	struct local *l = (struct local *)t;
-	return l->n && t->p->fp[KVSP_FP_LOCAL_QUIESCE].action != KVS_FP_PAUSE;
+	return l->n && (l->nreleased || t->p->fp[KVSP_FP_LOCAL_QUIESCE].action != KVS_FP_PAUSE);
+}
+
+unsigned kvsp_local_release(struct kvsp_transport *t, uint64_t match, uint64_t mask)
+{
+	struct local *l = (struct local *)t;
+	unsigned k = 0;
+	for (uint32_t i = 0; i < l->n; i++) {
+		struct held *h = &l->held[(l->head + i) % l->cap];
+		if (!h->released && ((h->ud_a & mask) == match || (h->ud_b & mask) == match)) {
+			h->released = true;
+			k++;
+		}
+	}
+	l->nreleased += k;
+	return k;
 }
 
 static int local_poll(struct kvsp_transport *t)
@@ -53,12 +76,20 @@ static int local_poll(struct kvsp_transport *t)
 	if (!local_pending(t))
 		return KVSP_IDLE;
 	struct kvsp_fp *fp = &t->p->fp[KVSP_FP_LOCAL_QUIESCE];
+	bool all = fp->action != KVS_FP_PAUSE;
 	int status = fp->action == KVS_FP_FAIL ? fp->err : 0;
-	while (l->n) {
-		struct kvsp_xfer x = l->held[l->head];
-		l->head = (l->head + 1) % l->cap;
-		l->n--;
-		kvsp_xfer_done(t->p, &x, status);
+	/* Complete what is let go, in order; keep the rest, in order. */
+	uint32_t n = l->n, kept = 0;
+	for (uint32_t i = 0; i < n; i++) {
+		struct held h = l->held[(l->head + i) % l->cap];
+		if (all || h.released) {
+			if (h.released)
+				l->nreleased--;
+			l->n--;
+			kvsp_xfer_done(t->p, &h.x, h.released ? 0 : status);
+		} else {
+			l->held[(l->head + kept++) % l->cap] = h;
+		}
 	}
 	return KVSP_BUSY;
 }

@@ -15,6 +15,7 @@ enum kvs_admin_op {
 	KVS_ADMIN_FP_WAIT,    /* answer once the failpoint has been hit `hits` times */
 	KVS_ADMIN_FP_GET,     /* answer with its hit count now */
 	KVS_ADMIN_STAT_WAIT,  /* answer once counter `name` is >= (action 0) or <= (1) `hits` */
+	KVS_ADMIN_FP_RELEASE, /* let go of what the failpoint holds for matching rooms, keep holding others */
 };
 
 enum kvs_fp_action {
@@ -28,9 +29,10 @@ struct kvs_admin_req {
 	uint32_t action;  /* enum kvs_fp_action */
 	int32_t err;      /* FAIL: the -errno to fail with */
 	uint32_t match_set;
-	uint64_t match;   /* only rooms whose user_data (either side) equals this */
+	uint64_t match;   /* only rooms whose user_data (either side), masked, equals this */
 	uint64_t hits;
 	char name[32];
+	uint64_t mask;    /* applied to user_data before comparing; 0 means all bits */
 };
 
 struct kvs_admin_rep {
@@ -44,6 +46,11 @@ struct kvs_admin_rep {
 int kvs_admin_connect(const char *socket_path);
 /* Sets failpoint name to action ("off", "pause", "fail[=ERRNO]"), for rooms whose user_data is *match (NULL: all). Returns 0, or -errno. */
 int kvs_admin_fp_set(int fd, const char *name, const char *action, const uint64_t *match);
+/* As kvs_admin_fp_set, matching rooms whose (user_data & mask) == match. Returns 0, or -errno. */
+int kvs_admin_fp_set_mask(int fd, const char *name, const char *action, uint64_t match,
+			  uint64_t mask);
+/* Lets go of what failpoint name holds for rooms whose (user_data & mask) == match (mask 0: all bits); hits reports how many. Returns 0, or -errno. */
+int kvs_admin_fp_release(int fd, const char *name, uint64_t match, uint64_t mask, uint64_t *released);
 /* Waits until failpoint name has been hit hits times (timeout_ms < 0: for ever). Returns 0, -ETIMEDOUT, or -errno. */
 int kvs_admin_fp_wait(int fd, const char *name, uint64_t hits, int timeout_ms);
 /* Reads failpoint name's hit count into *hits. Returns 0, or -errno. */

@@ -73,9 +73,10 @@ static int set_name(struct kvs_admin_req *q, const char *name)
 	return 0;
 }
 
-int kvs_admin_fp_set(int fd, const char *name, const char *action, const uint64_t *match)
+static int fp_set(int fd, const char *name, const char *action, const uint64_t *match,
+		  uint64_t mask)
 {
-	struct kvs_admin_req q = { .op = KVS_ADMIN_FP_SET };
+	struct kvs_admin_req q = { .op = KVS_ADMIN_FP_SET, .mask = mask };
 	struct kvs_admin_rep r;
 	if (set_name(&q, name) < 0)
 		return -EINVAL;
@@ -103,6 +104,30 @@ int kvs_admin_fp_set(int fd, const char *name, const char *action, const uint64_
 		q.match = *match;
 	}
 	return call(fd, &q, &r, -1);
+}
+
+int kvs_admin_fp_set(int fd, const char *name, const char *action, const uint64_t *match)
+{
+	return fp_set(fd, name, action, match, 0);
+}
+
+int kvs_admin_fp_set_mask(int fd, const char *name, const char *action, uint64_t match,
+			  uint64_t mask)
+{
+	return fp_set(fd, name, action, &match, mask);
+}
+
+int kvs_admin_fp_release(int fd, const char *name, uint64_t match, uint64_t mask, uint64_t *released)
+{
+	struct kvs_admin_req q = { .op = KVS_ADMIN_FP_RELEASE, .match_set = 1, .match = match,
+				   .mask = mask };
+	struct kvs_admin_rep r;
+	if (set_name(&q, name) < 0)
+		return -EINVAL;
+	int rc = call(fd, &q, &r, -1);
+	if (rc == 0 && released)
+		*released = r.hits;
+	return rc;
 }
 
 int kvs_admin_fp_wait(int fd, const char *name, uint64_t hits, int timeout_ms)

@@ -59,6 +59,8 @@ static bool proxy_gone_lazy(kvs_client *c)
 	return proxy_gone(c);
 }
 
+static void unwait(kvs_client *c);
+
 static void kick_proxy(kvs_client *c)
 {
 	/* Pairs with the proxy's fence between setting `sleeping` and its last
@@ -73,12 +75,16 @@ static void kick_proxy(kvs_client *c)
  * on a full ring while we wait for a reply. */
 static void stash_fill(kvs_client *c)
 {
+	unsigned moved = 0;
 	while (c->stash_n < c->stash_cap) {
 		unsigned tail = (c->stash_head + c->stash_n) % c->stash_cap;
 		if (!kvs_ring_pop(&c->cq, &c->stash[tail], sizeof(struct kvs_cqe), 1))
 			break;
 		c->stash_n++;
+		moved++;
 	}
+	if (moved)
+		kick_proxy(c); /* it may be waiting for completion space to take our op */
 }
 
 static int submit(kvs_client *c, const struct kvs_sqe *q)
@@ -89,10 +95,12 @@ static int submit(kvs_client *c, const struct kvs_sqe *q)
 		kick_proxy(c);
 		return 0;
 	}
-	/* Full: the proxy drains it unless it is gone or we owe it a poll. */
+	/* Full: the proxy drains it unless it is gone, or waits for room for
+	 * the events it owes us; moving those aside (bounded) lets it go on. */
 	kick_proxy(c);
 	uint64_t until = mono_ns() + 1000000;
 	do {
+		stash_fill(c);
 		rte_pause();
 		if (kvs_ring_push(&c->sq, q, sizeof(*q), 1) == 1) {
 			kick_proxy(c);
@@ -155,14 +163,14 @@ static int sync_call(kvs_client *c, struct kvs_sqe *q)
 			if (rc == 0 && proxy_gone(c))
 				rc = -ENOTCONN;
 			if (rc < 0) {
-				__atomic_store_n(&c->cshm->waiting, 0, __ATOMIC_RELAXED);
+				unwait(c);
 				/* the reply may have been written before the hang-up */
 				if (__atomic_load_n(&c->cshm->reply.seq, __ATOMIC_ACQUIRE) == q->seq)
 					return c->cshm->reply.status;
 				return rc;
 			}
 		}
-		__atomic_store_n(&c->cshm->waiting, 0, __ATOMIC_RELAXED);
+		unwait(c);
 	}
 }
 
@@ -184,6 +192,9 @@ void kvs_close(kvs_client *c)
 {
 	if (!c)
 		return;
+	/* Companions first, last attached first: they may still need the
+	 * pool mapped (a DMA registration is undone before the munmap). */
+	for (unsigned i = KVS_EXT_MAX; i-- > 0;)
 	for (unsigned i = 0; i < c->nrooms; i++) {
 		free(c->rooms[i].sent);
 		free(c->rooms[i].map);
@@ -355,7 +366,17 @@ unsigned kvs_max_rooms(const kvs_client *c)
 
 int kvs_event_fd(kvs_client *c)
 {
+	/* From now on the proxy signals the fd for every batch of events,
+	 * not only while we block in kvs_wait. */
+	c->fd_mode = true;
+	__atomic_store_n(&c->cshm->waiting, 1, __ATOMIC_RELAXED);
 	return c->efd;
+}
+
+/* Leaves `waiting` as the mode wants it after a blocking wait. */
+static void unwait(kvs_client *c)
+{
+	__atomic_store_n(&c->cshm->waiting, c->fd_mode, __ATOMIC_RELAXED);
 }
 
 /* -------------------------------------------------------------- leases */
@@ -655,6 +676,19 @@ int kvs_poll(kvs_client *c, struct kvs_event *ev, unsigned max)
 		if (k < want)
 			break;
 	}
+	/* A proxy that stopped taking our submissions for want of completion
+	 * space sleeps until told that we made some. */
+	if (n && kvs_ring_count(&c->sq))
+		kick_proxy(c);
+	if (n == 0 && c->fd_mode && max) {
+		/* Drain the fd first, then look once more: an event posted
+		 * after our look kicks it again, so none is left unsignalled. */
+		eventfd_t v;
+		eventfd_read(c->efd, &v);
+		n = kvs_ring_pop(&c->cq, buf, sizeof(buf[0]), 1);
+		if (n)
+			deliver(c, &buf[0], &ev[0]);
+	}
 	if (n == 0 && max && proxy_gone_lazy(c))
 		return -ENOTCONN;
 	return (int)n;
@@ -689,7 +723,7 @@ int kvs_wait(kvs_client *c, struct kvs_event *ev, int timeout_ms)
 			break;
 		}
 	}
-	__atomic_store_n(&c->cshm->waiting, 0, __ATOMIC_RELAXED);
+	unwait(c);
 	return n;
 }
 

@@ -31,6 +31,7 @@ struct kvs_room {
 struct kvs_client {
 	int sock, wake_fd, efd;
 	bool dead;
+	bool fd_mode; /* kvs_event_fd was asked for: the proxy kicks on every batch */
 	uint32_t id;
 	uint64_t instance;
 	uint8_t *pool;

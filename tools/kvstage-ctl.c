@@ -18,10 +18,11 @@ static void usage(FILE *f)
 "Control a kvstaged started with --failpoints.\n"
 "\n"
 "Commands:\n"
-"  set NAME off|pause|fail[=ERRNO] [--match USER_DATA]\n"
+"  set NAME off|pause|fail[=ERRNO] [--match USER_DATA [--mask MASK]]\n"
 "                        pause: hold what reaches NAME until set off;\n"
 "                        fail: fail it with ERRNO (default EIO);\n"
-"                        --match: only rooms whose user_data (either side) is USER_DATA\n"
+"                        --match: only rooms whose user_data (either side) is USER_DATA;\n"
+"                        with --mask, whose user_data & MASK is USER_DATA\n"
 "  wait NAME [HITS]      block until NAME has been hit HITS times (default 1)\n"
 "  hits NAME             print how many times NAME has been hit\n"
 "  list                  list failpoint names\n"
@@ -44,14 +45,15 @@ int main(int argc, char **argv)
 {
 	static const struct option opts[] = {
 		{ "socket", required_argument, NULL, 's' }, { "timeout", required_argument, NULL, 't' },
-		{ "match", required_argument, NULL, 'm' },  { "help", no_argument, NULL, 'h' },
+		{ "match", required_argument, NULL, 'm' },  { "mask", required_argument, NULL, 'k' },
+		{ "help", no_argument, NULL, 'h' },
 		{ "version", no_argument, NULL, 'V' },      { 0 },
 	};
 	const char *path = getenv("KVSTAGE_SOCKET");
 	int timeout = -1, opt;
-	uint64_t match = 0;
+	uint64_t match = 0, mask = 0;
 	int has_match = 0;
-	while ((opt = getopt_long(argc, argv, "+s:t:m:hV", opts, NULL)) != -1) {
+	while ((opt = getopt_long(argc, argv, "+s:t:m:k:hV", opts, NULL)) != -1) {
 		char *end;
 		switch (opt) {
 		case 's': path = optarg; break;
@@ -70,6 +72,13 @@ int main(int argc, char **argv)
 			}
 			has_match = 1;
 			break;
+		case 'k':
+			mask = strtoull(optarg, &end, 0);
+			if (*end || !*optarg || !mask) {
+				fprintf(stderr, "kvstage-ctl: invalid --mask '%s'\n", optarg);
+				return 2;
+			}
+			break;
 		case 'h': usage(stdout); return 0;
 		case 'V': printf("kvstage-ctl %s\n", KVS_VERSION_STRING); return 0;
 		default: fprintf(stderr, "Try 'kvstage-ctl --help'.\n"); return 2;
@@ -79,14 +88,20 @@ int main(int argc, char **argv)
 	int n = argc - optind;
 	char **a = argv + optind;
 	for (int i = 0; i + 1 < n; i++) {
-		if (!strcmp(a[i], "--match") || !strcmp(a[i], "-m")) {
+		int is_match = !strcmp(a[i], "--match") || !strcmp(a[i], "-m");
+		if (is_match || !strcmp(a[i], "--mask") || !strcmp(a[i], "-k")) {
 			char *end;
-			match = strtoull(a[i + 1], &end, 0);
-			if (*end) {
-				fprintf(stderr, "kvstage-ctl: invalid --match '%s'\n", a[i + 1]);
+			uint64_t v = strtoull(a[i + 1], &end, 0);
+			if (*end || !*a[i + 1] || (!is_match && !v)) {
+				fprintf(stderr, "kvstage-ctl: invalid %s '%s'\n", a[i], a[i + 1]);
 				return 2;
 			}
-			has_match = 1;
+			if (is_match) {
+				match = v;
+				has_match = 1;
+			} else {
+				mask = v;
+			}
 			memmove(&a[i], &a[i + 2], (size_t)(n - i - 2) * sizeof(*a));
 			n -= 2;
 			i--;
@@ -113,7 +128,12 @@ int main(int argc, char **argv)
 		return fail(path, fd);
 	int rc;
 	if (!strcmp(a[0], "set") && n == 3) {
-		rc = kvs_admin_fp_set(fd, a[1], a[2], has_match ? &match : NULL);
+		if (mask && !has_match) {
+			fprintf(stderr, "kvstage-ctl: --mask needs --match\n");
+			return 2;
+		}
+		rc = has_match ? kvs_admin_fp_set_mask(fd, a[1], a[2], match, mask)
+			       : kvs_admin_fp_set(fd, a[1], a[2], NULL);
 		if (rc == -EINVAL && !*kvs_admin_msg()) {
 			fprintf(stderr, "kvstage-ctl: bad action '%s': want off, pause or fail[=ERRNO]\n",
 				a[2]);
