@@ -192,9 +192,6 @@ void kvs_close(kvs_client *c)
 {
 	if (!c)
 		return;
-	/* Companions first, last attached first: they may still need the
-	 * pool mapped (a DMA registration is undone before the munmap). */
-	for (unsigned i = KVS_EXT_MAX; i-- > 0;)
 	for (unsigned i = 0; i < c->nrooms; i++) {
 		free(c->rooms[i].sent);
 		free(c->rooms[i].map);
