@@ -63,6 +63,17 @@ static struct kvsp_client *client(unsigned i)
 	return cl[i];
 }
 
+/* Death without the munmaps: reclaim exactly as a death does, then reset
+ * the rings and take a new identity, as a fresh client would have. */
+static void reborn(struct kvsp_client *c)
+{
+	kvsp_client_reclaim(&P, c);
+	memset(c->handles, 0, P.cfg.client_rooms * sizeof(*c->handles));
+	memcpy(&c->sq.r->prod, P.sq_tmpl, P.tmpl_len);
+	memcpy(&c->cq.r->prod, P.cq_tmpl, P.tmpl_len);
+	c->id = ++P.next_cid;
+}
+
 static bool live_owner(uint32_t id)
 {
 	for (unsigned i = 0; i < NCLIENTS; i++)
@@ -228,9 +239,15 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 				kvsp_client_poll(&P, c);
 			}
 			break;
-		default: /* the client dies */
-			kvsp_client_destroy(&P, c);
-			cl[b & 3] = NULL;
+		default: /* the client dies: mostly reborn in place (the same
+			  * reclaim a death runs), now and then freed outright */
+			take(&data, &size, tmp, 1);
+			if ((tmp[0] & 15) == 0) {
+				kvsp_client_destroy(&P, c);
+				cl[b & 3] = NULL;
+			} else {
+				reborn(c);
+			}
 			break;
 		}
 		kvsp_kicks_flush(&P);
@@ -240,16 +257,9 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 	 * Reclaiming is exactly what a death does; the mappings are kept and
 	 * reset, with a new identity, so the next input starts fresh and fast. */
 	P.fp[KVSP_FP_LOCAL_QUIESCE].action = KVS_FP_OFF;
-	for (unsigned i = 0; i < NCLIENTS; i++) {
-		struct kvsp_client *c = cl[i];
-		if (!c)
-			continue;
-		kvsp_client_reclaim(&P, c);
-		memset(c->handles, 0, P.cfg.client_rooms * sizeof(*c->handles));
-		memcpy(&c->sq.r->prod, P.sq_tmpl, P.tmpl_len);
-		memcpy(&c->cq.r->prod, P.cq_tmpl, P.tmpl_len);
-		c->id = ++P.next_cid;
-	}
+	for (unsigned i = 0; i < NCLIENTS; i++)
+		if (cl[i])
+			reborn(cl[i]);
 	P.local->ops->poll(P.local);
 	check();
 	if (P.stats->slots[KVS_SLOT_FREE] != NSLOTS)

@@ -94,8 +94,8 @@ struct kvsp_client *kvsp_client_new(struct kvsp *p, int sock, pid_t pid, uid_t u
 	c->uid = uid;
 	p->clients[idx] = c;
 	p->nclients++;
-	__atomic_fetch_add(&p->stats->clients, 1, __ATOMIC_RELAXED);
-	__atomic_fetch_add(&p->stats->clients_total, 1, __ATOMIC_RELAXED);
+	KVS_STAT_ADD(p->stats->clients, 1);
+	KVS_STAT_ADD(p->stats->clients_total, 1);
 	return c;
 }
 
@@ -117,7 +117,7 @@ void kvsp_client_destroy(struct kvsp *p, struct kvsp_client *c)
 	kvsp_client_reclaim(p, c);
 	p->clients[c->idx] = NULL;
 	p->nclients--;
-	__atomic_fetch_sub(&p->stats->clients, 1, __ATOMIC_RELAXED);
+	KVS_STAT_SUB(p->stats->clients, 1);
 	client_free(c);
 }
 
@@ -159,9 +159,9 @@ static void post(struct kvsp *p, struct kvsp_client *c, const struct kvs_cqe *e)
 	/* Space is reserved (see kvsp_client_poll); a miss means the client
 	 * scribbled on its own ring. */
 	if (kvs_ring_push(&c->cq, e, sizeof(*e), 1) == 1)
-		__atomic_fetch_add(&p->stats->events, 1, __ATOMIC_RELAXED);
+		KVS_STAT_ADD(p->stats->events, 1);
 	else
-		__atomic_fetch_add(&p->stats->events_dropped, 1, __ATOMIC_RELAXED);
+		KVS_STAT_ADD(p->stats->events_dropped, 1);
 	mark_kick(p, c);
 }
 
@@ -192,7 +192,7 @@ void kvsp_count_reject(struct kvsp *p, int err)
 	case -ENOBUFS: ctr = &p->stats->rej_nobufs; break;
 	default: ctr = &p->stats->rej_inval; break;
 	}
-	__atomic_fetch_add(ctr, 1, __ATOMIC_RELAXED);
+	KVS_STAT_ADD(*ctr, 1);
 }
 
 void kvsp_client_reject(struct kvsp *p, struct kvsp_client *c, uint16_t h, int status,
@@ -233,6 +233,6 @@ int kvsp_client_poll(struct kvsp *p, struct kvsp_client *c)
 	n = kvs_ring_pop(&c->sq, q, sizeof(q[0]), n);
 	for (unsigned i = 0; i < n; i++)
 		kvsp_client_op(p, c, &q[i]);
-	__atomic_fetch_add(&p->stats->ops, n, __ATOMIC_RELAXED);
+	KVS_STAT_ADD(p->stats->ops, n);
 	return n ? KVSP_BUSY : KVSP_IDLE;
 }

@@ -40,6 +40,7 @@ struct kvsp_pending {
 	int fd;
 	pid_t pid;
 	uid_t uid;
+	gid_t gid;
 	uint64_t since_ns;
 };
 
@@ -226,9 +227,9 @@ static void refuse(struct kvsp *p, int fd, int status, const char *msg)
 {
 	struct kvs_welcome w = { .magic = KVS_MAGIC_HELLO, .abi = KVS_ABI, .status = status };
 	snprintf(w.msg, sizeof(w.msg), "%s", msg);
+	KVS_STAT_ADD(p->stats->clients_refused, 1); /* counted before anyone hears of it */
 	kvs_sock_send(fd, &w, sizeof(w), NULL, 0);
 	close(fd);
-	__atomic_fetch_add(&p->stats->clients_refused, 1, __ATOMIC_RELAXED);
 }
 
 static bool admitted(const struct kvsp *p, uid_t uid, gid_t gid)
@@ -258,12 +259,6 @@ static void on_accept(struct kvsp *p)
 			close(fd);
 			continue;
 		}
-		if (!admitted(p, cr.uid, cr.gid)) {
-			LOG_WARN("refused pid %d: uid %u gid %u not allowed", (int)cr.pid,
-				 (unsigned)cr.uid, (unsigned)cr.gid);
-			refuse(p, fd, -EACCES, "uid/gid not allowed (--allow-uid, --allow-gid)");
-			continue;
-		}
 		unsigned i;
 		for (i = 0; i < MAX_PENDING && p->pending[i].fd >= 0; i++)
 			;
@@ -271,7 +266,10 @@ static void on_accept(struct kvsp *p)
 			refuse(p, fd, -EAGAIN, "too many connections in handshake");
 			continue;
 		}
-		p->pending[i] = (struct kvsp_pending){ fd, cr.pid, cr.uid, p->now_ns };
+		/* Judged at hello: refusing before reading it would close with
+		 * its bytes unread, and the client would see ECONNRESET instead
+		 * of the reason. */
+		p->pending[i] = (struct kvsp_pending){ fd, cr.pid, cr.uid, cr.gid, p->now_ns };
 		if (ep_add(p, fd, EPOLLIN | EPOLLRDHUP, tag(T_PENDING, i, 0)) < 0) {
 			close(fd);
 			p->pending[i].fd = -1;
@@ -338,6 +336,12 @@ static void on_hello(struct kvsp *p, unsigned i)
 	}
 	if (h.abi != KVS_ABI) {
 		refuse(p, pd.fd, -EPROTO, "ABI mismatch between libkvstage and kvstaged");
+		return;
+	}
+	if (!admitted(p, pd.uid, pd.gid)) {
+		LOG_WARN("refused pid %d: uid %u gid %u not allowed", (int)pd.pid, (unsigned)pd.uid,
+			 (unsigned)pd.gid);
+		refuse(p, pd.fd, -EACCES, "uid/gid not allowed (--allow-uid, --allow-gid)");
 		return;
 	}
 	switch (h.kind) {
@@ -485,7 +489,7 @@ static void on_events(struct kvsp *p, struct epoll_event *ev, int n)
 			struct kvsp_client *c = kvsp_client_get(p, (uint16_t)idx, id);
 			if (c) {
 				LOG_DEBUG("client %u (pid %d) hung up", c->id, (int)c->pid);
-				__atomic_fetch_add(&p->stats->clients_died, 1, __ATOMIC_RELAXED);
+				KVS_STAT_ADD(p->stats->clients_died, 1);
 				kvsp_client_destroy(p, c);
 			}
 			break;
@@ -573,7 +577,7 @@ static void sleep_until_work(struct kvsp *p, uint64_t deadline)
 					  ? 0
 					  : (int)((deadline - p->now_ns + 999999) / 1000000);
 		struct epoll_event ev[32];
-		__atomic_fetch_add(&p->stats->sleeps, 1, __ATOMIC_RELAXED);
+		KVS_STAT_ADD(p->stats->sleeps, 1);
 		int n = epoll_wait(p->epfd, ev, 32, timeout);
 		__atomic_store_n(&p->ctrl->sleeping, 0, __ATOMIC_RELAXED);
 		p->now_ns = kvsp_now_ns();

@@ -154,7 +154,7 @@ static uint32_t room_alloc(struct kvsp *p)
 	p->room_free_head = p->rooms[i].next_free;
 	if (p->room_free_head == NONE)
 		p->room_free_tail = NONE;
-	__atomic_fetch_add(&p->stats->rooms_open, 1, __ATOMIC_RELAXED);
+	KVS_STAT_ADD(p->stats->rooms_open, 1);
 	return i;
 }
 
@@ -173,7 +173,7 @@ static void room_maybe_free(struct kvsp *p, uint32_t i)
 	else
 		p->room_free_head = i;
 	p->room_free_tail = i;
-	__atomic_fetch_sub(&p->stats->rooms_open, 1, __ATOMIC_RELAXED);
+	KVS_STAT_SUB(p->stats->rooms_open, 1);
 }
 
 /* Posts a final event to one side; detaches the side if its handle was
@@ -211,7 +211,7 @@ static void room_complete(struct kvsp *p, uint32_t i, uint32_t first_slot)
 	r->state = KVSP_ROOM_ENDED;
 	r->final_type = KVS_EV_RECV_DONE;
 	p->rooms_active--;
-	__atomic_fetch_add(&p->stats->rooms_done, 1, __ATOMIC_RELAXED);
+	KVS_STAT_ADD(p->stats->rooms_done, 1);
 	post_final(p, &r->send, KVS_EV_SEND_DONE, 0, r->bytes, NONE, 0);
 	post_final(p, &r->recv, KVS_EV_RECV_DONE, 0, r->bytes, first_slot,
 		   p->slots.pub[first_slot].epoch);
@@ -229,9 +229,10 @@ static void room_abort(struct kvsp *p, uint32_t i, int status, uint8_t type)
 	r->status = status;
 	r->final_type = type;
 	lru_del(p, i);
-	__atomic_fetch_add(type == KVS_EV_FAILED ? &p->stats->rooms_failed
-						 : &p->stats->rooms_aborted,
-			   1, __ATOMIC_RELAXED);
+	if (type == KVS_EV_FAILED)
+		KVS_STAT_ADD(p->stats->rooms_failed, 1);
+	else
+		KVS_STAT_ADD(p->stats->rooms_aborted, 1);
 	while (r->placed_head != NONE) {
 		uint32_t s = r->placed_head;
 		slist_del(p, &r->placed_head, s);
@@ -279,7 +280,7 @@ uint64_t kvsp_rooms_tick(struct kvsp *p)
 			return r->progress_ns + t;
 		LOG_INFO("room %u: no progress for %llu ms, aborting", p->lru_head,
 			 (unsigned long long)(t / 1000000));
-		__atomic_fetch_add(&p->stats->rooms_timed_out, 1, __ATOMIC_RELAXED);
+		KVS_STAT_ADD(p->stats->rooms_timed_out, 1);
 		room_abort(p, p->lru_head, -ETIMEDOUT, KVS_EV_ABORTED);
 	}
 	return UINT64_MAX;
@@ -353,7 +354,7 @@ int kvsp_room_open_send(struct kvsp *p, struct kvsp_client *c, uint16_t h,
 	if (r->state == KVSP_ROOM_FREE || r->gen != le32toh(d->gen))
 		return -ESTALE;
 	if (!token_eq(r->token, d->token)) {
-		__atomic_fetch_add(&p->stats->rej_token, 1, __ATOMIC_RELAXED);
+		KVS_STAT_ADD(p->stats->rej_token, 1);
 		LOG_WARN("client %u (pid %d): wrong token for room %u", c->id, (int)c->pid, i);
 		return -EPERM;
 	}
@@ -454,13 +455,12 @@ void kvsp_xfer_done(struct kvsp *p, const struct kvsp_xfer *x, int status)
 		     r->gen == x->room_gen && r->state == KVSP_ROOM_OPEN;
 	int st = kvsp_slot_unpin(&p->slots, x->slot);
 	if (st == KVS_SLOT_FREE)
-		__atomic_fetch_add(&p->stats->tombstones_reaped, 1, __ATOMIC_RELAXED);
+		KVS_STAT_ADD(p->stats->tombstones_reaped, 1);
 	if (lands) {
 		kvsp_slot_handoff(&p->slots, x->slot, r->recv.cid);
 		slist_push(p, &r->placed_head, x->slot);
-		__atomic_fetch_add(&p->stats->chunks_moved, 1, __ATOMIC_RELAXED);
-		__atomic_fetch_add(&p->stats->bytes_moved, chunk_len(p, r, x->chunk),
-				   __ATOMIC_RELAXED);
+		KVS_STAT_ADD(p->stats->chunks_moved, 1);
+		KVS_STAT_ADD(p->stats->bytes_moved, chunk_len(p, r, x->chunk));
 		if (x->chunk == 0)
 			r->chunk0 = x->slot;
 		touch(p, x->room);

@@ -11,8 +11,8 @@
 static void set_state(struct kvsp_slots *s, uint32_t i, uint8_t st)
 {
 	struct kvs_slot *p = &s->pub[i];
-	__atomic_fetch_sub(&s->nstate[p->state], 1, __ATOMIC_RELAXED);
-	__atomic_fetch_add(&s->nstate[st], 1, __ATOMIC_RELAXED);
+	KVS_STAT_SUB(s->nstate[p->state], 1);
+	KVS_STAT_ADD(s->nstate[st], 1);
 	PUB_SET(p->state, st);
 }
 

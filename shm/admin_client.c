@@ -27,7 +27,7 @@ int kvs_admin_connect(const char *path)
 	struct kvs_hello h = { .magic = KVS_MAGIC_HELLO, .abi = KVS_ABI, .kind = KVS_HELLO_ADMIN };
 	struct kvs_welcome w;
 	int rc = kvs_sock_send(fd, &h, sizeof(h), NULL, 0);
-	if (rc == 0) {
+	if (rc == 0 || rc == -EPIPE || rc == -ECONNRESET) { /* a refusal may be waiting */
 		ssize_t n = kvs_sock_recv(fd, &w, sizeof(w), NULL, NULL, 0);
 		rc = n < 0 ? (int)n : n != sizeof(w) || w.magic != KVS_MAGIC_HELLO ? -EPROTO : w.status;
 		if (n == sizeof(w)) {

@@ -231,7 +231,9 @@ static int handshake(kvs_client *c, const char *path, int fds[KVS_WELCOME_NFDS],
 	setsockopt(sock, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
 	struct kvs_hello h = { .magic = KVS_MAGIC_HELLO, .abi = KVS_ABI, .kind = KVS_HELLO_CLIENT };
 	int rc = kvs_sock_send(sock, &h, sizeof(h), NULL, 0);
-	if (rc < 0)
+	/* A proxy that refuses us at accept has closed before our hello;
+	 * its reason is still waiting to be read. */
+	if (rc < 0 && rc != -EPIPE && rc != -ECONNRESET)
 		return rc;
 	int nfds = KVS_WELCOME_NFDS;
 	ssize_t n = kvs_sock_recv(sock, w, sizeof(*w), fds, &nfds, 0);

@@ -71,6 +71,11 @@ struct kvs_stats {
 	uint64_t draining; /* 1 once SIGTERM was seen */
 };
 
+/* The proxy is the counters' only writer, so a plain load and store (no
+ * locked read-modify-write) is enough; readers see whole values. */
+#define KVS_STAT_ADD(f, v) __atomic_store_n(&(f), __atomic_load_n(&(f), __ATOMIC_RELAXED) + (v), __ATOMIC_RELAXED)
+#define KVS_STAT_SUB(f, v) __atomic_store_n(&(f), __atomic_load_n(&(f), __ATOMIC_RELAXED) - (v), __ATOMIC_RELAXED)
+
 struct kvs_ctrl {
 	uint32_t magic; /* KVS_MAGIC_CTRL */
 	uint32_t abi;   /* KVS_ABI */

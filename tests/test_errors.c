@@ -9,7 +9,9 @@
 #include <errno.h>
 #include <signal.h>
 #include <string.h>
+#include <grp.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "canary.h"
@@ -372,4 +374,52 @@ Test(errors, control_segment_cannot_be_written)
 	kvs_close(c);
 	munmap(ro, w.ctrl_size);
 	close(cfd);
+}
+
+/* Peer credentials: the socket's mode keeps strangers out; past it, the
+ * proxy's own SO_PEERCRED check does. */
+static int connect_as_nobody(int rd, int wr, void *arg)
+{
+	(void)rd;
+	(void)arg;
+	if (setgroups(0, NULL) || setresgid(65534, 65534, 65534) || setresuid(65534, 65534, 65534))
+		return 100;
+	kvs_client *c;
+	int rc = kvs_connect(px.sock, &c);
+	chan_put(wr, &rc, sizeof(rc));
+	if (rc == 0)
+		kvs_close(c);
+	return 0;
+}
+
+static int try_nobody(void)
+{
+	struct child ch;
+	child_start(&ch, connect_as_nobody, NULL);
+	int rc = 1;
+	cr_assert_eq(chan_get(ch.from, &rc, sizeof(rc)), 0, "child could not drop to nobody");
+	cr_assert_eq(child_wait(&ch), 0);
+	return rc;
+}
+
+Test(errors, peer_credentials_are_checked)
+{
+	if (geteuid() != 0)
+		cr_skip_test("needs root to run a client as another uid (nobody)");
+	struct stat st;
+	cr_assert_eq(stat(px.sock, &st), 0);
+	cr_assert_eq(st.st_mode & 0777, 0660, "the socket is mode 0660");
+	chmod(px.dir, 0755); /* mkdtemp made it 0700 */
+	cr_assert_eq(try_nobody(), -EACCES, "the file mode keeps nobody out");
+	chmod(px.sock, 0666);
+	uint64_t refused = stat_get(&px, "clients_refused");
+	int rc = try_nobody();
+	cr_assert_eq(rc, -EACCES, "past the mode, SO_PEERCRED refuses nobody: %s", kvs_strerror(rc));
+	cr_assert_eq(stat_get(&px, "clients_refused"), refused + 1, "refused %llu -> %llu", (unsigned long long)refused, (unsigned long long)stat_get(&px, "clients_refused"));
+	proxy_stop(&px);
+	proxy_start(&px, NULL, (const char *[]){ "--slots", "4", "--slot-size", "4K", "--allow-uid",
+						  "65534", NULL });
+	chmod(px.dir, 0755);
+	chmod(px.sock, 0666);
+	cr_assert_eq(try_nobody(), 0, "--allow-uid admits it");
 }
