@@ -16,4 +16,6 @@ fi
 ninja -C build-asan
 ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
   meson test -C build-asan --print-errorlogs
+echo "== short fuzz pass (fuzz/run.sh: libFuzzer, clang, ASan+UBSan; see README for the long run)"
+FUZZ_RUNS=${FUZZ_RUNS:-100000} fuzz/run.sh
 echo "== all tests passed"
