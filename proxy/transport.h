@@ -11,6 +11,7 @@
 #include <stdbool.h>
 
 #include "proxy.h"
+#include "wire.h" /* what the tcp and verbs transports will speak */
 
 struct kvsp_transport;
 
