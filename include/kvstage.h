@@ -102,6 +102,19 @@ int kvs_wait(kvs_client *c, struct kvs_event *ev, int timeout_ms);
 /* An fd that is readable when events may be waiting (then call kvs_poll); from the first call on, the proxy signals it for every batch of events. */
 int kvs_event_fd(kvs_client *c);
 
+/*
+ * For companion libraries (libkvstage_cuda, ...) that extend a connection.
+ */
+/* The pool as c maps it (slot i at i * kvs_slot_size(c)), for registering with a DMA API; len may be NULL. */
+void *kvs_pool_map(kvs_client *c, size_t *len);
+/* Returns 0 if c holds l now (as kvs_lease_ptr sees it), or -EINVAL (no such slot), -ESTALE, -EPERM, -EBUSY (in flight). */
+int kvs_lease_check(kvs_client *c, const struct kvs_lease *l);
+/* Attaches state under key; kvs_close calls fini(c, state) before it unmaps the pool. Returns 0, or -EEXIST, -ENOSPC, -EINVAL. */
+int kvs_ext_attach(kvs_client *c, const void *key, void *state,
+		   void (*fini)(kvs_client *c, void *state));
+/* The state attached under key, or NULL. */
+void *kvs_ext_get(const kvs_client *c, const void *key);
+
 /* A static string explaining a (negative) kvstage error code. */
 const char *kvs_strerror(int err);
 /* The library's version, KVS_VERSION_STRING at build time. */

@@ -192,6 +192,11 @@ void kvs_close(kvs_client *c)
 {
 	if (!c)
 		return;
+	/* Companions first, last attached first: they may still need the
+	 * pool mapped (a DMA registration is undone before the munmap). */
+	for (unsigned i = KVS_EXT_MAX; i-- > 0;)
+		if (c->ext[i].key && c->ext[i].fini)
+			c->ext[i].fini(c, c->ext[i].state);
 	for (unsigned i = 0; i < c->nrooms; i++) {
 		free(c->rooms[i].sent);
 		free(c->rooms[i].map);
@@ -378,6 +383,39 @@ static void unwait(kvs_client *c)
 	__atomic_store_n(&c->cshm->waiting, c->fd_mode, __ATOMIC_RELAXED);
 }
 
+void *kvs_pool_map(kvs_client *c, size_t *len)
+{
+	if (len)
+		*len = c->pool_size;
+	return c->pool;
+}
+
+int kvs_ext_attach(kvs_client *c, const void *key, void *state,
+		   void (*fini)(kvs_client *c, void *state))
+{
+	if (!c || !key)
+		return -EINVAL;
+	struct kvs_ext *free_ = NULL;
+	for (unsigned i = 0; i < KVS_EXT_MAX; i++) {
+		if (c->ext[i].key == key)
+			return -EEXIST;
+		if (!c->ext[i].key && !free_)
+			free_ = &c->ext[i];
+	}
+	if (!free_)
+		return -ENOSPC;
+	*free_ = (struct kvs_ext){ .key = key, .state = state, .fini = fini };
+	return 0;
+}
+
+void *kvs_ext_get(const kvs_client *c, const void *key)
+{
+	for (unsigned i = 0; c && key && i < KVS_EXT_MAX; i++)
+		if (c->ext[i].key == key)
+			return c->ext[i].state;
+	return NULL;
+}
+
 /* -------------------------------------------------------------- leases */
 
 /* The proxy's verdict on l for c, read from the table it publishes. */
@@ -403,6 +441,16 @@ int kvs_acquire(kvs_client *c, unsigned n, struct kvs_lease *out)
 		return rc;
 	memcpy(out, c->reply_leases, n * sizeof(*out));
 	return 0;
+}
+
+int kvs_lease_check(kvs_client *c, const struct kvs_lease *l)
+{
+	if (!c || !l)
+		return -EINVAL;
+	int st = lease_state(c, l);
+	if (st < 0)
+		return st;
+	return st == KVS_SLOT_LEASED || st == KVS_SLOT_RECV_FILLED ? 0 : -EBUSY;
 }
 
 void *kvs_lease_ptr(kvs_client *c, const struct kvs_lease *l)

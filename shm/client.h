@@ -28,6 +28,14 @@ struct kvs_room {
 	struct kvs_lease first;  /* receiver: chunk 0, from RECV_DONE */
 };
 
+#define KVS_EXT_MAX 4 /* companion libraries attached to one connection */
+
+struct kvs_ext {
+	const void *key;
+	void *state;
+	void (*fini)(kvs_client *c, void *state);
+};
+
 struct kvs_client {
 	int sock, wake_fd, efd;
 	bool dead;
@@ -51,6 +59,7 @@ struct kvs_client {
 	uint16_t *free_idx;
 	struct kvs_cqe *stash; /* events taken off the ring while waiting for a reply */
 	unsigned stash_cap, stash_head, stash_n;
+	struct kvs_ext ext[KVS_EXT_MAX];
 };
 
 #endif
