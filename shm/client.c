@@ -288,6 +288,13 @@ static int attach(kvs_client *c, const struct kvs_welcome *w, const int fds[KVS_
 	c->pool = map_fd(pool_fd, c->pool_size, PROT_READ | PROT_WRITE);
 	if (!c->pool)
 		return -ENOMEM;
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23
+#endif
+	/* The proxy allocated every page; fill our page tables in one pass
+	 * now rather than fault each page on first touch in the fast path.
+	 * Best effort: older kernels lack it, and that only costs faults. */
+	madvise(c->pool, c->pool_size, MADV_POPULATE_WRITE);
 
 	struct kvs_cmem_layout l;
 	kvs_cmem_layout(&l, c->slot_count, c->ctrl->sq_count, c->ctrl->cq_count);
