@@ -5,7 +5,7 @@
 #   FUZZ_RUNS=N fuzz/run.sh      or for exactly N executions
 #   FUZZ_MERGE=1 fuzz/run.sh S   then fold new coverage back into fuzz/corpus/
 # Exit status is libFuzzer's: non-zero on any crash, leak or broken invariant
-# (the input that did it is left in the current directory as crash-*).
+# (the input that did it is left in build-fuzz/artifacts/ as crash-*).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 secs=${1:-60}
@@ -14,6 +14,7 @@ if [ ! -f build-fuzz/build.ninja ]; then
     -Db_sanitize=address,undefined -Db_lundef=false >/dev/null
 fi
 ninja -C build-fuzz fuzz/fuzz-ops >/dev/null
+mkdir -p build-fuzz/artifacts
 work=$(mktemp -d /tmp/kvstage-fuzz.XXXXXX)
 trap 'rm -rf "$work"' EXIT
 limit=(-max_total_time="$secs")
@@ -21,6 +22,7 @@ limit=(-max_total_time="$secs")
 rc=0
 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
   build-fuzz/fuzz/fuzz-ops "${limit[@]}" -print_final_stats=1 -max_len=512 \
+  -artifact_prefix=build-fuzz/artifacts/ \
   "$work" fuzz/corpus > "$work/log" 2>&1 || rc=$?
 grep -vE '^#[0-9]+ +(NEW|REDUCE|pulse)' "$work/log" | tail -n 40
 [ "$rc" -eq 0 ] || { echo "fuzz: FAILED (exit $rc)"; exit "$rc"; }

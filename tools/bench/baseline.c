@@ -1,0 +1,514 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * The baselines: what the hardware and kernel give without kvstage.
+ *  - memcpy: one thread copying chunk-sized buffers around a ring larger
+ *    than the last-level cache, so the figure is memory bandwidth, not
+ *    cache bandwidth.
+ *  - rte_ring: the same SPSC ring kvstage uses, between two processes in a
+ *    MAP_SHARED mapping, with nothing else: the floor for a hand-off.
+ *  - TCP: one loopback connection, for the tcp transport to be held to.
+ */
+#include <arpa/inet.h>
+#include <errno.h>
+#include <sched.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/eventfd.h>
+#include <sys/mman.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <rte_config.h>
+#include <rte_pause.h>
+#include <rte_ring.h>
+#include <rte_ring_elem.h>
+
+#include "bench.h"
+
+/* ------------------------------------------------------------- memcpy */
+
+static uint8_t *m_src, *m_dst;
+static size_t m_len;
+
+void baseline_fini(void)
+{
+	bench_free(m_src, m_len);
+	bench_free(m_dst, m_len);
+	m_src = m_dst = NULL;
+	m_len = 0;
+}
+
+double baseline_memcpy(uint64_t chunk, uint64_t wset, double sec)
+{
+	size_t n = wset / chunk < 2 ? 2 : wset / chunk;
+	size_t len = n * chunk;
+	if (len != m_len) {
+		baseline_fini();
+		m_src = bench_alloc(len, false);
+		m_dst = bench_alloc(len, false);
+		if (!m_src || !m_dst) {
+			baseline_fini();
+			return -1;
+		}
+		m_len = len;
+	}
+	/* Check the clock about every MiB copied, not every chunk. */
+	size_t batch = chunk >= (1u << 20) ? 1 : (1u << 20) / chunk;
+	uint64_t bytes = 0, t0 = now_ns(), t = t0, end = t0 + (uint64_t)(sec * 1e9);
+	size_t i = 0;
+	do {
+		for (size_t k = 0; k < batch; k++) {
+			memcpy(m_dst + i * chunk, m_src + i * chunk, chunk);
+			if (++i == n)
+				i = 0;
+		}
+		bytes += batch * chunk;
+		t = now_ns();
+	} while (t < end);
+	/* Keep the copies observable so nothing can be elided. */
+	__asm__ volatile("" : : "r"(m_dst) : "memory");
+	return (double)bytes / (double)(t - t0);
+}
+
+/* ------------------------------------------------------------ rte_ring */
+
+#define RING_COUNT 1024
+#define RING_BURST 32
+#define RING_WINDOW 512
+#define STOP_SEQ UINT64_MAX
+
+struct ring_rec {
+	uint64_t seq, t, a, b;
+};
+_Static_assert(sizeof(struct ring_rec) == 32, "32-byte records, like kvstage's sqe/cqe");
+
+static void ring_push_all(struct rte_ring *r, const struct ring_rec *rec, unsigned n)
+{
+	while (n) {
+		unsigned k = rte_ring_sp_enqueue_burst_elem(r, rec, sizeof(*rec), n, NULL);
+		rec += k;
+		n -= k;
+		if (n)
+			rte_pause();
+	}
+}
+
+/* The echo side: everything that arrives on ping goes back on pong. */
+static void __attribute__((noreturn)) ring_echo(struct rte_ring *ping, struct rte_ring *pong)
+{
+	struct ring_rec buf[RING_BURST];
+	for (;;) {
+		unsigned n = rte_ring_sc_dequeue_burst_elem(ping, buf, sizeof(buf[0]), RING_BURST,
+							    NULL);
+		if (!n) {
+			rte_pause();
+			continue;
+		}
+		ring_push_all(pong, buf, n);
+		if (buf[n - 1].seq == STOP_SEQ)
+			_exit(0);
+	}
+}
+
+static unsigned ring_pop(struct rte_ring *r, struct ring_rec *buf, unsigned max)
+{
+	return rte_ring_sc_dequeue_burst_elem(r, buf, sizeof(buf[0]), max, NULL);
+}
+
+int baseline_ring(double sec, struct ring_base *out)
+{
+	memset(out, 0, sizeof(*out));
+	ssize_t sz = rte_ring_get_memsize_elem(sizeof(struct ring_rec), RING_COUNT);
+	if (sz < 0)
+		return -1;
+	size_t each = ((size_t)sz + 4095) & ~(size_t)4095;
+	uint8_t *m = bench_alloc(2 * each, true);
+	if (!m)
+		return -1;
+	struct rte_ring *ping = (struct rte_ring *)m, *pong = (struct rte_ring *)(m + each);
+	if (rte_ring_init(ping, "bench-ping", RING_COUNT, RING_F_SP_ENQ | RING_F_SC_DEQ) < 0 ||
+	    rte_ring_init(pong, "bench-pong", RING_COUNT, RING_F_SP_ENQ | RING_F_SC_DEQ) < 0) {
+		bench_free(m, 2 * each);
+		return -1;
+	}
+	/* Two spinners must not share a CPU, or the figure is the scheduler's
+	 * time slice: the echo side takes the last allowed CPU, we the first. */
+	cpu_set_t all, one;
+	int first = -1, last = -1;
+	bool pin = g_pin.spread && sched_getaffinity(0, sizeof(all), &all) == 0;
+	for (int c = 0; pin && c < CPU_SETSIZE; c++)
+		if (CPU_ISSET(c, &g_pin.all)) {
+			if (first < 0)
+				first = c;
+			last = c;
+		}
+	fflush(NULL);
+	pid_t pid = fork();
+	if (pid < 0) {
+		bench_free(m, 2 * each);
+		return -1;
+	}
+	if (pid == 0) {
+		prctl(PR_SET_PDEATHSIG, SIGKILL);
+		if (pin) {
+			CPU_ZERO(&one);
+			CPU_SET(last, &one);
+			sched_setaffinity(0, sizeof(one), &one);
+		}
+		ring_echo(ping, pong);
+	}
+	if (pin) {
+		CPU_ZERO(&one);
+		CPU_SET(first, &one);
+		sched_setaffinity(0, sizeof(one), &one);
+	}
+
+	/* Ping-pong: one record out, wait for it back. */
+	struct hist *h = malloc(sizeof(*h));
+	if (!h) {
+		kill(pid, SIGKILL);
+		waitpid(pid, NULL, 0);
+		if (pin)
+			sched_setaffinity(0, sizeof(all), &all);
+		bench_free(m, 2 * each);
+		return -1;
+	}
+	hist_init(h);
+	struct ring_rec rec = { 0 }, back[RING_BURST];
+	uint64_t t0 = now_ns(), end = t0 + (uint64_t)(sec * 1e9 / 2), t = t0, seq = 0;
+	while (t < end) {
+		rec.seq = seq++;
+		ring_push_all(ping, &rec, 1);
+		while (!ring_pop(pong, back, 1))
+			rte_pause();
+		uint64_t t1 = now_ns();
+		hist_add(h, t1 - t);
+		t = t1;
+	}
+	out->rt_per_s = (double)seq / ((double)(t - t0) / 1e9);
+	out->rtt = hist_lat(h);
+	free(h);
+
+	/* Batched: bursts of 32, up to 512 records out and back at once. */
+	struct ring_rec burst[RING_BURST] = { 0 };
+	uint64_t sent = 0, got = 0;
+	t0 = t = now_ns();
+	end = t0 + (uint64_t)(sec * 1e9 / 2);
+	while (t < end) {
+		unsigned room = RING_WINDOW - (unsigned)(sent - got);
+		if (room > RING_BURST)
+			room = RING_BURST;
+		if (room) {
+			for (unsigned k = 0; k < room; k++)
+				burst[k].seq = sent + k;
+			sent += rte_ring_sp_enqueue_burst_elem(ping, burst, sizeof(burst[0]), room,
+							       NULL);
+		}
+		got += ring_pop(pong, back, RING_BURST);
+		if ((got & 255) < RING_BURST)
+			t = now_ns();
+	}
+	t = now_ns();
+	out->batch_rec_per_s = (double)got / ((double)(t - t0) / 1e9);
+	while (got < sent)
+		got += ring_pop(pong, back, RING_BURST);
+
+	rec.seq = STOP_SEQ;
+	ring_push_all(ping, &rec, 1);
+	int st;
+	waitpid(pid, &st, 0);
+	if (pin)
+		sched_setaffinity(0, sizeof(all), &all);
+	bench_free(m, 2 * each);
+	out->done = WIFEXITED(st) && WEXITSTATUS(st) == 0;
+	return out->done ? 0 : -1;
+}
+
+/* ---------------------------------------------------------- copy pipe */
+
+struct pipe_shared {
+	uint64_t ready; /* sides done allocating */
+	uint64_t go, stop;
+	uint64_t bytes; /* through both copies */
+};
+
+/* Takes one slot index off r, yielding while there is none. False once told to stop. */
+static bool pipe_take(struct rte_ring *r, uint32_t *idx, struct pipe_shared *ps)
+{
+	while (!rte_ring_sc_dequeue_bulk_elem(r, idx, sizeof(*idx), 1, NULL)) {
+		if (__atomic_load_n(&ps->stop, __ATOMIC_RELAXED))
+			return false;
+		sched_yield();
+	}
+	return true;
+}
+
+static void __attribute__((noreturn))
+pipe_side(bool in, int fd, size_t plen, uint64_t chunk, uint64_t wset, struct rte_ring *from,
+	  struct rte_ring *to, struct pipe_shared *ps)
+{
+	prctl(PR_SET_PDEATHSIG, SIGKILL);
+	pin_clients();
+	/* Its own mapping, populated, as a client's is at kvs_connect. */
+	uint8_t *pool = mmap(NULL, plen, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
+	size_t n = wset / chunk < 2 ? 2 : wset / chunk, pos = 0;
+	uint8_t *buf = bench_alloc(n * chunk, false);
+	if (pool == MAP_FAILED || !buf)
+		_exit(1);
+	/* Nobody copies until both sides have their memory: setup stays
+	 * out of the parent's window. */
+	__atomic_add_fetch(&ps->ready, 1, __ATOMIC_RELEASE);
+	while (!__atomic_load_n(&ps->go, __ATOMIC_ACQUIRE)) {
+		if (__atomic_load_n(&ps->stop, __ATOMIC_RELAXED))
+			_exit(0);
+		sched_yield();
+	}
+	uint32_t idx = 0; /* set by pipe_take; GCC cannot see through DPDK's inlines */
+	while (pipe_take(from, &idx, ps)) {
+		if (in)
+			memcpy(pool + idx * chunk, buf + pos * chunk, chunk);
+		else
+			memcpy(buf + pos * chunk, pool + idx * chunk, chunk);
+		pos = (pos + 1) % n;
+		while (!rte_ring_sp_enqueue_bulk_elem(to, &idx, sizeof(idx), 1, NULL))
+			sched_yield();
+		if (!in)
+			__atomic_fetch_add(&ps->bytes, chunk, __ATOMIC_RELAXED);
+	}
+	_exit(0);
+}
+
+double baseline_pipe(uint64_t chunk, uint64_t inflight, uint64_t wset, double sec)
+{
+	uint32_t slots = (uint32_t)(inflight / chunk < 2 ? 2 : inflight / chunk);
+	unsigned count = 1;
+	while (count <= slots)
+		count <<= 1;
+	ssize_t rsz = rte_ring_get_memsize_elem(sizeof(uint32_t), count);
+	if (rsz < 0)
+		return -1;
+	size_t each = ((size_t)rsz + 4095) & ~(size_t)4095;
+	size_t mlen = 4096 + 2 * each;
+	uint8_t *m = bench_alloc(mlen, true);
+	int fd = memfd_create("kvstage-bench-pipe", MFD_CLOEXEC);
+	size_t plen = (size_t)slots * chunk;
+	if (!m || fd < 0 || ftruncate(fd, (off_t)plen) < 0) {
+		bench_free(m, mlen);
+		if (fd >= 0)
+			close(fd);
+		return -1;
+	}
+	memset(m, 0, 4096);
+	struct pipe_shared *ps = (struct pipe_shared *)m;
+	struct rte_ring *free_r = (struct rte_ring *)(m + 4096), *full = (struct rte_ring *)(m + 4096 + each);
+	double gbps = -1;
+	pid_t pid[2] = { -1, -1 };
+	if (rte_ring_init(free_r, "pipe-free", count, RING_F_SP_ENQ | RING_F_SC_DEQ) < 0 ||
+	    rte_ring_init(full, "pipe-full", count, RING_F_SP_ENQ | RING_F_SC_DEQ) < 0)
+		goto out;
+	for (uint32_t i = 0; i < slots; i++)
+		rte_ring_sp_enqueue_bulk_elem(free_r, &i, sizeof(i), 1, NULL);
+	fflush(NULL);
+	for (int k = 0; k < 2; k++) {
+		pid[k] = fork();
+		if (pid[k] == 0)
+			pipe_side(k == 0, fd, plen, chunk, wset, k ? full : free_r, k ? free_r : full, ps);
+		if (pid[k] < 0)
+			goto out;
+	}
+	uint64_t until = now_ns() + 30000000000ull;
+	while (__atomic_load_n(&ps->ready, __ATOMIC_ACQUIRE) < 2) {
+		if (now_ns() > until)
+			goto out;
+		sleep_ns(1000000);
+	}
+	__atomic_store_n(&ps->go, 1, __ATOMIC_RELEASE);
+	/* Settle: every slot through both copies twice (first touches, cold
+	 * caches and TLBs), and a tenth of the time; then the window. */
+	until = now_ns() + 10000000000ull;
+	while (__atomic_load_n(&ps->bytes, __ATOMIC_RELAXED) < 2 * plen && now_ns() < until)
+		sleep_ns(1000000);
+	sleep_ns((uint64_t)(sec * 1e8));
+	uint64_t b0 = __atomic_load_n(&ps->bytes, __ATOMIC_RELAXED), t0 = now_ns();
+	sleep_ns((uint64_t)(sec * 1e9));
+	uint64_t b1 = __atomic_load_n(&ps->bytes, __ATOMIC_RELAXED), t1 = now_ns();
+	gbps = (double)(b1 - b0) / (double)(t1 - t0);
+out:
+	__atomic_store_n(&ps->stop, 1, __ATOMIC_RELAXED);
+	for (int k = 0; k < 2; k++) {
+		int st;
+		if (pid[k] > 0 && (waitpid(pid[k], &st, 0) < 0 || !WIFEXITED(st) || WEXITSTATUS(st)))
+			gbps = -1;
+	}
+	close(fd);
+	bench_free(m, mlen);
+	return gbps;
+}
+
+/* -------------------------------------------------------------- wake-up */
+
+int baseline_wake(unsigned samples, uint64_t gap_ns, struct lat *out)
+{
+	int there = eventfd(0, EFD_CLOEXEC), back = eventfd(0, EFD_CLOEXEC);
+	struct hist *h = malloc(sizeof(*h));
+	if (there < 0 || back < 0 || !h) {
+		free(h);
+		if (there >= 0)
+			close(there);
+		if (back >= 0)
+			close(back);
+		return -1;
+	}
+	fflush(NULL);
+	pid_t pid = fork();
+	if (pid == 0) {
+		prctl(PR_SET_PDEATHSIG, SIGKILL);
+		if (g_pin.on && g_pin.proxy_cpu >= 0) {
+			cpu_set_t one;
+			CPU_ZERO(&one);
+			CPU_SET(g_pin.proxy_cpu, &one);
+			sched_setaffinity(0, sizeof(one), &one);
+		}
+		for (;;) {
+			eventfd_t v;
+			if (eventfd_read(there, &v) < 0 && errno != EINTR)
+				_exit(1);
+			if (v > 1)
+				_exit(0); /* the stop word */
+			eventfd_write(back, 1);
+		}
+	}
+	int rc = pid < 0 ? -1 : 0;
+	hist_init(h);
+	for (unsigned i = 0; i < samples && !rc; i++) {
+		sleep_ns(gap_ns);
+		eventfd_t v;
+		uint64_t t0 = now_ns();
+		eventfd_write(there, 1);
+		while (eventfd_read(back, &v) < 0)
+			if (errno != EINTR) {
+				rc = -1;
+				break;
+			}
+		hist_add(h, now_ns() - t0);
+	}
+	if (pid > 0) {
+		eventfd_write(there, 2);
+		waitpid(pid, NULL, 0);
+	}
+	*out = hist_lat(h);
+	free(h);
+	close(there);
+	close(back);
+	return rc;
+}
+
+/* ----------------------------------------------------------------- TCP */
+
+double baseline_tcp(uint64_t chunk, double sec)
+{
+	int ls = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+	struct sockaddr_in sa = { .sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK) };
+	socklen_t sl = sizeof(sa);
+	if (ls < 0 || bind(ls, (struct sockaddr *)&sa, sizeof(sa)) < 0 || listen(ls, 1) < 0 ||
+	    getsockname(ls, (struct sockaddr *)&sa, &sl) < 0) {
+		if (ls >= 0)
+			close(ls);
+		return -1;
+	}
+	/* 16 chunks each way, at least 64 MiB: a socket copy from and to memory
+	 * that is not all in cache, as a transport's would be. */
+	size_t n = (64u << 20) / chunk < 16 ? 16 : (64u << 20) / chunk;
+	size_t len = n * chunk;
+	fflush(NULL);
+	pid_t pid = fork();
+	if (pid < 0) {
+		close(ls);
+		return -1;
+	}
+	if (pid == 0) {
+		prctl(PR_SET_PDEATHSIG, SIGKILL);
+		close(ls);
+		uint8_t *src = bench_alloc(len, false);
+		int s = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+		if (!src || s < 0 || connect(s, (struct sockaddr *)&sa, sizeof(sa)) < 0)
+			_exit(1);
+		/* Until the reader hangs up. */
+		for (size_t i = 0;; i = (i + 1) % n) {
+			size_t off = 0;
+			while (off < chunk) {
+				ssize_t k = send(s, src + i * chunk + off, chunk - off, MSG_NOSIGNAL);
+				if (k < 0 && errno == EINTR)
+					continue;
+				if (k <= 0)
+					_exit(0);
+				off += (size_t)k;
+			}
+		}
+	}
+	int s = accept4(ls, NULL, NULL, SOCK_CLOEXEC);
+	close(ls);
+	uint8_t *dst = s >= 0 ? bench_alloc(len, false) : NULL;
+	double gbps = -1;
+	if (dst) {
+		uint64_t bytes = 0, t0 = now_ns(), t = t0, end = t0 + (uint64_t)(sec * 1e9);
+		size_t i = 0;
+		while (t < end) {
+			ssize_t k = recv(s, dst + i * chunk, chunk, 0);
+			if (k < 0 && errno == EINTR)
+				continue;
+			if (k <= 0)
+				break;
+			bytes += (uint64_t)k;
+			i = (i + 1) % n;
+			t = now_ns();
+		}
+		if (t >= end)
+			gbps = (double)bytes / (double)(t - t0);
+	}
+	if (s >= 0)
+		close(s);
+	int st;
+	waitpid(pid, &st, 0);
+	bench_free(dst, len);
+	return gbps;
+}
+
+/* ---------------------------------------------------------------- mode */
+
+int run_baseline(const struct bench_opts *o)
+{
+	struct ring_base ring;
+	struct baseline_point *pts = calloc(o->nchunks, sizeof(*pts));
+	if (!pts)
+		return 1;
+	note(o, "baseline: rte_ring round trips between two processes (%.2f s)", o->baseline_sec);
+	if (baseline_ring(o->baseline_sec, &ring) < 0)
+		note(o, "baseline: the rte_ring measurement failed");
+	int rc = 0;
+	bool prog = progress_on(o);
+	for (unsigned i = 0; i < o->nchunks; i++) {
+		char cs[16];
+		pts[i].chunk = o->chunks[i];
+		bench_size_str(o->chunks[i], cs, sizeof(cs));
+		if (prog)
+			progress_line("baseline %s: memcpy, then TCP (%u of %u)", cs, i + 1, o->nchunks);
+		pts[i].memcpy_gbps = baseline_memcpy(o->chunks[i], o->wset, o->baseline_sec);
+		baseline_fini();
+		pts[i].tcp_gbps = baseline_tcp(o->chunks[i], o->baseline_sec);
+		if (pts[i].memcpy_gbps <= 0 || pts[i].tcp_gbps <= 0) {
+			progress_clear();
+			fprintf(stderr, "kvstage-bench: the %s baseline at %s failed\n",
+				pts[i].memcpy_gbps <= 0 ? "memcpy" : "TCP", cs);
+			rc = 1;
+		}
+	}
+	progress_clear();
+	int prc = report_baseline(o, pts, o->nchunks, ring.done ? &ring : NULL);
+	free(pts);
+	return rc ? rc : prc;
+}

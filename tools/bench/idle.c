@@ -1,0 +1,206 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * The idle mode: a proxy with no work should sleep (not spin), a client
+ * blocked in kvs_wait should not spin either, and the first request after
+ * a quiet spell should be served quickly. The proxy's own `sleeping` flag
+ * (control segment) confirms it really was asleep before each sample.
+ */
+#include <errno.h>
+#include <signal.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "admin.h"
+#include "bench.h"
+#include "kvstage.h"
+#include "layout.h"
+
+#define ASLEEP_WAIT_NS 200000000ull
+
+/* Waits until the proxy says it sleeps. Returns true if it does. */
+static bool wait_asleep(const struct kvs_ctrl *ctrl, uint64_t limit_ns)
+{
+	uint64_t until = now_ns() + limit_ns;
+	while (!__atomic_load_n(&ctrl->sleeping, __ATOMIC_ACQUIRE)) {
+		if (now_ns() > until)
+			return false;
+		sleep_ns(100000);
+	}
+	return true;
+}
+
+/* A client that blocks in kvs_wait until killed; tells the parent when it is connected. */
+static pid_t spawn_waiter(const char *sock)
+{
+	int p[2];
+	if (pipe(p) < 0)
+		return -1;
+	fflush(NULL);
+	pid_t pid = fork();
+	if (pid == 0) {
+		prctl(PR_SET_PDEATHSIG, SIGKILL);
+		close(p[0]);
+		kvs_client *c;
+		char b = kvs_connect(sock, &c) == 0 ? 'r' : 'x';
+		full_write(p[1], &b, 1);
+		close(p[1]);
+		if (b != 'r')
+			_exit(1);
+		struct kvs_event ev;
+		for (;;)
+			kvs_wait(c, &ev, -1);
+	}
+	close(p[1]);
+	char b = 0;
+	if (pid < 0 || full_read(p[0], &b, 1) != 1 || b != 'r') {
+		if (pid > 0) {
+			kill(pid, SIGKILL);
+			waitpid(pid, NULL, 0);
+		}
+		pid = -1;
+	}
+	close(p[0]);
+	return pid;
+}
+
+static int ifail(const char *what, int rc)
+{
+	fprintf(stderr, "kvstage-bench idle: %s: %s\n", what, kvs_strerror(rc));
+	return 1;
+}
+
+static int measure(const struct bench_opts *o, const struct bench_proxy *px,
+		   const struct kvs_ctrl *ctrl, struct idle_result *r)
+{
+	kvs_client *c;
+	int rc = kvs_connect(px->sock, &c);
+	if (rc < 0)
+		return ifail("kvs_connect", rc);
+	pid_t waiter = spawn_waiter(px->sock);
+	if (waiter < 0) {
+		kvs_close(c);
+		return ifail("starting the client that waits in kvs_wait", -ECHILD);
+	}
+	int ret = 0;
+	if (!wait_asleep(ctrl, 2000000000ull))
+		note(o, "idle: the proxy did not go to sleep within 2 s of its last request");
+
+	/* The window: nobody asks anything. */
+	note(o, "idle: %.1f s with no work (one client connected, one blocked in kvs_wait)",
+	     o->duration);
+	uint64_t sleeps_a = __atomic_load_n(&ctrl->stats.sleeps, __ATOMIC_RELAXED);
+	double cpu_a = proc_cpu_seconds(px->cpu_pid), wcpu_a = proc_cpu_seconds(waiter);
+	uint64_t t_a = now_ns();
+	uint64_t end = t_a + (uint64_t)(o->duration * 1e9);
+	bool prog = progress_on(o);
+	while (now_ns() < end) {
+		uint64_t left = end - now_ns();
+		sleep_ns(left < 250000000ull ? left : 250000000ull);
+		if (prog)
+			progress_line("idle: %.1f / %.1f s", (double)(now_ns() - t_a) / 1e9, o->duration);
+	}
+	double cpu_b = proc_cpu_seconds(px->cpu_pid), wcpu_b = proc_cpu_seconds(waiter);
+	uint64_t t_b = now_ns();
+	uint64_t sleeps_b = __atomic_load_n(&ctrl->stats.sleeps, __ATOMIC_RELAXED);
+	progress_clear();
+	r->window_s = (double)(t_b - t_a) / 1e9;
+	r->proxy_cpu = cpu_a >= 0 && cpu_b >= 0 ? (cpu_b - cpu_a) / r->window_s * 100 : -1;
+	r->client_cpu = wcpu_a >= 0 && wcpu_b >= 0 ? (wcpu_b - wcpu_a) / r->window_s * 100 : -1;
+	r->proxy_sleeps = sleeps_b - sleeps_a;
+	kill(waiter, SIGKILL);
+	waitpid(waiter, NULL, 0);
+
+	/* Wake-ups: quiet for the gap, confirm it sleeps, then one request. */
+	struct hist *wake = malloc(sizeof(*wake)), *warm = malloc(sizeof(*warm));
+	if (!wake || !warm) {
+		ret = ifail("histograms", -ENOMEM);
+		goto out;
+	}
+	hist_init(wake);
+	hist_init(warm);
+	r->gap_ms = o->idle_gap_ms;
+	note(o, "idle: %u wake-up samples, %.1f ms apart", o->samples, o->idle_gap_ms);
+	for (unsigned i = 0; i < o->samples; i++) {
+		sleep_ns((uint64_t)(o->idle_gap_ms * 1e6));
+		if (!wait_asleep(ctrl, ASLEEP_WAIT_NS))
+			r->not_asleep++;
+		struct kvs_lease l;
+		uint64_t t0 = now_ns();
+		rc = kvs_acquire(c, 1, &l);
+		uint64_t t1 = now_ns();
+		if (rc < 0 || (rc = kvs_release(c, &l)) < 0) {
+			ret = ifail("kvs_acquire/kvs_release", rc);
+			goto out;
+		}
+		hist_add(wake, t1 - t0);
+		r->samples++;
+		if (prog && (i & 31) == 31)
+			progress_line("idle: wake-up sample %u / %u", i + 1, o->samples);
+	}
+	/* The same request, back to back: the proxy is awake and polling. */
+	for (unsigned i = 0; i < o->samples; i++) {
+		struct kvs_lease l;
+		uint64_t t0 = now_ns();
+		rc = kvs_acquire(c, 1, &l);
+		uint64_t t1 = now_ns();
+		if (rc < 0 || (rc = kvs_release(c, &l)) < 0) {
+			ret = ifail("kvs_acquire/kvs_release", rc);
+			goto out;
+		}
+		hist_add(warm, t1 - t0);
+	}
+	progress_clear();
+	r->wake = hist_lat(wake);
+	r->warm = hist_lat(warm);
+	note(o, "idle: baseline: %u eventfd round trips between two sleeping processes, %.1f ms "
+		"apart", o->samples, o->idle_gap_ms);
+	if (baseline_wake(o->samples, (uint64_t)(o->idle_gap_ms * 1e6), &r->efd) < 0)
+		note(o, "idle: the eventfd baseline failed; its ratios are n/a");
+out:
+	free(wake);
+	free(warm);
+	kvs_close(c);
+	return ret;
+}
+
+int run_idle(const struct bench_opts *o)
+{
+	struct bench_proxy px;
+	struct bench_proxy_info info = { .external = o->socket != NULL,
+					  .args = o->proxy_args,
+					  .nargs = o->nproxy_args };
+	struct idle_result r = { 0 };
+	if (o->socket) {
+		if (proxy_attach(&px, o->socket) < 0)
+			return 1;
+		note(o, "idle: the proxy at %s must have no other clients for this to mean anything",
+		     o->socket);
+	} else if (proxy_start(&px, o, o->chunks[0], proxy_slots_for(o->chunks[0], 1)) < 0) {
+		return 1;
+	}
+	snprintf(info.bin, sizeof(info.bin), "%s", px.bin);
+	snprintf(info.sock, sizeof(info.sock), "%s", px.sock);
+	info.pid = px.cpu_pid;
+	const struct kvs_ctrl *ctrl;
+	size_t clen;
+	int rc = kvs_stat_map(px.sock, &ctrl, &clen);
+	if (rc < 0) {
+		ifail("mapping the control segment", rc);
+		proxy_stop(&px);
+		return 1;
+	}
+	if (o->socket)
+		pin_external(px.cpu_pid);
+	pin_clients();
+	rc = measure(o, &px, ctrl, &r);
+	pin_all();
+	munmap((void *)ctrl, clen);
+	proxy_stop(&px);
+	if (!rc)
+		report_idle(o, &r, &info);
+	return rc;
+}

@@ -1,0 +1,415 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * The local mode, parent side: per chunk size, the baselines, a proxy, the
+ * sender/receiver pairs (local_clients.c) started together, the measured
+ * window, the proxy's CPU over it, and the figures gathered from the
+ * children's shared records.
+ */
+#include <errno.h>
+#include <poll.h>
+#include <signal.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "local.h"
+
+static volatile sig_atomic_t interrupted;
+
+static void on_interrupt(int sig)
+{
+	(void)sig;
+	interrupted = 1;
+}
+
+/* -------------------------------------------------------------- parent */
+
+struct kids {
+	pid_t pid[2 * BENCH_MAX_PAIRS];
+	int status[2 * BENCH_MAX_PAIRS];
+	bool reaped[2 * BENCH_MAX_PAIRS];
+	unsigned n;
+};
+
+/* Reaps whichever children have exited; returns true if one failed. */
+static bool kids_reap(struct kids *k, bool block)
+{
+	bool bad = false;
+	for (unsigned i = 0; i < k->n; i++) {
+		if (k->reaped[i])
+			continue;
+		pid_t r;
+		while ((r = waitpid(k->pid[i], &k->status[i], block ? 0 : WNOHANG)) < 0 &&
+		       errno == EINTR)
+			;
+		if (r == k->pid[i]) {
+			k->reaped[i] = true;
+			if (!WIFEXITED(k->status[i]) || WEXITSTATUS(k->status[i]))
+				bad = true;
+		}
+	}
+	return bad;
+}
+
+static void kids_kill(struct kids *k)
+{
+	for (unsigned i = 0; i < k->n; i++)
+		if (!k->reaped[i])
+			kill(k->pid[i], SIGKILL);
+	kids_reap(k, true);
+}
+
+static pid_t spawn(struct kids *k)
+{
+	fflush(NULL);
+	pid_t pid = fork();
+	if (pid == 0) {
+		signal(SIGINT, SIG_DFL);
+		signal(SIGTERM, SIG_DFL);
+	} else if (pid > 0) {
+		k->pid[k->n++] = pid;
+	}
+	return pid;
+}
+
+static void print_child_errors(const struct lshared *sh, unsigned pairs)
+{
+	for (unsigned i = 0; i < pairs; i++) {
+		const struct child_res *r[2] = { &sh->rx[i], &sh->tx[i] };
+		for (unsigned j = 0; j < 2; j++)
+			if (r[j]->msg[0])
+				fprintf(stderr, "kvstage-bench: %s\n", r[j]->msg);
+	}
+}
+
+static void progress(const struct bench_opts *o, const struct lshared *sh, unsigned pairs,
+		     uint64_t chunk, uint64_t *last_b, uint64_t *last_t)
+{
+	uint64_t b = 0, t = now_ns();
+	for (unsigned i = 0; i < pairs; i++)
+		b += __atomic_load_n(&sh->rx[i].p_bytes, __ATOMIC_RELAXED);
+	if (t <= *last_t)
+		return;
+	double rate = (double)(b - *last_b) / (double)(t - *last_t);
+	char cs[16];
+	uint64_t tm = __atomic_load_n(&sh->t_meas, __ATOMIC_ACQUIRE);
+	double el = tm ? (double)(t - tm) / 1e9 : 0;
+	bench_size_str(chunk, cs, sizeof(cs));
+	if (!tm)
+		progress_line("local %s: warming up (%.1f s), now %.2f GB/s", cs,
+			      (double)(t - sh->t0) / 1e9, rate);
+	else if (o->bytes)
+		progress_line("local %s: %.1f s, %.2f of %.2f GB, now %.2f GB/s", cs, el,
+			      (double)b / 1e9, (double)o->bytes / 1e9, rate);
+	else
+		progress_line("local %s: %.1f / %.1f s, now %.2f GB/s", cs, el, o->duration, rate);
+	*last_b = b;
+	*last_t = t;
+}
+
+/* Forks the pairs, runs one point, fills pt. Returns 0, or 1 on failure. */
+static int measure(const struct bench_opts *o, const char *sock, pid_t cpu_pid, uint64_t chunk,
+		   struct local_point *pt)
+{
+	unsigned pairs = o->senders;
+	struct lshared *sh = bench_alloc(sizeof(*sh), true);
+	if (!sh) {
+		fprintf(stderr, "kvstage-bench: cannot map %zu bytes of shared memory\n",
+			sizeof(*sh));
+		return 1;
+	}
+	memset(sh, 0, sizeof(*sh));
+	for (unsigned i = 0; i < pairs; i++) {
+		hist_init(&sh->rx[i].h);
+		hist_init(&sh->tx[i].h);
+	}
+	struct lctx x = { .o = o, .sock = sock, .chunk = chunk, .room_bytes = pt->room_bytes,
+			  .room_chunks = pt->room_chunks, .sh = sh };
+	int go[2], ready[2], done[2];
+	if (pipe(go) < 0 || pipe(ready) < 0 || pipe(done) < 0) {
+		fprintf(stderr, "kvstage-bench: pipe: %s\n", strerror(errno));
+		return 1;
+	}
+	struct kids kids = { .n = 0 };
+	int rc = 0;
+	for (unsigned i = 0; i < pairs && !rc; i++) {
+		int desc[2];
+		if (pipe(desc) < 0) {
+			rc = 1;
+			break;
+		}
+		x.pair = i;
+		pid_t pid = spawn(&kids);
+		if (pid == 0) {
+			close(desc[0]);
+			close(go[1]);
+			close(ready[0]);
+			close(done[0]);
+			_exit(local_receiver(&x, desc[1], ready[1], go[0], done[1]));
+		}
+		if (pid > 0)
+			pid = spawn(&kids);
+		if (pid == 0) {
+			close(desc[1]);
+			close(go[1]);
+			close(ready[0]);
+			close(done[0]);
+			close(done[1]);
+			_exit(local_sender(&x, desc[0], ready[1], go[0]));
+		}
+		if (pid < 0) {
+			fprintf(stderr, "kvstage-bench: fork: %s\n", strerror(errno));
+			rc = 1;
+		}
+		close(desc[0]);
+		close(desc[1]);
+	}
+	close(go[0]);
+	close(ready[1]);
+	close(done[1]);
+
+	/* Every child connected and allocated before the clock starts. */
+	unsigned nready = 0;
+	while (!rc && nready < kids.n) {
+		char b[64];
+		struct pollfd pf = { .fd = ready[0], .events = POLLIN };
+		if (poll(&pf, 1, 30000) <= 0 || interrupted) {
+			rc = 1;
+			break;
+		}
+		ssize_t k = read(ready[0], b, sizeof(b));
+		if (k <= 0)
+			rc = 1; /* a child died before it was ready */
+		else
+			nready += (unsigned)k;
+	}
+	double cpu_a = -1, cpu_b = -1;
+	uint64_t t_a = 0, t_b = 0;
+	if (!rc) {
+		uint64_t t0 = now_ns();
+		sh->t0 = t0;
+		sh->t_warm = t0 + (uint64_t)(o->warmup * 1e9);
+		sh->target = o->bytes ? (o->bytes + pairs - 1) / pairs : 0;
+		sh->pairs = pairs;
+		__atomic_thread_fence(__ATOMIC_SEQ_CST);
+		close(go[1]); /* go */
+		go[1] = -1;
+		bool prog = progress_on(o);
+		uint64_t last_b = 0, last_t = t0;
+		unsigned ndone = 0;
+		while (ndone < pairs) {
+			/* Look often until the window opens: the CPU sample
+			 * should start with it. */
+			int timeout = t_a ? 250 : 2;
+			struct pollfd pf = { .fd = done[0], .events = POLLIN };
+			int pr = poll(&pf, 1, timeout);
+			if (pr > 0) {
+				char b[64];
+				ssize_t k = read(done[0], b, sizeof(b));
+				if (k <= 0) {
+					rc = 1; /* every receiver is gone, not all done */
+					break;
+				}
+				ndone += (unsigned)k;
+			}
+			if (!t_a && __atomic_load_n(&sh->t_meas, __ATOMIC_ACQUIRE)) {
+				cpu_a = proc_cpu_seconds(cpu_pid);
+				t_a = now_ns();
+			}
+			if (interrupted || kids_reap(&kids, false)) {
+				rc = 1;
+				break;
+			}
+			if (prog && now_ns() - last_t >= 200000000ull)
+				progress(o, sh, pairs, chunk, &last_b, &last_t);
+		}
+		cpu_b = proc_cpu_seconds(cpu_pid);
+		t_b = now_ns();
+		progress_clear();
+	}
+	if (go[1] >= 0)
+		close(go[1]);
+	close(ready[0]);
+	close(done[0]);
+	if (rc)
+		kids_kill(&kids);
+	else if (kids_reap(&kids, true))
+		rc = 1;
+
+	struct hist *hr = malloc(sizeof(*hr)), *hs = malloc(sizeof(*hs));
+	if (!hr || !hs) {
+		rc = 1;
+	} else {
+		hist_init(hr);
+		hist_init(hs);
+	}
+	uint64_t t_end = 0;
+	for (unsigned i = 0; i < pairs && hr && hs; i++) {
+		pt->bytes += sh->rx[i].bytes;
+		pt->chunks += sh->rx[i].chunks;
+		pt->rooms += sh->rx[i].rooms;
+		pt->errors += sh->rx[i].errors;
+		if (sh->rx[i].t_last > t_end)
+			t_end = sh->rx[i].t_last;
+		hist_merge(hr, &sh->rx[i].h);
+		hist_merge(hs, &sh->tx[i].h);
+	}
+	uint64_t t_meas = sh->t_meas;
+	if (!rc && (!t_meas || !pt->rooms || t_end <= t_meas)) {
+		fprintf(stderr, "kvstage-bench: no room completed in the measured window\n");
+		rc = 1;
+	}
+	if (t_meas && t_end > t_meas) {
+		pt->warmup_s = (double)(t_meas - sh->t0) / 1e9;
+		pt->seconds = (double)(t_end - t_meas) / 1e9;
+		pt->gbps = (double)pt->bytes / (double)(t_end - t_meas);
+		pt->chunks_s = (double)pt->chunks / pt->seconds;
+		pt->rooms_s = (double)pt->rooms / pt->seconds;
+		pt->room_lat = hist_lat(hr);
+		pt->chunk_lat = hist_lat(hs);
+		pt->proxy_cpu = cpu_a >= 0 && cpu_b >= 0 && t_b > t_a
+					? (cpu_b - cpu_a) / ((double)(t_b - t_a) / 1e9) * 100
+					: -1;
+	}
+	if (rc || pt->errors)
+		print_child_errors(sh, pairs);
+	if (interrupted)
+		fprintf(stderr, "kvstage-bench: interrupted\n");
+	free(hr);
+	free(hs);
+	bench_free(sh, sizeof(*sh));
+	return rc || pt->errors ? 1 : 0;
+}
+
+int run_local(const struct bench_opts *o)
+{
+	struct sigaction sa = { .sa_handler = on_interrupt };
+	sigemptyset(&sa.sa_mask);
+	sigaction(SIGINT, &sa, NULL);
+	sigaction(SIGTERM, &sa, NULL);
+
+	struct local_point *pts = calloc(o->nchunks, sizeof(*pts));
+	struct bench_proxy_info info = { .external = o->socket != NULL,
+					  .args = o->proxy_args,
+					  .nargs = o->nproxy_args };
+	struct ring_base ring;
+	if (!pts)
+		return 1;
+	unsigned pairs = o->senders;
+	int rc = 0;
+	unsigned done = 0;
+
+	struct bench_proxy px;
+	uint64_t ext_chunk = 0;
+	if (o->socket) {
+		if (proxy_attach(&px, o->socket) < 0) {
+			free(pts);
+			return 1;
+		}
+		ext_chunk = px.slot_size;
+		if (o->chunk_set && o->chunks[0] != ext_chunk) {
+			char a[16], b[16];
+			fprintf(stderr, "kvstage-bench: the proxy at %s has %s slots; --chunk %s must "
+					"match it (or be left out)\n",
+				o->socket, bench_size_str(ext_chunk, a, sizeof(a)),
+				bench_size_str(o->chunks[0], b, sizeof(b)));
+			free(pts);
+			return 2;
+		}
+		snprintf(info.bin, sizeof(info.bin), "%s", px.bin);
+		snprintf(info.sock, sizeof(info.sock), "%s", px.sock);
+		info.pid = px.cpu_pid;
+		pin_external(px.cpu_pid);
+	}
+
+	note(o, "baseline: rte_ring round trips between two processes (%.2f s)", o->baseline_sec);
+	if (baseline_ring(o->baseline_sec, &ring) < 0)
+		note(o, "baseline: the rte_ring measurement failed; its ratios are n/a");
+	/* From here on this process and every client it forks stay off the
+	 * proxy's CPU; so does the memcpy baseline, where the copies run. */
+	pin_clients();
+
+	for (unsigned i = 0; i < o->nchunks && !rc && !interrupted; i++) {
+		uint64_t chunk = o->socket ? ext_chunk : o->chunks[i];
+		struct local_point *pt = &pts[i];
+		pt->chunk = chunk;
+		pt->room_bytes = bench_room_bytes(o, chunk);
+		pt->room_chunks = bench_room_chunks(o, chunk);
+		uint64_t need = (uint64_t)pairs * o->rooms * pt->room_chunks;
+		char cs[16];
+		bench_size_str(chunk, cs, sizeof(cs));
+
+		note(o, "baseline: memcpy of %s chunks over %s each way (%.2f s)", cs,
+		     bench_size_str(o->wset, (char[16]){ 0 }, 16), o->baseline_sec);
+		pt->memcpy_gbps = baseline_memcpy(chunk, o->wset, o->baseline_sec);
+		if (pt->memcpy_gbps <= 0) {
+			fprintf(stderr, "kvstage-bench: cannot allocate the memcpy baseline's 2 x %llu "
+					"bytes (--wset)\n",
+				(unsigned long long)o->wset);
+			rc = 1;
+			break;
+		}
+		/* Copy in and copy out, one after the other on one core:
+		 * 1 / (1/m + 1/m) = m/2. */
+		pt->bound_gbps = o->payload == PAYLOAD_NONE ? pt->memcpy_gbps : pt->memcpy_gbps / 2;
+		baseline_fini(); /* give its 2 x wset back before the clients take theirs */
+		if (o->payload == PAYLOAD_COPY) {
+			note(o, "baseline: the same two copies through shared memory by two processes, "
+				"raw rte_rings instead of kvstage (%.2f s)", o->baseline_sec);
+			pt->pipe_gbps = baseline_pipe(chunk, need * chunk, o->wset, o->baseline_sec);
+			if (pt->pipe_gbps <= 0)
+				note(o, "baseline: the copy pipe failed; its ratio is n/a");
+		}
+
+		if (o->socket) {
+			if (px.slots < need) {
+				fprintf(stderr, "kvstage-bench: the proxy at %s has %u slots; %u pairs x "
+						"%u rooms x %u chunks need %llu: lower --rooms, "
+						"--senders or --room-bytes\n",
+					o->socket, px.slots, pairs, o->rooms, pt->room_chunks,
+					(unsigned long long)need);
+				rc = 2;
+				break;
+			}
+			pt->slots = px.slots;
+			note(o, "local %s: %u pair(s) through the proxy at %s", cs, pairs, o->socket);
+			rc = measure(o, o->socket, px.cpu_pid, chunk, pt);
+		} else {
+			uint32_t slots = proxy_slots_for(chunk, need);
+			if ((uint64_t)slots * chunk > (64ull << 30)) {
+				fprintf(stderr, "kvstage-bench: %u x %s would need a %llu GiB pool: "
+						"lower --rooms, --senders or --room-bytes\n",
+					slots, cs, (unsigned long long)((uint64_t)slots * chunk >> 30));
+				rc = 2;
+				break;
+			}
+			if (proxy_start(&px, o, chunk, slots) < 0) {
+				rc = 1;
+				break;
+			}
+			pt->slots = slots;
+			snprintf(info.bin, sizeof(info.bin), "%s", px.bin);
+			info.pid = px.pid;
+			note(o, "local %s: kvstaged pid %d, %u slots; %u pair(s), %u rooms x %u chunks, "
+				"payload %s",
+			     cs, (int)px.pid, slots, pairs, o->rooms, pt->room_chunks,
+			     bench_payload_str(o->payload));
+			rc = measure(o, px.sock, px.cpu_pid, chunk, pt);
+			proxy_stop(&px);
+		}
+		if (!rc)
+			done++;
+	}
+	baseline_fini();
+	pin_all();
+	if (interrupted)
+		rc = 130;
+	if (done) {
+		int prc = report_local(o, pts, done, ring.done ? &ring : NULL, &info);
+		if (!rc)
+			rc = prc;
+	}
+	free(pts);
+	return rc;
+}

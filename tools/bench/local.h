@@ -1,0 +1,62 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * The local mode's two halves: the parent (local.c) forks a receiver and a
+ * sender per pair (local_clients.c); they meet through these shared records.
+ */
+#ifndef KVS_BENCH_LOCAL_H
+#define KVS_BENCH_LOCAL_H
+
+#include "bench.h"
+#include "kvstage.h"
+
+/* What a receiver sends its sender: the room and a sequence number that
+ * names the room's canary. */
+struct desc_msg {
+	struct kvs_room_desc d;
+	uint64_t seq;
+};
+
+/* One child's figures, in shared memory: the parent reads them once it is reaped. */
+struct child_res {
+	uint64_t p_bytes;               /* progress since go (receivers) */
+	uint64_t bytes, chunks, rooms;  /* completed in the measured window */
+	uint64_t errors;                /* verify: chunks with a wrong byte */
+	uint64_t t_last;                /* last counted completion */
+	int failed;
+	char msg[256];
+	struct hist h; /* receiver: room latency; sender: hand-off latency */
+};
+
+/* The measured window opens (t_meas) once every receiver is past t_warm
+ * and has completed its first --rooms rooms: by then every slot in flight
+ * has been written and read once, so first-touch costs (page faults where
+ * a pool mapping is not populated at connect, cold caches and TLBs) stay
+ * out of the figures. */
+struct lshared {
+	uint64_t t0, t_warm;
+	uint64_t nwarm;  /* receivers past their warm-up */
+	uint64_t t_meas; /* the window's start; 0 until every receiver is warm */
+	uint64_t target; /* bytes per pair with --bytes, else 0 */
+	unsigned pairs;
+	struct child_res rx[BENCH_MAX_PAIRS], tx[BENCH_MAX_PAIRS];
+};
+
+/* What a child needs to know about its point and pair. */
+struct lctx {
+	const struct bench_opts *o;
+	const char *sock;
+	uint64_t chunk, room_bytes;
+	unsigned room_chunks;
+	struct lshared *sh;
+	unsigned pair;
+};
+
+/* A receiver: connects, says ready on ready_wr, waits for go_rd to close,
+ * keeps --rooms rooms open (descriptors to desc_wr), writes a byte to
+ * done_wr when its last room is consumed. Returns the exit code. */
+int local_receiver(struct lctx *x, int desc_wr, int ready_wr, int go_rd, int done_wr);
+/* A sender: connects, says ready, waits for go, then opens, fills and sends
+ * every room whose descriptor arrives on desc_rd, until EOF. Returns the exit code. */
+int local_sender(struct lctx *x, int desc_rd, int ready_wr, int go_rd);
+
+#endif

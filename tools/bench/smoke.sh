@@ -1,0 +1,113 @@
+#!/usr/bin/env bash
+# bench-smoke: every mode of kvstage-bench runs briefly and says what it
+# should. It checks the shape of the output (keys, non-zero figures, exit
+# codes), never a speed: speeds are for a quiet machine and a person.
+# Usage: smoke.sh BUILD_DIR
+set -euo pipefail
+build=${1:?usage: smoke.sh BUILD_DIR}
+bench="$build/tools/bench/kvstage-bench"
+export KVSTAGED="$build/proxy/kvstaged"
+tmp=$(mktemp -d /tmp/kvstage-bench-smoke.XXXXXX)
+trap 'rm -rf "$tmp"' EXIT
+
+fail() {
+  echo "bench-smoke: $*" >&2
+  for f in "$tmp"/*; do [ -f "$f" ] && { echo "--- $f" >&2; head -c 4000 "$f" >&2; }; done
+  exit 1
+}
+
+# Runs the bench; fails the test unless it exits with $1.
+run() {
+  local want=$1 out=$2; shift 2
+  local rc=0
+  "$bench" "$@" >"$tmp/$out" 2>"$tmp/$out.err" || rc=$?
+  [ "$rc" -eq "$want" ] || fail "kvstage-bench $* exited $rc, want $want"
+}
+
+# The keys a JSON document must hold ("key": anywhere in it).
+has_keys() {
+  local file=$1; shift
+  for k in "$@"; do
+    grep -q "\"$k\":" "$file" || fail "$file: no \"$k\""
+  done
+}
+
+# The first numeric value of key must be > 0.
+positive() {
+  local file=$1 key=$2 v
+  v=$(grep -oE "\"$key\": -?[0-9][-0-9.e+]*" "$file" | head -1 | awk '{print $2}')
+  [ -n "$v" ] || fail "$file: \"$key\" is missing or not a number"
+  awk -v v="$v" 'BEGIN { exit !(v + 0 > 0) }' || fail "$file: \"$key\" is $v, want > 0"
+}
+
+valid_json() {
+  if command -v jq >/dev/null; then
+    jq -e . "$1" >/dev/null || fail "$1 is not valid JSON"
+  elif command -v python3 >/dev/null; then
+    python3 -m json.tool "$1" >/dev/null || fail "$1 is not valid JSON"
+  fi
+}
+
+# --- the command line
+run 0 help.txt --help
+grep -q -- '--payload' "$tmp/help.txt" || fail "--help does not describe --payload"
+run 2 bad-chunk.txt --chunk 3K local
+grep -q "invalid --chunk" "$tmp/bad-chunk.txt.err" || fail "bad --chunk gave no clear message"
+run 2 no-mode.txt --duration 1
+grep -q "no mode" "$tmp/no-mode.txt.err" || fail "a missing mode gave no clear message"
+run 2 bad-pairs.txt --senders 2 --receivers 3 local
+
+# --- local: every byte verified, JSON
+run 0 local.json -q --wset 32M --chunk 64K --duration 0.3 --payload verify --json local
+valid_json "$tmp/local.json"
+has_keys "$tmp/local.json" tool version mode command machine nproc cpu config proxy baselines \
+  ring points chunk_bytes gbps chunks_per_s rooms_per_s chunk_latency_us room_latency_us \
+  p50 p99 p999 proxy_cpu_pct memcpy_gbps bound_gbps ratio gbps_vs_bound errors
+grep -q '"mode": "local"' "$tmp/local.json" || fail "local.json: mode is not local"
+grep -q '"errors": 0' "$tmp/local.json" || fail "local.json: verify found wrong bytes"
+for k in gbps chunks_per_s rooms_per_s memcpy_gbps bound_gbps pingpong_rt_per_s; do
+  positive "$tmp/local.json" "$k"
+done
+
+# --- local, payload copy, two pairs, CSV
+run 0 local.csv -q --wset 32M --chunk 16K --duration 0.2 --senders 2 --rooms 2 --csv local
+head -1 "$tmp/local.csv" | grep -q '^mode,chunk_bytes,' || fail "local.csv: no header"
+[ "$(wc -l <"$tmp/local.csv")" -eq 2 ] || fail "local.csv: want a header and one row"
+awk -F, 'NR == 2 && !($13 > 0) { exit 1 }' "$tmp/local.csv" || fail "local.csv: gbps is not > 0"
+
+# --- the table (what people read)
+run 0 local.txt -q --wset 32M --chunk 4K --room-bytes 4K --duration 0.2 --payload none local
+for w in 'GB/s' 'chunks/s' 'rooms/s' 'chunk latency p99.9' 'room latency p50' 'proxy CPU' \
+  'rte_ring'; do
+  grep -q "$w" "$tmp/local.txt" || fail "local.txt: no '$w'"
+done
+
+# --- latency, idle, baseline
+run 0 latency.json -q --wset 32M --duration 0.2 --json latency
+valid_json "$tmp/latency.json"
+has_keys "$tmp/latency.json" handoffs_per_s chunk_latency_us acquire_latency_us ratio
+positive "$tmp/latency.json" handoffs_per_s
+
+run 0 idle.json -q --duration 0.2 --samples 10 --idle-gap 1 --json idle
+valid_json "$tmp/idle.json"
+has_keys "$tmp/idle.json" proxy_cpu_pct waiting_client_cpu_pct wake_latency_us \
+  eventfd_wake_rtt_us
+positive "$tmp/idle.json" window_s
+
+run 0 baseline.json -q --wset 32M --chunk 4K,64K --baseline-sec 0.05 --json baseline
+valid_json "$tmp/baseline.json"
+has_keys "$tmp/baseline.json" points memcpy_gbps tcp_gbps ring
+positive "$tmp/baseline.json" memcpy_gbps
+positive "$tmp/baseline.json" tcp_gbps
+
+if command -v gnuplot >/dev/null; then
+  run 0 plot.txt -q --chunk 4K,64K --baseline-sec 0.02 --plot "$tmp/b.svg" baseline
+  grep -q '<svg' "$tmp/b.svg" || fail "--plot wrote no SVG"
+fi
+
+# --- gpu: the real mode or the stub, never a crash
+rc=0
+"$bench" gpu >"$tmp/gpu.txt" 2>&1 || rc=$?
+[ "$rc" -lt 128 ] || fail "gpu mode died with signal $((rc - 128))"
+
+echo "bench-smoke: ok"

@@ -1,0 +1,184 @@
+#!/usr/bin/env bash
+# ucx-compare.sh: kvstage's local path and UCX (what NIXL builds on) on the
+# same work, side by side: one sender process and one receiver process on
+# this host, the same message sizes, one table.
+#
+# UCX: ucx_perftest's tag_bw (UCP tag-matched send/recv bandwidth: the
+# receiver learns that each message landed, as a room's receiver does) with
+# UCX_TLS=posix,sysv,cma (shared memory; large messages go by rendezvous,
+# one copy through CMA). kvstage: kvstage-bench local with payload copy
+# (the sender copies into slots, the receiver copies out: two copies, buffer
+# to buffer like UCX) and payload none (slots handed over untouched: what an
+# engine that fills slots directly gets).
+set -euo pipefail
+
+here=$(cd "$(dirname "$0")" && pwd)
+usage() {
+  cat <<EOF
+Usage: tools/bench/ucx-compare.sh [OPTION]...
+Runs ucx_perftest (server and client, two processes on this host) and
+kvstage-bench local at the same message sizes and prints one table:
+size, kvstage GB/s (payload copy and none), UCX GB/s, ratios.
+
+  --build DIR        kvstage build directory (default: build, else build-bench)
+  --sizes LIST       message/chunk sizes (default 64K,256K,1M,4M)
+  --duration SEC     kvstage seconds per size (default 2)
+  --bytes BYTES      bytes UCX moves per size, sets its iteration count
+                     (default 8G; at least 1000 iterations)
+  --test NAME        ucx_perftest test: tag_bw (default) or ucp_put_bw
+  --tls LIST         UCX_TLS for the shared-memory run (default posix,sysv,cma)
+  --transport T      local (default): kvstage local vs UCX shared memory;
+                     tcp: kvstage tcp vs UCX_TLS=tcp (once kvstage has it)
+  --no-pin           do not pin (default: with 2+ CPUs, UCX's server and
+                     kvstaged on the last CPU, the clients on the first)
+  -h, --help         this help
+
+1 GB = 1e9 bytes. ucx_perftest prints MB/s meaning MiB/s; it is converted.
+EOF
+}
+
+build=""
+sizes="64K,256K,1M,4M"
+duration=2
+ucx_bytes=$((8 << 30))
+test=tag_bw
+tls=posix,sysv,cma
+transport=local
+pin=1
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --build) build=$2; shift 2 ;;
+    --sizes) sizes=$2; shift 2 ;;
+    --duration) duration=$2; shift 2 ;;
+    --bytes) ucx_bytes=$2; shift 2 ;;
+    --test) test=$2; shift 2 ;;
+    --tls) tls=$2; shift 2 ;;
+    --transport) transport=$2; shift 2 ;;
+    --no-pin) pin=0; shift ;;
+    -h|--help) usage; exit 0 ;;
+    *) echo "ucx-compare: unknown argument '$1'" >&2; usage >&2; exit 2 ;;
+  esac
+done
+
+die() { echo "ucx-compare: $*" >&2; exit "${2:-1}"; }
+
+to_bytes() { # 64K -> 65536
+  local v=$1 n u
+  n=${v%[KkMmGg]}; u=${v#"$n"}
+  [[ "$n" =~ ^[0-9]+$ ]] || die "bad size '$v' (want N, NK, NM or NG)" 2
+  case "$u" in
+    ''): ;; [Kk]) n=$((n << 10)) ;; [Mm]) n=$((n << 20)) ;; [Gg]) n=$((n << 30)) ;;
+  esac
+  echo "$n"
+}
+
+case "$test" in tag_bw|ucp_put_bw) ;; *) die "--test must be tag_bw or ucp_put_bw" 2 ;; esac
+case "$transport" in
+  local) ;;
+  tcp) tls=tcp ;;
+  *) die "--transport must be local or tcp" 2 ;;
+esac
+[[ "$duration" =~ ^[0-9]+(\.[0-9]+)?$ ]] || die "bad --duration '$duration'" 2
+ucx_bytes=$(to_bytes "$ucx_bytes")
+
+command -v ucx_perftest >/dev/null ||
+  die "ucx_perftest is not installed (Debian: apt-get install ucx-utils; tools/setup.sh installs it)"
+if [ -z "$build" ]; then
+  for b in "$here/../../build" "$here/../../build-bench"; do
+    [ -x "$b/tools/bench/kvstage-bench" ] && { build=$b; break; }
+  done
+fi
+bench="$build/tools/bench/kvstage-bench"
+[ -x "$bench" ] || die "no kvstage-bench under '${build:-build}' (build it, or pass --build DIR)"
+
+ncpu=$(nproc)
+srv_pin=() cli_pin=() kv_pin=()
+if [ "$pin" = 1 ] && [ "$ncpu" -ge 2 ]; then
+  srv_pin=(-c $((ncpu - 1))) cli_pin=(-c 0)
+else
+  kv_pin=(--no-pin)
+fi
+
+tmp=$(mktemp -d /tmp/ucx-compare.XXXXXX)
+srv=""
+cleanup() {
+  [ -n "$srv" ] && kill "$srv" 2>/dev/null && wait "$srv" 2>/dev/null || true
+  rm -rf "$tmp"
+}
+trap cleanup EXIT
+
+# True once something listens on TCP port $1 (any address, v4 or v6).
+listening() {
+  local hex
+  hex=$(printf ':%04X' "$1")
+  awk -v p="$hex" '$4 == "0A" && substr($2, length($2) - 4) == p { f = 1 } END { exit !f }' \
+    /proc/net/tcp /proc/net/tcp6 2>/dev/null
+}
+
+# One ucx_perftest run at size $1; sets gbps. (Not in $(...): die must end
+# the script, and the trap must know the server's pid.)
+ucx_run() {
+  local size=$1 iters warm port out i
+  iters=$((ucx_bytes / size)); [ "$iters" -lt 1000 ] && iters=1000
+  warm=$((iters / 10)); [ "$warm" -lt 100 ] && warm=100
+  port=$((20000 + RANDOM % 20000))
+  UCX_TLS=$tls timeout 300 ucx_perftest -t "$test" -s "$size" -n "$iters" -w "$warm" \
+    -p "$port" "${srv_pin[@]}" >"$tmp/server.$size" 2>&1 &
+  srv=$!
+  # The server is ready once its port listens (its own "Waiting for
+  # connection" line sits in a stdio buffer when redirected).
+  for i in $(seq 1 200); do
+    listening "$port" && break
+    kill -0 "$srv" 2>/dev/null || break
+    sleep 0.05
+  done
+  listening "$port" || { cat "$tmp/server.$size" >&2; die "ucx_perftest server did not start"; }
+  if ! out=$(UCX_TLS=$tls timeout 300 ucx_perftest 127.0.0.1 -t "$test" -s "$size" \
+              -n "$iters" -w "$warm" -p "$port" -f -v "${cli_pin[@]}" 2>"$tmp/client.err"); then
+    cat "$tmp/client.err" "$tmp/server.$size" >&2
+    die "ucx_perftest client failed at size $size (UCX_TLS=$tls)"
+  fi
+  wait "$srv" || true
+  srv=""
+  # CSV: iterations,50.0_percentile_lat,avg_lat,overall_lat,avg_bw,overall_bw,...
+  gbps=$(echo "$out" | awk -F, '$1 ~ /^[0-9]+$/ { printf "%.4f\n", $6 * 1048576 / 1e9; found = 1 }
+    END { if (!found) exit 1 }') || { echo "$out" >&2; die "cannot read ucx_perftest's output"; }
+}
+
+# One kvstage-bench run; sets gbps.
+kv_run() {
+  local size=$1 payload=$2 mode=$3 rc=0
+  "$bench" -q "${kv_pin[@]}" --chunk "$size" --payload "$payload" --duration "$duration" \
+    --json "$mode" >"$tmp/kv.json" 2>"$tmp/kv.err" || rc=$?
+  if [ $rc -ne 0 ]; then
+    cat "$tmp/kv.err" >&2
+    [ "$mode" = tcp ] && [ $rc -eq 2 ] && die "kvstage-bench has no tcp mode yet" 2
+    die "kvstage-bench $mode failed at size $size"
+  fi
+  gbps=$(grep -oE '"gbps": [0-9][-0-9.e+]*' "$tmp/kv.json" | head -1 | awk '{printf "%.4f\n", $2}')
+  [ -n "$gbps" ] || die "no GB/s in kvstage-bench's JSON ($tmp/kv.json)"
+}
+
+ratio() { awk -v a="$1" -v b="$2" 'BEGIN { if (b > 0) printf "%.2f", a / b; else print "-" }'; }
+
+ucx_ver=$(ucx_info -v 2>/dev/null | sed -n 's/^# Version //p' | head -1)
+echo "ucx-compare: kvstage $transport vs UCX ${ucx_ver:-?} $test (UCX_TLS=$tls), $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ //'), $ncpu CPUs, load $(cut -d' ' -f1 /proc/loadavg)"
+if [ ${#srv_pin[@]} -gt 0 ]; then
+  echo "  pinned: UCX server and kvstaged on CPU $((ncpu - 1)), UCX client and kvstage clients on CPU 0"
+fi
+echo "  UCX: ${ucx_bytes} bytes per size, two processes; kvstage: ${duration} s per size, 1 sender + 1 receiver process + kvstaged"
+echo
+printf "%-6s %16s %16s %14s %10s %10s\n" size "kvstage copy" "kvstage none" "UCX $test" "copy/UCX" "none/UCX"
+printf "%-6s %16s %16s %14s %10s %10s\n" "" "GB/s" "GB/s" "GB/s" "" ""
+IFS=, read -ra list <<<"$sizes"
+for s in "${list[@]}"; do
+  b=$(to_bytes "$s")
+  ucx_run "$b"; u=$gbps
+  kv_run "$s" copy "$transport"; c=$gbps
+  kv_run "$s" none "$transport"; n=$gbps
+  printf "%-6s %16.3f %16.3f %14.3f %10s %10s\n" "$s" "$c" "$n" "$u" "$(ratio "$c" "$u")" "$(ratio "$n" "$u")"
+done
+echo
+echo "copy: kvstage moves buffer to buffer with two copies (into a slot, out of it);"
+echo "UCX $test moves buffer to buffer (large messages: one copy, by CMA rendezvous)."
+echo "none: kvstage hands filled slots over without touching them (zero copies)."
