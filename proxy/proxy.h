@@ -159,6 +159,7 @@ struct kvsp {
 	bool draining, aborted_all;
 	uint64_t drain_deadline_ns;
 	uint64_t instance;
+	uint64_t spin_ns;     /* the adaptive spin budget, from cfg.spin_ns up */
 };
 
 uint64_t kvsp_now_ns(void);

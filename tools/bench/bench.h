@@ -22,7 +22,7 @@
 #define BENCH_WSET_DEFAULT (256ull << 20)
 
 enum bench_mode { MODE_LOCAL, MODE_LATENCY, MODE_IDLE, MODE_BASELINE, MODE_GPU };
-enum bench_payload { PAYLOAD_NONE, PAYLOAD_COPY, PAYLOAD_VERIFY };
+enum bench_payload { PAYLOAD_NONE, PAYLOAD_COPY, PAYLOAD_VERIFY, PAYLOAD_IN };
 enum bench_fmt { FMT_TABLE, FMT_JSON, FMT_CSV };
 
 struct bench_opts {
@@ -64,7 +64,7 @@ bool bench_mode_is_gpu(int argc, char **argv);
 int bench_parse_size(const char *s, uint64_t *out);
 /* "64K", "1M", "1536K": the shortest exact binary-suffixed form of v, in buf. */
 const char *bench_size_str(uint64_t v, char *buf, size_t len);
-/* The payload word for p ("none", "copy", "verify"). */
+/* The payload word for p ("none", "copy", "verify", "in"). */
 const char *bench_payload_str(enum bench_payload p);
 /* Chunks in one room for chunk size chunk under o. */
 unsigned bench_room_chunks(const struct bench_opts *o, uint64_t chunk);

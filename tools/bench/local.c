@@ -352,7 +352,10 @@ int run_local(const struct bench_opts *o)
 		}
 		/* Copy in and copy out, one after the other on one core:
 		 * 1 / (1/m + 1/m) = m/2. */
-		pt->bound_gbps = o->payload == PAYLOAD_NONE ? pt->memcpy_gbps : pt->memcpy_gbps / 2;
+		/* in: one copy, m. none: nothing is copied; m is shown for scale. */
+		pt->bound_gbps = o->payload == PAYLOAD_NONE || o->payload == PAYLOAD_IN
+					 ? pt->memcpy_gbps
+					 : pt->memcpy_gbps / 2;
 		baseline_fini(); /* give its 2 x wset back before the clients take theirs */
 		if (o->payload == PAYLOAD_COPY) {
 			note(o, "baseline: the same two copies through shared memory by two processes, "

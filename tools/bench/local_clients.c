@@ -120,8 +120,8 @@ static int rx_consume(struct receiver *rv, struct rroom *rr)
 {
 	struct lctx *x = rv->x;
 	enum bench_payload pl = x->o->payload;
-	if (pl == PAYLOAD_NONE)
-		return 0;
+	if (pl == PAYLOAD_NONE || pl == PAYLOAD_IN)
+		return 0; /* in: the slot is the receiver's buffer, readable in place */
 	for (unsigned i = 0; i < x->room_chunks; i++) {
 		struct kvs_lease l;
 		int rc = kvs_room_lease(rr->r, i, &l);
@@ -382,7 +382,7 @@ static int tx_fill_send(struct sender *sv, unsigned idx, const struct kvs_lease 
 			if (!p)
 				return fail(sv->res, "sender %u: a lease just acquired is not ours",
 					    x->pair);
-			if (x->o->payload == PAYLOAD_COPY) {
+			if (x->o->payload == PAYLOAD_COPY || x->o->payload == PAYLOAD_IN) {
 				memcpy(p, sv->src + sv->spos, len);
 				sv->spos += x->chunk;
 				if (sv->spos + x->chunk > sv->slen)
@@ -455,7 +455,7 @@ int local_sender(struct lctx *x, int desc_rd, int ready_wr, int go_rd)
 		return fail(res, "sender %u: out of memory", x->pair);
 	for (unsigned i = 0; i < sv->nrooms; i++)
 		sv->free_idx[sv->nfree++] = sv->nrooms - 1 - i;
-	if (o->payload == PAYLOAD_COPY) {
+	if (o->payload == PAYLOAD_COPY || o->payload == PAYLOAD_IN) {
 		sv->slen = (o->wset / x->chunk < 2 ? 2 : o->wset / x->chunk) * x->chunk;
 		sv->src = bench_alloc(sv->slen, false);
 		if (!sv->src)

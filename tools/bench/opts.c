@@ -59,9 +59,12 @@ static void usage(FILE *f)
 "                         so it must equal --senders (default: --senders)\n"
 "      --payload MODE     none: slots are handed over untouched; copy: the\n"
 "                         sender copies into each slot from a private buffer,\n"
-"                         the receiver copies out into another; verify: the\n"
-"                         sender stamps a canary, the receiver checks every\n"
-"                         byte (default: copy; latency: none)\n"
+"                         the receiver copies out into another; in: the\n"
+"                         sender copies in, the receiver takes the slot and\n"
+"                         reads it in place (one copy, like a buffer-to-buffer\n"
+"                         transport); verify: the sender stamps a canary, the\n"
+"                         receiver checks every byte (default: copy;\n"
+"                         latency: none)\n"
 "  -d, --duration SEC     measured seconds per point; idle: the quiet window\n"
 "                         (default 2)\n"
 "  -b, --bytes TOTAL      measure until TOTAL bytes moved instead (K/M/G)\n"
@@ -173,7 +176,7 @@ const char *bench_size_str(uint64_t v, char *buf, size_t len)
 
 const char *bench_payload_str(enum bench_payload p)
 {
-	return p == PAYLOAD_NONE ? "none" : p == PAYLOAD_COPY ? "copy" : "verify";
+	return p == PAYLOAD_NONE ? "none" : p == PAYLOAD_COPY ? "copy" : p == PAYLOAD_IN ? "in" : "verify";
 }
 
 unsigned bench_room_chunks(const struct bench_opts *o, uint64_t chunk)
@@ -337,8 +340,10 @@ int bench_opts_parse(int argc, char **argv, struct bench_opts *o)
 				payload = PAYLOAD_COPY;
 			else if (!strcmp(optarg, "verify"))
 				payload = PAYLOAD_VERIFY;
+			else if (!strcmp(optarg, "in"))
+				payload = PAYLOAD_IN;
 			else
-				return bad("--payload", optarg, "want none, copy or verify");
+				return bad("--payload", optarg, "want none, copy, in or verify");
 			break;
 		case 'd':
 			if (parse_sec(optarg, 0.01, 86400, &o->duration))
@@ -359,8 +364,10 @@ int bench_opts_parse(int argc, char **argv, struct bench_opts *o)
 				return bad("--baseline-sec", optarg, "want seconds, 0.001 to 60");
 			break;
 		case O_WSET:
-			if (bench_parse_size(optarg, &v) || v < (1ull << 20) || v > (64ull << 30))
-				return bad("--wset", optarg, "want 1M to 64G");
+			/* small sets are allowed on purpose: to match a peer that
+			 * reuses one buffer (ucx-compare.sh); rings hold 2 chunks at least */
+			if (bench_parse_size(optarg, &v) || v < 4096 || v > (64ull << 30))
+				return bad("--wset", optarg, "want 4K to 64G");
 			o->wset = v;
 			break;
 		case O_SAMPLES:
@@ -452,6 +459,8 @@ int bench_opts_parse(int argc, char **argv, struct bench_opts *o)
 	}
 	o->payload = payload >= 0 ? (enum bench_payload)payload
 				  : o->mode == MODE_LATENCY ? PAYLOAD_NONE : PAYLOAD_COPY;
+	if (o->mode == MODE_LATENCY && o->payload == PAYLOAD_IN)
+		return bad("--payload", "in", "latency mode takes none, copy or verify");
 	if (o->warmup < 0)
 		o->warmup = o->bytes ? 0 : fmin(0.5, o->duration / 10);
 	if (o->baseline_sec < 0)

@@ -179,6 +179,7 @@ static void print_machine(void)
 static const char *bound_what(enum bench_payload p)
 {
 	return p == PAYLOAD_NONE ? "memcpy (bytes untouched: 0 copies)"
+	       : p == PAYLOAD_IN ? "memcpy (copy in; read in place)"
 				 : "memcpy / 2 (copy in + copy out, one core)";
 }
 
@@ -319,7 +320,7 @@ static void local_json(const struct bench_opts *o, const struct local_point *pt,
 		jw_open(&j, "baseline", '{');
 		jw_num(&j, "memcpy_gbps", p->memcpy_gbps);
 		jw_num(&j, "bound_gbps", p->bound_gbps);
-		jw_str(&j, "bound", o->payload == PAYLOAD_NONE ? "memcpy" : "memcpy/2");
+		jw_str(&j, "bound", o->payload == PAYLOAD_NONE || o->payload == PAYLOAD_IN ? "memcpy" : "memcpy/2");
 		jw_num(&j, "pipe_gbps", p->pipe_gbps > 0 ? p->pipe_gbps : NAN);
 		jw_num(&j, "ring_batched_records_per_s", ring ? ring->batch_rec_per_s : NAN);
 		jw_num(&j, "ring_rt_per_s", ring ? ring->rt_per_s : NAN);
@@ -417,7 +418,7 @@ int report_local(const struct bench_opts *o, const struct local_point *pt, unsig
 			pp[i] = pt[i].pipe_gbps;
 		const double *cols[] = { kv, mc, bd, pp };
 		const char *names[] = { kname, "memcpy, one thread",
-					o->payload == PAYLOAD_NONE ? "bound = memcpy"
+					o->payload == PAYLOAD_NONE || o->payload == PAYLOAD_IN ? "bound = memcpy"
 								   : "bound = memcpy/2 (copy in + out)",
 					"same copies, 2 processes, raw rte_ring" };
 		const char *styles[] = { "linespoints lw 2 pt 7", "lines dt 2 lw 2", "lines dt 3 lw 2",
