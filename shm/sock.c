@@ -78,6 +78,38 @@ ssize_t kvs_sock_recv(int sock, void *buf, size_t len, int *fds, int *nfds, int 
 	return n;
 }
 
+int kvs_write_full(int fd, const void *b, size_t n)
+{
+	while (n) {
+		ssize_t k = write(fd, b, n);
+		if (k < 0 && errno == EINTR)
+			continue;
+		if (k < 0)
+			return -errno;
+		if (k == 0)
+			return -EPIPE;
+		b = (const char *)b + k;
+		n -= (size_t)k;
+	}
+	return 0;
+}
+
+int kvs_read_full(int fd, void *b, size_t n)
+{
+	size_t got = 0;
+	while (got < n) {
+		ssize_t k = read(fd, (char *)b + got, n - got);
+		if (k < 0 && errno == EINTR)
+			continue;
+		if (k < 0)
+			return -errno;
+		if (k == 0)
+			return got ? -EPIPE : 0;
+		got += (size_t)k;
+	}
+	return 1;
+}
+
 int kvs_sock_connect(const char *path)
 {
 	struct sockaddr_un sa = { .sun_family = AF_UNIX };

@@ -12,6 +12,10 @@
 int kvs_sock_send(int sock, const void *buf, size_t len, const int *fds, int nfds);
 /* Receives one message into buf; fds into fds[*nfds] (CLOEXEC). Returns its length, 0 on hang-up, or -errno. */
 ssize_t kvs_sock_recv(int sock, void *buf, size_t len, int *fds, int *nfds, int flags);
+/* Writes all n bytes to a stream, retrying short writes and EINTR. Returns 0, or -errno (-EPIPE if nothing more could be written). */
+int kvs_write_full(int fd, const void *b, size_t n);
+/* Reads exactly n bytes from a stream. Returns 1, 0 on EOF before any byte, or -errno (-EPIPE on EOF midway). */
+int kvs_read_full(int fd, void *b, size_t n);
 /* Connects a SOCK_SEQPACKET socket to path. Returns the fd, or -errno. */
 int kvs_sock_connect(const char *path);
 

@@ -14,6 +14,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include "sock.h"
 #include "statnames.h"
 
 static const char *env_or(const char *name, const char *dflt)
@@ -240,30 +241,12 @@ int child_wait(struct child *ch)
 
 int chan_put(int fd, const void *b, size_t n)
 {
-	while (n) {
-		ssize_t k = write(fd, b, n);
-		if (k < 0 && errno == EINTR)
-			continue;
-		if (k <= 0)
-			return -1;
-		b = (const char *)b + k;
-		n -= (size_t)k;
-	}
-	return 0;
+	return kvs_write_full(fd, b, n) < 0 ? -1 : 0;
 }
 
 int chan_get(int fd, void *b, size_t n)
 {
-	while (n) {
-		ssize_t k = read(fd, b, n);
-		if (k < 0 && errno == EINTR)
-			continue;
-		if (k <= 0)
-			return -1;
-		b = (char *)b + k;
-		n -= (size_t)k;
-	}
-	return 0;
+	return kvs_read_full(fd, b, n) == 1 ? 0 : -1;
 }
 
 static void drain(int fd, char *buf, size_t cap, size_t *len, bool *open_)

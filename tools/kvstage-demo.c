@@ -17,6 +17,7 @@
 
 #include "canary.h"
 #include "kvstage.h"
+#include "sock.h"
 
 static const char *sock_path;
 static unsigned nrooms = 64;
@@ -35,30 +36,6 @@ static int die(const char *who, const char *what, int rc)
 	return 1;
 }
 
-static int full_write(int fd, const void *b, size_t n)
-{
-	while (n) {
-		ssize_t k = write(fd, b, n);
-		if (k <= 0)
-			return -1;
-		b = (const char *)b + k;
-		n -= (size_t)k;
-	}
-	return 0;
-}
-
-static int full_read(int fd, void *b, size_t n)
-{
-	while (n) {
-		ssize_t k = read(fd, b, n);
-		if (k <= 0)
-			return -1;
-		b = (char *)b + k;
-		n -= (size_t)k;
-	}
-	return 0;
-}
-
 static int receiver(int desc_wr)
 {
 	kvs_client *c;
@@ -72,7 +49,7 @@ static int receiver(int desc_wr)
 		rc = kvs_recv_open(c, room_bytes, i, &r, &d);
 		if (rc < 0)
 			return die("receiver", "recv_open", rc);
-		if (full_write(desc_wr, &d, sizeof(d)) < 0)
+		if (kvs_write_full(desc_wr, &d, sizeof(d)) < 0)
 			return die("receiver", "pipe", -EPIPE);
 		struct kvs_event ev;
 		rc = kvs_wait(c, &ev, 10000);
@@ -111,7 +88,7 @@ static int sender(int desc_rd)
 	size_t ss = kvs_slot_size(c);
 	for (unsigned i = 0; i < nrooms; i++) {
 		struct kvs_room_desc d;
-		if (full_read(desc_rd, &d, sizeof(d)) < 0)
+		if (kvs_read_full(desc_rd, &d, sizeof(d)) != 1)
 			return die("sender", "pipe", -EPIPE);
 		kvs_room *r;
 		rc = kvs_send_open(c, &d, 0x5000 + i, &r);

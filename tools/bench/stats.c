@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include "bench.h"
+#include "sock.h"
 
 uint64_t now_ns(void)
 {
@@ -122,32 +123,13 @@ struct lat hist_lat(const struct hist *h)
 
 int full_write(int fd, const void *b, size_t n)
 {
-	while (n) {
-		ssize_t k = write(fd, b, n);
-		if (k < 0 && errno == EINTR)
-			continue;
-		if (k <= 0)
-			return -1;
-		b = (const char *)b + k;
-		n -= (size_t)k;
-	}
-	return 0;
+	return kvs_write_full(fd, b, n) < 0 ? -1 : 0;
 }
 
 int full_read(int fd, void *b, size_t n)
 {
-	size_t got = 0;
-	while (got < n) {
-		ssize_t k = read(fd, (char *)b + got, n - got);
-		if (k < 0 && errno == EINTR)
-			continue;
-		if (k < 0)
-			return -1;
-		if (k == 0)
-			return got ? -1 : 0;
-		got += (size_t)k;
-	}
-	return 1;
+	int rc = kvs_read_full(fd, b, n);
+	return rc < 0 ? -1 : rc;
 }
 
 void *bench_alloc(size_t len, bool shared)
