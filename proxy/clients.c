@@ -94,6 +94,8 @@ struct kvsp_client *kvsp_client_new(struct kvsp *p, int sock, pid_t pid, uid_t u
 	c->uid = uid;
 	p->clients[idx] = c;
 	p->nclients++;
+	if (idx >= p->clients_hi)
+		p->clients_hi = idx + 1;
 	KVS_STAT_ADD(p->stats->clients, 1);
 	KVS_STAT_ADD(p->stats->clients_total, 1);
 	return c;
@@ -116,6 +118,8 @@ void kvsp_client_destroy(struct kvsp *p, struct kvsp_client *c)
 {
 	kvsp_client_reclaim(p, c);
 	p->clients[c->idx] = NULL;
+	while (p->clients_hi && !p->clients[p->clients_hi - 1])
+		p->clients_hi--;
 	p->nclients--;
 	KVS_STAT_SUB(p->stats->clients, 1);
 	client_free(c);
@@ -223,6 +227,8 @@ int kvsp_client_poll(struct kvsp *p, struct kvsp_client *c)
 	/* Each op can use at most one completion slot (a rejection) or owe
 	 * one more final (an open); finals already owed keep theirs. Taking
 	 * no more ops than that leaves every final room on the ring. */
+	if (!kvs_ring_count(&c->sq))
+		return KVSP_IDLE; /* the common case: one line, the client's tail */
 	unsigned room = kvs_ring_free(&c->cq);
 	if (room <= c->finals_owed)
 		return KVSP_IDLE;

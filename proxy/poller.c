@@ -512,7 +512,7 @@ static void on_events(struct kvsp *p, struct epoll_event *ev, int n)
 static int poll_clients(struct kvsp *p)
 {
 	int busy = KVSP_IDLE;
-	for (unsigned i = 0; i < p->cfg.max_clients; i++)
+	for (unsigned i = 0; i < p->clients_hi; i++)
 		if (p->clients[i])
 			busy |= kvsp_client_poll(p, p->clients[i]);
 	return busy;
@@ -522,7 +522,7 @@ static bool work_waiting(struct kvsp *p)
 {
 	if (p->local->ops->pending(p->local))
 		return true;
-	for (unsigned i = 0; i < p->cfg.max_clients; i++) {
+	for (unsigned i = 0; i < p->clients_hi; i++) {
 		struct kvsp_client *c = p->clients[i];
 		if (c && kvs_ring_count(&c->sq) && kvs_ring_free(&c->cq) > c->finals_owed)
 			return true;

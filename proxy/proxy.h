@@ -143,6 +143,7 @@ struct kvsp {
 	struct kvsp_client **clients;
 	uint32_t next_cid;
 	unsigned nclients;
+	unsigned clients_hi; /* clients[] is empty from here up: the loop stops here */
 	uint16_t *kicks;
 	unsigned nkicks;
 	/* transports */

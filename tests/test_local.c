@@ -308,7 +308,7 @@ Test(local, kvs_wait_blocks_instead_of_spinning)
 			break;
 		sched_yield();
 	}
-	cr_assert_eq(st, 'S', "kvs_wait never went to sleep (state %c)", st);
+	cr_assert_eq(st, 'S', "kvs_wait never blocked (state %c)", st);
 	cr_assert(strstr(wchan, "poll") != NULL, "kvs_wait sleeps in %s, not poll", wchan);
 	kvs_client *tx = connect_ok(&px);
 	kvs_room *sr;
