@@ -178,7 +178,6 @@ int kvsp_room_open_send(struct kvsp *p, struct kvsp_client *c, uint16_t h,
 			const struct kvs_desc_wire *desc, uint64_t user_data, uint64_t *bytes);
 int kvsp_room_send(struct kvsp *p, struct kvsp_client *c, uint16_t h, const struct kvs_lease *l,
 		   uint64_t offset, uint64_t len);
-void kvsp_room_abort(struct kvsp *p, uint32_t room, int status);
 void kvsp_room_abort_from(struct kvsp *p, struct kvsp_client *c, uint16_t h, int status);
 void kvsp_room_detach(struct kvsp *p, struct kvsp_client *c, uint16_t h, int status);
 int kvsp_room_map(struct kvsp *p, struct kvsp_client *c, uint16_t h, struct kvs_lease *out);

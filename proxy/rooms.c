@@ -258,11 +258,6 @@ static void room_abort(struct kvsp *p, uint32_t i, int status, uint8_t type)
 		room_end(p, i);
 }
 
-void kvsp_room_abort(struct kvsp *p, uint32_t i, int status)
-{
-	room_abort(p, i, status, KVS_EV_ABORTED);
-}
-
 void kvsp_rooms_abort_all(struct kvsp *p, int status)
 {
 	for (uint32_t i = 0; i < p->cfg.max_rooms; i++)
