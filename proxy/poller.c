@@ -131,8 +131,12 @@ static int lock_path(struct kvsp *p, const char *path)
 	snprintf(lock, sizeof(lock), "%s.lock", path);
 	p->lock_fd = open(lock, O_RDWR | O_CREAT | O_CLOEXEC, 0600);
 	if (p->lock_fd < 0) {
-		LOG_ERR("cannot open %s: %s", lock, strerror(errno));
-		return -errno;
+		int err = -errno;
+		LOG_ERR("cannot create %s: %s%s", lock, strerror(-err),
+			err == -EACCES || err == -ENOENT || err == -EROFS
+				? " (choose a writable place with --socket PATH or $KVSTAGE_SOCKET)"
+				: "");
+		return err;
 	}
 	if (flock(p->lock_fd, LOCK_EX | LOCK_NB) < 0) {
 		int err = -errno;
