@@ -144,7 +144,12 @@ static int sync_call(kvs_client *c, struct kvs_sqe *q)
 	if (c->stash_n == c->stash_cap)
 		return -EAGAIN; /* events are waiting: kvs_poll first */
 	q->seq = ++c->seq;
-	int rc = submit(c, q);
+	/* A sync call may wait for ring space, as it waits for its reply: while
+	 * the proxy lives and our stash can take its events, it makes room. */
+	int rc;
+	while ((rc = submit(c, q)) == -EAGAIN && c->stash_n < c->stash_cap)
+		if ((rc = block(c, 1)) < 0)
+			break;
 	if (rc < 0) {
 		c->seq--;
 		return rc;
