@@ -84,17 +84,6 @@ static int bad(const char *opt, const char *val, const char *why)
 	return 2;
 }
 
-static int parse_uint(const char *s, unsigned lo, unsigned hi, unsigned *out)
-{
-	char *end;
-	errno = 0;
-	unsigned long v = strtoul(s, &end, 10);
-	if (errno || end == s || *end || *s == '-' || v < lo || v > hi)
-		return -1;
-	*out = (unsigned)v;
-	return 0;
-}
-
 enum { O_KVSTAGED = 256, O_SIZE, O_PSIZE, O_PAGES, O_POOL, O_MODES, O_ITERS, O_REPS, O_DEV,
        O_JSON };
 
@@ -155,7 +144,7 @@ static int parse(int argc, char **argv, struct gopts *o)
 			break;
 		}
 		case O_PAGES:
-			if (parse_uint(optarg, 1, 1u << 20, &o->pages))
+			if (bench_parse_uint(optarg, 1, 1u << 20, &o->pages))
 				return bad("--pages", optarg, "want 1 to 1048576");
 			break;
 		case O_POOL:
@@ -178,15 +167,15 @@ static int parse(int argc, char **argv, struct gopts *o)
 			break;
 		}
 		case O_ITERS:
-			if (parse_uint(optarg, 1, 100000, &o->iters))
+			if (bench_parse_uint(optarg, 1, 100000, &o->iters))
 				return bad("--iters", optarg, "want 1 to 100000");
 			break;
 		case O_REPS:
-			if (parse_uint(optarg, 1, 1000, &o->reps))
+			if (bench_parse_uint(optarg, 1, 1000, &o->reps))
 				return bad("--reps", optarg, "want 1 to 1000");
 			break;
 		case O_DEV:
-			if (parse_uint(optarg, 0, 1024, &u))
+			if (bench_parse_uint(optarg, 0, 1024, &u))
 				return bad("--device", optarg, "want a device number");
 			o->device = (int)u;
 			break;

@@ -197,7 +197,7 @@ static int bad(const char *opt, const char *val, const char *why)
 	return 2;
 }
 
-static int parse_uint(const char *s, unsigned lo, unsigned hi, unsigned *out)
+int bench_parse_uint(const char *s, unsigned lo, unsigned hi, unsigned *out)
 {
 	char *end;
 	errno = 0;
@@ -319,13 +319,13 @@ int bench_opts_parse(int argc, char **argv, struct bench_opts *o)
 			o->room_bytes = v;
 			break;
 		case O_ROOMS:
-			if (parse_uint(optarg, 1, 256, &u))
+			if (bench_parse_uint(optarg, 1, 256, &u))
 				return bad("--rooms", optarg, "want 1 to 256");
 			o->rooms = u;
 			break;
 		case O_SENDERS:
 		case O_RECEIVERS:
-			if (parse_uint(optarg, 1, BENCH_MAX_PAIRS, &u))
+			if (bench_parse_uint(optarg, 1, BENCH_MAX_PAIRS, &u))
 				return bad(opt == O_SENDERS ? "--senders" : "--receivers", optarg,
 					   "want 1 to 64");
 			if (opt == O_SENDERS)
@@ -371,7 +371,7 @@ int bench_opts_parse(int argc, char **argv, struct bench_opts *o)
 			o->wset = v;
 			break;
 		case O_SAMPLES:
-			if (parse_uint(optarg, 1, 10000000, &u))
+			if (bench_parse_uint(optarg, 1, 10000000, &u))
 				return bad("--samples", optarg, "want 1 to 10000000");
 			o->samples = u;
 			break;
