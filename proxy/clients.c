@@ -64,7 +64,7 @@ static void client_free(struct kvsp_client *c)
 	free(c);
 }
 
-struct kvsp_client *kvsp_client_new(struct kvsp *p, int sock, pid_t pid, uid_t uid)
+struct kvsp_client *kvsp_client_new(struct kvsp *p, int sock, pid_t pid)
 {
 	unsigned idx;
 	for (idx = 0; idx < p->cfg.max_clients; idx++)
@@ -91,9 +91,7 @@ struct kvsp_client *kvsp_client_new(struct kvsp *p, int sock, pid_t pid, uid_t u
 	c->id = p->next_cid;
 	c->idx = (uint16_t)idx;
 	c->pid = pid;
-	c->uid = uid;
 	p->clients[idx] = c;
-	p->nclients++;
 	if (idx >= p->clients_hi)
 		p->clients_hi = idx + 1;
 	KVS_STAT_ADD(p->stats->clients, 1);
@@ -120,7 +118,6 @@ void kvsp_client_destroy(struct kvsp *p, struct kvsp_client *c)
 	p->clients[c->idx] = NULL;
 	while (p->clients_hi && !p->clients[p->clients_hi - 1])
 		p->clients_hi--;
-	p->nclients--;
 	KVS_STAT_SUB(p->stats->clients, 1);
 	client_free(c);
 }

@@ -288,7 +288,7 @@ static void welcome_client(struct kvsp *p, struct kvsp_pending *pd)
 		refuse(p, fd, -ESHUTDOWN, "proxy is shutting down");
 		return;
 	}
-	struct kvsp_client *c = kvsp_client_new(p, fd, pd->pid, pd->uid);
+	struct kvsp_client *c = kvsp_client_new(p, fd, pd->pid);
 	if (!c) {
 		refuse(p, fd, -EUSERS, "too many clients (--max-clients)");
 		return;

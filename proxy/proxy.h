@@ -59,7 +59,6 @@ struct kvsp_client {
 	uint16_t idx;   /* in p->clients */
 	int sock, efd, cmem_fd;
 	pid_t pid;
-	uid_t uid;
 	struct kvs_cshm *cshm; /* client-writable: copy before trusting */
 	size_t cmem_size;
 	struct kvs_lease *reply_leases;
@@ -93,7 +92,7 @@ struct kvsp_room {
 	int32_t status;
 	uint8_t token[16];
 	uint64_t bytes;
-	uint32_t nchunks, claimed, placed, inflight;
+	uint32_t nchunks, placed, inflight;
 	uint32_t placed_head, inflight_head; /* slot lists through kvsp_slot_priv */
 	uint32_t chunk0;                     /* slot holding chunk 0, once placed */
 	struct kvsp_side recv, send;
@@ -142,7 +141,6 @@ struct kvsp {
 	/* clients */
 	struct kvsp_client **clients;
 	uint32_t next_cid;
-	unsigned nclients;
 	unsigned clients_hi; /* clients[] is empty from here up: the loop stops here */
 	uint16_t *kicks;
 	unsigned nkicks;
@@ -188,7 +186,7 @@ uint64_t kvsp_rooms_tick(struct kvsp *p);
 void kvsp_rooms_abort_all(struct kvsp *p, int status);
 
 /* clients.c */
-struct kvsp_client *kvsp_client_new(struct kvsp *p, int sock, pid_t pid, uid_t uid);
+struct kvsp_client *kvsp_client_new(struct kvsp *p, int sock, pid_t pid);
 /* The client is gone: aborts its rooms, frees its slots (tombstones where pinned). */
 void kvsp_client_reclaim(struct kvsp *p, struct kvsp_client *c);
 /* kvsp_client_reclaim, then frees the client itself. */

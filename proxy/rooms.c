@@ -194,6 +194,20 @@ static void post_final(struct kvsp *p, struct kvsp_side *s, uint16_t type, int s
 		s->cid = 0;
 }
 
+#ifdef KVS_VULNERABLE
+/* The buggy engines: what is in flight is freed at once and forgotten;
+ * the transport does not know and carries on. */
+static void vulnerable_forget_inflight(struct kvsp *p, struct kvsp_room *r)
+{
+	while (r->inflight_head != NONE) {
+		uint32_t s = r->inflight_head;
+		slist_del(p, &r->inflight_head, s);
+		kvsp_slot_kill(&p->slots, s);
+		r->inflight--;
+	}
+}
+#endif
+
 static void room_end(struct kvsp *p, uint32_t i)
 {
 	struct kvsp_room *r = &p->rooms[i];
@@ -239,14 +253,7 @@ static void room_abort(struct kvsp *p, uint32_t i, int status, uint8_t type)
 		kvsp_slot_kill(&p->slots, s);
 	}
 #ifdef KVS_VULNERABLE
-	/* The buggy engines: abort frees what is in flight at once and
-	 * forgets it; the transport does not know and carries on. */
-	while (r->inflight_head != NONE) {
-		uint32_t s = r->inflight_head;
-		slist_del(p, &r->inflight_head, s);
-		kvsp_slot_kill(&p->slots, s);
-		r->inflight--;
-	}
+	vulnerable_forget_inflight(p, r);
 #else
 	for (uint32_t s = r->inflight_head; s != NONE; s = p->slots.priv[s].next)
 		kvsp_slot_kill(&p->slots, s);
@@ -307,7 +314,7 @@ int kvsp_room_open_recv(struct kvsp *p, struct kvsp_client *c, uint16_t h, uint6
 	r->status = 0;
 	r->bytes = bytes;
 	r->nchunks = (uint32_t)((bytes + p->cfg.slot_size - 1) / p->cfg.slot_size);
-	r->claimed = r->placed = r->inflight = 0;
+	r->placed = r->inflight = 0;
 	r->placed_head = r->inflight_head = NONE;
 	memset(r->claimed_bits, 0, ((r->nchunks + 63) / 64) * sizeof(uint64_t));
 	new_token(p, r->token);
@@ -399,7 +406,6 @@ int kvsp_room_send(struct kvsp *p, struct kvsp_client *c, uint16_t h, const stru
 	__atomic_store_n(&p->slots.pub[l->slot].room, i + 1, __ATOMIC_RELAXED);
 	slist_push(p, &r->inflight_head, l->slot);
 	r->inflight++;
-	r->claimed++;
 	r->claimed_bits[chunk / 64] |= 1ull << (chunk % 64);
 	touch(p, i);
 
@@ -482,12 +488,7 @@ void kvsp_room_abort_from(struct kvsp *p, struct kvsp_client *c, uint16_t h, int
 		/* The buggy engines: the sender's abort is local. Its pages
 		 * are freed at once; the receiver keeps waiting. */
 		struct kvsp_room *r = &p->rooms[hd->room];
-		while (r->inflight_head != NONE) {
-			uint32_t s = r->inflight_head;
-			slist_del(p, &r->inflight_head, s);
-			kvsp_slot_kill(&p->slots, s);
-			r->inflight--;
-		}
+		vulnerable_forget_inflight(p, r);
 		post_final(p, &r->send, KVS_EV_ABORTED, status, 0, NONE, 0);
 		return;
 	}
