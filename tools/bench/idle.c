@@ -67,6 +67,16 @@ static pid_t spawn_waiter(const char *sock)
 	return pid;
 }
 
+/* One kvs_acquire(1) round trip, timed into *ns; the lease goes back after. Returns 0, or -errno. */
+static int timed_acquire(kvs_client *c, uint64_t *ns)
+{
+	struct kvs_lease l;
+	uint64_t t0 = now_ns();
+	int rc = kvs_acquire(c, 1, &l);
+	*ns = now_ns() - t0;
+	return rc < 0 ? rc : kvs_release(c, &l);
+}
+
 static int ifail(const char *what, int rc)
 {
 	fprintf(stderr, "kvstage-bench idle: %s: %s\n", what, kvs_strerror(rc));
@@ -128,30 +138,24 @@ static int measure(const struct bench_opts *o, const struct bench_proxy *px,
 		sleep_ns((uint64_t)(o->idle_gap_ms * 1e6));
 		if (!wait_asleep(ctrl, ASLEEP_WAIT_NS))
 			r->not_asleep++;
-		struct kvs_lease l;
-		uint64_t t0 = now_ns();
-		rc = kvs_acquire(c, 1, &l);
-		uint64_t t1 = now_ns();
-		if (rc < 0 || (rc = kvs_release(c, &l)) < 0) {
+		uint64_t ns;
+		if ((rc = timed_acquire(c, &ns)) < 0) {
 			ret = ifail("kvs_acquire/kvs_release", rc);
 			goto out;
 		}
-		hist_add(wake, t1 - t0);
+		hist_add(wake, ns);
 		r->samples++;
 		if (prog && (i & 31) == 31)
 			progress_line("idle: wake-up sample %u / %u", i + 1, o->samples);
 	}
 	/* The same request, back to back: the proxy is awake and polling. */
 	for (unsigned i = 0; i < o->samples; i++) {
-		struct kvs_lease l;
-		uint64_t t0 = now_ns();
-		rc = kvs_acquire(c, 1, &l);
-		uint64_t t1 = now_ns();
-		if (rc < 0 || (rc = kvs_release(c, &l)) < 0) {
+		uint64_t ns;
+		if ((rc = timed_acquire(c, &ns)) < 0) {
 			ret = ifail("kvs_acquire/kvs_release", rc);
 			goto out;
 		}
-		hist_add(warm, t1 - t0);
+		hist_add(warm, ns);
 	}
 	progress_clear();
 	r->wake = hist_lat(wake);

@@ -88,6 +88,17 @@ static void json_ring(struct jw *j, const struct ring_base *ring)
 	jw_close(j, '}');
 }
 
+/* The head every mode's JSON starts with: command, machine, proxy, the ring baseline. */
+static void json_start(struct jw *j, const struct bench_opts *o, const struct bench_proxy_info *px,
+		       const struct ring_base *ring)
+{
+	json_head(j, o);
+	json_proxy(j, px);
+	jw_open(j, "baselines", '{');
+	json_ring(j, ring);
+	jw_close(j, '}');
+}
+
 static void json_end(struct jw *j)
 {
 	jw_close(j, '}');
@@ -288,11 +299,7 @@ static void local_json(const struct bench_opts *o, const struct local_point *pt,
 		       const struct ring_base *ring, const struct bench_proxy_info *px)
 {
 	struct jw j;
-	json_head(&j, o);
-	json_proxy(&j, px);
-	jw_open(&j, "baselines", '{');
-	json_ring(&j, ring);
-	jw_close(&j, '}');
+	json_start(&j, o, px, ring);
 	jw_open(&j, "definitions", '{');
 	for (size_t i = 0; i < sizeof(local_defs) / sizeof(local_defs[0]); i++)
 		jw_str(&j, local_defs[i][0], local_defs[i][1]);
@@ -440,11 +447,7 @@ void report_latency(const struct bench_opts *o, const struct latency_result *r,
 {
 	if (o->fmt == FMT_JSON) {
 		struct jw j;
-		json_head(&j, o);
-		json_proxy(&j, px);
-		jw_open(&j, "baselines", '{');
-		json_ring(&j, ring);
-		jw_close(&j, '}');
+		json_start(&j, o, px, ring);
 		jw_open(&j, "result", '{');
 		jw_int(&j, "chunk_bytes", r->chunk);
 		jw_num(&j, "seconds", r->seconds);
