@@ -29,6 +29,11 @@ struct proxy {
 	char log[128];
 };
 
+/* A proxy not yet started: its admin fd is -1, not 0, so stopping it closes
+ * nothing (a zeroed struct would close fd 0, which is not stdin when the test
+ * runs with stdin closed, as CI does). */
+#define PROXY_INIT { .pid = 0, .admin = -1 }
+
 /* Starts bin (NULL: the normal kvstaged) with --socket, --failpoints and
  * args (NULL-terminated); returns once it serves. Aborts the test on failure. */
 void proxy_start(struct proxy *px, const char *bin, const char *const *args);

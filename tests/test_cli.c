@@ -11,7 +11,7 @@
 
 #include "harness.h"
 
-static struct proxy px;
+static struct proxy px = PROXY_INIT;
 static char out[65536], err[65536];
 
 static void teardown(void)
@@ -132,11 +132,13 @@ Test(cli, ctl_needs_failpoints)
 	snprintf(sock, sizeof(sock), "%s/s", dir);
 	/* a plain proxy (no --failpoints), started by hand */
 	int ready[2];
-	cr_assert_eq(pipe(ready), 0);
+	cr_assert_eq(pipe2(ready, O_CLOEXEC), 0);
 	pid_t pid = fork();
 	if (pid == 0) {
-		dup2(ready[1], 3);
-		int nul = open("/dev/null", O_WRONLY);
+		/* via an fd above 3: dup2 onto itself would keep CLOEXEC */
+		dup2(fcntl(ready[1], F_DUPFD, 10), 3);
+		int nul = open("/dev/null", O_RDWR);
+		dup2(nul, 0);
 		dup2(nul, 1);
 		dup2(nul, 2);
 		execl(build_path("proxy/kvstaged"), "kvstaged", "--socket", sock, "--slots", "2",
@@ -146,6 +148,7 @@ Test(cli, ctl_needs_failpoints)
 	close(ready[1]);
 	char buf[8];
 	cr_assert_eq(read(ready[0], buf, sizeof(buf)), 6);
+	close(ready[0]);
 	px.pid = pid;
 	int rc = RUN(build_path("tools/kvstage-ctl"), "-s", sock, "set", "local.quiesce", "pause");
 	cr_assert_eq(rc, 1);

@@ -15,7 +15,7 @@
 
 #define SLOT (64 * 1024)
 
-static struct proxy px;
+static struct proxy px = PROXY_INIT;
 
 static void teardown(void)
 {

@@ -24,7 +24,7 @@
 #define SLOTS 16
 #define SLOT (256 * 1024)
 
-static struct proxy px;
+static struct proxy px = PROXY_INIT;
 
 static void setup(void)
 {

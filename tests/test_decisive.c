@@ -27,7 +27,7 @@
 #define A_TX 0xA2
 #define B_OWNER 0xB0B
 
-static struct proxy px;
+static struct proxy px = PROXY_INIT;
 
 static void teardown(void)
 {

@@ -22,7 +22,7 @@
 #define SLOTS 32
 #define SLOT (64 * 1024)
 
-static struct proxy px;
+static struct proxy px = PROXY_INIT;
 
 static void setup(void)
 {

@@ -14,7 +14,7 @@
 #define SLOTS 8
 #define SLOT (64 * 1024)
 
-static struct proxy px;
+static struct proxy px = PROXY_INIT;
 
 static void setup(void)
 {

@@ -17,7 +17,7 @@
 
 #define SLOT (64 * 1024)
 
-static struct proxy px;
+static struct proxy px = PROXY_INIT;
 
 static void setup(void)
 {

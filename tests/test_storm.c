@@ -26,7 +26,7 @@
 #define ROOMS 250
 #define HOLD (1ull << 62) /* user_data tag: local.quiesce holds these rooms' chunks */
 
-static struct proxy px;
+static struct proxy px = PROXY_INIT;
 
 static void teardown(void)
 {
