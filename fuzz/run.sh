@@ -11,9 +11,10 @@ cd "$(dirname "$0")/.."
 secs=${1:-60}
 if [ ! -f build-fuzz/build.ninja ]; then
   CC=clang meson setup build-fuzz -Dfuzz=true -Dtests=false -Dbuildtype=debugoptimized \
-    -Db_sanitize=address,undefined -Db_lundef=false >/dev/null
+    -Db_sanitize=address,undefined -Db_lundef=false > build-setup.log 2>&1 \
+    || { cat build-setup.log; exit 1; }
 fi
-ninja -C build-fuzz fuzz/fuzz-ops >/dev/null
+ninja -C build-fuzz fuzz/fuzz-ops > build-setup.log 2>&1 || { cat build-setup.log; exit 1; }
 mkdir -p build-fuzz/artifacts
 work=$(mktemp -d /tmp/kvstage-fuzz.XXXXXX)
 trap 'rm -rf "$work"' EXIT

@@ -3,6 +3,7 @@
 # This is what CI runs (.ci/run) and what the README gives.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+echo "== $(date -u +%FT%TZ) $(uname -srm), $(nproc) cores, uid $(id -u), in $PWD"
 tools/setup.sh
 
 echo "== tests (build/)"
@@ -11,7 +12,7 @@ meson test -C build --print-errorlogs
 echo "== tests under ASan+UBSan (build-asan/)"
 if [ ! -f build-asan/build.ninja ]; then
   meson setup build-asan --buildtype=debug -Db_sanitize=address,undefined \
-    -Db_lundef=false >/dev/null
+    -Db_lundef=false > build-setup.log 2>&1 || { cat build-setup.log; exit 1; }
 fi
 ninja -C build-asan
 ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \

@@ -21,6 +21,12 @@ if [ ${#missing[@]} -gt 0 ]; then
 fi
 
 if [ ! -f build/build.ninja ]; then
-  meson setup build --buildtype=debugoptimized >/dev/null
+  # Quiet when it works, whole when it fails (meson writes errors to stdout).
+  if ! meson setup build --buildtype=debugoptimized > build-setup.log 2>&1; then
+    cat build-setup.log
+    [ -f build/meson-logs/meson-log.txt ] && tail -n 40 build/meson-logs/meson-log.txt
+    echo "setup: meson setup failed (above)"
+    exit 1
+  fi
 fi
 ninja -C build
