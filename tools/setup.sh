@@ -2,6 +2,8 @@
 # Installs what kvstage needs on Debian 12 (apt), then builds it into build/.
 # Safe to run again: it installs only what is missing and rebuilds incrementally.
 set -euo pipefail
+# A bare environment (no PATH: gcc then cannot find cc1) must still build.
+export PATH="${PATH:+$PATH:}/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 cd "$(dirname "$0")/.."
 
 PKGS=(gcc pkg-config meson ninja-build libdpdk-dev libcriterion-dev libibverbs-dev
