@@ -210,12 +210,14 @@ void kvsp_client_reject(struct kvsp *p, struct kvsp_client *c, uint16_t h, int s
 
 void kvsp_client_reply(struct kvsp *p, struct kvsp_client *c, uint32_t seq, int status)
 {
-	c->cshm->reply.status = status;
-	/* Release: the reply fields and lease area are written before the
-	 * client can see this seq. */
-	__atomic_store_n(&c->cshm->reply.seq, seq, __ATOMIC_RELEASE);
+	/* Counted before the client can hear of it: whoever reads the
+	 * counters after the reply sees the refusal among them. */
 	if (status < 0)
 		kvsp_count_reject(p, status);
+	c->cshm->reply.status = status;
+	/* Release: the reply fields, the lease area and the counters are
+	 * written before the client can see this seq. */
+	__atomic_store_n(&c->cshm->reply.seq, seq, __ATOMIC_RELEASE);
 	mark_kick(p, c);
 }
 
