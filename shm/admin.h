@@ -42,6 +42,9 @@ struct kvs_admin_rep {
 	char msg[96];
 };
 
+/* Set, release and get give -ETIMEDOUT if the proxy has not answered in 30 s;
+ * after any -ETIMEDOUT the connection is out of step: close it. */
+
 /* Connects to the proxy as an admin. Returns the fd, or -errno. */
 int kvs_admin_connect(const char *socket_path);
 /* Sets failpoint name to action ("off", "pause", "fail[=ERRNO]"), for rooms whose user_data is *match (NULL: all). Returns 0, or -errno. */

@@ -14,6 +14,10 @@
 
 static __thread char last_msg[96];
 
+/* Set, release and get are answered on the proxy's next turn; a proxy that
+ * has not answered in this long is stopped or wedged. */
+#define REPLY_MS 30000
+
 const char *kvs_admin_msg(void)
 {
 	return last_msg;
@@ -103,7 +107,7 @@ static int fp_set(int fd, const char *name, const char *action, const uint64_t *
 		q.match_set = 1;
 		q.match = *match;
 	}
-	return call(fd, &q, &r, -1);
+	return call(fd, &q, &r, REPLY_MS);
 }
 
 int kvs_admin_fp_set(int fd, const char *name, const char *action, const uint64_t *match)
@@ -124,7 +128,7 @@ int kvs_admin_fp_release(int fd, const char *name, uint64_t match, uint64_t mask
 	struct kvs_admin_rep r;
 	if (set_name(&q, name) < 0)
 		return -EINVAL;
-	int rc = call(fd, &q, &r, -1);
+	int rc = call(fd, &q, &r, REPLY_MS);
 	if (rc == 0 && released)
 		*released = r.hits;
 	return rc;
@@ -154,7 +158,7 @@ int kvs_admin_fp_get(int fd, const char *name, uint64_t *hits)
 	struct kvs_admin_rep r;
 	if (set_name(&q, name) < 0)
 		return -EINVAL;
-	int rc = call(fd, &q, &r, -1);
+	int rc = call(fd, &q, &r, REPLY_MS);
 	if (rc == 0)
 		*hits = r.hits;
 	return rc;

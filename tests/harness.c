@@ -11,6 +11,7 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/prctl.h>
+#include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -30,6 +31,31 @@ const char *build_path(const char *rel)
 	k = (k + 1) % 4;
 	snprintf(buf[k], sizeof(buf[k]), "%s/%s", env_or("KVSTAGE_BUILD_DIR", "."), rel);
 	return buf[k];
+}
+
+pid_t reap(pid_t pid, int *status)
+{
+	int st = 0, pfd = (int)syscall(SYS_pidfd_open, pid, 0);
+	if (pfd >= 0) {
+		struct pollfd p = { pfd, POLLIN, 0 };
+		int rc;
+		do
+			rc = poll(&p, 1, WAIT_MS);
+		while (rc < 0 && errno == EINTR);
+		close(pfd);
+		if (rc == 0) {
+			kill(pid, SIGKILL);
+			waitpid(pid, &st, 0);
+			if (status)
+				*status = st;
+			errno = ETIMEDOUT;
+			return -1;
+		}
+	}
+	pid_t r = waitpid(pid, &st, 0);
+	if (status)
+		*status = st;
+	return r;
 }
 
 const char *proxy_vulnerable_bin(void)
@@ -73,7 +99,10 @@ static void spawn(struct proxy *px, const char *bin, const char *const *args)
 	}
 	close(ready[1]);
 	char buf[8] = { 0 };
-	ssize_t k = read(ready[0], buf, sizeof(buf) - 1); /* blocks until it serves or dies */
+	ssize_t k = -1;
+	struct pollfd rp = { ready[0], POLLIN, 0 };
+	if (poll(&rp, 1, WAIT_MS) == 1) /* until it serves or dies */
+		k = read(ready[0], buf, sizeof(buf) - 1);
 	close(ready[0]);
 	if (k != 6 || strcmp(buf, "ready\n")) {
 		char logtxt[2048] = { 0 };
@@ -83,6 +112,7 @@ static void spawn(struct proxy *px, const char *bin, const char *const *args)
 			(void)r;
 			close(lfd);
 		}
+		kill(pid, SIGKILL);
 		waitpid(pid, NULL, 0);
 		cr_assert_fail("kvstaged did not start (%s): %s", bin, logtxt);
 	}
@@ -121,7 +151,7 @@ int proxy_kill(struct proxy *px, int sig)
 	int st = 0;
 	if (px->pid > 0) {
 		kill(px->pid, sig);
-		waitpid(px->pid, &st, 0);
+		reap(px->pid, &st);
 		px->pid = 0;
 	}
 	return st;
@@ -232,7 +262,7 @@ int child_wait(struct child *ch)
 	int st;
 	if (ch->pid <= 0)
 		return -1;
-	waitpid(ch->pid, &st, 0);
+	reap(ch->pid, &st);
 	ch->pid = 0;
 	close(ch->to);
 	close(ch->from);
@@ -295,6 +325,8 @@ int run_cmd(const char *const *argv, char *out, size_t cap, char *err, size_t ec
 	close(o[0]);
 	close(e[0]);
 	int st;
+	if (oo || eo) /* it outlived the guard: a hang is a failure, not a wait */
+		kill(pid, SIGKILL);
 	waitpid(pid, &st, 0);
 	return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
 }

@@ -45,6 +45,9 @@ int proxy_kill(struct proxy *px, int sig);
 void proxy_stop(struct proxy *px);
 /* The vulnerable test-only build's path. */
 const char *proxy_vulnerable_bin(void);
+/* Reaps child pid (waitpid status in *status); if it has not exited within
+ * WAIT_MS, kills it and returns -1 with errno ETIMEDOUT. Returns pid, or -1. */
+pid_t reap(pid_t pid, int *status);
 /* A binary of the build tree (tools/kvstage-stat, ...). */
 const char *build_path(const char *rel);
 

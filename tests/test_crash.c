@@ -233,7 +233,7 @@ Test(crash, sigterm_lets_active_rooms_finish)
 	kvs_room_close(rr);
 	kvs_room_close(sr);
 	int st;
-	cr_assert_eq(waitpid(px.pid, &st, 0), px.pid);
+	cr_assert_eq(reap(px.pid, &st), px.pid, "the draining proxy did not exit");
 	px.pid = 0;
 	cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0, "drained exit status %d", st);
 	cr_assert_eq(kvs_wait(rx, &ev, WAIT_MS), -ENOTCONN);
@@ -266,7 +266,7 @@ Test(crash, sigterm_grace_aborts_but_waits_for_quiescence)
 	ev = wait_event(rx);
 	cr_assert_eq(ev.type, KVS_EV_ABORTED);
 	cr_assert_eq(ev.status, -ESHUTDOWN);
-	cr_assert_eq(waitpid(px.pid, &st, 0), px.pid);
+	cr_assert_eq(reap(px.pid, &st), px.pid, "the draining proxy did not exit");
 	px.pid = 0;
 	cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0);
 	kvs_close(rx);

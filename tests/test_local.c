@@ -262,7 +262,7 @@ static int waiter(int rd, int wr, void *arg)
 	if (chan_put(wr, &d, sizeof(d)))
 		return 3;
 	struct kvs_event ev;
-	int rc = kvs_wait(c, &ev, -1);
+	int rc = kvs_wait(c, &ev, WAIT_MS);
 	char ok = rc == 1 && ev.type == KVS_EV_RECV_DONE;
 	chan_put(wr, &ok, 1);
 	(void)rd;

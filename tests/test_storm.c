@@ -15,6 +15,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "canary.h"
@@ -133,11 +135,16 @@ static int receiver(int rd, int wr, void *arg)
 	static struct result res;
 	kvs_client *c;
 	(void)rd;
+	/* Only our ends stay open: if the sender dies we see EOF, not a hang. */
+	close(pp->desc[0]);
+	close(pp->ctl[1]);
+	close(pp->ack[0]);
 	if (kvs_connect(px.sock, &c)) {
 		res.errors++;
 		goto report;
 	}
 	int efd = kvs_event_fd(c);
+	bool sender_gone = false;
 	for (unsigned i = 0; i < ROOMS; i++) {
 		enum plan pl = plan_of(pp->id, i);
 		uint64_t bytes = bytes_of(pp->id, i), ud = ud_of(pp->id, i, pl);
@@ -150,10 +157,13 @@ static int receiver(int rd, int wr, void *arg)
 			FAIL(&res, "desc pipe");
 		bool closed = false, ordered = false;
 		while (!res.rx_finals[i]) {
-			struct pollfd p[2] = { { efd, POLLIN, 0 }, { pp->ctl[0], POLLIN, 0 } };
+			/* the sender hangs up once its side of the last room is over */
+			struct pollfd p[2] = { { efd, POLLIN, 0 }, { sender_gone ? -1 : pp->ctl[0], POLLIN, 0 } };
 			if (poll(p, 2, WAIT_MS) <= 0)
 				FAIL(&res, "room %u (%s): no final", i, plan_names[pl]);
-			if (p[1].revents) {
+			if (p[1].revents && !(p[1].revents & POLLIN))
+				sender_gone = true;
+			if (p[1].revents & POLLIN) {
 				if (ordered)
 					FAIL(&res, "room %u: a second order", i);
 				if (serve_order(c, pp, r, &closed))
@@ -228,6 +238,10 @@ static int sender(int rd, int wr, void *arg)
 	kvs_client *c;
 	int admin = -1;
 	(void)rd;
+	/* Only our ends stay open: if the receiver dies we see EOF, not a hang. */
+	close(pp->desc[1]);
+	close(pp->ctl[0]);
+	close(pp->ack[1]);
 	if (kvs_connect(px.sock, &c) || (admin = kvs_admin_connect(px.sock)) < 0) {
 		res.errors++;
 		goto report;
@@ -434,17 +448,20 @@ Test(storm, abort_waves_lose_and_cross_nothing)
 Test(storm, room_timeout_fires_while_held_and_waits_for_quiescence)
 {
 	proxy_start(&px, NULL,
-		    (const char *[]){ "--slots", "16", "--slot-size", "4K", "--room-timeout", "100",
+		    (const char *[]){ "--slots", "16", "--slot-size", "4K", "--room-timeout", "2000",
 				      NULL });
 	kvs_client *rx = connect_ok(&px), *tx = connect_ok(&px);
 	kvs_room *rr, *sr, *idle;
 	struct kvs_room_desc d, d2;
-	cr_assert_eq(kvs_recv_open(rx, 2 * SLOT, 1, &rr, &d), 0);
-	cr_assert_eq(kvs_recv_open(rx, SLOT, 2, &idle, &d2), 0); /* its sender never comes */
-	cr_assert_eq(kvs_send_open(tx, &d, 3, &sr), 0);
+	/* Everything but the opens and the send first: from the first open
+	 * to the send, the test must stay under the timeout (2 s: a loaded
+	 * machine under ASan can stall a process for 100 ms). */
 	struct kvs_lease l;
 	cr_assert_eq(kvs_acquire(tx, 1, &l), 0);
 	fp_set(&px, "local.quiesce", "pause", NULL);
+	cr_assert_eq(kvs_recv_open(rx, 2 * SLOT, 1, &rr, &d), 0);
+	cr_assert_eq(kvs_recv_open(rx, SLOT, 2, &idle, &d2), 0); /* its sender never comes */
+	cr_assert_eq(kvs_send_open(tx, &d, 3, &sr), 0);
 	cr_assert_eq(kvs_send(sr, &l, 0, SLOT), 0);
 	fp_wait(&px, "local.quiesce", 1);
 	/* no more progress: the proxy's timer aborts both rooms */
@@ -674,14 +691,21 @@ Test(storm, flooded_ring_backpressures_and_recovers)
 	}
 	/* a ring the proxy does not drain at all: -EAGAIN, then recovery */
 	kill(px.pid, SIGSTOP);
+	int st;
+	cr_assert_eq(waitpid(px.pid, &st, WUNTRACED), px.pid); /* stopped, not just signalled */
+	cr_assert(WIFSTOPPED(st));
 	struct kvs_sqe nop = { .op = KVS_OP_NOP };
 	while (raw_submit(flood, &nop) == 0)
 		;
 	cr_assert_eq(kvs_abort(own), -EAGAIN, "a full ring gives -EAGAIN");
 	kill(px.pid, SIGCONT);
 	int rc;
-	while ((rc = kvs_abort(own)) == -EAGAIN)
-		;
+	struct timespec t0, t1;
+	clock_gettime(CLOCK_MONOTONIC, &t0);
+	do { /* a failure guard, not a wait: the proxy drains the ring now */
+		rc = kvs_abort(own);
+		clock_gettime(CLOCK_MONOTONIC, &t1);
+	} while (rc == -EAGAIN && (t1.tv_sec - t0.tv_sec) * 1000 < WAIT_MS);
 	cr_assert_eq(rc, 0, "recovered: %s", kvs_strerror(rc));
 	cr_assert_eq(wait_event(flood).type, KVS_EV_ABORTED);
 	uint64_t rss1 = proxy_rss_kb();
