@@ -25,6 +25,13 @@ size, kvstage GB/s (payload copy and none), UCX GB/s, ratios.
   --duration SEC     kvstage seconds per size (default 2)
   --bytes BYTES      bytes UCX moves per size, sets its iteration count
                      (default 8G; at least 1000 iterations)
+  --inflight BYTES   most bytes kvstage keeps in flight: 4 rooms of
+                     min(16 chunks, BYTES/4) each, at least one chunk
+                     (default 32M; 0: kvstage-bench's own 4 rooms of 16
+                     chunks, 256M in flight at 4M)
+  --repeat N         runs of each figure, interleaved; the table shows each
+                     one's median (default 3: this VM's figures move by a
+                     third from run to run)
   --test NAME        ucx_perftest test: tag_bw (default) or ucp_put_bw
   --tls LIST         UCX_TLS for the shared-memory run (default posix,sysv,cma)
   --transport T      local (default): kvstage local vs UCX shared memory;
@@ -41,6 +48,8 @@ build=""
 sizes="64K,256K,1M,4M"
 duration=2
 ucx_bytes=$((8 << 30))
+inflight=32M
+repeat=3
 test=tag_bw
 tls=posix,sysv,cma
 transport=local
@@ -51,6 +60,8 @@ while [ $# -gt 0 ]; do
     --sizes) sizes=$2; shift 2 ;;
     --duration) duration=$2; shift 2 ;;
     --bytes) ucx_bytes=$2; shift 2 ;;
+    --inflight) inflight=$2; shift 2 ;;
+    --repeat) repeat=$2; shift 2 ;;
     --test) test=$2; shift 2 ;;
     --tls) tls=$2; shift 2 ;;
     --transport) transport=$2; shift 2 ;;
@@ -79,7 +90,9 @@ case "$transport" in
   *) die "--transport must be local or tcp" 2 ;;
 esac
 [[ "$duration" =~ ^[0-9]+(\.[0-9]+)?$ ]] || die "bad --duration '$duration'" 2
+[[ "$repeat" =~ ^[1-9][0-9]?$ ]] || die "bad --repeat '$repeat' (want 1 to 99)" 2
 ucx_bytes=$(to_bytes "$ucx_bytes")
+inflight=$(to_bytes "$inflight")
 
 command -v ucx_perftest >/dev/null ||
   die "ucx_perftest is not installed (Debian: apt-get install ucx-utils; tools/setup.sh installs it)"
@@ -147,12 +160,20 @@ ucx_run() {
 
 # One kvstage-bench run; sets gbps.
 kv_run() {
-  local size=$1 payload=$2 mode=$3 rc=0
+  local size=$1 payload=$2 mode=$3 rc=0 b room=()
+  b=$(to_bytes "$size")
   # ucx_perftest reuses one message-sized buffer on each side; give
-  # kvstage's private buffers the same working set (two messages), or the
+  # kvstage's private buffers the same working set (two messages), and cap
+  # the slots in flight (the pool hands the same slots out again), or the
   # comparison pits cache-resident copies against copies from DRAM.
+  if [ "$inflight" -gt 0 ]; then
+    local chunks=$(( inflight / 4 / b ))
+    [ "$chunks" -gt 16 ] && chunks=16
+    [ "$chunks" -lt 1 ] && chunks=1
+    room=(--rooms 4 --room-bytes $(( chunks * b )))
+  fi
   "$bench" -q "${kv_pin[@]}" --chunk "$size" --payload "$payload" --duration "$duration" \
-    --wset "$(( $(to_bytes "$size") * 2 ))" \
+    --wset "$(( b * 2 ))" "${room[@]}" \
     --json "$mode" >"$tmp/kv.json" 2>"$tmp/kv.err" || rc=$?
   if [ $rc -ne 0 ]; then
     cat "$tmp/kv.err" >&2
@@ -175,12 +196,18 @@ echo
 printf "%-6s %13s %13s %13s %13s %9s %9s %9s\n" size "kvstage in" "kvstage copy" "kvstage none" "UCX $test" "in/UCX" "copy/UCX" "none/UCX"
 printf "%-6s %13s %13s %13s %13s %9s %9s %9s\n" "" "GB/s" "GB/s" "GB/s" "GB/s" "" "" ""
 IFS=, read -ra list <<<"$sizes"
+median() { printf '%s\n' "$@" | sort -g | awk '{ v[NR] = $1 } END { print (NR % 2) ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2 }'; }
 for s in "${list[@]}"; do
   b=$(to_bytes "$s")
-  ucx_run "$b"; u=$gbps
-  kv_run "$s" in "$transport"; i=$gbps
-  kv_run "$s" copy "$transport"; c=$gbps
-  kv_run "$s" none "$transport"; n=$gbps
+  us=() is=() cs=() ns=()
+  for ((k = 0; k < repeat; k++)); do
+    ucx_run "$b"; us+=("$gbps")
+    kv_run "$s" in "$transport"; is+=("$gbps")
+    kv_run "$s" copy "$transport"; cs+=("$gbps")
+    kv_run "$s" none "$transport"; ns+=("$gbps")
+  done
+  u=$(median "${us[@]}") i=$(median "${is[@]}") c=$(median "${cs[@]}") n=$(median "${ns[@]}")
+  [ "$repeat" -gt 1 ] && echo "  $s runs (GB/s): UCX ${us[*]}; in ${is[*]}; copy ${cs[*]}; none ${ns[*]}" >&2
   printf "%-6s %13.3f %13.3f %13.3f %13.3f %9s %9s %9s\n" "$s" "$i" "$c" "$n" "$u" "$(ratio "$i" "$u")" "$(ratio "$c" "$u")" "$(ratio "$n" "$u")"
 done
 echo
@@ -189,5 +216,10 @@ echo "receiver, who reads it in place: one copy, the like of UCX's buffer to buf
 echo "copy: kvstage moves buffer to buffer with two copies (into a slot, out of it);"
 echo "UCX $test moves buffer to buffer (large messages: one copy, by CMA rendezvous)."
 echo "none: kvstage hands filled slots over without touching them (zero copies)."
+[ "$repeat" -gt 1 ] && echo "Each figure is the median of $repeat runs, taken in turn (each run's figures on stderr)."
 echo "Working sets match: UCX reuses one buffer per side; kvstage's clients copy from and"
 echo "to private buffers of two chunks (kvstage-bench --wset), into and out of pool slots."
+if [ "$inflight" -gt 0 ]; then
+  echo "kvstage keeps at most $((inflight >> 20)) MiB in flight: 4 rooms of min(16 chunks, $((inflight >> 22)) MiB)"
+  echo "(--inflight 0: kvstage-bench's 4 rooms of 16 chunks, 256 MiB at 4M, copies from DRAM)."
+fi
