@@ -94,6 +94,7 @@ static void spawn(struct proxy *px, const char *bin, const char *const *args)
 		dup2(log, 1);
 		dup2(log, 2);
 		dup2(rfd, 3); /* the copy has no CLOEXEC */
+		close(rfd);
 		execv(bin, (char *const *)argv);
 		_exit(127);
 	}

@@ -136,7 +136,9 @@ Test(cli, ctl_needs_failpoints)
 	pid_t pid = fork();
 	if (pid == 0) {
 		/* via an fd above 3: dup2 onto itself would keep CLOEXEC */
-		dup2(fcntl(ready[1], F_DUPFD, 10), 3);
+		int rfd = fcntl(ready[1], F_DUPFD, 10);
+		dup2(rfd, 3);
+		close(rfd);
 		int nul = open("/dev/null", O_RDWR);
 		dup2(nul, 0);
 		dup2(nul, 1);
