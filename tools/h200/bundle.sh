@@ -17,7 +17,8 @@ OUTB=$B/bundle
 LIMIT_MB=60 # the device tool carries 64 MiB at most, the working tree included
 
 if [ ! -f "$B/build.ninja" ]; then
-  meson setup "$B" --buildtype=release -Dcuda=enabled -Dtests=true >/dev/null
+  meson setup "$B" --buildtype=release -Dcuda=enabled -Dtests=true > build-setup.log 2>&1 \
+    || { cat build-setup.log; exit 1; }
 fi
 ninja -C "$B" proxy/kvstaged tools/bench/kvstage-bench tests/test-cuda
 
