@@ -8,6 +8,7 @@
  */
 #include <errno.h>
 #include <fcntl.h>
+#include <sched.h>
 #include <signal.h>
 #include <stdlib.h>
 #include <string.h>
@@ -591,6 +592,9 @@ static void sleep_until_work(struct kvsp *p, uint64_t deadline)
 	__atomic_store_n(&p->ctrl->sleeping, 0, __ATOMIC_RELAXED);
 }
 
+/* While spinning idle, give the CPU away this often (see kvsp_run). */
+#define YIELD_EVERY_NS 10000
+
 /* A sleep that ends soon after it began cost a wake-up (on some hosts more
  * than 100 us) to save a few microseconds of spinning: spin longer next
  * time. Sleeps that last shrink the budget back, so an idle proxy sleeps.
@@ -637,8 +641,11 @@ static bool shutdown_step(struct kvsp *p, int *exit_code)
 
 int kvsp_run(struct kvsp *p)
 {
-	uint64_t idle_since = kvsp_now_ns();
+	uint64_t idle_since = kvsp_now_ns(), last_yield_ns = 0;
 	uint64_t deadline = UINT64_MAX;
+	cpu_set_t cpus;
+	bool polite = sched_getaffinity(0, sizeof(cpus), &cpus) != 0 || CPU_COUNT(&cpus) > 1;
+	LOG_DEBUG("idle spin %s", polite ? "yields the CPU (not pinned to one)" : "keeps its CPU");
 	p->spin_ns = p->cfg.spin_ns;
 	int exit_code = 0;
 	for (;;) {
@@ -661,7 +668,17 @@ int kvsp_run(struct kvsp *p)
 			continue;
 		}
 		if (p->now_ns - idle_since < p->spin_ns) {
-			rte_pause();
+			/* An unpinned proxy spins politely: a client that shares
+			 * its CPU gets it while we have nothing to do, or it would
+			 * wait out our whole spin for its reply. Pinned to one CPU
+			 * the proxy owns it, and a yield would only add a syscall
+			 * to the next request's latency (p99 1.6 -> 3 us here). */
+			if (polite && p->now_ns - last_yield_ns >= YIELD_EVERY_NS) {
+				sched_yield();
+				last_yield_ns = p->now_ns;
+			} else {
+				rte_pause();
+			}
 			continue;
 		}
 		deadline = tick(p);

@@ -10,6 +10,7 @@
 
 #include <errno.h>
 #include <poll.h>
+#include <sched.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/eventfd.h>
@@ -25,6 +26,7 @@
 #include "sock.h"
 
 #define LIVENESS_NS 1000000ull /* async calls look at the socket at most every 1 ms */
+#define SPIN_POLITE_NS 5000ull /* a sync call's spin yields the CPU after this */
 
 static uint64_t mono_ns(void)
 {
@@ -154,16 +156,27 @@ static int sync_call(kvs_client *c, struct kvs_sqe *q)
 		c->seq--;
 		return rc;
 	}
-	uint64_t spin_until = c->spin_ns ? mono_ns() + c->spin_ns : 0;
+	uint64_t t0 = c->spin_ns ? mono_ns() : 0, spin_until = t0 + c->spin_ns;
 	for (unsigned i = 0;; i++) {
 		/* Acquire pairs with the proxy's release store of reply.seq:
 		 * the reply fields and lease area are complete once we see it. */
 		if (__atomic_load_n(&c->cshm->reply.seq, __ATOMIC_ACQUIRE) == q->seq)
 			return c->cshm->reply.status;
 		stash_fill(c);
-		if (spin_until && ((i & 63) || mono_ns() < spin_until)) {
+		if (t0 && (i & 63)) {
 			rte_pause();
 			continue;
+		}
+		if (t0) {
+			uint64_t now = mono_ns();
+			if (now < spin_until) {
+				/* Past the first few microseconds the proxy may be
+				 * waiting for this CPU (it is not pinned apart from
+				 * us): let it run. Alone, sched_yield returns at once. */
+				if (now - t0 >= SPIN_POLITE_NS)
+					sched_yield();
+				continue;
+			}
 		}
 		__atomic_store_n(&c->cshm->waiting, 1, __ATOMIC_RELAXED);
 		/* Pairs with the proxy's fence between its reply and reading
