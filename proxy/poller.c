@@ -575,26 +575,25 @@ static void sleep_until_work(struct kvsp *p, uint64_t deadline)
 	/* Pairs with the client's fence between its enqueue and reading
 	 * `sleeping`: either it sees 1 and kicks, or we see its record. */
 	rte_atomic_thread_fence(__ATOMIC_SEQ_CST);
-	if (!work_waiting(p)) {
-		int timeout = -1;
-		if (deadline != UINT64_MAX)
-			timeout = deadline <= p->now_ns
-					  ? 0
-					  : (int)((deadline - p->now_ns + 999999) / 1000000);
-		struct epoll_event ev[32];
-		KVS_STAT_ADD(p->stats->sleeps, 1);
-		int n = epoll_wait(p->epfd, ev, 32, timeout);
+	if (work_waiting(p)) {
 		__atomic_store_n(&p->ctrl->sleeping, 0, __ATOMIC_RELAXED);
-		p->now_ns = kvsp_now_ns();
-		if (n > 0)
-			on_events(p, ev, n);
+		return;
 	}
+	int timeout = -1;
+	if (deadline != UINT64_MAX)
+		timeout = deadline <= p->now_ns ? 0 : (int)((deadline - p->now_ns + 999999) / 1000000);
+	struct epoll_event ev[32];
+	KVS_STAT_ADD(p->stats->sleeps, 1);
+	int n = epoll_wait(p->epfd, ev, 32, timeout);
 	__atomic_store_n(&p->ctrl->sleeping, 0, __ATOMIC_RELAXED);
+	p->now_ns = kvsp_now_ns();
+	if (n > 0)
+		on_events(p, ev, n);
 }
 
-/* Idle this long, and as often while spinning idle, an unpinned proxy gives
- * its CPU away (see kvsp_run). Short gaps between bursts of work yield
- * nothing, so a busy proxy keeps its pace. */
+/* Idle this long, and as often while spinning idle, the proxy gives its CPU
+ * away (see kvsp_run). Short gaps between bursts of work yield nothing, so
+ * a busy proxy keeps its pace. */
 #define YIELD_EVERY_NS 5000
 
 /* A sleep that ends soon after it began cost a wake-up (on some hosts more

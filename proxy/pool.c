@@ -121,7 +121,7 @@ static int ctrl_create(struct kvsp *p)
 		return rc;
 	p->tmpl_len = sizeof(struct rte_ring) - KVS_RING_SPLIT;
 	rc = kvsp_slots_init(&p->slots, (struct kvs_slot *)((uint8_t *)c + hdr), cfg->slot_count,
-			     c->stats.slots);
+			     c->stats.slots, &c->stats.tombstones_reaped);
 	if (rc < 0)
 		return rc;
 	/* Last: a client that sees the magic sees everything above. */

@@ -455,8 +455,6 @@ void kvsp_xfer_done(struct kvsp *p, const struct kvsp_xfer *x, int status)
 	bool lands = status == 0 && pub->state == KVS_SLOT_INFLIGHT && pub->epoch == x->epoch &&
 		     r->gen == x->room_gen && r->state == KVSP_ROOM_OPEN;
 	int st = kvsp_slot_unpin(&p->slots, x->slot);
-	if (st == KVS_SLOT_FREE)
-		KVS_STAT_ADD(p->stats->tombstones_reaped, 1);
 	if (lands) {
 		kvsp_slot_handoff(&p->slots, x->slot, r->recv.cid);
 		slist_push(p, &r->placed_head, x->slot);

@@ -33,11 +33,13 @@ static void to_free(struct kvsp_slots *s, uint32_t i)
 	s->free_stack[s->nfree++] = i;
 }
 
-int kvsp_slots_init(struct kvsp_slots *s, struct kvs_slot *pub, uint32_t count, uint64_t *nstate)
+int kvsp_slots_init(struct kvsp_slots *s, struct kvs_slot *pub, uint32_t count, uint64_t *nstate,
+		    uint64_t *reaped)
 {
 	s->pub = pub;
 	s->count = count;
 	s->nstate = nstate;
+	s->reaped = reaped;
 	s->priv = calloc(count, sizeof(*s->priv));
 	s->free_stack = calloc(count, sizeof(*s->free_stack));
 	if (!s->priv || !s->free_stack) {
@@ -54,7 +56,7 @@ int kvsp_slots_init(struct kvsp_slots *s, struct kvs_slot *pub, uint32_t count, 
 		s->priv[i] = (struct kvsp_slot_priv){ .room = KVSP_NONE };
 		s->free_stack[s->nfree++] = i;
 	}
-	s->reaped = 0;
+	*reaped = 0;
 	return 0;
 }
 
@@ -126,7 +128,7 @@ int kvsp_slot_unpin(struct kvsp_slots *s, uint32_t slot)
 	PUB_SET(p->pins, p->pins - 1);
 	if (p->state == KVS_SLOT_TOMBSTONE && p->pins == 0) {
 		to_free(s, slot);
-		s->reaped++;
+		KVS_STAT_ADD(*s->reaped, 1);
 	}
 	return p->state;
 }
