@@ -30,7 +30,8 @@ static inline void canary_fill(void *p, uint64_t owner, uint64_t off, uint64_t l
 	}
 }
 
-/* Returns the offset of the first wrong byte within len, or len if all are right. */
+/* Returns the offset of the first wrong 8-byte word within len (a multiple of 8),
+ * or len if every byte is right. */
 static inline uint64_t canary_check(const void *p, uint64_t owner, uint64_t off, uint64_t len)
 {
 	const uint8_t *b = p;

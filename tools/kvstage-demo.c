@@ -150,8 +150,10 @@ static int refusals(void)
 	kvs_acquire(b, 1, &l);
 	kvs_send(sr, &l, 0, (uint32_t)kvs_slot_size(b));
 	kvs_abort(sr);
-	struct kvs_event ev;
+	struct kvs_event ev = { 0 };
 	rc = kvs_wait(a, &ev, 10000);
+	if (rc < 0)
+		return die("demo", "wait for the aborted room's final", rc);
 	printf("demo: room aborted by its sender after 1 of 3 chunks -> receiver gets %s (%s)\n",
 	       ev.type == KVS_EV_ABORTED ? "ABORTED" : "something else", kvs_strerror(ev.status));
 	kvs_close(a);

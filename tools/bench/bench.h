@@ -106,10 +106,6 @@ struct lat hist_lat(const struct hist *h);
 void sleep_until_ns(uint64_t t);
 /* Sleeps for ns nanoseconds. */
 void sleep_ns(uint64_t ns);
-/* Writes all n bytes (retrying on EINTR). Returns 0, or -1. */
-int full_write(int fd, const void *b, size_t n);
-/* Reads exactly n bytes. Returns 1, 0 on EOF before any byte, or -1. */
-int full_read(int fd, void *b, size_t n);
 /* Anonymous memory of len bytes, every page touched so no fault lands in a measurement; NULL on failure. */
 void *bench_alloc(size_t len, bool shared);
 /* Frees bench_alloc memory. */

@@ -724,7 +724,6 @@ int kvs_bench_gpu_main(int argc, char **argv)
 	struct figure figs[2 + MAX_PSIZES * 6];
 	unsigned nfig = 0;
 	double reg_ms = 0;
-	rc = 1;
 	if ((rc = kvs_connect(px.sock, &g.c)) < 0) {
 		fprintf(stderr, "kvstage-bench gpu: connect %s: %s\n", px.sock, kvs_strerror(rc));
 		rc = 1;

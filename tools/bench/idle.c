@@ -18,6 +18,7 @@
 #include "bench.h"
 #include "kvstage.h"
 #include "layout.h"
+#include "sock.h"
 
 #define ASLEEP_WAIT_NS 200000000ull
 
@@ -46,7 +47,7 @@ static pid_t spawn_waiter(const char *sock)
 		close(p[0]);
 		kvs_client *c;
 		char b = kvs_connect(sock, &c) == 0 ? 'r' : 'x';
-		full_write(p[1], &b, 1);
+		kvs_write_full(p[1], &b, 1);
 		close(p[1]);
 		if (b != 'r')
 			_exit(1);
@@ -56,7 +57,7 @@ static pid_t spawn_waiter(const char *sock)
 	}
 	close(p[1]);
 	char b = 0;
-	if (pid < 0 || full_read(p[0], &b, 1) != 1 || b != 'r') {
+	if (pid < 0 || kvs_read_full(p[0], &b, 1) != 1 || b != 'r') {
 		if (pid > 0) {
 			kill(pid, SIGKILL);
 			waitpid(pid, NULL, 0);

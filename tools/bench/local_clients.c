@@ -17,6 +17,7 @@
 
 #include "canary.h"
 #include "local.h"
+#include "sock.h"
 
 #define WAIT_MS 10000 /* no event for this long: the run is stuck */
 #define DESC_BATCH 64 /* descriptors a sender takes in one go */
@@ -61,7 +62,7 @@ static const char *ev_name(uint32_t t)
 static void ready_and_go(int ready_wr, int go_rd)
 {
 	char b = 'r';
-	full_write(ready_wr, &b, 1);
+	kvs_write_full(ready_wr, &b, 1);
 	close(ready_wr);
 	while (read(go_rd, &b, 1) < 0 && errno == EINTR)
 		;
@@ -109,7 +110,7 @@ static int rx_flush(struct receiver *rv, int desc_wr)
 		return 0;
 	/* At most --rooms descriptors are ever unread, well under a pipe's
 	 * capacity, so this never blocks on the sender. */
-	if (full_write(desc_wr, rv->out, rv->nout * sizeof(rv->out[0])) < 0)
+	if (kvs_write_full(desc_wr, rv->out, rv->nout * sizeof(rv->out[0])) < 0)
 		return fail(rv->res, "receiver %u: its sender is gone (pipe closed)", rv->x->pair);
 	rv->nout = 0;
 	return 0;
@@ -237,7 +238,7 @@ int local_receiver(struct lctx *x, int desc_wr, int ready_wr, int go_rd, int don
 			return 1;
 	}
 	char b = 'd';
-	full_write(done_wr, &b, 1);
+	kvs_write_full(done_wr, &b, 1);
 	close(desc_wr); /* the sender's EOF */
 	kvs_close(rv.c);
 	free(ev);

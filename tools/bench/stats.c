@@ -121,17 +121,6 @@ struct lat hist_lat(const struct hist *h)
 	return l;
 }
 
-int full_write(int fd, const void *b, size_t n)
-{
-	return kvs_write_full(fd, b, n) < 0 ? -1 : 0;
-}
-
-int full_read(int fd, void *b, size_t n)
-{
-	int rc = kvs_read_full(fd, b, n);
-	return rc < 0 ? -1 : rc;
-}
-
 void *bench_alloc(size_t len, bool shared)
 {
 	void *p = mmap(NULL, len, PROT_READ | PROT_WRITE,
