@@ -12,6 +12,7 @@
 
 #include "kvstage.h"
 #include "log.h"
+#include "parse.h"
 #include "proxy.h"
 
 static void usage(FILE *f)
@@ -53,28 +54,6 @@ static void usage(FILE *f)
 "  -l, --log-level LEVEL    error | warn | info | debug (default info)\n"
 "  -h, --help               show this help\n"
 "  -V, --version            show the version\n");
-}
-
-/* Parses BYTES with an optional K/M/G suffix. Returns 0, or -EINVAL. */
-static int parse_size(const char *s, uint64_t *out)
-{
-	char *end;
-	errno = 0;
-	unsigned long long v = strtoull(s, &end, 10);
-	if (errno || end == s || s[0] == '-')
-		return -EINVAL;
-	unsigned shift = 0;
-	switch (*end) {
-	case 'k': case 'K': shift = 10; end++; break;
-	case 'm': case 'M': shift = 20; end++; break;
-	case 'g': case 'G': shift = 30; end++; break;
-	}
-	if (*end == 'i' || *end == 'B')
-		end += (*end == 'i' && end[1] == 'B') ? 2 : 1;
-	if (*end || (shift && v > (ULLONG_MAX >> shift)))
-		return -EINVAL;
-	*out = v << shift;
-	return 0;
 }
 
 static int parse_uint(const char *s, uint64_t max, uint64_t *out)
@@ -153,7 +132,7 @@ int main(int argc, char **argv)
 			cfg.slot_count = (uint32_t)v;
 			break;
 		case 'z':
-			if (parse_size(optarg, &v) || v < 4096 || v % 4096 || v > (1ull << 32))
+			if (kvs_parse_size(optarg, &v) || v < 4096 || v % 4096 || v > (1ull << 32))
 				return bad("--slot-size", optarg, "want a multiple of 4K, at most 4G");
 			cfg.slot_size = v;
 			break;

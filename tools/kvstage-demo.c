@@ -17,6 +17,7 @@
 
 #include "canary.h"
 #include "kvstage.h"
+#include "parse.h"
 #include "sock.h"
 
 static const char *sock_path;
@@ -173,8 +174,24 @@ int main(int argc, char **argv)
 	while ((opt = getopt_long(argc, argv, "s:r:b:h", opts, NULL)) != -1) {
 		switch (opt) {
 		case 's': sock_path = optarg; break;
-		case 'r': nrooms = (unsigned)strtoul(optarg, NULL, 10); break;
-		case 'b': room_bytes = strtoull(optarg, NULL, 10); break;
+		case 'r': {
+			char *end;
+			unsigned long v = strtoul(optarg, &end, 10);
+			if (*optarg < '0' || *optarg > '9' || *end || !v || v > 1000000) {
+				fprintf(stderr, "kvstage-demo: bad --rooms '%s' (want 1 to 1000000)\n",
+					optarg);
+				return 2;
+			}
+			nrooms = (unsigned)v;
+			break;
+		}
+		case 'b':
+			if (kvs_parse_size(optarg, &room_bytes) || !room_bytes) {
+				fprintf(stderr, "kvstage-demo: bad --bytes '%s' (want BYTES, K/M/G "
+						"suffixes)\n", optarg);
+				return 2;
+			}
+			break;
 		case 'h':
 			printf("Usage: kvstage-demo [-s SOCKET] [-r ROOMS] [-b BYTES]\n"
 			       "Moves ROOMS canary-stamped rooms of BYTES (default 2.5 slots) from a\n"

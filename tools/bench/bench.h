@@ -17,6 +17,8 @@
 #include <stdio.h>
 #include <sys/types.h>
 
+#include "parse.h"
+
 #define BENCH_MAX_CHUNKS 32
 #define BENCH_MAX_PAIRS 64
 #define BENCH_WSET_DEFAULT (256ull << 20)
@@ -62,8 +64,6 @@ int bench_opts_parse(int argc, char **argv, struct bench_opts *o);
 bool bench_mode_is_gpu(int argc, char **argv);
 /* Parses a decimal in [lo, hi] into *out. Returns 0, or -1. */
 int bench_parse_uint(const char *s, unsigned lo, unsigned hi, unsigned *out);
-/* Parses BYTES with an optional K/M/G (KiB powers) suffix. Returns 0, or -1. */
-int bench_parse_size(const char *s, uint64_t *out);
 /* "64K", "1M", "1536K": the shortest exact binary-suffixed form of v, in buf. */
 const char *bench_size_str(uint64_t v, char *buf, size_t len);
 /* The payload word for p ("none", "copy", "verify", "in"). */

@@ -122,7 +122,7 @@ static int parse(int argc, char **argv, struct gopts *o)
 			o->kvstaged = optarg;
 			break;
 		case O_SIZE:
-			if (bench_parse_size(optarg, &o->size) || o->size < 4096 ||
+			if (kvs_parse_size(optarg, &o->size) || o->size < 4096 ||
 			    o->size > (1ull << 30) || o->size % 4096)
 				return bad("--size", optarg, "want a multiple of 4K from 4K to 1G");
 			break;
@@ -133,7 +133,7 @@ static int parse(int argc, char **argv, struct gopts *o)
 			char *save = NULL;
 			for (char *t = strtok_r(buf, ",", &save); t; t = strtok_r(NULL, ",", &save)) {
 				uint64_t v;
-				if (bench_parse_size(t, &v) || !v || v % 16 || v > (256u << 20))
+				if (kvs_parse_size(t, &v) || !v || v % 16 || v > (256u << 20))
 					return bad("--page-size", t, "want multiples of 16 up to 256M");
 				if (o->npsizes == MAX_PSIZES)
 					return bad("--page-size", optarg, "at most 16 sizes");
@@ -148,7 +148,7 @@ static int parse(int argc, char **argv, struct gopts *o)
 				return bad("--pages", optarg, "want 1 to 1048576");
 			break;
 		case O_POOL:
-			if (bench_parse_size(optarg, &o->pool) || o->pool < (1u << 20))
+			if (kvs_parse_size(optarg, &o->pool) || o->pool < (1u << 20))
 				return bad("--pool", optarg, "want at least 1M");
 			break;
 		case O_MODES: {

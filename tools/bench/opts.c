@@ -134,31 +134,6 @@ static const struct option long_opts[] = {
 };
 static const char short_opts[] = "s:c:d:b:qhV";
 
-int bench_parse_size(const char *s, uint64_t *out)
-{
-	char *end;
-	errno = 0;
-	if (!s || !*s || *s == '-' || *s == '+')
-		return -1;
-	unsigned long long v = strtoull(s, &end, 10);
-	if (errno || end == s)
-		return -1;
-	unsigned shift = 0;
-	switch (*end) {
-	case 'k': case 'K': shift = 10; end++; break;
-	case 'm': case 'M': shift = 20; end++; break;
-	case 'g': case 'G': shift = 30; end++; break;
-	}
-	if (shift && (*end == 'i' || *end == 'I') && (end[1] == 'B' || end[1] == 'b'))
-		end += 2;
-	else if (*end == 'B' || *end == 'b')
-		end++;
-	if (*end || (shift && v > (ULLONG_MAX >> shift)))
-		return -1;
-	*out = (uint64_t)v << shift;
-	return 0;
-}
-
 const char *bench_size_str(uint64_t v, char *buf, size_t len)
 {
 	static const char suf[] = "KMGT";
@@ -230,7 +205,7 @@ static int parse_chunks(const char *arg, struct bench_opts *o)
 	char *save = NULL;
 	for (char *t = strtok_r(buf, ",", &save); t; t = strtok_r(NULL, ",", &save)) {
 		uint64_t v;
-		if (bench_parse_size(t, &v) || v < MIN_CHUNK || v > MAX_CHUNK || v % MIN_CHUNK)
+		if (kvs_parse_size(t, &v) || v < MIN_CHUNK || v > MAX_CHUNK || v % MIN_CHUNK)
 			return bad("--chunk", t, "want a multiple of 4K from 4K to 1G");
 		if (o->nchunks == BENCH_MAX_CHUNKS)
 			return bad("--chunk", arg, "at most 32 sizes");
@@ -314,7 +289,7 @@ int bench_opts_parse(int argc, char **argv, struct bench_opts *o)
 			sweep = true;
 			break;
 		case O_ROOMBYTES:
-			if (bench_parse_size(optarg, &v) || !v || v > (1ull << 40))
+			if (kvs_parse_size(optarg, &v) || !v || v > (1ull << 40))
 				return bad("--room-bytes", optarg, "want 1 byte to 1T");
 			o->room_bytes = v;
 			break;
@@ -351,7 +326,7 @@ int bench_opts_parse(int argc, char **argv, struct bench_opts *o)
 			dur_set = true;
 			break;
 		case 'b':
-			if (bench_parse_size(optarg, &v) || !v)
+			if (kvs_parse_size(optarg, &v) || !v)
 				return bad("--bytes", optarg, "want a byte count > 0 (K/M/G suffixes)");
 			o->bytes = v;
 			break;
@@ -366,7 +341,7 @@ int bench_opts_parse(int argc, char **argv, struct bench_opts *o)
 		case O_WSET:
 			/* small sets are allowed on purpose: to match a peer that
 			 * reuses one buffer (ucx-compare.sh); rings hold 2 chunks at least */
-			if (bench_parse_size(optarg, &v) || v < 4096 || v > (64ull << 30))
+			if (kvs_parse_size(optarg, &v) || v < 4096 || v > (64ull << 30))
 				return bad("--wset", optarg, "want 4K to 64G");
 			o->wset = v;
 			break;
