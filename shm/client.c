@@ -139,12 +139,26 @@ static int block(kvs_client *c, int timeout_ms)
 	return rc;
 }
 
+static int sync_call_wait(kvs_client *c, struct kvs_sqe *q);
+
 static int sync_call(kvs_client *c, struct kvs_sqe *q)
 {
 	if (c->dead)
 		return -ENOTCONN;
-	if (c->stash_n == c->stash_cap)
+	/* Every op queued ahead of ours may earn an event, and the proxy takes
+	 * ours only once there is room for them: the stash must be able to
+	 * take them all and what the ring holds, or we could wait for ever. */
+	if (c->stash_cap - c->stash_n < kvs_ring_count(&c->cq) + kvs_ring_count(&c->sq))
 		return -EAGAIN; /* events are waiting: kvs_poll first */
+	int rc = sync_call_wait(c, q);
+	/* Waiting drained the event fd; events we moved aside still need it. */
+	if (c->fd_mode && c->stash_n)
+		eventfd_write(c->efd, 1);
+	return rc;
+}
+
+static int sync_call_wait(kvs_client *c, struct kvs_sqe *q)
+{
 	q->seq = ++c->seq;
 	/* A sync call may wait for ring space, as it waits for its reply: while
 	 * the proxy lives and our stash can take its events, it makes room. */
@@ -163,7 +177,7 @@ static int sync_call(kvs_client *c, struct kvs_sqe *q)
 		if (__atomic_load_n(&c->cshm->reply.seq, __ATOMIC_ACQUIRE) == q->seq)
 			return c->cshm->reply.status;
 		stash_fill(c);
-		if (t0 && (i & 63)) {
+		if (t0 && ((i + 1) & 63)) { /* the clock is read every 64 turns, not at once */
 			rte_pause();
 			continue;
 		}
@@ -332,11 +346,10 @@ static int attach(kvs_client *c, const struct kvs_welcome *w, const int fds[KVS_
 		return rc;
 
 	c->id = w->client_id;
-	c->instance = w->instance;
 	c->nrooms = c->ctrl->client_rooms;
 	c->rooms = calloc(c->nrooms, sizeof(*c->rooms));
 	c->free_idx = calloc(c->nrooms, sizeof(*c->free_idx));
-	c->stash_cap = c->ctrl->cq_count;
+	c->stash_cap = c->ctrl->cq_count + c->ctrl->sq_count; /* see sync_call */
 	c->stash = calloc(c->stash_cap, sizeof(*c->stash));
 	if (!c->rooms || !c->free_idx || !c->stash)
 		return -ENOMEM;
@@ -486,10 +499,7 @@ int kvs_lease_check(kvs_client *c, const struct kvs_lease *l)
 
 void *kvs_lease_ptr(kvs_client *c, const struct kvs_lease *l)
 {
-	int st = lease_state(c, l);
-	if (st != KVS_SLOT_LEASED && st != KVS_SLOT_RECV_FILLED)
-		return NULL;
-	return c->pool + (size_t)l->slot * c->slot_size;
+	return kvs_lease_check(c, l) ? NULL : c->pool + (size_t)l->slot * c->slot_size;
 }
 
 int kvs_release(kvs_client *c, const struct kvs_lease *l)
@@ -763,9 +773,12 @@ int kvs_poll(kvs_client *c, struct kvs_event *ev, unsigned max)
 		 * after our look kicks it again, so none is left unsignalled. */
 		eventfd_t v;
 		eventfd_read(c->efd, &v);
-		n = kvs_ring_pop(&c->cq, buf, sizeof(buf[0]), 1);
-		if (n)
-			deliver(c, &buf[0], &ev[0]);
+		unsigned want = max < 32 ? max : 32;
+		n = kvs_ring_pop(&c->cq, buf, sizeof(buf[0]), want);
+		for (unsigned i = 0; i < n; i++)
+			deliver(c, &buf[i], &ev[i]);
+		if (n == want)
+			eventfd_write(c->efd, 1); /* more may wait: the fd stays readable */
 	}
 	if (n == 0 && max && proxy_gone_lazy(c))
 		return -ENOTCONN;

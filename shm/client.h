@@ -41,7 +41,6 @@ struct kvs_client {
 	bool dead;
 	bool fd_mode; /* kvs_event_fd was asked for: the proxy kicks on every batch */
 	uint32_t id;
-	uint64_t instance;
 	uint8_t *pool;
 	size_t pool_size, slot_size;
 	uint32_t slot_count;

@@ -215,6 +215,15 @@ static int ready(kvs_client *c, struct cstate **st)
 	return rc;
 }
 
+/* Where l's slot is mapped here. Computed, not asked of kvs_lease_ptr: that
+ * would read the slot table a second time after kvs_lease_check, and a
+ * change in between (a send of this lease already queued) would turn the
+ * address into NULL + off. The one check that counts is the one before. */
+static char *slot_base(kvs_client *c, const struct kvs_lease *l)
+{
+	return (char *)kvs_pool_map(c, NULL) + (size_t)l->slot * kvs_slot_size(c);
+}
+
 /* The host address of [off, off + len) of l's slot, if c holds l and the
  * range fits. Touches no CUDA. */
 static int slot_range(kvs_client *c, const struct kvs_lease *l, size_t off, size_t len,
@@ -228,7 +237,7 @@ static int slot_range(kvs_client *c, const struct kvs_lease *l, size_t off, size
 		set_err("%s: bytes [%zu, +%zu) past the slot's end (%zu)", fn, off, len, ss);
 		return -EINVAL;
 	}
-	*out = (char *)kvs_lease_ptr(c, l) + off;
+	*out = slot_base(c, l) + off;
 	return 0;
 }
 
@@ -409,7 +418,7 @@ static int pages(kvs_client *c, const struct kvs_lease *l, size_t off, bool gath
 			page_size, off, ss);
 		return -EINVAL;
 	}
-	char *host = (char *)kvs_lease_ptr(c, l) + off;
+	char *host = slot_base(c, l) + off;
 	struct cstate *st;
 	rc = ready(c, &st);
 	if (rc == 0)
