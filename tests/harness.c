@@ -63,21 +63,20 @@ const char *proxy_vulnerable_bin(void)
 	return build_path("proxy/kvstaged-vulnerable");
 }
 
-static void spawn(struct proxy *px, const char *bin, const char *const *args)
+static void spawn(struct proxy *px, const char *bin, const char *const *args, bool failpoints)
 {
 	int ready[2];
 	cr_assert_eq(pipe2(ready, O_CLOEXEC), 0);
 	const char *argv[48];
-	char fdbuf[16];
 	int n = 0;
 	argv[n++] = bin;
 	argv[n++] = "--socket";
 	argv[n++] = px->sock;
-	argv[n++] = "--failpoints";
+	if (failpoints)
+		argv[n++] = "--failpoints";
 	argv[n++] = "--no-lock";
 	argv[n++] = "--ready-fd";
-	snprintf(fdbuf, sizeof(fdbuf), "3");
-	argv[n++] = fdbuf;
+	argv[n++] = "3";
 	for (; args && *args && n < 46; args++)
 		argv[n++] = *args;
 	argv[n] = NULL;
@@ -118,14 +117,16 @@ static void spawn(struct proxy *px, const char *bin, const char *const *args)
 		cr_assert_fail("kvstaged did not start (%s): %s", bin, logtxt);
 	}
 	px->pid = pid;
-	int fd = kvs_admin_connect(px->sock);
-	cr_assert_geq(fd, 0, "admin connect: %s", kvs_strerror(fd));
-	px->admin = fd;
+	if (failpoints) { /* without --failpoints the proxy refuses admins */
+		int fd = kvs_admin_connect(px->sock);
+		cr_assert_geq(fd, 0, "admin connect: %s", kvs_strerror(fd));
+		px->admin = fd;
+	}
 	int rc = kvs_stat_map(px->sock, &px->ctrl, &px->ctrl_len);
 	cr_assert_eq(rc, 0, "stat map: %s", kvs_strerror(rc));
 }
 
-void proxy_start(struct proxy *px, const char *bin, const char *const *args)
+static void start(struct proxy *px, const char *bin, const char *const *args, bool failpoints)
 {
 	memset(px, 0, sizeof(*px));
 	px->admin = -1;
@@ -133,7 +134,17 @@ void proxy_start(struct proxy *px, const char *bin, const char *const *args)
 	cr_assert_not_null(mkdtemp(px->dir));
 	snprintf(px->sock, sizeof(px->sock), "%s/kvstaged.sock", px->dir);
 	snprintf(px->log, sizeof(px->log), "%s/kvstaged.log", px->dir);
-	spawn(px, bin ? bin : build_path("proxy/kvstaged"), args);
+	spawn(px, bin ? bin : build_path("proxy/kvstaged"), args, failpoints);
+}
+
+void proxy_start(struct proxy *px, const char *bin, const char *const *args)
+{
+	start(px, bin, args, true);
+}
+
+void proxy_start_plain(struct proxy *px, const char *const *args)
+{
+	start(px, NULL, args, false);
 }
 
 void proxy_restart(struct proxy *px, const char *const *args)
@@ -144,7 +155,7 @@ void proxy_restart(struct proxy *px, const char *const *args)
 	if (px->admin >= 0)
 		close(px->admin);
 	px->admin = -1;
-	spawn(px, build_path("proxy/kvstaged"), args);
+	spawn(px, build_path("proxy/kvstaged"), args, true);
 }
 
 int proxy_kill(struct proxy *px, int sig)
@@ -219,6 +230,12 @@ struct kvs_slot slot_pub(struct proxy *px, uint32_t slot)
 	const struct kvs_slot *t = (const void *)((const char *)px->ctrl + px->ctrl->slots_off);
 	cr_assert_lt(slot, px->ctrl->slot_count);
 	return t[slot];
+}
+
+void sync_barrier(kvs_client *c)
+{
+	struct kvs_lease none = { 0, 0 }; /* refused or not, its answer is the barrier */
+	kvs_release(c, &none);
 }
 
 kvs_client *connect_ok(struct proxy *px)

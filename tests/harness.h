@@ -37,6 +37,8 @@ struct proxy {
 /* Starts bin (NULL: the normal kvstaged) with --socket, --failpoints and
  * args (NULL-terminated); returns once it serves. Aborts the test on failure. */
 void proxy_start(struct proxy *px, const char *bin, const char *const *args);
+/* As proxy_start, without --failpoints: no admin connection (px->admin is -1). */
+void proxy_start_plain(struct proxy *px, const char *const *args);
 /* Starts another proxy on px's socket path (after px died). */
 void proxy_restart(struct proxy *px, const char *const *args);
 /* Sends sig and reaps the proxy. Returns its wait status. */
@@ -64,6 +66,9 @@ void fp_wait(struct proxy *px, const char *name, uint64_t hits);
 /* The published metadata of one slot. */
 struct kvs_slot slot_pub(struct proxy *px, uint32_t slot);
 
+/* Barrier: a sync op on c, answered only after every async op c sent before
+ * it (send, abort, close) was processed. No assertion: children use it. */
+void sync_barrier(kvs_client *c);
 /* Connects, asserting success. */
 kvs_client *connect_ok(struct proxy *px);
 /* Waits for one event (WAIT_MS guard), asserting success. */

@@ -5,8 +5,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <fcntl.h>
-#include <signal.h>
 #include <unistd.h>
 
 #include "harness.h"
@@ -126,39 +124,9 @@ Test(cli, stat_and_ctl_against_a_live_proxy)
 
 Test(cli, ctl_needs_failpoints)
 {
-	char dir[] = "/tmp/kvstage-cli.XXXXXX";
-	cr_assert_not_null(mkdtemp(dir));
-	char sock[96];
-	snprintf(sock, sizeof(sock), "%s/s", dir);
-	/* a plain proxy (no --failpoints), started by hand */
-	int ready[2];
-	cr_assert_eq(pipe2(ready, O_CLOEXEC), 0);
-	pid_t pid = fork();
-	if (pid == 0) {
-		/* via an fd above 3: dup2 onto itself would keep CLOEXEC */
-		int rfd = fcntl(ready[1], F_DUPFD, 10);
-		dup2(rfd, 3);
-		close(rfd);
-		int nul = open("/dev/null", O_RDWR);
-		dup2(nul, 0);
-		dup2(nul, 1);
-		dup2(nul, 2);
-		execl(build_path("proxy/kvstaged"), "kvstaged", "--socket", sock, "--slots", "2",
-		      "--slot-size", "4K", "--no-lock", "--ready-fd", "3", (char *)NULL);
-		_exit(127);
-	}
-	close(ready[1]);
-	char buf[8];
-	cr_assert_eq(read(ready[0], buf, sizeof(buf)), 6);
-	close(ready[0]);
-	px.pid = pid;
-	int rc = RUN(build_path("tools/kvstage-ctl"), "-s", sock, "set", "local.quiesce", "pause");
+	/* a plain proxy: no --failpoints */
+	proxy_start_plain(&px, (const char *[]){ "--slots", "2", "--slot-size", "4K", NULL });
+	int rc = RUN(build_path("tools/kvstage-ctl"), "-s", px.sock, "set", "local.quiesce", "pause");
 	cr_assert_eq(rc, 1);
 	cr_assert(strstr(err, "--failpoints"), "%s", err);
-	proxy_kill(&px, SIGKILL);
-	char p2[128];
-	unlink(sock);
-	snprintf(p2, sizeof(p2), "%s.lock", sock);
-	unlink(p2);
-	rmdir(dir);
 }

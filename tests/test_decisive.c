@@ -79,9 +79,7 @@ static struct outcome scenario(const char *bin, int abort_side)
 	cr_assert_eq(slot_pub(&px, VICTIM).state, KVS_SLOT_INFLIGHT);
 
 	cr_assert_eq(kvs_abort(abort_side ? rroom : sroom), 0);
-	/* barrier: a sync op on the same connection is answered after the abort */
-	struct kvs_lease probe = { 0, 0 };
-	kvs_release(abort_side ? rx : tx, &probe);
+	sync_barrier(abort_side ? rx : tx); /* answered after the abort */
 	o.state_after_abort = slot_pub(&px, VICTIM).state;
 
 	/* B drains the pool and stamps every slot it gets. */

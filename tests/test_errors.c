@@ -52,13 +52,6 @@ static void assert_table(const struct kvs_slot *before, const char *what)
 	cr_assert(!memcmp(before, now, sizeof(now)), "%s changed the slot table", what);
 }
 
-/* A sync op on c after async ones: its answer means they were processed. */
-static void barrier(kvs_client *c)
-{
-	struct kvs_lease none = { 0, 0 };
-	kvs_release(c, &none);
-}
-
 Test(errors, stale_lease_refused_and_nothing_changes)
 {
 	kvs_client *c = connect_ok(&px);
@@ -191,8 +184,8 @@ Test(errors, forged_stale_and_garbage_descriptors)
 	cr_assert_eq(wait_event(tx).type, KVS_EV_ABORTED);
 	kvs_room_close(rr);
 	kvs_room_close(sr);
-	barrier(rx);
-	barrier(tx);
+	sync_barrier(rx);
+	sync_barrier(tx);
 	/* a closed room's descriptor is stale, even once its index is reused */
 	kvs_room *again;
 	struct kvs_room_desc d2;

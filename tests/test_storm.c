@@ -101,12 +101,6 @@ static uint64_t bytes_of(unsigned pair, unsigned room)
 		goto out;                                                                 \
 	} while (0)
 
-static int sync_barrier(kvs_client *c)
-{
-	struct kvs_lease none = { 0, 0 };
-	return kvs_release(c, &none) == -ENOTCONN ? -1 : 0;
-}
-
 /* The sender orders this room's receiver to abort ('a') or close ('c'). */
 static bool rx_gets_order(unsigned pair, unsigned room)
 {
@@ -300,20 +294,16 @@ static int sender(int rd, int wr, void *arg)
 				FAIL(&res, "room %u: chunk 0 not held in flight", i);
 			res.held_seen++;
 		}
-		if (pl >= P_BEFORE_SEND && pl != P_CLOSE) {
+		if (pl >= P_BEFORE_SEND) { /* abort, or close unfinished, from one side */
+			char cmd = pl == P_CLOSE ? 'c' : 'a';
 			if (rxa) {
-				if (order_rx(pp, 'a'))
+				if (order_rx(pp, cmd))
 					FAIL(&res, "ctl");
 			} else {
-				kvs_abort(r);
-				sync_barrier(c);
-			}
-		} else if (pl == P_CLOSE) {
-			if (rxa) {
-				if (order_rx(pp, 'c'))
-					FAIL(&res, "ctl");
-			} else {
-				kvs_room_close(r);
+				if (cmd == 'a')
+					kvs_abort(r);
+				else
+					kvs_room_close(r);
 				sync_barrier(c);
 			}
 		}
