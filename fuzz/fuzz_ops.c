@@ -90,7 +90,7 @@ static void check(void)
 		if (s->state >= KVS_SLOT_NSTATES)
 			die("bad state", i);
 		count[s->state]++;
-		if (s->epoch < shadow_epoch[i])
+		if (KVS_EPOCH_AFTER(shadow_epoch[i], s->epoch))
 			die("epoch went backwards", i);
 		shadow_epoch[i] = s->epoch;
 		switch (s->state) {

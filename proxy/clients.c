@@ -101,6 +101,9 @@ struct kvsp_client *kvsp_client_new(struct kvsp *p, int sock, pid_t pid)
 
 void kvsp_client_reclaim(struct kvsp *p, struct kvsp_client *c)
 {
+	/* Nobody reads its rings any more: the rooms' finals go to their
+	 * other sides only. */
+	c->dying = true;
 	for (uint16_t h = 0; h < p->cfg.client_rooms; h++)
 		if (c->handles[h].state != KVSP_H_FREE)
 			kvsp_room_detach(p, c, h, -ECONNRESET);
@@ -112,9 +115,25 @@ void kvsp_client_reclaim(struct kvsp *p, struct kvsp_client *c)
 	c->finals_owed = 0;
 }
 
+static void unkick(struct kvsp *p, struct kvsp_client *c)
+{
+	if (!c->kick)
+		return;
+	/* Its index may be taken by a new client before the list is
+	 * flushed; an entry left behind would then be that client's twice. */
+	for (unsigned k = 0; k < p->nkicks; k++)
+		if (p->kicks[k] == c->idx) {
+			p->kicks[k] = p->kicks[--p->nkicks];
+			break;
+		}
+	c->kick = false;
+}
+
 void kvsp_client_destroy(struct kvsp *p, struct kvsp_client *c)
 {
 	kvsp_client_reclaim(p, c);
+	unkick(p, c);
+	kvsp_rl_flush(&c->rl[KVSP_RL_TOKEN], p->now_ns, KVSP_LOG_WARN, "wrong room tokens", 1);
 	p->clients[c->idx] = NULL;
 	while (p->clients_hi && !p->clients[p->clients_hi - 1])
 		p->clients_hi--;
@@ -131,6 +150,8 @@ struct kvsp_client *kvsp_client_get(struct kvsp *p, uint16_t cidx, uint32_t cid)
 static void mark_kick(struct kvsp *p, struct kvsp_client *c)
 {
 	if (!c->kick) {
+		/* One entry per live client with kick set (unkick keeps it so),
+		 * so the list cannot outgrow max_clients. */
 		c->kick = true;
 		p->kicks[p->nkicks++] = c->idx;
 	}
@@ -157,6 +178,8 @@ void kvsp_kicks_flush(struct kvsp *p)
 
 static void post(struct kvsp *p, struct kvsp_client *c, const struct kvs_cqe *e)
 {
+	if (c->dying)
+		return;
 	/* Space is reserved (see kvsp_client_poll); a miss means the client
 	 * scribbled on its own ring. */
 	if (kvs_ring_push(&c->cq, e, sizeof(*e), 1) == 1)
@@ -177,7 +200,7 @@ void kvsp_client_final(struct kvsp *p, const struct kvsp_side *s, uint16_t type,
 		return; /* one final per handle, ever */
 	struct kvs_cqe e = { .type = type, .handle = s->handle, .status = status,
 			     .user_data = hd->user_data, .bytes = bytes,
-			     .slot = slot, .epoch = epoch };
+			     .slot = slot, .epoch = epoch, .gen = hd->gen };
 	post(p, c, &e);
 	c->finals_owed--;
 	hd->state = hd->state == KVSP_H_CLOSING ? KVSP_H_FREE : KVSP_H_ENDED;
@@ -199,11 +222,14 @@ void kvsp_count_reject(struct kvsp *p, int err)
 void kvsp_client_reject(struct kvsp *p, struct kvsp_client *c, uint16_t h, int status,
 			const struct kvs_sqe *q)
 {
-	bool valid = h < p->cfg.client_rooms && c->handles[h].state != KVSP_H_FREE;
-	struct kvs_cqe e = { .type = KVS_EV_REJECTED, .handle = valid ? h : KVS_NO_HANDLE,
+	/* The op's own handle and generation: the library tells by them
+	 * whether the room it meant is still the one at that index. */
+	bool in_range = h < p->cfg.client_rooms;
+	bool valid = in_range && c->handles[h].state != KVSP_H_FREE;
+	struct kvs_cqe e = { .type = KVS_EV_REJECTED, .handle = in_range ? h : KVS_NO_HANDLE,
 			     .status = status,
 			     .user_data = valid ? c->handles[h].user_data : 0,
-			     .bytes = q->arg, .slot = q->slot, .epoch = q->epoch };
+			     .bytes = q->arg, .slot = q->slot, .epoch = q->epoch, .gen = q->gen };
 	kvsp_count_reject(p, status);
 	post(p, c, &e);
 }

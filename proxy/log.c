@@ -7,27 +7,72 @@
 #include <string.h>
 #include <time.h>
 
+#include "layout.h"
+
 int kvsp_log_level = KVSP_LOG_INFO;
 
 static const char *const names[] = { "error", "warn", "info", "debug" };
 
-void kvsp_log(int lvl, const char *fmt, ...)
+static void vlog(int lvl, const char *suffix, const char *fmt, va_list ap)
 {
-	if (lvl > kvsp_log_level)
-		return;
-	char buf[512];
+	char buf[640];
 	struct timespec ts;
 	struct tm tm;
 	clock_gettime(CLOCK_REALTIME, &ts);
 	gmtime_r(&ts.tv_sec, &tm);
 	int n = snprintf(buf, sizeof(buf), "%02d:%02d:%02d.%06ld kvstaged %s: ", tm.tm_hour,
 			 tm.tm_min, tm.tm_sec, ts.tv_nsec / 1000, names[lvl]);
+	vsnprintf(buf + n, sizeof(buf) - (size_t)n - 128, fmt, ap);
+	size_t len = strlen(buf);
+	snprintf(buf + len, sizeof(buf) - len, "%s\n", suffix);
+	fputs(buf, stderr);
+}
+
+void kvsp_log(int lvl, const char *fmt, ...)
+{
+	if (lvl > kvsp_log_level)
+		return;
 	va_list ap;
 	va_start(ap, fmt);
-	vsnprintf(buf + n, sizeof(buf) - (size_t)n - 1, fmt, ap);
+	vlog(lvl, "", fmt, ap);
 	va_end(ap);
-	strcat(buf, "\n");
-	fputs(buf, stderr);
+}
+
+void kvsp_log_rl(struct kvsp_rl *rl, uint64_t now_ns, uint64_t *suppressed, int lvl,
+		 const char *fmt, ...)
+{
+	if (lvl > kvsp_log_level)
+		return;
+	if (now_ns - rl->window_ns >= KVSP_RL_WINDOW_NS) {
+		rl->window_ns = now_ns;
+		rl->lines = 0;
+	}
+	if (rl->lines >= KVSP_RL_BURST) {
+		rl->held++;
+		KVS_STAT_ADD(*suppressed, 1);
+		return;
+	}
+	rl->lines++;
+	char suffix[96] = "";
+	if (rl->held)
+		snprintf(suffix, sizeof(suffix), " (and %u more like it before, not logged)",
+			 rl->held);
+	rl->held = 0;
+	va_list ap;
+	va_start(ap, fmt);
+	vlog(lvl, suffix, fmt, ap);
+	va_end(ap);
+}
+
+void kvsp_rl_flush(struct kvsp_rl *rl, uint64_t now_ns, int lvl, const char *what, int force)
+{
+	if (!rl->held || (!force && now_ns - rl->window_ns < KVSP_RL_WINDOW_NS))
+		return;
+	kvsp_log(lvl, "%s: %u more lines not logged (rate limit: %u per %llu s)", what, rl->held,
+		 KVSP_RL_BURST, KVSP_RL_WINDOW_NS / 1000000000ull);
+	rl->held = 0;
+	rl->window_ns = now_ns;
+	rl->lines = 0;
 }
 
 int kvsp_log_parse(const char *s)

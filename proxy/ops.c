@@ -40,6 +40,7 @@ static void op_sync(struct kvsp *p, struct kvsp_client *c, const struct kvs_sqe 
 		struct kvs_desc_wire d;
 		rc = kvsp_room_open_recv(p, c, q->handle, q->arg, q->arg2, &d);
 		if (rc == 0) {
+			c->handles[q->handle].gen = q->gen;
 			memcpy(c->cshm->reply.desc, &d, sizeof(d));
 			c->cshm->reply.slot_size = p->cfg.slot_size;
 		}
@@ -53,6 +54,7 @@ static void op_sync(struct kvsp *p, struct kvsp_client *c, const struct kvs_sqe 
 		memcpy(&d, c->cshm->request, sizeof(d));
 		rc = kvsp_room_open_send(p, c, q->handle, &d, q->arg2, &bytes);
 		if (rc == 0) {
+			c->handles[q->handle].gen = q->gen;
 			c->cshm->reply.bytes = bytes;
 			c->cshm->reply.slot_size = p->cfg.slot_size;
 		}

@@ -9,6 +9,7 @@
 
 #include "failpoint.h"
 #include "layout.h"
+#include "log.h"
 #include "ring.h"
 #include "slots.h"
 
@@ -26,6 +27,8 @@ struct kvsp_config {
 	uid_t allow_uid[KVSP_MAX_ALLOW];
 	gid_t allow_gid[KVSP_MAX_ALLOW];
 	unsigned n_allow_uid, n_allow_gid;
+	unsigned socket_mode;  /* the socket file's permission bits */
+	gid_t socket_group;    /* the socket file's group */
 	int log_level;
 	bool failpoints;
 	uint32_t max_rooms;    /* rooms open at once, proxy-wide */
@@ -51,8 +54,12 @@ struct kvsp_handle {
 	uint8_t state;
 	uint8_t role;
 	uint32_t room;
+	uint32_t gen; /* the library's generation for it, from the open; events echo it */
 	uint64_t user_data;
 };
+
+/* Lines a client can cause at will, each kind rate-limited apart. */
+enum { KVSP_RL_TOKEN, KVSP_RL_KINDS };
 
 struct kvsp_client {
 	uint32_t id;    /* unique for the proxy's life; the owner in slot metadata */
@@ -65,7 +72,9 @@ struct kvsp_client {
 	struct kvs_ring sq, cq;
 	struct kvsp_handle *handles;
 	uint32_t finals_owed; /* one cq entry reserved for each */
-	bool kick;
+	bool kick;  /* on p->kicks: its eventfd is due a look */
+	bool dying; /* being reclaimed: posts nothing more */
+	struct kvsp_rl rl[KVSP_RL_KINDS];
 };
 
 /* ----------------------------------------------------------------- rooms */
@@ -142,7 +151,7 @@ struct kvsp {
 	struct kvsp_client **clients;
 	uint32_t next_cid;
 	unsigned clients_hi; /* clients[] is empty from here up: the loop stops here */
-	uint16_t *kicks;
+	uint16_t *kicks; /* clients with kick set, each once: never more than max_clients */
 	unsigned nkicks;
 	/* transports */
 	struct kvsp_transport *local;
@@ -150,13 +159,16 @@ struct kvsp {
 	struct kvsp_fp fp[KVSP_FP_COUNT];
 	/* event loop */
 	int epfd, listen_fd, wake_fd, lock_fd;
+	int spare_fd;              /* given up to accept (and refuse) when out of fds */
+	uint64_t sock_dev, sock_ino; /* our socket file: only it is ever unlinked */
 	struct kvsp_pending *pending;
 	struct kvsp_admin *admins;
 	uint64_t now_ns, next_tick_ns;
 	volatile int term;     /* set from the signal handler */
 	int terms_seen;
 	bool draining, aborted_all;
-	uint64_t drain_deadline_ns;
+	uint64_t drain_deadline_ns, drain_report_ns;
+	struct kvsp_rl rl_refused, rl_timeout, rl_died, rl_full;
 	uint64_t instance;
 	uint64_t spin_ns;     /* the adaptive spin budget, from cfg.spin_ns up */
 };
@@ -164,6 +176,8 @@ struct kvsp {
 uint64_t kvsp_now_ns(void);
 
 /* pool.c */
+/* Refuses a pool that cannot fit in the memory left (RAM or cgroup). Returns 0, or -ENOMEM (logged). */
+int kvsp_pool_fits(const struct kvsp_config *cfg);
 int kvsp_pool_create(struct kvsp *p);
 void kvsp_pool_destroy(struct kvsp *p);
 

@@ -280,8 +280,9 @@ uint64_t kvsp_rooms_tick(struct kvsp *p)
 		struct kvsp_room *r = &p->rooms[p->lru_head];
 		if (p->now_ns - r->progress_ns < t)
 			return r->progress_ns + t;
-		LOG_INFO("room %u: no progress for %llu ms, aborting", p->lru_head,
-			 (unsigned long long)(t / 1000000));
+		kvsp_log_rl(&p->rl_timeout, p->now_ns, &p->stats->log_suppressed, KVSP_LOG_INFO,
+			    "room %u: no progress for %llu ms, aborting", p->lru_head,
+			    (unsigned long long)(t / 1000000));
 		KVS_STAT_ADD(p->stats->rooms_timed_out, 1);
 		room_abort(p, p->lru_head, -ETIMEDOUT, KVS_EV_ABORTED);
 	}
@@ -321,7 +322,8 @@ int kvsp_room_open_recv(struct kvsp *p, struct kvsp_client *c, uint16_t h, uint6
 	r->recv = (struct kvsp_side){ c->id, c->idx, h, user_data };
 	r->send = (struct kvsp_side){ 0 };
 	r->xport = p->local;
-	*hd = (struct kvsp_handle){ KVSP_H_OPEN, KVSP_RECV, i, user_data };
+	*hd = (struct kvsp_handle){ .state = KVSP_H_OPEN, .role = KVSP_RECV, .room = i,
+				    .user_data = user_data };
 	c->finals_owed++;
 	p->rooms_active++;
 	touch(p, i);
@@ -357,7 +359,8 @@ int kvsp_room_open_send(struct kvsp *p, struct kvsp_client *c, uint16_t h,
 		return -ESTALE;
 	if (!token_eq(r->token, d->token)) {
 		KVS_STAT_ADD(p->stats->rej_token, 1);
-		LOG_WARN("client %u (pid %d): wrong token for room %u", c->id, (int)c->pid, i);
+		kvsp_log_rl(&c->rl[KVSP_RL_TOKEN], p->now_ns, &p->stats->log_suppressed, KVSP_LOG_WARN,
+			    "client %u (pid %d): wrong token for room %u", c->id, (int)c->pid, i);
 		return -EPERM;
 	}
 	if (r->state != KVSP_ROOM_OPEN)
@@ -365,7 +368,8 @@ int kvsp_room_open_send(struct kvsp *p, struct kvsp_client *c, uint16_t h,
 	if (r->send.cid)
 		return -EBUSY;
 	r->send = (struct kvsp_side){ c->id, c->idx, h, user_data };
-	*hd = (struct kvsp_handle){ KVSP_H_OPEN, KVSP_SEND, i, user_data };
+	*hd = (struct kvsp_handle){ .state = KVSP_H_OPEN, .role = KVSP_SEND, .room = i,
+				    .user_data = user_data };
 	c->finals_owed++;
 	touch(p, i);
 	*bytes = r->bytes;

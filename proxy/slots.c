@@ -34,7 +34,7 @@ static void to_free(struct kvsp_slots *s, uint32_t i)
 }
 
 int kvsp_slots_init(struct kvsp_slots *s, struct kvs_slot *pub, uint32_t count, uint64_t *nstate,
-		    uint64_t *reaped)
+		    uint64_t *reaped, uint32_t epoch_base)
 {
 	s->pub = pub;
 	s->count = count;
@@ -52,7 +52,7 @@ int kvsp_slots_init(struct kvsp_slots *s, struct kvs_slot *pub, uint32_t count, 
 	/* Pushed high to low so slot 0 is handed out first. */
 	s->nfree = 0;
 	for (uint32_t i = count; i-- > 0;) {
-		pub[i] = (struct kvs_slot){ .epoch = 1, .state = KVS_SLOT_FREE };
+		pub[i] = (struct kvs_slot){ .epoch = epoch_base, .state = KVS_SLOT_FREE };
 		s->priv[i] = (struct kvsp_slot_priv){ .room = KVSP_NONE };
 		s->free_stack[s->nfree++] = i;
 	}

@@ -37,10 +37,10 @@ struct kvsp_slots {
 	uint64_t *reaped;      /* published: tombstones reaped */
 };
 
-/* Sets up count FREE slots at epoch 1 over pub[], counting them per state in
- * nstate[] and reaped tombstones in *reaped. Returns 0, or -ENOMEM. */
+/* Sets up count FREE slots at epoch epoch_base over pub[], counting them per
+ * state in nstate[] and reaped tombstones in *reaped. Returns 0, or -ENOMEM. */
 int kvsp_slots_init(struct kvsp_slots *s, struct kvs_slot *pub, uint32_t count, uint64_t *nstate,
-		    uint64_t *reaped);
+		    uint64_t *reaped, uint32_t epoch_base);
 void kvsp_slots_fini(struct kvsp_slots *s);
 
 /* Leases n FREE slots to owner into out[]. Returns 0, or -ENOBUFS (none leased). */

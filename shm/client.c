@@ -9,10 +9,13 @@
 #include "client.h"
 
 #include <errno.h>
+#include <limits.h>
 #include <poll.h>
+#include <pthread.h>
 #include <sched.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/epoll.h>
 #include <sys/eventfd.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
@@ -27,6 +30,8 @@
 
 #define LIVENESS_NS 1000000ull /* async calls look at the socket at most every 1 ms */
 #define SPIN_POLITE_NS 5000ull /* a sync call's spin yields the CPU after this */
+#define SYNC_TIMEOUT_MS 10000  /* default bound on a sync call */
+#define NO_DEADLINE UINT64_MAX
 
 static uint64_t mono_ns(void)
 {
@@ -44,26 +49,126 @@ static uint64_t coarse_ns(void)
 	return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
 }
 
-/* True once the proxy's end of the socket is gone. Costs a syscall. */
-static bool proxy_gone(kvs_client *c)
+/* --------------------------------------------------------- registry */
+
+/*
+ * Every connection of the process, so that a room handle (see client.h)
+ * finds its connection and a fork() child can mark the copies it got.
+ * Writers hold the lock; the fast path only loads an entry.
+ */
+static kvs_client *registry[KVS_REGISTRY_MAX];
+static unsigned registry_hi; /* entries from here up are empty */
+static pthread_mutex_t registry_lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_once_t atfork_once = PTHREAD_ONCE_INIT;
+static uint32_t room_gen; /* process-wide, so no two rooms share one for 2^32 opens */
+
+/* Held across fork(), so the child never inherits it locked. */
+static void atfork_prepare(void)
+{
+	pthread_mutex_lock(&registry_lock);
+}
+
+static void atfork_parent(void)
+{
+	pthread_mutex_unlock(&registry_lock);
+}
+
+/* The child holds copies of its parent's connections: same rings, same
+ * reply area, same slots. Using one would interleave two processes' ops on
+ * one connection, so from now on every call on them says -ECHILD. */
+static void atfork_child(void)
+{
+	for (unsigned i = 0; i < registry_hi; i++)
+		if (registry[i])
+			registry[i]->forked = true;
+	pthread_mutex_unlock(&registry_lock);
+}
+
+static void atfork_install(void)
+{
+	pthread_atfork(atfork_prepare, atfork_parent, atfork_child);
+}
+
+static int registry_add(kvs_client *c)
+{
+	pthread_once(&atfork_once, atfork_install);
+	pthread_mutex_lock(&registry_lock);
+	unsigned i = 0;
+	while (i < KVS_REGISTRY_MAX && registry[i])
+		i++;
+	if (i < KVS_REGISTRY_MAX) {
+		c->reg = (uint16_t)i;
+		/* Release: a handle naming c is only made after this. */
+		__atomic_store_n(&registry[i], c, __ATOMIC_RELEASE);
+		if (i >= registry_hi)
+			registry_hi = i + 1;
+	}
+	pthread_mutex_unlock(&registry_lock);
+	return i < KVS_REGISTRY_MAX ? 0 : -EMFILE;
+}
+
+static void registry_del(kvs_client *c)
+{
+	pthread_mutex_lock(&registry_lock);
+	if (registry[c->reg] == c)
+		__atomic_store_n(&registry[c->reg], NULL, __ATOMIC_RELEASE);
+	while (registry_hi && !registry[registry_hi - 1])
+		registry_hi--;
+	pthread_mutex_unlock(&registry_lock);
+}
+
+/* c may be used by this process: 0, or -EINVAL, -ECHILD. */
+static int usable(const kvs_client *c)
+{
+	if (!c)
+		return -EINVAL;
+	return c->forked ? -ECHILD : 0;
+}
+
+/* The room handle h names, if it names one that is open now (not closed,
+ * not reused). Returns 0, or -EINVAL (NULL), -EBADF, -ECHILD. */
+static int room_find(const kvs_room *h, kvs_client **cp, struct kvs_rstate **rp)
+{
+	if (!h)
+		return -EINVAL;
+	kvs_client *c = __atomic_load_n(&registry[kvs_room_handle_reg(h)], __ATOMIC_ACQUIRE);
+	if (!c)
+		return -EBADF;
+	if (c->forked)
+		return -ECHILD;
+	uint16_t i = kvs_room_handle_idx(h);
+	if (i >= c->nrooms)
+		return -EBADF;
+	struct kvs_rstate *r = &c->rooms[i];
+	if (!r->role || r->gen != kvs_room_handle_gen(h) || r->state == KVS_ROOM_CLOSING)
+		return -EBADF;
+	*cp = c;
+	*rp = r;
+	return 0;
+}
+
+/* --------------------------------------------------------- liveness */
+
+/* The connection's error once the proxy's end of the socket is gone. Costs a syscall. */
+static int proxy_gone(kvs_client *c)
 {
 	char b;
-	if (c->dead)
-		return true;
+	if (c->err)
+		return c->err;
 	ssize_t n = recv(c->sock, &b, 1, MSG_PEEK | MSG_DONTWAIT);
 	if (n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR))
-		c->dead = true;
+		c->err = -ENOTCONN;
 	c->alive_ns = coarse_ns();
-	return c->dead;
+	return c->err;
 }
 
 /* Rate-limited proxy_gone for the async fast path. */
-static bool proxy_gone_lazy(kvs_client *c)
+static int proxy_gone_lazy(kvs_client *c)
 {
-	if (c->dead)
-		return true;
+	if (c->err)
+		return c->err;
 	if (coarse_ns() - c->alive_ns < LIVENESS_NS)
-		return false;
+		return 0;
 	return proxy_gone(c);
 }
 
@@ -97,8 +202,9 @@ static void stash_fill(kvs_client *c)
 
 static int submit(kvs_client *c, const struct kvs_sqe *q)
 {
-	if (proxy_gone_lazy(c))
-		return -ENOTCONN;
+	int rc = proxy_gone_lazy(c);
+	if (rc)
+		return rc;
 	if (kvs_ring_push(&c->sq, q, sizeof(*q), 1) == 1) {
 		kick_proxy(c);
 		return 0;
@@ -115,23 +221,34 @@ static int submit(kvs_client *c, const struct kvs_sqe *q)
 			return 0;
 		}
 	} while (mono_ns() < until);
-	return proxy_gone(c) ? -ENOTCONN : -EAGAIN;
+	return proxy_gone(c) ?: -EAGAIN;
 }
 
-/* Blocks until the eventfd fires, the proxy hangs up, or timeout_ms. */
-static int block(kvs_client *c, int timeout_ms)
+/* Blocks until the eventfd fires, the proxy hangs up, or deadline (a
+ * CLOCK_MONOTONIC ns, or NO_DEADLINE). A signal does not move the deadline.
+ * Returns > 0 when woken, 0 at the deadline, or -errno (-ENOTCONN). */
+static int block(kvs_client *c, uint64_t deadline)
 {
 	struct pollfd p[2] = { { .fd = c->efd, .events = POLLIN },
 			       { .fd = c->sock, .events = POLLIN | POLLRDHUP } };
 	int rc;
-	do
-		rc = poll(p, 2, timeout_ms);
-	while (rc < 0 && errno == EINTR);
+	for (;;) {
+		int ms = -1;
+		if (deadline != NO_DEADLINE) {
+			uint64_t now = mono_ns();
+			if (now >= deadline)
+				return 0;
+			uint64_t left = (deadline - now + 999999) / 1000000;
+			ms = left > INT_MAX ? INT_MAX : (int)left;
+		}
+		rc = poll(p, 2, ms);
+		if (rc >= 0 || errno != EINTR)
+			break;
+	}
 	if (rc < 0)
 		return -errno;
-	if (p[1].revents)
-		if (proxy_gone(c))
-			return -ENOTCONN;
+	if (p[1].revents && proxy_gone(c))
+		return c->err;
 	if (p[0].revents) {
 		eventfd_t v;
 		eventfd_read(c->efd, &v);
@@ -139,12 +256,25 @@ static int block(kvs_client *c, int timeout_ms)
 	return rc;
 }
 
+static uint64_t deadline_after(int64_t ns)
+{
+	return ns < 0 ? NO_DEADLINE : mono_ns() + (uint64_t)ns;
+}
+
+/* The proxy did not answer in time: the connection is out of step with it. */
+static int out_of_step(kvs_client *c)
+{
+	if (!c->err)
+		c->err = -ETIMEDOUT;
+	return c->err;
+}
+
 static int sync_call_wait(kvs_client *c, struct kvs_sqe *q);
 
 static int sync_call(kvs_client *c, struct kvs_sqe *q)
 {
-	if (c->dead)
-		return -ENOTCONN;
+	if (c->err)
+		return c->err;
 	/* Every op queued ahead of ours may earn an event, and the proxy takes
 	 * ours only once there is room for them: the stash must be able to
 	 * take them all and what the ring holds, or we could wait for ever. */
@@ -159,13 +289,17 @@ static int sync_call(kvs_client *c, struct kvs_sqe *q)
 
 static int sync_call_wait(kvs_client *c, struct kvs_sqe *q)
 {
+	uint64_t deadline = deadline_after(c->sync_timeout_ns);
 	q->seq = ++c->seq;
 	/* A sync call may wait for ring space, as it waits for its reply: while
 	 * the proxy lives and our stash can take its events, it makes room. */
 	int rc;
-	while ((rc = submit(c, q)) == -EAGAIN && c->stash_n < c->stash_cap)
-		if ((rc = block(c, 1)) < 0)
+	while ((rc = submit(c, q)) == -EAGAIN && c->stash_n < c->stash_cap) {
+		if (mono_ns() >= deadline)
+			return out_of_step(c);
+		if ((rc = block(c, mono_ns() + 1000000)) < 0)
 			break;
+	}
 	if (rc < 0) {
 		c->seq--;
 		return rc;
@@ -197,15 +331,16 @@ static int sync_call_wait(kvs_client *c, struct kvs_sqe *q)
 		 * `waiting`: one of us sees the other's store. */
 		rte_atomic_thread_fence(__ATOMIC_SEQ_CST);
 		if (__atomic_load_n(&c->cshm->reply.seq, __ATOMIC_ACQUIRE) != q->seq) {
-			rc = block(c, 100);
-			if (rc == 0 && proxy_gone(c))
-				rc = -ENOTCONN;
-			if (rc < 0) {
+			uint64_t wake = mono_ns() + 100000000;
+			rc = block(c, wake < deadline ? wake : deadline);
+			if (rc == 0)
+				rc = proxy_gone(c);
+			if (rc < 0 || mono_ns() >= deadline) {
 				unwait(c);
-				/* the reply may have been written before the hang-up */
+				/* the reply may have come before the hang-up or the bound */
 				if (__atomic_load_n(&c->cshm->reply.seq, __ATOMIC_ACQUIRE) == q->seq)
 					return c->cshm->reply.status;
-				return rc;
+				return rc < 0 ? rc : out_of_step(c);
 			}
 		}
 		unwait(c);
@@ -230,20 +365,28 @@ void kvs_close(kvs_client *c)
 {
 	if (!c)
 		return;
-	/* Companions first, last attached first: they may still need the
-	 * pool mapped (a DMA registration is undone before the munmap). */
-	for (unsigned i = KVS_EXT_MAX; i-- > 0;)
-		if (c->ext[i].key && c->ext[i].fini)
-			c->ext[i].fini(c, c->ext[i].state);
-	for (unsigned i = 0; i < c->nrooms; i++) {
+	if (!c->forked) {
+		/* Companions first, last attached first: they may still need
+		 * the pool mapped (a DMA registration is undone before the
+		 * munmap). A fork child skips them: what they registered is
+		 * the parent's. */
+		for (unsigned i = KVS_EXT_MAX; i-- > 0;)
+			if (c->ext[i].key && c->ext[i].fini)
+				c->ext[i].fini(c, c->ext[i].state);
+		/* Goodbye, then the hang-up: the proxy aborts and reclaims
+		 * either way, and counts a hang-up without it as a death. A
+		 * child says nothing: the connection is its parent's. */
+		struct kvs_hello bye = { .magic = KVS_MAGIC_BYE, .abi = KVS_ABI };
+		if (c->sock >= 0 && !c->err)
+			(void)!send(c->sock, &bye, sizeof(bye), MSG_DONTWAIT | MSG_NOSIGNAL);
+	}
+	registry_del(c);
+	for (unsigned i = 0; c->rooms && i < c->nrooms; i++) {
 		free(c->rooms[i].sent);
 		free(c->rooms[i].map);
 	}
-	/* The hang-up is what tells the proxy to abort and reclaim. */
-	if (c->sock >= 0)
-		close(c->sock);
-	int fds[] = { c->wake_fd, c->efd };
-	for (unsigned i = 0; i < 2; i++)
+	int fds[] = { c->sock, c->wake_fd, c->efd, c->event_fd };
+	for (unsigned i = 0; i < 4; i++)
 		if (fds[i] >= 0)
 			close(fds[i]);
 	unmap_all(c);
@@ -260,6 +403,22 @@ static void *map_fd(int fd, size_t len, int prot)
 		return NULL;
 	void *p = mmap(NULL, len, prot, MAP_SHARED, fd, 0);
 	return p == MAP_FAILED ? NULL : p;
+}
+
+/* Reads the welcome. A proxy that refuses us early may close before our
+ * hello was read: the kernel then reports ECONNRESET once, ahead of the
+ * refusal that is still queued for us. */
+static ssize_t recv_welcome(int sock, struct kvs_welcome *w, int *fds, int *nfds)
+{
+	int want = *nfds;
+	ssize_t n = kvs_sock_recv(sock, w, sizeof(*w), fds, nfds, 0);
+	if (n == -ECONNRESET) {
+		*nfds = want;
+		n = kvs_sock_recv(sock, w, sizeof(*w), fds, nfds, MSG_DONTWAIT);
+		if (n == -EAGAIN || n == 0 || n == -ECONNRESET)
+			n = -ECONNREFUSED; /* closed on us with no reason given */
+	}
+	return n;
 }
 
 static int handshake(kvs_client *c, const char *path, int fds[KVS_WELCOME_NFDS],
@@ -279,13 +438,13 @@ static int handshake(kvs_client *c, const char *path, int fds[KVS_WELCOME_NFDS],
 	if (rc < 0 && rc != -EPIPE && rc != -ECONNRESET)
 		return rc;
 	int nfds = KVS_WELCOME_NFDS;
-	ssize_t n = kvs_sock_recv(sock, w, sizeof(*w), fds, &nfds, 0);
+	ssize_t n = recv_welcome(sock, w, fds, &nfds);
 	if (n < 0)
 		return n == -EAGAIN ? -ETIMEDOUT : (int)n;
 	if (n != sizeof(*w) || w->magic != KVS_MAGIC_HELLO) {
 		for (int i = 0; i < nfds; i++)
 			close(fds[i]);
-		return n == 0 ? -ECONNRESET : -EPROTO;
+		return n == 0 ? -ECONNREFUSED : -EPROTO;
 	}
 	if (w->status < 0 || nfds != KVS_WELCOME_NFDS) {
 		for (int i = 0; i < nfds; i++)
@@ -354,11 +513,26 @@ static int attach(kvs_client *c, const struct kvs_welcome *w, const int fds[KVS_
 	if (!c->rooms || !c->free_idx || !c->stash)
 		return -ENOMEM;
 	for (unsigned i = 0; i < c->nrooms; i++) {
-		c->rooms[i].c = c;
 		c->rooms[i].idx = (uint16_t)i;
 		c->free_idx[i] = (uint16_t)(c->nrooms - 1 - i);
 	}
 	c->nfree = c->nrooms;
+	return 0;
+}
+
+/* A number of the environment: unset leaves *out as it is. Returns 0, or -EINVAL. */
+static int env_num(const char *name, long long min, long long max, long long *out)
+{
+	const char *s = getenv(name);
+	if (!s)
+		return 0;
+	char *end;
+	errno = 0;
+	long long v = strtoll(s, &end, 10);
+	if (errno || end == s || *end || (*s != '-' && (*s < '0' || *s > '9')) || v < min ||
+	    v > max)
+		return -EINVAL;
+	*out = v;
 	return 0;
 }
 
@@ -371,12 +545,16 @@ int kvs_connect(const char *path, kvs_client **out)
 		path = getenv("KVSTAGE_SOCKET");
 	if (!path || !*path)
 		path = KVS_DEFAULT_SOCKET;
+	long long spin_us = 20, sync_ms = SYNC_TIMEOUT_MS;
+	if (env_num("KVSTAGE_SPIN_US", 0, 1000000, &spin_us) ||
+	    env_num("KVSTAGE_SYNC_TIMEOUT_MS", -1, INT_MAX, &sync_ms) || sync_ms == 0)
+		return -EINVAL;
 	kvs_client *c = calloc(1, sizeof(*c));
 	if (!c)
 		return -ENOMEM;
-	c->sock = c->wake_fd = c->efd = -1;
-	const char *spin = getenv("KVSTAGE_SPIN_US");
-	c->spin_ns = (spin ? strtoull(spin, NULL, 10) : 20) * 1000;
+	c->sock = c->wake_fd = c->efd = c->event_fd = -1;
+	c->spin_ns = (uint64_t)spin_us * 1000;
+	c->sync_timeout_ns = sync_ms < 0 ? -1 : sync_ms * 1000000;
 
 	int fds[KVS_WELCOME_NFDS];
 	struct kvs_welcome w;
@@ -388,7 +566,10 @@ int kvs_connect(const char *path, kvs_client **out)
 		close(fds[1]);
 		close(fds[2]);
 	}
+	if (rc == 0)
+		rc = registry_add(c);
 	if (rc < 0) {
+		c->err = rc; /* no goodbye for a connection that never was */
 		kvs_close(c);
 		return rc;
 	}
@@ -397,28 +578,58 @@ int kvs_connect(const char *path, kvs_client **out)
 	return 0;
 }
 
+int kvs_set_sync_timeout(kvs_client *c, int timeout_ms)
+{
+	int rc = usable(c);
+	if (rc)
+		return rc;
+	if (timeout_ms == 0)
+		return -EINVAL;
+	c->sync_timeout_ns = timeout_ms < 0 ? -1 : (int64_t)timeout_ms * 1000000;
+	return 0;
+}
+
 size_t kvs_slot_size(const kvs_client *c)
 {
-	return c->slot_size;
+	return c ? c->slot_size : 0;
 }
 
 uint32_t kvs_slot_count(const kvs_client *c)
 {
-	return c->slot_count;
+	return c ? c->slot_count : 0;
 }
 
 unsigned kvs_max_rooms(const kvs_client *c)
 {
-	return c->nrooms;
+	return c ? c->nrooms : 0;
 }
 
 int kvs_event_fd(kvs_client *c)
 {
+	int rc = usable(c);
+	if (rc)
+		return rc;
+	if (c->event_fd < 0) {
+		/* The eventfd says "events"; the socket's hang-up says "the
+		 * proxy is gone", which nobody could write into the eventfd. */
+		int ep = epoll_create1(EPOLL_CLOEXEC);
+		if (ep < 0)
+			return -errno;
+		struct epoll_event ev = { .events = EPOLLIN };
+		struct epoll_event hup = { .events = EPOLLIN | EPOLLRDHUP };
+		if (epoll_ctl(ep, EPOLL_CTL_ADD, c->efd, &ev) < 0 ||
+		    epoll_ctl(ep, EPOLL_CTL_ADD, c->sock, &hup) < 0) {
+			rc = -errno;
+			close(ep);
+			return rc;
+		}
+		c->event_fd = ep;
+	}
 	/* From now on the proxy signals the fd for every batch of events,
 	 * not only while we block in kvs_wait. */
 	c->fd_mode = true;
 	__atomic_store_n(&c->cshm->waiting, 1, __ATOMIC_RELAXED);
-	return c->efd;
+	return c->event_fd;
 }
 
 /* Leaves `waiting` as the mode wants it after a blocking wait. */
@@ -429,16 +640,18 @@ static void unwait(kvs_client *c)
 
 void *kvs_pool_map(kvs_client *c, size_t *len)
 {
+	bool ok = usable(c) == 0;
 	if (len)
-		*len = c->pool_size;
-	return c->pool;
+		*len = ok ? c->pool_size : 0;
+	return ok ? c->pool : NULL;
 }
 
 int kvs_ext_attach(kvs_client *c, const void *key, void *state,
 		   void (*fini)(kvs_client *c, void *state))
 {
-	if (!c || !key)
-		return -EINVAL;
+	int rc = usable(c);
+	if (rc || !key)
+		return rc ?: -EINVAL;
 	struct kvs_ext *free_ = NULL;
 	for (unsigned i = 0; i < KVS_EXT_MAX; i++) {
 		if (c->ext[i].key == key)
@@ -477,10 +690,13 @@ static int lease_state(const kvs_client *c, const struct kvs_lease *l)
 
 int kvs_acquire(kvs_client *c, unsigned n, struct kvs_lease *out)
 {
+	int rc = usable(c);
+	if (rc)
+		return rc;
 	if (!n || n > c->slot_count || !out)
 		return -EINVAL;
 	struct kvs_sqe q = { .op = KVS_OP_ACQUIRE, .arg = n };
-	int rc = sync_call(c, &q);
+	rc = sync_call(c, &q);
 	if (rc < 0)
 		return rc;
 	memcpy(out, c->reply_leases, n * sizeof(*out));
@@ -489,8 +705,9 @@ int kvs_acquire(kvs_client *c, unsigned n, struct kvs_lease *out)
 
 int kvs_lease_check(kvs_client *c, const struct kvs_lease *l)
 {
-	if (!c || !l)
-		return -EINVAL;
+	int rc = usable(c);
+	if (rc || !l)
+		return rc ?: -EINVAL;
 	int st = lease_state(c, l);
 	if (st < 0)
 		return st;
@@ -504,113 +721,148 @@ void *kvs_lease_ptr(kvs_client *c, const struct kvs_lease *l)
 
 int kvs_release(kvs_client *c, const struct kvs_lease *l)
 {
+	int rc = usable(c);
+	if (rc || !l)
+		return rc ?: -EINVAL;
 	struct kvs_sqe q = { .op = KVS_OP_RELEASE, .slot = l->slot, .epoch = l->epoch };
 	return sync_call(c, &q);
 }
 
 /* --------------------------------------------------------------- rooms */
 
-static kvs_room *room_new(kvs_client *c, uint8_t role, uint64_t user_data)
+static struct kvs_rstate *room_new(kvs_client *c, uint8_t role, uint64_t user_data)
 {
 	if (!c->nfree)
 		return NULL;
-	kvs_room *r = &c->rooms[c->free_idx[--c->nfree]];
+	struct kvs_rstate *r = &c->rooms[c->free_idx[--c->nfree]];
+	uint32_t gen;
+	while (!(gen = __atomic_add_fetch(&room_gen, 1, __ATOMIC_RELAXED)))
+		; /* 0 means free */
+	r->gen = gen;
 	r->role = role;
 	r->state = KVS_ROOM_OPEN;
 	r->user_data = user_data;
 	return r;
 }
 
-static void room_free(kvs_room *r)
+static void room_free(kvs_client *c, struct kvs_rstate *r)
 {
-	kvs_client *c = r->c;
 	free(r->sent);
 	free(r->map);
 	uint16_t idx = r->idx;
 	memset(r, 0, sizeof(*r));
-	r->c = c;
 	r->idx = idx;
 	c->free_idx[c->nfree++] = idx;
 }
 
-static void room_set_size(kvs_room *r, uint64_t bytes, uint64_t chunk)
+static void room_set_size(struct kvs_rstate *r, uint64_t bytes, uint64_t chunk)
 {
 	r->bytes = bytes;
 	r->chunk = chunk;
 	r->nchunks = (uint32_t)((bytes + chunk - 1) / chunk);
 }
 
+static kvs_room *handle_of(const kvs_client *c, const struct kvs_rstate *r)
+{
+	return kvs_room_handle(c->reg, r->idx, r->gen);
+}
+
 int kvs_recv_open(kvs_client *c, uint64_t bytes, uint64_t user_data, kvs_room **room,
 		  struct kvs_room_desc *desc)
 {
+	int rc = usable(c);
+	if (rc)
+		return rc;
 	if (!room || !desc || !bytes)
 		return -EINVAL;
-	if (c->dead)
-		return -ENOTCONN;
-	kvs_room *r = room_new(c, KVS_ROLE_RECV, user_data);
+	if (c->err)
+		return c->err;
+	struct kvs_rstate *r = room_new(c, KVS_ROLE_RECV, user_data);
 	if (!r)
 		return -EMFILE;
-	struct kvs_sqe q = { .op = KVS_OP_RECV_OPEN, .handle = r->idx, .arg = bytes,
-			     .arg2 = user_data };
-	int rc = sync_call(c, &q);
+	struct kvs_sqe q = { .op = KVS_OP_RECV_OPEN, .handle = r->idx, .gen = r->gen,
+			     .arg = bytes, .arg2 = user_data };
+	rc = sync_call(c, &q);
 	if (rc < 0) {
-		room_free(r);
+		room_free(c, r);
 		return rc;
 	}
 	room_set_size(r, bytes, c->cshm->reply.slot_size);
 	memcpy(desc->bytes, c->cshm->reply.desc, KVS_ROOM_DESC_SIZE);
-	*room = r;
+	*room = handle_of(c, r);
 	return 0;
 }
 
 int kvs_send_open(kvs_client *c, const struct kvs_room_desc *desc, uint64_t user_data,
 		  kvs_room **room)
 {
+	int rc = usable(c);
+	if (rc)
+		return rc;
 	if (!room || !desc)
 		return -EINVAL;
-	if (c->dead)
-		return -ENOTCONN;
-	kvs_room *r = room_new(c, KVS_ROLE_SEND, user_data);
+	if (c->err)
+		return c->err;
+	struct kvs_rstate *r = room_new(c, KVS_ROLE_SEND, user_data);
 	if (!r)
 		return -EMFILE;
 	/* Sized for the largest room the pool allows, so nothing can fail
 	 * after the proxy has opened it. */
 	r->sent = calloc((c->slot_count + 63) / 64, sizeof(uint64_t));
 	if (!r->sent) {
-		room_free(r);
+		room_free(c, r);
 		return -ENOMEM;
 	}
 	memcpy(c->cshm->request, desc->bytes, KVS_ROOM_DESC_SIZE);
-	struct kvs_sqe q = { .op = KVS_OP_SEND_OPEN, .handle = r->idx, .arg2 = user_data };
-	int rc = sync_call(c, &q);
+	struct kvs_sqe q = { .op = KVS_OP_SEND_OPEN, .handle = r->idx, .gen = r->gen,
+			     .arg2 = user_data };
+	rc = sync_call(c, &q);
 	if (rc < 0) {
-		room_free(r);
+		room_free(c, r);
 		return rc;
 	}
 	room_set_size(r, c->cshm->reply.bytes, c->cshm->reply.slot_size);
-	*room = r;
+	*room = handle_of(c, r);
 	return 0;
 }
 
-unsigned kvs_room_chunks(const kvs_room *r)
+unsigned kvs_room_chunks(const kvs_room *h)
 {
-	return r->nchunks;
+	kvs_client *c;
+	struct kvs_rstate *r;
+	return room_find(h, &c, &r) ? 0 : r->nchunks;
 }
 
-uint64_t kvs_room_bytes(const kvs_room *r)
+uint64_t kvs_room_bytes(const kvs_room *h)
 {
-	return r->bytes;
+	kvs_client *c;
+	struct kvs_rstate *r;
+	return room_find(h, &c, &r) ? 0 : r->bytes;
 }
 
-int kvs_send(kvs_room *r, const struct kvs_lease *l, uint64_t offset, uint32_t len)
+/* Why an ended room takes no more chunks. */
+static int ended_status(const struct kvs_rstate *r)
 {
-	kvs_client *c = r->c;
-	if (c->dead)
-		return -ENOTCONN;
-	if (r->role != KVS_ROLE_SEND || r->state == KVS_ROOM_CLOSING)
+	if (r->final_type == KVS_EV_SEND_DONE || r->final_type == KVS_EV_RECV_DONE)
+		return -EALREADY;
+	return r->final_status ? r->final_status : -ECANCELED;
+}
+
+int kvs_send(kvs_room *h, const struct kvs_lease *l, uint64_t offset, uint32_t len)
+{
+	kvs_client *c;
+	struct kvs_rstate *r;
+	int rc = room_find(h, &c, &r);
+	if (rc)
+		return rc;
+	if (!l)
+		return -EINVAL;
+	if (c->err)
+		return c->err;
+	if (r->role != KVS_ROLE_SEND)
 		return -EBADF;
 	if (r->state == KVS_ROOM_ENDED)
-		return -ECANCELED;
+		return ended_status(r);
 	if (offset % r->chunk || offset >= r->bytes)
 		return -EINVAL;
 	uint64_t want = r->bytes - offset < r->chunk ? r->bytes - offset : r->chunk;
@@ -624,32 +876,42 @@ int kvs_send(kvs_room *r, const struct kvs_lease *l, uint64_t offset, uint32_t l
 		return st;
 	if (st != KVS_SLOT_LEASED)
 		return -EBUSY;
-	struct kvs_sqe q = { .op = KVS_OP_SEND, .handle = r->idx, .slot = l->slot,
+	struct kvs_sqe q = { .op = KVS_OP_SEND, .handle = r->idx, .gen = r->gen, .slot = l->slot,
 			     .epoch = l->epoch, .arg = offset, .arg2 = len };
-	int rc = submit(c, &q);
+	rc = submit(c, &q);
 	if (rc == 0)
 		r->sent[i / 64] |= 1ull << (i % 64);
 	return rc;
 }
 
-int kvs_abort(kvs_room *r)
+int kvs_abort(kvs_room *h)
 {
-	kvs_client *c = r->c;
-	if (c->dead)
-		return -ENOTCONN;
+	kvs_client *c;
+	struct kvs_rstate *r;
+	int rc = room_find(h, &c, &r);
+	if (rc)
+		return rc;
+	if (c->err)
+		return c->err;
 	if (r->state != KVS_ROOM_OPEN || r->aborted)
 		return 0;
-	struct kvs_sqe q = { .op = KVS_OP_ABORT, .handle = r->idx };
-	int rc = submit(c, &q);
+	struct kvs_sqe q = { .op = KVS_OP_ABORT, .handle = r->idx, .gen = r->gen };
+	rc = submit(c, &q);
 	if (rc == 0)
 		r->aborted = true;
 	return rc;
 }
 
-int kvs_room_lease(kvs_room *r, unsigned i, struct kvs_lease *out)
+int kvs_room_lease(kvs_room *h, unsigned i, struct kvs_lease *out)
 {
-	kvs_client *c = r->c;
-	if (r->role != KVS_ROLE_RECV || r->state == KVS_ROOM_CLOSING)
+	kvs_client *c;
+	struct kvs_rstate *r;
+	int rc = room_find(h, &c, &r);
+	if (rc)
+		return rc;
+	if (!out)
+		return -EINVAL;
+	if (r->role != KVS_ROLE_RECV)
 		return -EBADF;
 	if (r->state != KVS_ROOM_ENDED)
 		return -EAGAIN;
@@ -665,8 +927,8 @@ int kvs_room_lease(kvs_room *r, unsigned i, struct kvs_lease *out)
 		struct kvs_lease *map = malloc(r->nchunks * sizeof(*map));
 		if (!map)
 			return -ENOMEM;
-		struct kvs_sqe q = { .op = KVS_OP_ROOM_MAP, .handle = r->idx };
-		int rc = sync_call(c, &q);
+		struct kvs_sqe q = { .op = KVS_OP_ROOM_MAP, .handle = r->idx, .gen = r->gen };
+		rc = sync_call(c, &q);
 		if (rc == 0 && c->cshm->reply.n != r->nchunks)
 			rc = -EPROTO;
 		if (rc < 0) {
@@ -680,21 +942,23 @@ int kvs_room_lease(kvs_room *r, unsigned i, struct kvs_lease *out)
 	return 0;
 }
 
-int kvs_room_close(kvs_room *r)
+int kvs_room_close(kvs_room *h)
 {
-	kvs_client *c = r->c;
-	if (r->state == KVS_ROOM_CLOSING || !r->role)
-		return -EBADF;
-	if (c->dead) {
-		room_free(r);
+	kvs_client *c;
+	struct kvs_rstate *r;
+	int rc = room_find(h, &c, &r);
+	if (rc)
+		return rc;
+	if (c->err) {
+		room_free(c, r);
 		return 0;
 	}
-	struct kvs_sqe q = { .op = KVS_OP_CLOSE, .handle = r->idx };
-	int rc = submit(c, &q);
+	struct kvs_sqe q = { .op = KVS_OP_CLOSE, .handle = r->idx, .gen = r->gen };
+	rc = submit(c, &q);
 	if (rc < 0)
 		return rc;
 	if (r->state == KVS_ROOM_ENDED) {
-		room_free(r);
+		room_free(c, r);
 	} else {
 		/* The proxy still owes this handle its final event; keep the
 		 * index reserved until that arrives. */
@@ -711,15 +975,15 @@ int kvs_room_close(kvs_room *r)
 
 static void deliver(kvs_client *c, const struct kvs_cqe *e, struct kvs_event *ev)
 {
-	ev->type = e->type;
-	ev->status = e->status;
-	ev->user_data = e->user_data;
-	ev->bytes = e->bytes;
-	ev->lease.slot = e->slot;
-	ev->lease.epoch = e->epoch;
+	*ev = (struct kvs_event){ .type = e->type, .status = e->status, .user_data = e->user_data,
+				  .bytes = e->bytes, .lease = { e->slot, e->epoch } };
 	if (e->handle >= c->nrooms)
 		return;
-	kvs_room *r = &c->rooms[e->handle];
+	struct kvs_rstate *r = &c->rooms[e->handle];
+	/* An event about a room that is gone (its index reused since) has
+	 * nothing of the room now there to change. */
+	if (!r->role || r->gen != e->gen)
+		return;
 	if (e->type == KVS_EV_REJECTED) {
 		/* A refused send did not claim its chunk (unless the refusal
 		 * is that the chunk was claimed already): it may be sent again. */
@@ -731,7 +995,7 @@ static void deliver(kvs_client *c, const struct kvs_cqe *e, struct kvs_event *ev
 		return;
 	}
 	if (r->state == KVS_ROOM_CLOSING) {
-		room_free(r);
+		room_free(c, r);
 		return;
 	}
 	if (r->state != KVS_ROOM_OPEN)
@@ -747,6 +1011,11 @@ static void deliver(kvs_client *c, const struct kvs_cqe *e, struct kvs_event *ev
 
 int kvs_poll(kvs_client *c, struct kvs_event *ev, unsigned max)
 {
+	int rc = usable(c);
+	if (rc)
+		return rc;
+	if (max && !ev)
+		return -EINVAL;
 	/* Events the proxy posted before it went away are still delivered:
 	 * -ENOTCONN only once none is left. */
 	unsigned n = 0;
@@ -779,18 +1048,26 @@ int kvs_poll(kvs_client *c, struct kvs_event *ev, unsigned max)
 			deliver(c, &buf[i], &ev[i]);
 		if (n == want)
 			eventfd_write(c->efd, 1); /* more may wait: the fd stays readable */
+		/* The fd may be readable for the proxy's hang-up: say so now,
+		 * or an event loop would spin on it until the lazy check. */
+		if (n == 0 && (rc = proxy_gone(c)))
+			return rc;
 	}
-	if (n == 0 && max && proxy_gone_lazy(c))
-		return -ENOTCONN;
+	if (n == 0 && max && (rc = proxy_gone_lazy(c)))
+		return rc;
 	return (int)n;
 }
 
 int kvs_wait(kvs_client *c, struct kvs_event *ev, int timeout_ms)
 {
+	int rc = usable(c);
+	if (rc || !ev)
+		return rc ?: -EINVAL;
 	int n = kvs_poll(c, ev, 1);
 	if (n != 0)
 		return n;
-	uint64_t deadline = timeout_ms >= 0 ? mono_ns() + (uint64_t)timeout_ms * 1000000 : 0;
+	uint64_t deadline = timeout_ms >= 0 ? mono_ns() + (uint64_t)timeout_ms * 1000000
+					    : NO_DEADLINE;
 	for (;;) {
 		__atomic_store_n(&c->cshm->waiting, 1, __ATOMIC_RELAXED);
 		/* Pairs with the proxy's fence after its enqueue: either it sees
@@ -799,16 +1076,11 @@ int kvs_wait(kvs_client *c, struct kvs_event *ev, int timeout_ms)
 		n = kvs_poll(c, ev, 1);
 		if (n != 0)
 			break;
-		int left = -1;
-		if (timeout_ms >= 0) {
-			uint64_t now = mono_ns();
-			if (now >= deadline) {
-				n = -ETIMEDOUT;
-				break;
-			}
-			left = (int)((deadline - now + 999999) / 1000000);
+		if (deadline != NO_DEADLINE && mono_ns() >= deadline) {
+			n = -ETIMEDOUT;
+			break;
 		}
-		n = block(c, left);
+		n = block(c, deadline);
 		if (n < 0) {
 			n = kvs_poll(c, ev, 1); /* an event may have beaten the hang-up */
 			break;
@@ -836,20 +1108,23 @@ const char *kvs_strerror(int err)
 	case -EINVAL: return "invalid argument";
 	case -ENOTCONN: return "proxy gone: the connection to kvstaged is closed";
 	case -ECANCELED: return "room aborted";
-	case -ETIMEDOUT: return "timed out";
+	case -ETIMEDOUT: return "timed out (from a sync call: the proxy did not answer within the bound, and the connection is no longer usable)";
 	case -EBUSY: return "busy: the slot is in flight, or the room already has a sender";
 	case -EEXIST: return "that chunk was already sent";
-	case -EBADF: return "not an open room handle of this role";
+	case -EBADF: return "not an open room handle of this role (closed, or never opened)";
+	case -EALREADY: return "the room is complete: it takes no more chunks";
+	case -ECHILD: return "this connection belongs to the parent process: after fork(), connect anew";
+	case -EUSERS: return "the proxy is full: too many clients, or too many connecting at once";
 	case -EMFILE: return "no room handle free on this connection";
 	case -ENFILE: return "the proxy's room table is full";
 	case -EMSGSIZE: return "room larger than the whole pool";
 	case -ERANGE: return "chunk index out of range";
 	case -ESHUTDOWN: return "proxy shutting down";
-	case -ECONNRESET: return "the other side of the room went away";
+	case -ECONNRESET: return "the other side of the room went away (its client died or closed)";
 	case -EPROTO: return "protocol mismatch with the proxy (version?)";
-	case -EACCES: return "refused by the proxy (uid/gid not allowed)";
+	case -EACCES: return "permission denied: the socket's mode or the proxy's --allow-uid/--allow-gid refused this user";
 	case -ENOENT: return "no proxy socket at that path";
-	case -ECONNREFUSED: return "no proxy listening at that path";
+	case -ECONNREFUSED: return "no proxy listening at that path, or it closed the connection unasked";
 	case -EOPNOTSUPP: return "not supported";
 	case -ENODEV: return "no device";
 	case -EIO: return "transport I/O error";

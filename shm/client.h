@@ -13,10 +13,40 @@
 enum { KVS_ROLE_RECV = 1, KVS_ROLE_SEND = 2 };
 enum { KVS_ROOM_OPEN = 1, KVS_ROOM_ENDED, KVS_ROOM_CLOSING };
 
-struct kvs_room {
-	kvs_client *c;
+/*
+ * A kvs_room * is not an address: it names (connection, handle index,
+ * generation) as one 64-bit value, so a handle kept past kvs_room_close
+ * never names the room that reuses its index (-EBADF instead). The
+ * connection is found in the process's registry of connections.
+ */
+#define KVS_REGISTRY_MAX 65536u
+static_assert(sizeof(void *) == 8, "a room handle packs 64 bits");
+
+static inline kvs_room *kvs_room_handle(uint16_t reg, uint16_t idx, uint32_t gen)
+{
+	return (kvs_room *)(uintptr_t)((uint64_t)gen << 32 | (uint64_t)reg << 16 | idx);
+}
+
+static inline uint16_t kvs_room_handle_idx(const kvs_room *h)
+{
+	return (uint16_t)(uintptr_t)h;
+}
+
+static inline uint16_t kvs_room_handle_reg(const kvs_room *h)
+{
+	return (uint16_t)((uintptr_t)h >> 16);
+}
+
+static inline uint32_t kvs_room_handle_gen(const kvs_room *h)
+{
+	return (uint32_t)((uintptr_t)h >> 32);
+}
+
+/* One room handle of a connection. gen is 0 while the index is free. */
+struct kvs_rstate {
+	uint32_t gen;    /* shared with the proxy through the open's record */
 	uint16_t idx;    /* handle index, shared with the proxy */
-	uint8_t role;    /* 0: free */
+	uint8_t role;
 	uint8_t state;
 	bool aborted;
 	uint32_t nchunks;
@@ -38,8 +68,11 @@ struct kvs_ext {
 
 struct kvs_client {
 	int sock, wake_fd, efd;
-	bool dead;
-	bool fd_mode; /* kvs_event_fd was asked for: the proxy kicks on every batch */
+	int event_fd;   /* kvs_event_fd: an epoll fd over efd and sock, or -1 */
+	int err;        /* 0 while usable, else why not: -ENOTCONN, -ETIMEDOUT */
+	bool forked;    /* we are a child of the process that connected */
+	bool fd_mode;   /* kvs_event_fd was asked for: the proxy kicks on every batch */
+	uint16_t reg;   /* index in the registry of connections */
 	uint32_t id;
 	uint8_t *pool;
 	size_t pool_size, slot_size;
@@ -53,8 +86,9 @@ struct kvs_client {
 	struct kvs_ring sq, cq;
 	uint32_t seq;
 	uint64_t spin_ns, alive_ns;
+	int64_t sync_timeout_ns; /* < 0: no bound */
 	unsigned nrooms, nfree;
-	struct kvs_room *rooms;
+	struct kvs_rstate *rooms;
 	uint16_t *free_idx;
 	struct kvs_cqe *stash; /* events taken off the ring while waiting for a reply */
 	unsigned stash_cap, stash_head, stash_n;

@@ -19,7 +19,7 @@
 #include <stddef.h>
 #include <assert.h>
 
-#define KVS_ABI 1
+#define KVS_ABI 2
 #define KVS_MAGIC_CTRL 0x4b565343u  /* "KVSC" */
 #define KVS_MAGIC_HELLO 0x4b565348u /* "KVSH" */
 #define KVS_MAGIC_DESC 0x4b565344u  /* "KVSD" */
@@ -51,6 +51,10 @@ struct kvs_slot {
 };
 static_assert(sizeof(struct kvs_slot) == 16, "slot metadata is 16 bytes");
 
+/* Epochs start at a random base per proxy instance and wrap: compare them
+ * as serial numbers. True when epoch a comes after b. */
+#define KVS_EPOCH_AFTER(a, b) ((int32_t)((uint32_t)(a) - (uint32_t)(b)) > 0)
+
 /* ------------------------------------------------------- control segment */
 
 #define KVS_CTRL_HUGEPAGES 0x1u
@@ -63,12 +67,14 @@ struct kvs_stats {
 	uint64_t rooms_open;              /* rooms not yet freed */
 	uint64_t rooms_done, rooms_aborted, rooms_failed, rooms_timed_out;
 	uint64_t clients, clients_total, clients_died, clients_refused;
+	uint64_t clients_closed; /* said goodbye (kvs_close); clients_died: hung up without */
 	uint64_t rej_stale, rej_perm, rej_busy, rej_inval, rej_token, rej_nobufs;
 	uint64_t ops, events, events_dropped;
 	uint64_t chunks_moved, bytes_moved;
 	uint64_t tombstones_reaped;
 	uint64_t sleeps;
 	uint64_t draining; /* 1 once SIGTERM was seen */
+	uint64_t log_suppressed; /* log lines the rate limits kept back */
 };
 
 /* The proxy is the counters' only writer, so a plain load and store (no
@@ -102,7 +108,7 @@ struct kvs_ctrl {
 
 /* ---------------------------------------------------------------- rings */
 
-/* Submission record, client -> proxy. 32 bytes. */
+/* Submission record, client -> proxy. 40 bytes. */
 struct kvs_sqe {
 	uint8_t op;       /* enum kvs_op */
 	uint8_t rsvd;
@@ -110,10 +116,13 @@ struct kvs_sqe {
 	uint32_t seq;     /* sync ops: echoed in the reply */
 	uint32_t slot;
 	uint32_t epoch;
+	uint32_t gen;     /* the handle's generation in the library: opens set it,
+			   * events about the handle echo it */
+	uint32_t rsvd2;
 	uint64_t arg;     /* ACQUIRE: n; SEND: offset; RECV_OPEN: bytes */
 	uint64_t arg2;    /* SEND: len; RECV_OPEN, SEND_OPEN: user_data */
 };
-static_assert(sizeof(struct kvs_sqe) == 32, "sqe is 32 bytes");
+static_assert(sizeof(struct kvs_sqe) == 40, "sqe is 40 bytes");
 
 enum kvs_op {
 	KVS_OP_NOP = 0,
@@ -128,7 +137,7 @@ enum kvs_op {
 	KVS_OP_MAX,
 };
 
-/* Completion record, proxy -> client: events only. 32 bytes. */
+/* Completion record, proxy -> client: events only. 40 bytes. */
 struct kvs_cqe {
 	uint16_t type;   /* KVS_EV_* */
 	uint16_t handle; /* room handle, or KVS_NO_HANDLE */
@@ -136,8 +145,11 @@ struct kvs_cqe {
 	uint64_t user_data;
 	uint64_t bytes;
 	uint32_t slot, epoch;
+	uint32_t gen;    /* the handle's generation: a final, the open's; a
+			  * rejection, the refused op's */
+	uint32_t rsvd;
 };
-static_assert(sizeof(struct kvs_cqe) == 32, "cqe is 32 bytes");
+static_assert(sizeof(struct kvs_cqe) == 40, "cqe is 40 bytes");
 #define KVS_NO_HANDLE 0xffffu
 
 /* --------------------------------------------------------- client region */
@@ -172,6 +184,10 @@ struct kvs_cmem_layout {
 /* ------------------------------------------------------------ handshake */
 
 enum kvs_hello_kind { KVS_HELLO_CLIENT = 1, KVS_HELLO_ADMIN = 2, KVS_HELLO_STAT = 3 };
+
+/* A client's last message, sent by kvs_close: a hang-up without it is a
+ * death (counted apart). Same shape as struct kvs_hello. */
+#define KVS_MAGIC_BYE 0x4b565342u /* "KVSB" */
 
 struct kvs_hello {
 	uint32_t magic; /* KVS_MAGIC_HELLO */

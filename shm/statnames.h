@@ -25,11 +25,11 @@ static const struct kvs_stat_name kvs_stat_names[] = {
 	KVS_STAT_SLOTS(KVS_SLOT_RECV_FILLED, "recv_filled"),
 	KVS_STAT(rooms_open), KVS_STAT(rooms_done), KVS_STAT(rooms_aborted),
 	KVS_STAT(rooms_failed), KVS_STAT(rooms_timed_out), KVS_STAT(clients),
-	KVS_STAT(clients_total), KVS_STAT(clients_died), KVS_STAT(clients_refused),
+	KVS_STAT(clients_total), KVS_STAT(clients_died), KVS_STAT(clients_refused), KVS_STAT(clients_closed),
 	KVS_STAT(rej_stale), KVS_STAT(rej_perm), KVS_STAT(rej_busy), KVS_STAT(rej_inval),
 	KVS_STAT(rej_token), KVS_STAT(rej_nobufs), KVS_STAT(ops), KVS_STAT(events),
 	KVS_STAT(events_dropped), KVS_STAT(chunks_moved), KVS_STAT(bytes_moved),
-	KVS_STAT(tombstones_reaped), KVS_STAT(sleeps), KVS_STAT(draining),
+	KVS_STAT(tombstones_reaped), KVS_STAT(sleeps), KVS_STAT(draining), KVS_STAT(log_suppressed),
 };
 
 /* Returns the counter's offset in struct kvs_stats, or -1. */

@@ -229,6 +229,7 @@ static int sender(int rd, int wr, void *arg)
 	struct pair *pp = arg;
 	static struct result res;
 	static uint32_t last_epoch[1024];
+	static bool seen[1024]; /* epochs start at the proxy's random base */
 	kvs_client *c;
 	int admin = -1;
 	(void)rd;
@@ -270,9 +271,13 @@ static int sender(int rd, int wr, void *arg)
 		if (rc)
 			FAIL(&res, "acquire: %s", kvs_strerror(rc));
 		for (unsigned k = 0; k < n; k++) {
-			if (l[k].slot >= 1024 || l[k].epoch <= last_epoch[l[k].slot])
+			if (l[k].slot >= 1024 ||
+			    (seen[l[k].slot] && !KVS_EPOCH_AFTER(l[k].epoch, last_epoch[l[k].slot])))
 				res.epoch_regressions++;
-			last_epoch[l[k].slot] = l[k].epoch;
+			if (l[k].slot < 1024) {
+				last_epoch[l[k].slot] = l[k].epoch;
+				seen[l[k].slot] = true;
+			}
 		}
 		uint64_t bytes = kvs_room_bytes(r);
 		unsigned stop = n; /* chunks to send */
