@@ -309,7 +309,7 @@ static void welcome_client(struct kvsp *p, struct kvsp_pending *pd)
 static void welcome_admin(struct kvsp *p, int fd)
 {
 	if (!p->cfg.failpoints) {
-		refuse(p, fd, -EPERM, "failpoints are off: start kvstaged with --failpoints");
+		refuse(p, fd, -EOPNOTSUPP, "failpoints are off: start kvstaged with --failpoints");
 		return;
 	}
 	unsigned i;

@@ -7,6 +7,7 @@
  */
 #include <errno.h>
 #include <fcntl.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -15,6 +16,7 @@
 #include <unistd.h>
 
 #include "log.h"
+#include "parse.h"
 #include "proxy.h"
 
 #ifndef F_SEAL_FUTURE_WRITE
@@ -120,8 +122,14 @@ static int ctrl_create(struct kvsp *p)
 	if (rc < 0)
 		return rc;
 	p->tmpl_len = sizeof(struct rte_ring) - KVS_RING_SPLIT;
+	/* Each instance starts its epochs at a random base: a lease kept
+	 * across a restart is then all but certain to be stale, never equal
+	 * to one the new instance hands out. */
+	uint32_t base;
+	if (getrandom(&base, sizeof(base), 0) != sizeof(base))
+		return -EIO;
 	rc = kvsp_slots_init(&p->slots, (struct kvs_slot *)((uint8_t *)c + hdr), cfg->slot_count,
-			     c->stats.slots, &c->stats.tombstones_reaped);
+			     c->stats.slots, &c->stats.tombstones_reaped, base);
 	if (rc < 0)
 		return rc;
 	/* Last: a client that sees the magic sees everything above. */
@@ -136,6 +144,67 @@ fail:
 	rc = -errno;
 	close(fd);
 	return rc;
+}
+
+/* A number from a /proc or /sys file: the value after key (NULL: the file's
+ * first word), times mult. Returns 0, or -1 if absent or not a number. */
+static int read_num(const char *path, const char *key, uint64_t mult, uint64_t *out)
+{
+	FILE *f = fopen(path, "re");
+	if (!f)
+		return -1;
+	char line[256];
+	int rc = -1;
+	while (fgets(line, sizeof(line), f)) {
+		const char *v = line;
+		if (key) {
+			size_t k = strlen(key);
+			if (strncmp(line, key, k))
+				continue;
+			v += k;
+		}
+		char *end;
+		unsigned long long n = strtoull(v, &end, 10);
+		if (end != v) {
+			*out = n * mult;
+			rc = 0;
+		}
+		break;
+	}
+	fclose(f);
+	return rc;
+}
+
+/* The memory a new pool can take: what the kernel calls available, and
+ * under a cgroup v2 limit, what is left of it. */
+static uint64_t memory_left(const char **what)
+{
+	uint64_t avail = UINT64_MAX, max, cur;
+	*what = "MemAvailable in /proc/meminfo";
+	read_num("/proc/meminfo", "MemAvailable:", 1024, &avail);
+	if (read_num("/sys/fs/cgroup/memory.max", NULL, 1, &max) == 0 &&
+	    read_num("/sys/fs/cgroup/memory.current", NULL, 1, &cur) == 0) {
+		uint64_t left = cur < max ? max - cur : 0;
+		if (left < avail) {
+			avail = left;
+			*what = "the cgroup's memory.max less memory.current";
+		}
+	}
+	return avail;
+}
+
+int kvsp_pool_fits(const struct kvsp_config *cfg)
+{
+	uint64_t want = (uint64_t)cfg->slot_count * cfg->slot_size;
+	const char *what;
+	uint64_t left = memory_left(&what);
+	if (want <= left)
+		return 0;
+	char a[32], b[32];
+	LOG_ERR("a pool of %s does not fit in the %s of memory left (%s): ask for fewer or "
+		"smaller slots", kvs_format_size(want, a, sizeof(a)),
+		kvs_format_size(left, b, sizeof(b)), what);
+	return -ENOMEM;
 }
 
 int kvsp_pool_create(struct kvsp *p)
@@ -153,9 +222,11 @@ int kvsp_pool_create(struct kvsp *p)
 		if (rc == 0) {
 			p->huge = true;
 		} else if (cfg->huge == KVSP_HUGE_ON) {
-			LOG_ERR("--hugepages on: no %zu MiB of free 2 MiB hugepages (%s); reserve "
+			char sz[32];
+			LOG_ERR("--hugepages on: no %s of free 2 MiB hugepages (%s); reserve "
 				"some in /proc/sys/vm/nr_hugepages",
-				KVS_ALIGN_UP(want, HUGE_2M) >> 20, strerror(-rc));
+				kvs_format_size(KVS_ALIGN_UP(want, HUGE_2M), sz, sizeof(sz)),
+				strerror(-rc));
 			return rc;
 		} else {
 			LOG_INFO("hugepages unavailable (%s): using normal pages", strerror(-rc));
@@ -164,7 +235,9 @@ int kvsp_pool_create(struct kvsp *p)
 	if (!p->huge) {
 		rc = pool_map(p, false, KVS_ALIGN_UP(want, KVS_PAGE));
 		if (rc < 0) {
-			LOG_ERR("cannot map a %zu MiB pool: %s", want >> 20, strerror(-rc));
+			char sz[32];
+			LOG_ERR("cannot map a %s pool: %s", kvs_format_size(want, sz, sizeof(sz)),
+				strerror(-rc));
 			return rc;
 		}
 		madvise(p->pool, p->pool_size, MADV_HUGEPAGE);

@@ -112,7 +112,8 @@ Test(errors, foreign_lease_refused_and_nothing_changes)
 	cr_assert_eq(kvs_send_open(b, &d, 2, &sr), 0);
 	cr_assert_eq(kvs_send(sr, &l, 0, SLOT), -EPERM);
 	struct kvs_sqe q = { .op = KVS_OP_SEND, .slot = l.slot, .epoch = l.epoch, .arg2 = SLOT };
-	q.handle = (uint16_t)(sr - b->rooms);
+	q.handle = kvs_room_handle_idx(sr);
+	q.gen = kvs_room_handle_gen(sr);
 	cr_assert_eq(raw_submit(b, &q), 0);
 	struct kvs_event ev = wait_event(b);
 	cr_assert_eq(ev.type, KVS_EV_REJECTED);
@@ -215,7 +216,7 @@ Test(errors, bad_sends_are_refused_by_library_and_proxy)
 	cr_assert_eq(kvs_send(rr, &l[0], 0, SLOT), -EBADF, "sending on a receiving room");
 	assert_table(before, "refused sends");
 	/* the same, raw, to the proxy */
-	uint16_t h = (uint16_t)(sr - tx->rooms);
+	uint16_t h = kvs_room_handle_idx(sr);
 	struct kvs_sqe bad[] = {
 		{ .op = KVS_OP_SEND, .handle = h, .slot = l[0].slot, .epoch = l[0].epoch, .arg = 1, .arg2 = SLOT },
 		{ .op = KVS_OP_SEND, .handle = h, .slot = l[0].slot, .epoch = l[0].epoch, .arg = 3 * SLOT, .arg2 = SLOT },
