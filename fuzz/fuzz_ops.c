@@ -35,7 +35,7 @@ static void die(const char *why, uint32_t slot)
 static void setup(void)
 {
 	struct kvsp_config cfg = {
-		.socket_path = "/nonexistent",
+		.socket_path = NULL, /* in process: no socket */
 		.slot_count = NSLOTS,
 		.slot_size = 4096,
 		.huge = KVSP_HUGE_OFF,

@@ -70,8 +70,10 @@ struct kvsp_client *kvsp_client_new(struct kvsp *p, int sock, pid_t pid)
 	for (idx = 0; idx < p->cfg.max_clients; idx++)
 		if (!p->clients[idx])
 			break;
-	if (idx == p->cfg.max_clients)
+	if (idx == p->cfg.max_clients) {
+		errno = EUSERS;
 		return NULL;
+	}
 	struct kvsp_client *c = calloc(1, sizeof(*c));
 	if (!c)
 		return NULL;
@@ -79,11 +81,11 @@ struct kvsp_client *kvsp_client_new(struct kvsp *p, int sock, pid_t pid)
 	c->cmem_fd = -1;
 	c->efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
 	c->handles = calloc(p->cfg.client_rooms, sizeof(*c->handles));
-	int rc = c->efd < 0 || !c->handles ? -ENOMEM : region_create(p, c);
+	int rc = c->efd < 0 ? -errno : !c->handles ? -ENOMEM : region_create(p, c);
 	if (rc < 0) {
-		LOG_WARN("client setup failed: %s", strerror(-rc));
-		c->sock = -1; /* the caller owns it still */
+		c->sock = -1; /* the caller owns it still, and says why */
 		client_free(c);
+		errno = -rc;
 		return NULL;
 	}
 	if (++p->next_cid == 0)

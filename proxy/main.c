@@ -3,6 +3,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <getopt.h>
+#include <grp.h>
 #include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -26,14 +27,20 @@ static void usage(FILE *f)
 "  -s, --socket PATH        Unix socket to serve (default: $KVSTAGE_SOCKET,\n"
 "                           else " KVS_DEFAULT_SOCKET ")\n"
 "  -n, --slots N            slots in the pool (default 256)\n"
-"  -z, --slot-size BYTES    bytes per slot, a multiple of 4K; K, M, G suffixes\n"
-"                           (default 1M)\n"
+"  -z, --slot-size BYTES    bytes per slot, a multiple of 4K below 4G; K, M, G\n"
+"                           suffixes (default 1M)\n"
 "      --hugepages MODE     auto | on | off (default auto: 2 MiB hugepages when\n"
 "                           free, else normal pages with MADV_HUGEPAGE)\n"
 "      --no-lock            do not mlock the pool\n"
-"      --allow-uid UID      also admit clients with this uid (repeatable; our own\n"
-"                           uid, our gid and root are always admitted)\n"
-"      --allow-gid GID      also admit clients with this gid (repeatable)\n"
+"      --socket-mode MODE   the socket file's mode, octal (default 0660)\n"
+"      --socket-group GROUP the socket file's group, a name or a gid (default:\n"
+"                           ours); its members are admitted\n"
+"      --allow-uid UID      also admit clients with this uid (repeatable)\n"
+"      --allow-gid GID      also admit members of this group, primary or\n"
+"                           supplementary (repeatable)\n"
+"                           Admitted: root, our uid, --allow-uid, and members of\n"
+"                           the socket's group or an --allow-gid. A mode that\n"
+"                           would keep one of them out is refused at start.\n"
 "      --max-rooms N        rooms open at once, proxy-wide (default 4096)\n"
 "      --client-rooms N     rooms one connection may hold open (default 256)\n"
 "      --max-clients N      connections at once (default 256)\n"
@@ -51,6 +58,7 @@ static void usage(FILE *f)
 "                           whoever shares it\n"
 "      --failpoints         accept failpoint control from kvstage-ctl (tests)\n"
 "      --ready-fd FD        write \"ready\\n\" to FD once serving, then close it\n"
+"                           (0, 1 and 2 are written to but kept open)\n"
 "  -l, --log-level LEVEL    error | warn | info | debug (default info)\n"
 "  -h, --help               show this help\n"
 "  -V, --version            show the version\n");
@@ -58,12 +66,33 @@ static void usage(FILE *f)
 
 static int parse_uint(const char *s, uint64_t max, uint64_t *out)
 {
-	char *end;
-	errno = 0;
-	unsigned long long v = strtoull(s, &end, 10);
-	if (errno || end == s || *end || s[0] == '-' || v > max)
+	return kvs_parse_uint(s, max, out);
+}
+
+/* An octal mode: digits 0-7 only, at most 0777. */
+static int parse_mode(const char *s, unsigned *out)
+{
+	if (!*s || strspn(s, "01234567") != strlen(s) || strlen(s) > 4)
 		return -EINVAL;
-	*out = v;
+	unsigned long v = strtoul(s, NULL, 8);
+	if (v > 0777)
+		return -EINVAL;
+	*out = (unsigned)v;
+	return 0;
+}
+
+/* A group name, or a gid. */
+static int parse_group(const char *s, gid_t *out)
+{
+	uint64_t v;
+	if (kvs_parse_uint(s, UINT32_MAX - 1, &v) == 0) {
+		*out = (gid_t)v;
+		return 0;
+	}
+	struct group *g = getgrnam(s);
+	if (!g)
+		return -ENOENT;
+	*out = g->gr_gid;
 	return 0;
 }
 
@@ -76,7 +105,7 @@ static int bad(const char *opt, const char *val, const char *why)
 
 enum {
 	O_HUGE = 256, O_NOLOCK, O_UID, O_GID, O_ROOMS, O_CROOMS, O_CLIENTS, O_RING, O_TIMEOUT,
-	O_GRACE, O_SPIN, O_FP, O_READY,
+	O_GRACE, O_SPIN, O_FP, O_READY, O_SMODE, O_SGROUP,
 };
 
 int main(int argc, char **argv)
@@ -87,6 +116,8 @@ int main(int argc, char **argv)
 		{ "slot-size", required_argument, NULL, 'z' },
 		{ "hugepages", required_argument, NULL, O_HUGE },
 		{ "no-lock", no_argument, NULL, O_NOLOCK },
+		{ "socket-mode", required_argument, NULL, O_SMODE },
+		{ "socket-group", required_argument, NULL, O_SGROUP },
 		{ "allow-uid", required_argument, NULL, O_UID },
 		{ "allow-gid", required_argument, NULL, O_GID },
 		{ "max-rooms", required_argument, NULL, O_ROOMS },
@@ -117,6 +148,8 @@ int main(int argc, char **argv)
 		.room_timeout_ns = 30000ull * 1000000,
 		.shutdown_grace_ns = 5000ull * 1000000,
 		.spin_ns = 50000,
+		.socket_mode = 0660,
+		.socket_group = getegid(),
 	};
 	int ready_fd = -1, opt;
 	uint64_t v;
@@ -124,7 +157,17 @@ int main(int argc, char **argv)
 	while ((opt = getopt_long(argc, argv, "s:n:z:l:hV", opts, NULL)) != -1) {
 		switch (opt) {
 		case 's':
+			if (!*optarg)
+				return bad("--socket", optarg, "want a path");
 			cfg.socket_path = optarg;
+			break;
+		case O_SMODE:
+			if (parse_mode(optarg, &cfg.socket_mode))
+				return bad("--socket-mode", optarg, "want an octal mode such as 0660");
+			break;
+		case O_SGROUP:
+			if (parse_group(optarg, &cfg.socket_group))
+				return bad("--socket-group", optarg, "no such group");
 			break;
 		case 'n':
 			if (parse_uint(optarg, 1u << 24, &v) || v == 0)
@@ -132,8 +175,11 @@ int main(int argc, char **argv)
 			cfg.slot_count = (uint32_t)v;
 			break;
 		case 'z':
-			if (kvs_parse_size(optarg, &v) || v < 4096 || v % 4096 || v > (1ull << 32))
-				return bad("--slot-size", optarg, "want a multiple of 4K, at most 4G");
+			/* A chunk's length is 32-bit in kvs_send: a slot must fit in it. */
+			if (kvs_parse_size(optarg, &v) || v < 4096 || v % 4096 || v > UINT32_MAX)
+				return bad("--slot-size", optarg,
+					   "want a multiple of 4K, at most 4G - 4K (kvs_send takes a "
+					   "32-bit length)");
 			cfg.slot_size = v;
 			break;
 		case O_HUGE:
@@ -230,6 +276,11 @@ int main(int argc, char **argv)
 	}
 	if (!cfg.socket_path || !*cfg.socket_path)
 		cfg.socket_path = KVS_DEFAULT_SOCKET;
+	char why[256];
+	if (kvsp_access_check(&cfg, why, sizeof(why))) {
+		fprintf(stderr, "kvstaged: %s\nTry 'kvstaged --help'.\n", why);
+		return 2;
+	}
 	if (cfg.slot_size * cfg.slot_count / cfg.slot_count != cfg.slot_size ||
 	    cfg.slot_size * cfg.slot_count > (1ull << 40)) {
 		fprintf(stderr, "kvstaged: pool of %u x %llu bytes is larger than 1 TiB\n",
@@ -246,14 +297,16 @@ int main(int argc, char **argv)
 		kvsp_fini(&p);
 		return 1;
 	}
-	LOG_INFO("serving %s: %u slots x %llu KiB = %llu MiB pool (hugepages %s, %slocked)%s",
-		 cfg.socket_path, cfg.slot_count, (unsigned long long)(cfg.slot_size >> 10),
-		 (unsigned long long)(p.pool_size >> 20), p.huge ? "yes" : "no",
+	char slot[32], pool[32];
+	LOG_INFO("serving %s: %u slots x %s = %s pool (hugepages %s, %slocked)%s",
+		 cfg.socket_path, cfg.slot_count, kvs_format_size(cfg.slot_size, slot, sizeof(slot)),
+		 kvs_format_size(p.pool_size, pool, sizeof(pool)), p.huge ? "yes" : "no",
 		 p.locked ? "" : "not ", cfg.failpoints ? ", failpoints on" : "");
 	if (ready_fd >= 0) {
 		if (write(ready_fd, "ready\n", 6) != 6)
 			LOG_WARN("--ready-fd: %s", strerror(errno));
-		close(ready_fd);
+		if (ready_fd > 2) /* stdin, stdout and stderr stay ours to use */
+			close(ready_fd);
 	}
 	rc = kvsp_run(&p);
 	if (rc != 0)
