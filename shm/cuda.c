@@ -373,8 +373,17 @@ static int pages_by_copy(struct cstate *st, bool gather, char *host, unsigned n,
 		memset(&attr, 0, sizeof(attr));
 		attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
 		size_t first = 0;
-		cudaError_t e = cudaMemcpyBatchAsync(st->dsts, st->srcs, st->sizes, runs, &attr,
-						     &first, 1, s);
+		/* The arrays go as void *: C converts that to whatever each
+		 * toolkit's prototype wants (12.8 and 13 differ in const). */
+#if CUDART_VERSION >= 13000
+		cudaError_t e = cudaMemcpyBatchAsync((void *)st->dsts, (void *)st->srcs,
+						     (void *)st->sizes, runs, &attr, &first, 1, s);
+#else /* 12.8 and 12.9 say which copy failed, before the stream */
+		size_t failed_at;
+		cudaError_t e = cudaMemcpyBatchAsync((void *)st->dsts, (void *)st->srcs,
+						     (void *)st->sizes, runs, &attr, &first, 1,
+						     &failed_at, s);
+#endif
 		if (e == cudaSuccess)
 			return 0;
 		/* Copies are idempotent, so redoing them one by one is safe
