@@ -2,6 +2,9 @@
 /* The command lines: --help tells the truth, bad input gets a clear error
  * and exit code 2, and the tools work against a live proxy. */
 #include <criterion/criterion.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/wait.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -51,6 +54,14 @@ Test(cli, kvstaged_refuses_bad_input)
 		{ "--client-rooms", "70000", "--client-rooms" },
 		{ "--ready-fd", "999", "--ready-fd" },
 		{ "--bogus", "x", "--help" },
+		{ "--socket", "", "want a path" },
+		{ "--slots", " 5", "--slots" },
+		{ "--slots", "+5", "--slots" },
+		{ "--max-clients", "5 ", "--max-clients" },
+		{ "--room-timeout", "-1", "--room-timeout" },
+		{ "--slot-size", "4G", "32-bit length" },
+		{ "--slot-size", " 4K", "--slot-size" },
+		{ "--socket-mode", "rw", "octal" },
 	};
 	for (unsigned i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
 		int rc = RUN(bin, "--socket", "/tmp/kvstage-cli-never.sock", bad[i].a, bad[i].b);
@@ -61,6 +72,56 @@ Test(cli, kvstaged_refuses_bad_input)
 	cr_assert(strstr(err, "1 TiB"), "%s", err);
 	cr_assert_eq(RUN(bin, "stray"), 2);
 	cr_assert(strstr(err, "unexpected argument"), "%s", err);
+}
+
+/* --ready-fd 2: "ready" goes to stderr, and stderr stays open for the log. */
+Test(cli, ready_fd_two_keeps_stderr)
+{
+	char dir[] = "/tmp/kvstage-cli.XXXXXX", sock[64];
+	cr_assert_not_null(mkdtemp(dir));
+	snprintf(sock, sizeof(sock), "%s/s.sock", dir);
+	int e[2];
+	cr_assert_eq(pipe(e), 0);
+	fflush(NULL);
+	pid_t pid = fork();
+	if (pid == 0) {
+		dup2(e[1], 2);
+		close(e[0]);
+		close(e[1]);
+		execl(build_path("proxy/kvstaged"), "kvstaged", "--socket", sock, "--no-lock",
+		      "--slots", "1", "--slot-size", "4K", "--ready-fd", "2", (char *)NULL);
+		_exit(127);
+	}
+	close(e[1]);
+	/* read the log up to "ready", then stop it: its last words must follow */
+	char buf[8192] = { 0 };
+	size_t n = 0;
+	while (!strstr(buf, "ready\n") && n < sizeof(buf) - 1) {
+		struct pollfd p = { e[0], POLLIN, 0 };
+		cr_assert_eq(poll(&p, 1, WAIT_MS), 1, "no ready: %s", buf);
+		ssize_t k = read(e[0], buf + n, sizeof(buf) - 1 - n);
+		cr_assert_gt(k, 0, "stderr closed before ready: %s", buf);
+		n += (size_t)k;
+	}
+	cr_assert(strstr(buf, "4 KiB pool"), "a small pool is said in KiB: %s", buf);
+	kill(pid, SIGTERM);
+	for (;;) {
+		struct pollfd p = { e[0], POLLIN, 0 };
+		cr_assert_eq(poll(&p, 1, WAIT_MS), 1);
+		ssize_t k = read(e[0], buf + n, sizeof(buf) - 1 - n);
+		if (k <= 0)
+			break;
+		n += (size_t)k;
+	}
+	close(e[0]);
+	int st;
+	cr_assert_eq(reap(pid, &st), pid);
+	cr_assert(strstr(buf, "drained: exiting"), "the log after ready went nowhere: %s", buf);
+	unlink(sock);
+	char lock[80];
+	snprintf(lock, sizeof(lock), "%s.lock", sock);
+	unlink(lock);
+	rmdir(dir);
 }
 
 Test(cli, hugepages_on_is_honest)

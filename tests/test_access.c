@@ -1,0 +1,367 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * Who may reach the proxy, and what a local attacker or a careless operator
+ * can make it do: the socket's path (links, files, squatted locks, shared
+ * directories), access control with real uids and supplementary groups,
+ * silent connections, log floods, pools that cannot fit, and a drain that
+ * stays visible. Parts that take other uids need root and skip, saying so.
+ */
+#include <criterion/criterion.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <grp.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "harness.h"
+#include "sock.h"
+
+static struct proxy px = PROXY_INIT;
+static char dir[64];
+static char out[16384], err[16384];
+
+static void teardown(void)
+{
+	proxy_stop(&px);
+	if (dir[0]) {
+		char cmd[128];
+		snprintf(cmd, sizeof(cmd), "rm -rf '%s'", dir);
+		cr_assert_eq(system(cmd), 0);
+		dir[0] = 0;
+	}
+}
+
+TestSuite(access, .fini = teardown, .timeout = 120);
+
+static const char *in_dir(const char *name)
+{
+	static char buf[4][128];
+	static int k;
+	k = (k + 1) % 4;
+	if (!dir[0]) {
+		strcpy(dir, "/tmp/kvstage-access.XXXXXX");
+		cr_assert_not_null(mkdtemp(dir));
+	}
+	snprintf(buf[k], sizeof(buf[k]), "%s/%s", dir, name);
+	return buf[k];
+}
+
+/* kvstaged with args (NULL-terminated, after --socket sock); returns its exit code. */
+static int kvstaged(const char *sock, const char *const *args)
+{
+	const char *argv[32] = { build_path("proxy/kvstaged"), "--socket", sock, "--no-lock" };
+	int n = 4;
+	for (; args && *args && n < 31; args++)
+		argv[n++] = *args;
+	argv[n] = NULL;
+	return run_cmd(argv, out, sizeof(out), err, sizeof(err));
+}
+
+static void need_root(void)
+{
+	if (geteuid() != 0)
+		cr_skip_test("needs root to take other uids and groups");
+}
+
+/* kvs_connect as another user, in a child. Returns its result (0 or -errno). */
+static int connect_as(uid_t uid, gid_t gid, const gid_t *groups, int ngroups)
+{
+	fflush(NULL);
+	pid_t pid = fork();
+	cr_assert_neq(pid, -1);
+	if (pid == 0) {
+		if (setgroups((size_t)ngroups, groups) || setgid(gid) || setuid(uid))
+			_exit(100);
+		kvs_client *c;
+		int rc = kvs_connect(px.sock, &c);
+		if (rc == 0)
+			kvs_close(c);
+		_exit(-rc);
+	}
+	int st;
+	cr_assert_eq(reap(pid, &st), pid);
+	cr_assert(WIFEXITED(st) && WEXITSTATUS(st) != 100, "could not become uid %u", uid);
+	return -WEXITSTATUS(st);
+}
+
+/* --------------------------------------------------------- the path */
+
+Test(access, a_planted_lock_link_is_not_followed)
+{
+	const char *sock = in_dir("kvs.sock"), *victim = in_dir("victim");
+	cr_assert_eq(symlink(victim, in_dir("kvs.sock.lock")), 0);
+	cr_assert_eq(kvstaged(sock, NULL), 1);
+	cr_assert(strstr(err, "symbolic link"), "%s", err);
+	cr_assert_eq(access(victim, F_OK), -1, "the link's target was created");
+	/* an existing target is left as it was */
+	int fd = open(victim, O_WRONLY | O_CREAT, 0644);
+	cr_assert_eq(write(fd, "keep", 4), 4);
+	close(fd);
+	cr_assert_eq(kvstaged(sock, NULL), 1);
+	struct stat st;
+	cr_assert_eq(stat(victim, &st), 0);
+	cr_assert_eq(st.st_size, 4, "the link's target was truncated or written");
+}
+
+Test(access, a_lock_someone_else_holds_is_refused_clearly)
+{
+	need_root();
+	const char *sock = in_dir("kvs.sock"), *lock = in_dir("kvs.sock.lock");
+	int fd = open(lock, O_WRONLY | O_CREAT, 0600);
+	cr_assert_geq(fd, 0);
+	close(fd);
+	cr_assert_eq(chown(lock, 4242, 4242), 0);
+	cr_assert_eq(kvstaged(sock, NULL), 1);
+	cr_assert(strstr(err, "not a plain file of ours") && strstr(err, "4242"), "%s", err);
+}
+
+Test(access, a_socket_path_naming_a_file_keeps_the_file)
+{
+	const char *sock = in_dir("precious");
+	int fd = open(sock, O_WRONLY | O_CREAT, 0644);
+	cr_assert_eq(write(fd, "data", 4), 4);
+	close(fd);
+	cr_assert_eq(kvstaged(sock, NULL), 1);
+	cr_assert(strstr(err, "not a socket"), "%s", err);
+	struct stat st;
+	cr_assert_eq(stat(sock, &st), 0, "the file was deleted");
+	cr_assert(S_ISREG(st.st_mode) && st.st_size == 4);
+}
+
+Test(access, a_directory_others_may_write_is_refused_unless_sticky)
+{
+	const char *sock = in_dir("kvs.sock");
+	cr_assert_eq(chmod(dir, 0777), 0);
+	cr_assert_eq(kvstaged(sock, NULL), 1);
+	cr_assert(strstr(err, "another user replace"), "%s", err);
+	cr_assert_eq(access(sock, F_OK), -1);
+	/* with the sticky bit (as /tmp), others cannot remove what is ours */
+	cr_assert_eq(chmod(dir, 01777), 0);
+	/* past the directory's check, a 1 TiB pool is what stops it */
+	cr_assert_eq(kvstaged(sock, (const char *[]){ "--slots", "16777216", "--slot-size", "64K",
+						      NULL }),
+		     1);
+	cr_assert(strstr(err, "does not fit") && !strstr(err, "another user"), "%s", err);
+}
+
+/* ------------------------------------------------------ access control */
+
+Test(access, an_allow_uid_the_socket_keeps_out_is_refused_at_start)
+{
+	const char *sock = in_dir("kvs.sock");
+	cr_assert_eq(kvstaged(sock, (const char *[]){ "--allow-uid", "4242", NULL }), 2);
+	cr_assert(strstr(err, "--allow-uid 4242") && strstr(err, "--socket-mode 0666"), "%s", err);
+	cr_assert_eq(kvstaged(sock, (const char *[]){ "--allow-gid", "5000", NULL }), 2);
+	cr_assert(strstr(err, "--socket-group 5000"), "%s", err);
+	cr_assert_eq(kvstaged(sock, (const char *[]){ "--socket-mode", "0440", NULL }), 2);
+	cr_assert(strstr(err, "owner"), "%s", err);
+	cr_assert_eq(kvstaged(sock, (const char *[]){ "--socket-mode", "0999", NULL }), 2);
+	cr_assert_eq(kvstaged(sock, (const char *[]){ "--socket-group", "no-such-group-x", NULL }), 2);
+	cr_assert(strstr(err, "no such group"), "%s", err);
+}
+
+Test(access, allowed_uids_and_supplementary_groups_get_in_and_others_hear_why_not)
+{
+	need_root();
+	/* the socket's group is 5000: members get in, primary or supplementary */
+	proxy_start_plain(&px, (const char *[]){ "--slots", "2", "--slot-size", "4K",
+						 "--socket-group", "5000", NULL });
+	chmod(px.dir, 0755);
+	struct stat st;
+	cr_assert_eq(stat(px.sock, &st), 0);
+	cr_assert_eq(st.st_gid, 5000);
+	cr_assert_eq(st.st_mode & 0777, 0660);
+	gid_t g5000 = 5000;
+	int rc = connect_as(4243, 4243, &g5000, 1);
+	cr_assert_eq(rc, 0, "a supplementary member: %s", kvs_strerror(rc));
+	rc = connect_as(4244, 5000, NULL, 0);
+	cr_assert_eq(rc, 0, "a primary member: %s", kvs_strerror(rc));
+	rc = connect_as(4245, 4245, NULL, 0);
+	cr_assert_eq(rc, -EACCES, "a stranger, kept out by the mode: %s", kvs_strerror(rc));
+	proxy_stop(&px);
+
+	/* an open socket, the proxy's rule behind it */
+	proxy_start_plain(&px, (const char *[]){ "--slots", "2", "--slot-size", "4K", "--socket-mode",
+						 "0666", "--allow-uid", "4242", "--allow-gid", "5001",
+						 NULL });
+	chmod(px.dir, 0755);
+	rc = connect_as(4242, 4242, NULL, 0);
+	cr_assert_eq(rc, 0, "--allow-uid: %s", kvs_strerror(rc));
+	gid_t g5001 = 5001;
+	rc = connect_as(4246, 4246, &g5001, 1);
+	cr_assert_eq(rc, 0, "--allow-gid, supplementary: %s", kvs_strerror(rc));
+	uint64_t refused = stat_get(&px, "clients_refused");
+	rc = connect_as(4247, 4247, NULL, 0);
+	cr_assert_eq(rc, -EACCES, "past the mode, the proxy refuses: %s", kvs_strerror(rc));
+	cr_assert_eq(stat_get(&px, "clients_refused"), refused + 1);
+	char log[8192] = { 0 };
+	int fd = open(px.log, O_RDONLY);
+	cr_assert_eq(read(fd, log, sizeof(log) - 1) > 0, 1);
+	close(fd);
+	cr_assert(strstr(log, "refused pid") && strstr(log, "uid 4247"), "%s", log);
+}
+
+/* Silent connections (no hello) must not keep a client that talks out. */
+Test(access, silent_connections_lock_nobody_out)
+{
+	proxy_start_plain(&px, (const char *[]){ "--slots", "2", "--slot-size", "4K", NULL });
+	enum { SILENT = 100 };
+	int silent[SILENT];
+	for (int i = 0; i < SILENT; i++) {
+		silent[i] = kvs_sock_connect(px.sock);
+		cr_assert_geq(silent[i], 0, "connect %d: %s", i, kvs_strerror(silent[i]));
+	}
+	for (int k = 0; k < 4; k++) {
+		kvs_client *c;
+		int rc = kvs_connect(px.sock, &c);
+		cr_assert_eq(rc, 0, "client %d behind %d silent connections: %s", k, SILENT,
+			     kvs_strerror(rc));
+		struct kvs_lease l;
+		cr_assert_eq(kvs_acquire(c, 1, &l), 0);
+		kvs_close(c);
+	}
+	cr_assert_geq(stat_get(&px, "clients_refused"), SILENT - 8,
+		      "the silent ones beyond one uid's share were dropped");
+	for (int i = 0; i < SILENT; i++)
+		close(silent[i]);
+}
+
+/* ---------------------------------------------------------- the logs */
+
+static unsigned log_count(const char *what)
+{
+	FILE *f = fopen(px.log, "r");
+	cr_assert_not_null(f);
+	char line[1024];
+	unsigned n = 0;
+	while (fgets(line, sizeof(line), f))
+		n += strstr(line, what) != NULL;
+	fclose(f);
+	return n;
+}
+
+Test(access, a_client_cannot_flood_the_log)
+{
+	proxy_start(&px, NULL, (const char *[]){ "--slots", "2", "--slot-size", "4K", NULL });
+	kvs_client *rx = connect_ok(&px), *tx = connect_ok(&px);
+	kvs_room *r, *s;
+	struct kvs_room_desc d;
+	cr_assert_eq(kvs_recv_open(rx, 4096, 1, &r, &d), 0);
+	struct kvs_desc_wire *w = (struct kvs_desc_wire *)d.bytes;
+	w->token[0] ^= 1;
+	enum { N = 3000 };
+	for (int i = 0; i < N; i++)
+		cr_assert_eq(kvs_send_open(tx, &d, 2, &s), -EPERM);
+	cr_assert_eq(stat_get(&px, "rej_token"), N);
+	unsigned lines = log_count("wrong token");
+	cr_assert_leq(lines, 6, "%u log lines for %d refused ops", lines, N);
+	cr_assert_geq(lines, 1, "nothing was logged at all");
+	cr_assert_geq(stat_get(&px, "log_suppressed"), N - 6);
+	kvs_close(tx); /* its summary: how many lines were held back */
+	stat_wait(&px, "clients_closed", 1, 1);
+	cr_assert_eq(log_count("more lines not logged"), 1);
+	kvs_close(rx);
+}
+
+Test(access, a_burst_of_room_timeouts_is_summarised)
+{
+	proxy_start_plain(&px, (const char *[]){ "--slots", "2", "--slot-size", "4K",
+						 "--room-timeout", "20", NULL });
+	kvs_client *rx = connect_ok(&px);
+	enum { N = 40 };
+	for (int i = 0; i < N; i++) {
+		kvs_room *r;
+		struct kvs_room_desc d;
+		cr_assert_eq(kvs_recv_open(rx, 4096, (uint64_t)i, &r, &d), 0);
+	}
+	for (int i = 0; i < N; i++)
+		cr_assert_eq(wait_event(rx).status, -ETIMEDOUT);
+	unsigned lines = log_count("no progress");
+	cr_assert_leq(lines, 5, "%u lines for %d timeouts", lines, N);
+	kvs_close(rx);
+}
+
+/* ------------------------------------------------ memory and start order */
+
+static uint64_t mem_total(void)
+{
+	FILE *f = fopen("/proc/meminfo", "r");
+	cr_assert_not_null(f);
+	char line[256];
+	unsigned long long kb = 0;
+	while (fgets(line, sizeof(line), f))
+		if (sscanf(line, "MemTotal: %llu kB", &kb) == 1)
+			break;
+	fclose(f);
+	return kb * 1024;
+}
+
+Test(access, a_pool_larger_than_memory_is_refused_before_it_is_built)
+{
+	uint64_t want = 2 * mem_total();
+	if (want > (1ull << 40))
+		cr_skip_test("this machine has more than 512 GiB: twice its memory is past the 1 TiB "
+			     "pool limit, refused earlier");
+	char slots[32];
+	snprintf(slots, sizeof(slots), "%llu", (unsigned long long)(want >> 30) + 1);
+	const char *sock = in_dir("kvs.sock");
+	cr_assert_eq(kvstaged(sock, (const char *[]){ "--slots", slots, "--slot-size", "1G", NULL }),
+		     1);
+	cr_assert(strstr(err, "does not fit"), "%s", err);
+	/* a bad socket path is said before the pool's size is even looked at */
+	cr_assert_eq(kvstaged("/nonexistent-kvstage-dir/kvs.sock",
+			      (const char *[]){ "--slots", slots, "--slot-size", "1G", NULL }),
+		     1);
+	cr_assert(strstr(err, "/nonexistent-kvstage-dir") && !strstr(err, "does not fit"), "%s",
+		  err);
+}
+
+/* ----------------------------------------------------------- draining */
+
+Test(access, a_draining_proxy_stays_visible_and_says_what_it_waits_for)
+{
+	proxy_start(&px, NULL, (const char *[]){ "--slots", "4", "--slot-size", "4K",
+						 "--shutdown-grace", "50", NULL });
+	kvs_client *rx = connect_ok(&px), *tx = connect_ok(&px);
+	kvs_room *r, *s;
+	struct kvs_room_desc d;
+	cr_assert_eq(kvs_recv_open(rx, 4096, 7, &r, &d), 0);
+	cr_assert_eq(kvs_send_open(tx, &d, 8, &s), 0);
+	fp_set(&px, "local.quiesce", "pause", NULL);
+	struct kvs_lease l;
+	cr_assert_eq(kvs_acquire(tx, 1, &l), 0);
+	cr_assert_eq(kvs_send(s, &l, 0, 4096), 0);
+	fp_wait(&px, "local.quiesce", 1); /* held in flight */
+	kill(px.pid, SIGTERM);
+	stat_wait(&px, "draining", 1, 1);
+	stat_wait(&px, "rooms_aborted", 1, 1); /* the grace is over, the chunk still held */
+	struct stat st;
+	cr_assert_eq(lstat(px.sock, &st), 0, "the socket is gone while draining");
+	kvs_client *late;
+	cr_assert_eq(kvs_connect(px.sock, &late), -ESHUTDOWN);
+	const struct kvs_ctrl *ctrl;
+	size_t len;
+	cr_assert_eq(kvs_stat_map(px.sock, &ctrl, &len), 0, "kvstage-stat cannot reach it");
+	cr_assert_eq(ctrl->stats.draining, 1);
+	munmap((void *)ctrl, len);
+	int admin = kvs_admin_connect(px.sock);
+	cr_assert_geq(admin, 0, "the admin path is closed: %s", kvs_strerror(admin));
+	close(admin);
+	cr_assert_geq(log_count("waiting for transports"), 1, "nothing says what it waits for");
+	fp_set(&px, "local.quiesce", "off", NULL);
+	int wst;
+	cr_assert_eq(reap(px.pid, &wst), px.pid);
+	px.pid = 0;
+	cr_assert(WIFEXITED(wst) && WEXITSTATUS(wst) == 0, "exit %d", wst);
+	cr_assert_eq(lstat(px.sock, &st), -1, "the socket outlived the proxy");
+	kvs_close(tx);
+	kvs_close(rx);
+}
