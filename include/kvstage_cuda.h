@@ -35,7 +35,10 @@
  * every device) by kvs_cuda_register or by the first copy, once per client;
  * kvs_close undoes it, so a client needs no CUDA-specific teardown.
  *
- * A kvs_client is not thread-safe, and neither are these calls on it.
+ * A kvs_client is not thread-safe, and neither are these calls on it. In a
+ * fork() child every call on the parent's connection is -ECHILD, before
+ * CUDA is touched (the registration is the parent's, and CUDA does not
+ * survive fork).
  */
 #ifndef KVSTAGE_CUDA_H
 #define KVSTAGE_CUDA_H

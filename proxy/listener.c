@@ -466,7 +466,10 @@ static void welcome_client(struct kvsp *p, struct kvsp_pending *pd)
 			snprintf(why, sizeof(why), "cannot set up a client: %s", strerror(err));
 		kvsp_log_rl(&p->rl_full, p->now_ns, &p->stats->log_suppressed, KVSP_LOG_WARN,
 			    "refused pid %d (uid %u): %s", (int)pd->pid, (unsigned)pd->uid, why);
-		kvsp_refuse(p, fd, err == EUSERS ? -EUSERS : -err, why);
+		/* Out of descriptors is the proxy being full, as far as the
+		 * client can tell; -EMFILE would read as its own limit. */
+		bool full = err == EUSERS || err == EMFILE || err == ENFILE;
+		kvsp_refuse(p, fd, full ? -EUSERS : -err, why);
 		return;
 	}
 	struct kvs_welcome w = { .magic = KVS_MAGIC_HELLO, .abi = KVS_ABI, .client_id = c->id,

@@ -52,11 +52,9 @@ static int call(int fd, const struct kvs_admin_req *q, struct kvs_admin_rep *r, 
 	if (rc < 0)
 		return rc;
 	struct pollfd pfd = { .fd = fd, .events = POLLIN };
-	do
-		rc = poll(&pfd, 1, timeout_ms);
-	while (rc < 0 && errno == EINTR);
+	rc = kvs_poll_for(&pfd, 1, timeout_ms);
 	if (rc < 0)
-		return -errno;
+		return rc;
 	if (rc == 0)
 		return -ETIMEDOUT;
 	ssize_t n = kvs_sock_recv(fd, r, sizeof(*r), NULL, NULL, 0);

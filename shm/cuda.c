@@ -207,6 +207,10 @@ static int do_register(struct cstate *st)
  * its arguments, lease and range are good. */
 static int ready(kvs_client *c, struct cstate **st)
 {
+	/* libkvstage hides the pool from a fork child: the connection and
+	 * its registration are the parent's, and CUDA does not survive fork. */
+	if (!kvs_pool_map(c, NULL))
+		return fail(-ECHILD, "kvstage_cuda: the connection belongs to the parent process");
 	int rc = device_ready();
 	if (rc == 0)
 		rc = state_get(c, st);
@@ -261,6 +265,8 @@ int kvs_cuda_unregister(kvs_client *c)
 {
 	if (!c)
 		return fail(-EINVAL, "kvs_cuda_unregister");
+	if (!kvs_pool_map(c, NULL))
+		return fail(-ECHILD, "kvstage_cuda: the connection belongs to the parent process");
 	struct cstate *st = kvs_ext_get(c, &ext_key);
 	if (st)
 		unregister(st);
@@ -271,6 +277,8 @@ int kvs_cuda_set_gather_mode(kvs_client *c, int mode)
 {
 	if (!c || mode < KVS_CUDA_GATHER_AUTO || mode > KVS_CUDA_GATHER_KERNEL)
 		return fail(-EINVAL, "kvs_cuda_set_gather_mode");
+	if (!kvs_pool_map(c, NULL))
+		return fail(-ECHILD, "kvstage_cuda: the connection belongs to the parent process");
 	struct cstate *st;
 	int rc = device_ready();
 	if (rc == 0)

@@ -2,7 +2,9 @@
 #include "sock.h"
 
 #include <errno.h>
+#include <poll.h>
 #include <string.h>
+#include <time.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <unistd.h>
@@ -125,4 +127,26 @@ int kvs_sock_connect(const char *path)
 		return err;
 	}
 	return fd;
+}
+
+int kvs_poll_for(struct pollfd *p, unsigned n, int timeout_ms)
+{
+	struct timespec t0;
+	clock_gettime(CLOCK_MONOTONIC, &t0);
+	int left = timeout_ms;
+	for (;;) {
+		int rc = poll(p, n, left);
+		if (rc >= 0)
+			return rc;
+		if (errno != EINTR)
+			return -errno;
+		if (timeout_ms < 0)
+			continue;
+		struct timespec t;
+		clock_gettime(CLOCK_MONOTONIC, &t);
+		long long spent = (t.tv_sec - t0.tv_sec) * 1000LL + (t.tv_nsec - t0.tv_nsec) / 1000000;
+		if (spent >= timeout_ms)
+			return 0;
+		left = (int)(timeout_ms - spent);
+	}
 }

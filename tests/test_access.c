@@ -15,6 +15,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -287,6 +288,42 @@ Test(access, a_burst_of_room_timeouts_is_summarised)
 	unsigned lines = log_count("no progress");
 	cr_assert_leq(lines, 5, "%u lines for %d timeouts", lines, N);
 	kvs_close(rx);
+}
+
+/* Out of client places or of descriptors: a clear error, a log line, and
+ * the proxy goes on serving the clients it has. */
+Test(access, running_out_of_clients_or_descriptors_is_said)
+{
+	struct rlimit old, low = { 48, 48 };
+	cr_assert_eq(getrlimit(RLIMIT_NOFILE, &old), 0);
+	low.rlim_max = old.rlim_max;
+	cr_assert_eq(setrlimit(RLIMIT_NOFILE, &low), 0);
+	proxy_start_plain(&px, (const char *[]){ "--slots", "2", "--slot-size", "4K",
+						 "--max-clients", "30", NULL });
+	cr_assert_eq(setrlimit(RLIMIT_NOFILE, &old), 0);
+	kvs_client *c[30];
+	int n = 0, rc = 0;
+	while (n < 30 && (rc = kvs_connect(px.sock, &c[n])) == 0)
+		n++;
+	cr_assert_lt(n, 30, "48 descriptors held 30 clients?");
+	cr_assert_geq(n, 1);
+	cr_assert_eq(rc, -EUSERS, "client %d: %s", n, kvs_strerror(rc));
+	cr_assert_geq(log_count("descriptors") + log_count("Too many open files"), 1,
+		      "no log line says why");
+	struct kvs_lease l;
+	cr_assert_eq(kvs_acquire(c[0], 1, &l), 0, "the clients it has are still served");
+	for (int i = 0; i < n; i++)
+		kvs_close(c[i]);
+	proxy_stop(&px);
+
+	proxy_start_plain(&px, (const char *[]){ "--slots", "2", "--slot-size", "4K",
+						 "--max-clients", "1", NULL });
+	kvs_client *a = connect_ok(&px), *b;
+	rc = kvs_connect(px.sock, &b);
+	cr_assert_eq(rc, -EUSERS, "%s", kvs_strerror(rc));
+	cr_assert(strstr(kvs_strerror(rc), "full"), "%s", kvs_strerror(rc));
+	cr_assert_eq(log_count("too many clients (--max-clients 1)"), 1);
+	kvs_close(a);
 }
 
 /* ------------------------------------------------ memory and start order */

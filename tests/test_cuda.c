@@ -11,6 +11,8 @@
  * gather mode. Tests that need the other kind of machine skip and say so.
  */
 #include <criterion/criterion.h>
+#include <sys/wait.h>
+#include <unistd.h>
 #include <cuda_runtime_api.h>
 #include <errno.h>
 #include <stdio.h>
@@ -310,6 +312,27 @@ Test(cuda, bad_arguments_are_einval_before_the_lease)
 	cr_assert_eq(kvs_cuda_set_gather_mode(c, -1), -EINVAL);
 	kvs_close(c);
 	wait_idle(&px, 0);
+}
+
+Test(cuda, a_fork_child_gets_echild_before_cuda)
+{
+	kvs_client *c = connect_ok(&px);
+	struct kvs_lease l;
+	cr_assert_eq(kvs_acquire(c, 1, &l), 0);
+	fflush(NULL);
+	pid_t pid = fork();
+	if (pid == 0) {
+		char buf[16];
+		int bad = (kvs_cuda_register(c) != -ECHILD) + (kvs_cuda_unregister(c) != -ECHILD) +
+			  (kvs_cuda_set_gather_mode(c, KVS_CUDA_GATHER_AUTO) != -ECHILD) +
+			  (kvs_cuda_copy_to_slot(c, &l, 0, buf, 16, NULL, NULL) != -ECHILD);
+		_exit(bad);
+	}
+	int st;
+	cr_assert_eq(reap(pid, &st), pid);
+	cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0, "%d calls were not -ECHILD",
+		  WEXITSTATUS(st));
+	kvs_close(c);
 }
 
 Test(cuda, unregister_without_register_is_harmless)
