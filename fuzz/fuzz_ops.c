@@ -72,6 +72,7 @@ static void reborn(struct kvsp_client *c)
 	memcpy(&c->sq.r->prod, P.sq_tmpl, P.tmpl_len);
 	memcpy(&c->cq.r->prod, P.cq_tmpl, P.tmpl_len);
 	c->id = ++P.next_cid;
+	c->dying = false; /* a new client in the old one's place */
 }
 
 static bool live_owner(uint32_t id)

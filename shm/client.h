@@ -21,6 +21,7 @@ enum { KVS_ROOM_OPEN = 1, KVS_ROOM_ENDED, KVS_ROOM_CLOSING };
  */
 #define KVS_REGISTRY_MAX 65536u
 static_assert(sizeof(void *) == 8, "a room handle packs 64 bits");
+static_assert(sizeof(struct kvs_event) == 64, "struct kvs_event is ABI: grow into rsvd");
 
 static inline kvs_room *kvs_room_handle(uint16_t reg, uint16_t idx, uint32_t gen)
 {
