@@ -377,7 +377,7 @@ void kvs_close(kvs_client *c)
 		 * either way, and counts a hang-up without it as a death. A
 		 * child says nothing: the connection is its parent's. */
 		struct kvs_hello bye = { .magic = KVS_MAGIC_BYE, .abi = KVS_ABI };
-		if (c->sock >= 0 && !c->err)
+		if (c->welcomed && c->err != -ENOTCONN)
 			(void)!send(c->sock, &bye, sizeof(bye), MSG_DONTWAIT | MSG_NOSIGNAL);
 	}
 	registry_del(c);
@@ -560,6 +560,7 @@ int kvs_connect(const char *path, kvs_client **out)
 	struct kvs_welcome w;
 	int rc = handshake(c, path, fds, &w);
 	if (rc == 0) {
+		c->welcomed = true;
 		rc = attach(c, &w, fds);
 		/* The mappings keep what we need; these three are not used again. */
 		close(fds[0]);
@@ -569,7 +570,6 @@ int kvs_connect(const char *path, kvs_client **out)
 	if (rc == 0)
 		rc = registry_add(c);
 	if (rc < 0) {
-		c->err = rc; /* no goodbye for a connection that never was */
 		kvs_close(c);
 		return rc;
 	}
