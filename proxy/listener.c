@@ -409,10 +409,11 @@ void kvsp_on_accept(struct kvsp *p)
 	for (;;) {
 		int fd = accept4(p->listen_fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
 		if (fd < 0) {
-			if (errno == EMFILE || errno == ENFILE)
-				refuse_out_of_fds(p, errno);
-			if (errno == EINTR || errno == ECONNABORTED)
+			int err = errno;
+			if (err == EINTR || err == ECONNABORTED)
 				continue;
+			if (err == EMFILE || err == ENFILE)
+				refuse_out_of_fds(p, err);
 			return;
 		}
 		struct ucred cr;
