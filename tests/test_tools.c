@@ -92,6 +92,43 @@ static int json_lines_ok(const char *text, const char *socket)
 
 /* ---------------------------------------------------------- kvstage-bench */
 
+Test(tools, bench_refuses_lenient_numbers)
+{
+	const char *bench = build_path("tools/bench/kvstage-bench");
+	struct {
+		const char *opt, *val;
+	} bad[] = {
+		{ "--rooms", " 5" },      { "--rooms", "+5" },       { "--rooms", "5x" },
+		{ "--senders", " 1" },    { "--receivers", " 1" },   { "--samples", " 5" },
+		{ "--duration", " 1" },   { "--duration", "+1" },    { "--duration", "-1" },
+		{ "--duration", "0x1p0" }, { "--duration", "inf" },  { "--duration", "1s" },
+		{ "--warmup", " 0" },     { "--warmup", "-0" },      { "--baseline-sec", "+0.1" },
+		{ "--idle-gap", " 2" },   { "--idle-gap", "nan" },   { "--room-bytes", " 4K" },
+		{ "--bytes", "-1M" },     { "--wset", " 1M" },       { "--chunk", " 4K" },
+	};
+	for (unsigned i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+		int rc = RUN(bench, bad[i].opt, bad[i].val, "local");
+		cr_assert_eq(rc, 2, "%s '%s': exit %d: %s", bad[i].opt, bad[i].val, rc, err);
+		char want[64];
+		snprintf(want, sizeof(want), "invalid %s '%s'", bad[i].opt, bad[i].val);
+		cr_assert(strstr(err, want), "%s '%s' said: %s", bad[i].opt, bad[i].val, err);
+	}
+	/* good ones still pass (--help ends the parse after them) */
+	cr_assert_eq(RUN(bench, "--rooms", "5", "--duration", ".5", "--warmup", "0", "--idle-gap",
+			 "1e1", "--samples", "10", "--help"),
+		     0, "%s", err);
+
+	/* the gpu mode's own numbers (a build without CUDA refuses the mode) */
+	int rc = RUN(bench, "gpu", "--iters", " 5");
+	cr_assert_eq(rc, 2, "%s", err);
+	cr_assert(strstr(err, "--iters ' 5'") || strstr(err, "built without CUDA"), "%s", err);
+	rc = RUN(bench, "gpu", "--reps", "+5");
+	cr_assert_eq(rc, 2, "%s", err);
+	cr_assert(strstr(err, "--reps '+5'") || strstr(err, "built without CUDA"), "%s", err);
+}
+
+/* kvstage-bench --json repeats its command line: a stray byte there must
+ * not make the JSON invalid UTF-8, nor a quote or backslash end a string. */
 Test(tools, bench_json_escapes_strings)
 {
 	const char *bench = build_path("tools/bench/kvstage-bench");
