@@ -50,6 +50,7 @@ TestSuite(tools, .fini = teardown, .timeout = 60);
 #define RUN(...) run_cmd((const char *[]){ __VA_ARGS__, NULL }, out, sizeof(out), err, sizeof(err))
 #define NO_SOCK "/tmp/kvstage-tools-no-such.sock"
 
+static const char *const small[] = { "--slots", "4", "--slot-size", "4K", NULL };
 
 /* ------------------------------------------------------------ helpers */
 
@@ -88,6 +89,131 @@ static int json_lines_ok(const char *text, const char *socket)
 	if (rc)
 		snprintf(err, sizeof(err), "%s", perr);
 	return rc == 0;
+}
+
+/* ------------------------------------------------------------ kvstage-ctl */
+
+Test(tools, ctl_help_tells_every_option_and_number_form)
+{
+	cr_assert_eq(RUN(build_path("tools/kvstage-ctl"), "--help"), 0);
+	const char *says[] = { "--socket", "--timeout", "--match", "--mask", "--help", "--version",
+			       "0x", "1 to 4095", "Exit status" };
+	for (unsigned i = 0; i < sizeof(says) / sizeof(says[0]); i++)
+		cr_assert(strstr(out, says[i]), "--help does not mention %s: %s", says[i], out);
+}
+
+/* Every number ctl takes: no sign, no space, no junk; refused with exit 2
+ * before the proxy is asked anything (NO_SOCK would be exit 1). */
+Test(tools, ctl_refuses_lenient_numbers)
+{
+	const char *ctl = build_path("tools/kvstage-ctl");
+	cr_assert_eq(RUN(ctl, "-s", NO_SOCK, "wait", "local.quiesce", "-1"), 2,
+		     "HITS -1 is a count of 2^64-1: it must be refused, not waited for: %s", err);
+	cr_assert(strstr(err, "invalid HITS '-1': want a count from 1 to "), "%s", err);
+
+	struct {
+		const char *argv[8];
+		const char *says;
+	} bad[] = {
+		{ { "wait", "local.quiesce", " 5" }, "invalid HITS ' 5'" },
+		{ { "wait", "local.quiesce", "+5" }, "invalid HITS '+5'" },
+		{ { "wait", "local.quiesce", "5x" }, "invalid HITS '5x'" },
+		{ { "wait", "local.quiesce", "0" }, "invalid HITS '0'" },
+		{ { "wait", "local.quiesce", "" }, "invalid HITS ''" },
+		{ { "wait", "local.quiesce", "0x5" }, "invalid HITS '0x5'" },
+		{ { "wait", "local.quiesce", "18446744073709551616" }, "invalid HITS" },
+		{ { "-t", "-1", "wait", "local.quiesce" }, "invalid --timeout '-1'" },
+		{ { "-t", " 5", "wait", "local.quiesce" }, "invalid --timeout ' 5'" },
+		{ { "--timeout", "5ms", "wait", "local.quiesce" }, "invalid --timeout '5ms'" },
+		{ { "--timeout", "+5", "wait", "local.quiesce" }, "invalid --timeout '+5'" },
+		{ { "--timeout", "2147483648", "wait", "local.quiesce" }, "invalid --timeout" },
+		{ { "--match", "-1", "set", "local.quiesce", "pause" }, "invalid --match '-1'" },
+		{ { "--match", " 5", "set", "local.quiesce", "pause" }, "invalid --match ' 5'" },
+		{ { "--match", "+5", "set", "local.quiesce", "pause" }, "invalid --match '+5'" },
+		{ { "--match", "5x", "set", "local.quiesce", "pause" }, "invalid --match '5x'" },
+		{ { "--match", "0x", "set", "local.quiesce", "pause" }, "invalid --match '0x'" },
+		{ { "--match", "0x 5", "set", "local.quiesce", "pause" }, "invalid --match '0x 5'" },
+		{ { "--match", "0x-1", "set", "local.quiesce", "pause" }, "invalid --match '0x-1'" },
+		{ { "--match", "0x10000000000000000", "set", "local.quiesce", "pause" },
+		  "invalid --match" },
+		{ { "set", "local.quiesce", "pause", "--match", "-1" }, "invalid --match '-1'" },
+		{ { "set", "local.quiesce", "pause", "-m", " 5" }, "invalid -m ' 5'" },
+		{ { "set", "local.quiesce", "pause", "--match" }, "--match needs a value" },
+		{ { "--match", "1", "--mask", "-1", "set", "local.quiesce", "pause" },
+		  "invalid --mask '-1'" },
+		{ { "--match", "1", "--mask", " 5", "set", "local.quiesce", "pause" },
+		  "invalid --mask ' 5'" },
+		{ { "set", "local.quiesce", "pause", "--match", "1", "--mask", "0" },
+		  "invalid --mask '0'" },
+		{ { "set", "local.quiesce", "pause", "--match", "1", "-k", "0x0" }, "invalid -k '0x0'" },
+		{ { "--mask", "0xff", "set", "local.quiesce", "pause" }, "--mask needs --match" },
+		{ { "wait", "local.quiesce", "--match", "1" }, "are for set" },
+		{ { "set", "local.quiesce", "fail=-5" }, "bad action 'fail=-5'" },
+		{ { "set", "local.quiesce", "fail= 5" }, "bad action 'fail= 5'" },
+		{ { "set", "local.quiesce", "fail=+5" }, "bad action 'fail=+5'" },
+		{ { "set", "local.quiesce", "fail=5x" }, "bad action 'fail=5x'" },
+		{ { "set", "local.quiesce", "fail=0" }, "bad action 'fail=0'" },
+		{ { "set", "local.quiesce", "fail=4096" }, "bad action 'fail=4096'" },
+		{ { "set", "local.quiesce", "fail=" }, "bad action 'fail='" },
+	};
+	for (unsigned i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+		const char *argv[16] = { ctl, "-s", NO_SOCK };
+		int n = 3;
+		for (int k = 0; bad[i].argv[k]; k++)
+			argv[n++] = bad[i].argv[k];
+		argv[n] = NULL;
+		int rc = run_cmd(argv, out, sizeof(out), err, sizeof(err));
+		cr_assert_eq(rc, 2, "case %u (%s %s %s): exit %d: %s", i, bad[i].argv[0],
+			     bad[i].argv[1], bad[i].argv[2] ? bad[i].argv[2] : "", rc, err);
+		cr_assert(strstr(err, bad[i].says), "case %u: want '%s', said: %s", i, bad[i].says,
+			  err);
+	}
+}
+
+Test(tools, ctl_takes_good_numbers)
+{
+	proxy_start(&px, NULL, small);
+	const char *ctl = build_path("tools/kvstage-ctl");
+	cr_assert_eq(RUN(ctl, "-s", px.sock, "--match", "0x7", "--mask", "0XfF", "set",
+			 "local.quiesce", "pause"),
+		     0, "%s", err);
+	cr_assert_eq(RUN(ctl, "-s", px.sock, "set", "local.quiesce", "pause", "-m", "7", "-k",
+			 "0x00000000000000000000ff"),
+		     0, "leading zeros do not count against 64 bits: %s", err);
+	cr_assert_eq(RUN(ctl, "-s", px.sock, "set", "local.quiesce", "fail=4095", "--match",
+			 "18446744073709551615"),
+		     0, "%s", err);
+	cr_assert_eq(RUN(ctl, "-s", px.sock, "set", "local.quiesce", "off"), 0, "%s", err);
+	cr_assert_eq(RUN(ctl, "-s", px.sock, "-t", "0", "wait", "local.quiesce", "1"), 3,
+		     "HITS 1 with --timeout 0: an unmet wait times out: %s", err);
+	cr_assert_eq(RUN(ctl, "-s", px.sock, "hits", "local.quiesce"), 0, "%s", err);
+	cr_assert_str_eq(out, "0\n");
+}
+
+/* A plain proxy refuses admins saying why; that reason is the one shown. */
+Test(tools, ctl_shows_the_proxys_reason)
+{
+	proxy_start_plain(&px, small);
+	int rc = RUN(build_path("tools/kvstage-ctl"), "-s", px.sock, "set", "local.quiesce",
+		     "pause");
+	cr_assert_eq(rc, 1, "%s", err);
+	cr_assert(strstr(err, "--failpoints"), "%s", err);
+	cr_assert_null(strstr(err, "not yours"), "%s", err);
+	char want[256];
+	snprintf(want, sizeof(want), "kvstage-ctl: %s: failpoints are off: start kvstaged with "
+				     "--failpoints\n",
+		 px.sock);
+	cr_assert_str_eq(err, want, "the proxy's message is the reason, nothing before it");
+}
+
+/* Without a message from the proxy, ctl says what kvs_strerror says. */
+Test(tools, ctl_without_a_proxy_says_why)
+{
+	cr_assert_eq(RUN(build_path("tools/kvstage-ctl"), "-s", NO_SOCK, "hits", "local.quiesce"),
+		     1);
+	char want[256];
+	snprintf(want, sizeof(want), "kvstage-ctl: %s: %s\n", NO_SOCK, kvs_strerror(-ENOENT));
+	cr_assert_str_eq(err, want);
 }
 
 /* ---------------------------------------------------------- kvstage-bench */
