@@ -2,6 +2,8 @@
 /* kvstage-ctl: drive a kvstaged's failpoints (it must run with --failpoints). */
 #include <errno.h>
 #include <getopt.h>
+#include <limits.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -10,6 +12,7 @@
 #include "admin.h"
 #include "failpoint.h"
 #include "kvstage.h"
+#include "parse.h"
 
 static void usage(FILE *f)
 {
@@ -20,25 +23,80 @@ static void usage(FILE *f)
 "Commands:\n"
 "  set NAME off|pause|fail[=ERRNO] [--match USER_DATA [--mask MASK]]\n"
 "                        pause: hold what reaches NAME until set off;\n"
-"                        fail: fail it with ERRNO (default EIO);\n"
+"                        fail: fail it with ERRNO, 1 to 4095 (default EIO);\n"
 "                        --match: only rooms whose user_data (either side) is USER_DATA;\n"
-"                        with --mask, whose user_data & MASK is USER_DATA\n"
+"                        with --mask, whose user_data & MASK is USER_DATA;\n"
+"                        USER_DATA and MASK are decimal, or hexadecimal after 0x\n"
+"                        (up to 64 bits); MASK is not 0\n"
 "  wait NAME [HITS]      block until NAME has been hit HITS times (default 1)\n"
 "  hits NAME             print how many times NAME has been hit\n"
 "  list                  list failpoint names\n"
 "\n"
 "Options:\n"
 "  -s, --socket PATH     proxy socket (default $KVSTAGE_SOCKET, else " KVS_DEFAULT_SOCKET ")\n"
-"  -t, --timeout MS      give up waiting after MS milliseconds (exit 3)\n"
+"  -t, --timeout MS      give up waiting after MS milliseconds (exit 3); default: never\n"
+"  -m, --match USER_DATA, -k, --mask MASK\n"
+"                        as for set; they may also follow the command\n"
 "  -h, --help            show this help\n"
-"  -V, --version         show the version\n");
+"  -V, --version         show the version\n"
+"\n"
+"Numbers are digits only: no sign, space or suffix.\n"
+"Exit status: 0 done, 1 the proxy refused or is not there, 2 bad command line,\n"
+"3 timed out.\n");
 }
 
+/* The proxy's own message is the reason when it gave one; else ours for rc. */
 static int fail(const char *what, int rc)
 {
 	const char *m = kvs_admin_msg();
-	fprintf(stderr, "kvstage-ctl: %s: %s%s%s\n", what, kvs_strerror(rc), *m ? ": " : "", m);
+	fprintf(stderr, "kvstage-ctl: %s: %s\n", what, *m ? m : kvs_strerror(rc));
 	return rc == -ETIMEDOUT ? 3 : 1;
+}
+
+/* USER_DATA or MASK: decimal digits, or 0x and hex digits, 64 bits at most. */
+static int parse_u64(const char *s, uint64_t *out)
+{
+	if (s[0] == '0' && (s[1] == 'x' || s[1] == 'X')) {
+		size_t n = strspn(s + 2, "0123456789abcdefABCDEF");
+		size_t zeros = strspn(s + 2, "0");
+		if (n == 0 || s[2 + n] || n - (zeros < n ? zeros : n) > 16)
+			return -EINVAL;
+		*out = strtoull(s + 2, NULL, 16);
+		return 0;
+	}
+	return kvs_parse_uint(s, UINT64_MAX, out);
+}
+
+/* Says "invalid OPT 'VAL': want ..." and returns 2 (a bad command line). */
+__attribute__((format(printf, 3, 4)))
+static int bad_number(const char *opt, const char *val, const char *want, ...)
+{
+	va_list ap;
+	va_start(ap, want);
+	fprintf(stderr, "kvstage-ctl: invalid %s '%s': ", opt, val);
+	vfprintf(stderr, want, ap);
+	fputc('\n', stderr);
+	va_end(ap);
+	return 2;
+}
+
+/* --match (is_mask 0) or --mask (1). Returns 0, or 2 after saying why. */
+static int parse_match(const char *opt, const char *val, int is_mask, uint64_t *out)
+{
+	if (parse_u64(val, out) < 0)
+		return bad_number(opt, val, "want a number, decimal or 0x hexadecimal (64 bits)");
+	if (is_mask && !*out)
+		return bad_number(opt, val, "want a mask other than 0 (omit --mask to match all bits)");
+	return 0;
+}
+
+/* "off", "pause", "fail" or "fail=ERRNO" (1 to 4095), as kvs_admin_fp_set takes. */
+static int action_ok(const char *a)
+{
+	uint64_t e;
+	if (!strcmp(a, "off") || !strcmp(a, "pause") || !strcmp(a, "fail"))
+		return 1;
+	return !strncmp(a, "fail=", 5) && !kvs_parse_uint(a + 5, 4095, &e) && e;
 }
 
 int main(int argc, char **argv)
@@ -54,58 +112,46 @@ int main(int argc, char **argv)
 	uint64_t match = 0, mask = 0;
 	int has_match = 0;
 	while ((opt = getopt_long(argc, argv, "+s:t:m:k:hV", opts, NULL)) != -1) {
-		char *end;
+		uint64_t v;
 		switch (opt) {
 		case 's': path = optarg; break;
 		case 't':
-			timeout = (int)strtol(optarg, &end, 10);
-			if (*end || timeout < 0) {
-				fprintf(stderr, "kvstage-ctl: invalid --timeout '%s'\n", optarg);
-				return 2;
-			}
+			if (kvs_parse_uint(optarg, INT_MAX, &v))
+				return bad_number("--timeout", optarg,
+						  "want milliseconds from 0 to %d", INT_MAX);
+			timeout = (int)v;
 			break;
 		case 'm':
-			match = strtoull(optarg, &end, 0);
-			if (*end || !*optarg) {
-				fprintf(stderr, "kvstage-ctl: invalid --match '%s'\n", optarg);
+			if (parse_match("--match", optarg, 0, &match))
 				return 2;
-			}
 			has_match = 1;
 			break;
 		case 'k':
-			mask = strtoull(optarg, &end, 0);
-			if (*end || !*optarg || !mask) {
-				fprintf(stderr, "kvstage-ctl: invalid --mask '%s'\n", optarg);
+			if (parse_match("--mask", optarg, 1, &mask))
 				return 2;
-			}
 			break;
 		case 'h': usage(stdout); return 0;
 		case 'V': printf("kvstage-ctl %s\n", KVS_VERSION_STRING); return 0;
 		default: fprintf(stderr, "Try 'kvstage-ctl --help'.\n"); return 2;
 		}
 	}
-	/* options may also follow the command */
+	/* --match and --mask may also follow the command */
 	int n = argc - optind;
 	char **a = argv + optind;
-	for (int i = 0; i + 1 < n; i++) {
+	for (int i = 0; i < n; i++) {
 		int is_match = !strcmp(a[i], "--match") || !strcmp(a[i], "-m");
-		if (is_match || !strcmp(a[i], "--mask") || !strcmp(a[i], "-k")) {
-			char *end;
-			uint64_t v = strtoull(a[i + 1], &end, 0);
-			if (*end || !*a[i + 1] || (!is_match && !v)) {
-				fprintf(stderr, "kvstage-ctl: invalid %s '%s'\n", a[i], a[i + 1]);
-				return 2;
-			}
-			if (is_match) {
-				match = v;
-				has_match = 1;
-			} else {
-				mask = v;
-			}
-			memmove(&a[i], &a[i + 2], (size_t)(n - i - 2) * sizeof(*a));
-			n -= 2;
-			i--;
+		if (!is_match && strcmp(a[i], "--mask") && strcmp(a[i], "-k"))
+			continue;
+		if (i + 1 == n) {
+			fprintf(stderr, "kvstage-ctl: %s needs a value\n", a[i]);
+			return 2;
 		}
+		if (parse_match(a[i], a[i + 1], !is_match, is_match ? &match : &mask))
+			return 2;
+		has_match |= is_match;
+		memmove(&a[i], &a[i + 2], (size_t)(n - i - 2) * sizeof(*a));
+		n -= 2;
+		i--;
 	}
 	if (n < 1) {
 		usage(stderr);
@@ -121,47 +167,62 @@ int main(int argc, char **argv)
 			n < 2 ? a[0] : a[1]);
 		return 2;
 	}
-	if (!path || !*path)
-		path = KVS_DEFAULT_SOCKET;
-	int fd = kvs_admin_connect(path);
-	if (fd < 0)
-		return fail(path, fd);
-	int rc;
+	/* Everything is checked before the proxy is asked anything. */
+	enum { SET, WAIT, HITS } cmd;
+	uint64_t hits = 1;
 	if (!strcmp(a[0], "set") && n == 3) {
+		cmd = SET;
 		if (mask && !has_match) {
 			fprintf(stderr, "kvstage-ctl: --mask needs --match\n");
 			return 2;
 		}
-		rc = has_match ? kvs_admin_fp_set_mask(fd, a[1], a[2], match, mask)
-			       : kvs_admin_fp_set(fd, a[1], a[2], NULL);
-		if (rc == -EINVAL && !*kvs_admin_msg()) {
-			fprintf(stderr, "kvstage-ctl: bad action '%s': want off, pause or fail[=ERRNO]\n",
-				a[2]);
+		if (!action_ok(a[2])) {
+			fprintf(stderr, "kvstage-ctl: bad action '%s': want off, pause or "
+					"fail[=ERRNO] (ERRNO 1 to 4095)\n", a[2]);
 			return 2;
 		}
-		if (rc < 0)
-			return fail(a[1], rc);
 	} else if (!strcmp(a[0], "wait") && (n == 2 || n == 3)) {
-		char *end = NULL;
-		uint64_t hits = n == 3 ? strtoull(a[2], &end, 10) : 1;
-		if (n == 3 && (*end || !hits)) {
-			fprintf(stderr, "kvstage-ctl: invalid HITS '%s'\n", a[2]);
-			return 2;
-		}
-		rc = kvs_admin_fp_wait(fd, a[1], hits, timeout);
-		if (rc < 0)
-			return fail(a[1], rc);
+		cmd = WAIT;
+		if (n == 3 && (kvs_parse_uint(a[2], UINT64_MAX, &hits) || !hits))
+			return bad_number("HITS", a[2], "want a count from 1 to %llu",
+					  (unsigned long long)UINT64_MAX);
 	} else if (!strcmp(a[0], "hits") && n == 2) {
-		uint64_t hits;
-		rc = kvs_admin_fp_get(fd, a[1], &hits);
-		if (rc < 0)
-			return fail(a[1], rc);
-		printf("%llu\n", (unsigned long long)hits);
+		cmd = HITS;
 	} else {
 		fprintf(stderr, "kvstage-ctl: unknown command or wrong arguments: %s\n", a[0]);
 		fprintf(stderr, "Try 'kvstage-ctl --help'.\n");
 		return 2;
 	}
+	if ((has_match || mask) && cmd != SET) {
+		fprintf(stderr, "kvstage-ctl: --match and --mask are for set\n");
+		return 2;
+	}
+	if (!path || !*path)
+		path = KVS_DEFAULT_SOCKET;
+	int fd = kvs_admin_connect(path);
+	if (fd < 0)
+		return fail(path, fd);
+	int rc = 0;
+	switch (cmd) {
+	case SET:
+		rc = has_match ? kvs_admin_fp_set_mask(fd, a[1], a[2], match, mask)
+			       : kvs_admin_fp_set(fd, a[1], a[2], NULL);
+		break;
+	case WAIT:
+		rc = kvs_admin_fp_wait(fd, a[1], hits, timeout);
+		break;
+	case HITS:
+		rc = kvs_admin_fp_get(fd, a[1], &hits);
+		if (rc == 0)
+			printf("%llu\n", (unsigned long long)hits);
+		break;
+	}
 	close(fd);
+	if (rc < 0)
+		return fail(a[1], rc);
+	if (fflush(stdout) == EOF || ferror(stdout)) {
+		fprintf(stderr, "kvstage-ctl: writing the answer: %s\n", strerror(errno));
+		return 1;
+	}
 	return 0;
 }

@@ -2,15 +2,18 @@
 /* kvstage-stat: what the proxy publishes in its read-only control segment. */
 #include <errno.h>
 #include <getopt.h>
+#include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <time.h>
 #include <unistd.h>
 
 #include "admin.h"
 #include "kvstage.h"
 #include "layout.h"
+#include "parse.h"
 
 static const char *const state_names[KVS_SLOT_NSTATES] = {
 	"free", "leased", "inflight", "tombstone", "recv_posted", "recv_filled",
@@ -20,14 +23,20 @@ static void usage(FILE *f)
 {
 	fprintf(f,
 "Usage: kvstage-stat [OPTION]...\n"
-"Show a running kvstaged's pool, slots, rooms, clients and counters.\n"
+"Show a running kvstaged's state (serving or draining), pool, slots, rooms,\n"
+"clients and counters.\n"
 "\n"
 "  -s, --socket PATH   proxy socket (default $KVSTAGE_SOCKET, else " KVS_DEFAULT_SOCKET ")\n"
-"  -j, --json          one JSON object per sample\n"
-"  -w, --watch MS      sample every MS milliseconds until interrupted\n"
+"  -j, --json          one JSON object per sample (one line each)\n"
+"  -w, --watch MS      sample every MS milliseconds (1 to 2147483647) until\n"
+"                      interrupted; each sample asks the proxy anew, so a proxy\n"
+"                      that is down gets one line saying why, and one that\n"
+"                      comes back (a new instance) is shown again\n"
 "      --slots         also list every slot that is not free\n"
 "  -h, --help          show this help\n"
-"  -V, --version       show the version\n");
+"  -V, --version       show the version\n"
+"\n"
+"Exit status: 0 shown, 1 no proxy could be read (without --watch), 2 bad command line.\n");
 }
 
 #define S(f) ((unsigned long long)__atomic_load_n(&st->f, __ATOMIC_RELAXED))
@@ -40,11 +49,28 @@ static double uptime_s(const struct kvs_ctrl *c)
 	return (double)(now - c->started_ns) / 1e9;
 }
 
-static void print_human(const struct kvs_ctrl *c, const char *path, int slots)
+/* The slots of the table that lie inside the mapping (all of them, from a
+ * proxy of this ABI). */
+static uint32_t table_slots(const struct kvs_ctrl *c, size_t len)
+{
+	if (c->slots_off > len || c->slots_off % _Alignof(struct kvs_slot))
+		return 0;
+	uint64_t fit = (len - c->slots_off) / sizeof(struct kvs_slot);
+	return c->slot_count < fit ? c->slot_count : (uint32_t)fit;
+}
+
+static const char *state_word(const struct kvs_stats *st)
+{
+	return S(draining) ? "draining" : "serving";
+}
+
+static void print_human(const struct kvs_ctrl *c, size_t len, const char *path, int slots,
+			int restarted)
 {
 	const struct kvs_stats *st = &c->stats;
-	printf("kvstaged %s  pid %d  instance %016llx  up %.1f s\n", path, c->proxy_pid,
-	       (unsigned long long)c->instance, uptime_s(c));
+	printf("kvstaged %s: %s  pid %d  instance %016llx  uptime %.1f s%s\n", path,
+	       state_word(st), c->proxy_pid, (unsigned long long)c->instance, uptime_s(c),
+	       restarted ? "  (new instance)" : "");
 	printf("pool      %u slots x %llu KiB = %llu MiB  hugepages %s  locked %s  failpoints %s\n",
 	       c->slot_count, (unsigned long long)(c->slot_size >> 10),
 	       (unsigned long long)(c->pool_size >> 20), c->flags & KVS_CTRL_HUGEPAGES ? "yes" : "no",
@@ -56,66 +82,142 @@ static void print_human(const struct kvs_ctrl *c, const char *path, int slots)
 	printf("\nrooms     open %llu  done %llu  aborted %llu  failed %llu  timed-out %llu\n",
 	       S(rooms_open), S(rooms_done), S(rooms_aborted), S(rooms_failed),
 	       S(rooms_timed_out));
-	printf("clients   now %llu  total %llu  died %llu  refused %llu\n", S(clients),
-	       S(clients_total), S(clients_died), S(clients_refused));
-	printf("rejected  stale %llu  perm %llu  busy %llu  inval %llu  token %llu  nobufs %llu\n",
-	       S(rej_stale), S(rej_perm), S(rej_busy), S(rej_inval), S(rej_token), S(rej_nobufs));
+	printf("clients   now %llu  total %llu  closed %llu  died %llu  refused %llu\n", S(clients),
+	       S(clients_total), S(clients_closed), S(clients_died), S(clients_refused));
+	printf("rejected  stale %llu  perm %llu  busy %llu  inval %llu  token %llu  nobufs %llu"
+	       "  log-suppressed %llu\n",
+	       S(rej_stale), S(rej_perm), S(rej_busy), S(rej_inval), S(rej_token), S(rej_nobufs),
+	       S(log_suppressed));
 	printf("traffic   chunks %llu  bytes %llu  ops %llu  events %llu  dropped %llu  reaped %llu"
 	       "  sleeps %llu\n",
 	       S(chunks_moved), S(bytes_moved), S(ops), S(events), S(events_dropped),
 	       S(tombstones_reaped), S(sleeps));
 	if (!slots)
 		return;
-	const struct kvs_slot *t = (const void *)((const char *)c + c->slots_off);
+	uint32_t n = table_slots(c, len);
+	const struct kvs_slot *t = n ? (const void *)((const char *)c + c->slots_off) : NULL;
 	printf("slot      state        epoch      owner  pins  room\n");
-	for (uint32_t i = 0; i < c->slot_count; i++) {
+	for (uint32_t i = 0; i < n; i++) {
 		struct kvs_slot s = t[i];
 		if (s.state != KVS_SLOT_FREE && s.state < KVS_SLOT_NSTATES)
 			printf("%-9u %-12s %-10u %-6u %-5u %u\n", i, state_names[s.state], s.epoch,
 			       s.owner, s.pins, s.room ? s.room - 1 : 0);
 	}
+	if (n < c->slot_count)
+		printf("(slots %u to %u lie outside the control segment)\n", n, c->slot_count - 1);
 }
 
-static void print_json(const struct kvs_ctrl *c, const char *path, int slots)
+static void json_key(const char *key)
+{
+	kvs_json_string(stdout, key);
+	putchar(':');
+}
+
+static void print_json(const struct kvs_ctrl *c, size_t len, const char *path, int slots)
 {
 	const struct kvs_stats *st = &c->stats;
-	printf("{\"socket\":\"%s\",\"pid\":%d,\"instance\":\"%016llx\",\"uptime_s\":%.3f,", path,
-	       c->proxy_pid, (unsigned long long)c->instance, uptime_s(c));
+	char inst[24];
+	snprintf(inst, sizeof(inst), "%016llx", (unsigned long long)c->instance);
+	printf("{");
+	json_key("socket");
+	kvs_json_string(stdout, path);
+	printf(",\"up\":true,\"draining\":%s,\"pid\":%d,", S(draining) ? "true" : "false",
+	       c->proxy_pid);
+	json_key("instance");
+	kvs_json_string(stdout, inst);
+	printf(",\"uptime_s\":%.3f,", uptime_s(c));
 	printf("\"slot_count\":%u,\"slot_size\":%llu,\"pool_size\":%llu,\"hugepages\":%s,"
 	       "\"locked\":%s,\"failpoints\":%s,\"slot_metadata_bytes\":%zu,\"slots\":{",
 	       c->slot_count, (unsigned long long)c->slot_size, (unsigned long long)c->pool_size,
 	       c->flags & KVS_CTRL_HUGEPAGES ? "true" : "false",
 	       c->flags & KVS_CTRL_LOCKED ? "true" : "false",
 	       c->flags & KVS_CTRL_FAILPOINTS ? "true" : "false", sizeof(struct kvs_slot));
-	for (int i = 0; i < KVS_SLOT_NSTATES; i++)
-		printf("%s\"%s\":%llu", i ? "," : "", state_names[i], S(slots[i]));
+	for (int i = 0; i < KVS_SLOT_NSTATES; i++) {
+		if (i)
+			putchar(',');
+		json_key(state_names[i]);
+		printf("%llu", S(slots[i]));
+	}
 	printf("},\"rooms\":{\"open\":%llu,\"done\":%llu,\"aborted\":%llu,\"failed\":%llu,"
 	       "\"timed_out\":%llu},",
 	       S(rooms_open), S(rooms_done), S(rooms_aborted), S(rooms_failed), S(rooms_timed_out));
-	printf("\"clients\":{\"now\":%llu,\"total\":%llu,\"died\":%llu,\"refused\":%llu},",
-	       S(clients), S(clients_total), S(clients_died), S(clients_refused));
+	printf("\"clients\":{\"now\":%llu,\"total\":%llu,\"closed\":%llu,\"died\":%llu,"
+	       "\"refused\":%llu},",
+	       S(clients), S(clients_total), S(clients_closed), S(clients_died), S(clients_refused));
 	printf("\"rejected\":{\"stale\":%llu,\"perm\":%llu,\"busy\":%llu,\"inval\":%llu,"
 	       "\"token\":%llu,\"nobufs\":%llu},",
 	       S(rej_stale), S(rej_perm), S(rej_busy), S(rej_inval), S(rej_token), S(rej_nobufs));
 	printf("\"chunks_moved\":%llu,\"bytes_moved\":%llu,\"ops\":%llu,\"events\":%llu,"
-	       "\"events_dropped\":%llu,\"tombstones_reaped\":%llu,\"sleeps\":%llu",
+	       "\"events_dropped\":%llu,\"tombstones_reaped\":%llu,\"sleeps\":%llu,"
+	       "\"log_suppressed\":%llu",
 	       S(chunks_moved), S(bytes_moved), S(ops), S(events), S(events_dropped),
-	       S(tombstones_reaped), S(sleeps));
+	       S(tombstones_reaped), S(sleeps), S(log_suppressed));
 	if (slots) {
-		const struct kvs_slot *t = (const void *)((const char *)c + c->slots_off);
+		uint32_t n = table_slots(c, len);
+		const struct kvs_slot *t = n ? (const void *)((const char *)c + c->slots_off) : NULL;
 		printf(",\"slot_table\":[");
 		int first = 1;
-		for (uint32_t i = 0; i < c->slot_count; i++) {
+		for (uint32_t i = 0; i < n; i++) {
 			struct kvs_slot s = t[i];
 			if (s.state == KVS_SLOT_FREE || s.state >= KVS_SLOT_NSTATES)
 				continue;
-			printf("%s{\"slot\":%u,\"state\":\"%s\",\"epoch\":%u,\"owner\":%u,\"pins\":%u}",
-			       first ? "" : ",", i, state_names[s.state], s.epoch, s.owner, s.pins);
+			printf("%s{\"slot\":%u,\"state\":", first ? "" : ",", i);
+			kvs_json_string(stdout, state_names[s.state]);
+			printf(",\"epoch\":%u,\"owner\":%u,\"pins\":%u}", s.epoch, s.owner, s.pins);
 			first = 0;
 		}
 		printf("]");
+		if (n < c->slot_count)
+			printf(",\"slot_table_truncated\":true");
 	}
 	printf("}\n");
+}
+
+/* A sample that found no readable proxy: up says whether one answered. */
+static void print_down(const char *path, int json, int up, const char *why)
+{
+	if (!json) {
+		printf("kvstaged %s: %s (%s)\n", path, up ? "unreadable" : "down", why);
+		return;
+	}
+	printf("{");
+	json_key("socket");
+	kvs_json_string(stdout, path);
+	printf(",\"up\":%s,", up ? "true" : "false");
+	json_key("error");
+	kvs_json_string(stdout, why);
+	printf("}\n");
+}
+
+#define ABI_STR_(x) #x
+#define ABI_STR(x) ABI_STR_(x)
+#define ABI_WHY "it speaks another ABI (its control segment is not kvstage ABI " ABI_STR(KVS_ABI) ")"
+
+/* Maps the proxy's control segment afresh. Returns 0 (unmap *c after use),
+ * -1 (no proxy answered) or -2 (one answered with a segment this tool cannot
+ * read), with *why set. */
+static int sample_map(const char *path, const struct kvs_ctrl **c, size_t *len, const char **why)
+{
+	int rc = kvs_stat_map(path, c, len);
+	if (rc < 0) {
+		*why = kvs_strerror(rc);
+		return -1;
+	}
+	if (*len < sizeof(struct kvs_ctrl) || (*c)->magic != KVS_MAGIC_CTRL ||
+	    (*c)->abi != KVS_ABI) {
+		munmap((void *)*c, *len);
+		*why = ABI_WHY;
+		return -2;
+	}
+	return 0;
+}
+
+static void stdout_check(void)
+{
+	if (fflush(stdout) == EOF || ferror(stdout)) {
+		fprintf(stderr, "kvstage-stat: writing the sample: %s\n", strerror(errno));
+		exit(1);
+	}
 }
 
 int main(int argc, char **argv)
@@ -128,22 +230,20 @@ int main(int argc, char **argv)
 	};
 	const char *path = getenv("KVSTAGE_SOCKET");
 	int json = 0, slots = 0, opt;
-	long watch = 0;
+	uint64_t watch = 0;
 	while ((opt = getopt_long(argc, argv, "s:jw:hV", opts, NULL)) != -1) {
 		switch (opt) {
 		case 's': path = optarg; break;
 		case 'j': json = 1; break;
 		case 'S': slots = 1; break;
-		case 'w': {
-			char *end;
-			watch = strtol(optarg, &end, 10);
-			if (*end || watch <= 0) {
-				fprintf(stderr, "kvstage-stat: invalid --watch '%s': want milliseconds > 0\n",
-					optarg);
+		case 'w':
+			if (kvs_parse_uint(optarg, INT_MAX, &watch) || !watch) {
+				fprintf(stderr, "kvstage-stat: invalid --watch '%s': want milliseconds "
+						"from 1 to %d (digits only)\n",
+					optarg, INT_MAX);
 				return 2;
 			}
 			break;
-		}
 		case 'h': usage(stdout); return 0;
 		case 'V': printf("kvstage-stat %s\n", KVS_VERSION_STRING); return 0;
 		default: fprintf(stderr, "Try 'kvstage-stat --help'.\n"); return 2;
@@ -155,28 +255,34 @@ int main(int argc, char **argv)
 	}
 	if (!path || !*path)
 		path = KVS_DEFAULT_SOCKET;
-	const struct kvs_ctrl *c;
-	size_t len;
-	int rc = kvs_stat_map(path, &c, &len);
-	if (rc < 0) {
-		fprintf(stderr, "kvstage-stat: %s: %s\n", path, kvs_strerror(rc));
-		return 1;
-	}
-	if (c->magic != KVS_MAGIC_CTRL || c->abi != KVS_ABI) {
-		fprintf(stderr, "kvstage-stat: %s: proxy speaks another ABI\n", path);
-		return 1;
-	}
-	for (;;) {
-		if (json)
-			print_json(c, path, slots);
-		else
-			print_human(c, path, slots);
-		fflush(stdout);
+	uint64_t last_instance = 0;
+	for (int first = 1;; first = 0) {
+		const struct kvs_ctrl *c;
+		size_t len;
+		const char *why;
+		int rc = sample_map(path, &c, &len, &why);
+		if (rc < 0 && !watch) {
+			fprintf(stderr, "kvstage-stat: %s: %s\n", path, why);
+			return 1;
+		}
+		if (!first && !json)
+			printf("\n");
+		if (rc < 0) {
+			print_down(path, json, rc == -2, why);
+		} else {
+			if (json)
+				print_json(c, len, path, slots);
+			else
+				print_human(c, len, path, slots,
+					    last_instance && c->instance != last_instance);
+			last_instance = c->instance;
+			munmap((void *)c, len);
+		}
+		stdout_check();
 		if (!watch)
 			return 0;
-		struct timespec ts = { watch / 1000, (watch % 1000) * 1000000 };
-		nanosleep(&ts, NULL);
-		if (!json)
-			printf("\n");
+		struct timespec ts = { (time_t)(watch / 1000), (long)(watch % 1000) * 1000000 };
+		while (nanosleep(&ts, &ts) < 0 && errno == EINTR)
+			;
 	}
 }

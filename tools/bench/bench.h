@@ -62,7 +62,7 @@ struct bench_opts {
 int bench_opts_parse(int argc, char **argv, struct bench_opts *o);
 /* True if the command line's mode word is "gpu" (looked for before any parsing). */
 bool bench_mode_is_gpu(int argc, char **argv);
-/* Parses a decimal in [lo, hi] into *out. Returns 0, or -1. */
+/* Parses a decimal in [lo, hi] (digits only: no sign, space or suffix) into *out. Returns 0, or -1. */
 int bench_parse_uint(const char *s, unsigned lo, unsigned hi, unsigned *out);
 /* "64K", "1M", "1536K": the shortest exact binary-suffixed form of v, in buf. */
 const char *bench_size_str(uint64_t v, char *buf, size_t len);

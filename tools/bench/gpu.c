@@ -508,24 +508,32 @@ static void print_table(const struct gopts *o, const struct cudaDeviceProp *p, c
 	}
 }
 
+/* Every string goes through kvs_json_string: the device name comes from the
+ * driver and the pool description holds the --socket path as given. */
 static void print_json(const struct gopts *o, const struct cudaDeviceProp *p, const char *pool,
 		       double reg_ms, unsigned long page_kb, const struct figure *f, unsigned n)
 {
-	printf("{\"mode\":\"gpu\",\"device\":{\"name\":\"%s\",\"sm\":%d%d,\"pci\":\"%04x:%02x:%02x\"},"
-	       "\"size\":%" PRIu64 ",\"iters\":%u,\"reps\":%u,\"pool\":\"%s\",\"pool_page_kb\":%lu,"
-	       "\"register_ms\":%.3f,\"baseline\":\"cudaMemcpy device<->cudaMallocHost, same bytes\","
-	       "\"results\":[",
-	       p->name, p->major, p->minor, p->pciDomainID, p->pciBusID, p->pciDeviceID, o->size,
-	       o->iters, o->reps, pool, page_kb, reg_ms);
+	printf("{\"mode\":\"gpu\",\"device\":{\"name\":");
+	kvs_json_string(stdout, p->name);
+	printf(",\"sm\":%d%d,\"pci\":\"%04x:%02x:%02x\"},\"size\":%" PRIu64
+	       ",\"iters\":%u,\"reps\":%u,\"pool\":",
+	       p->major, p->minor, p->pciDomainID, p->pciBusID, p->pciDeviceID, o->size, o->iters,
+	       o->reps);
+	kvs_json_string(stdout, pool);
+	printf(",\"pool_page_kb\":%lu,\"register_ms\":%.3f,"
+	       "\"baseline\":\"cudaMemcpy device<->cudaMallocHost, same bytes\",\"results\":[",
+	       page_kb, reg_ms);
 	for (unsigned i = 0; i < n; i++) {
-		printf("%s{\"figure\":\"%s\",", i ? "," : "", f[i].name);
-		if (f[i].psize)
-			printf("\"page_size\":%" PRIu64 ",\"gather_mode\":\"%s\",", f[i].psize,
-			       f[i].mode);
-		printf("\"bytes\":%" PRIu64 ",\"gbps\":%.3f,\"baseline\":\"%s\",\"baseline_gbps\":%.3f,"
-		       "\"ratio\":%.4f,\"verified\":%s}",
-		       f[i].bytes, f[i].gbps, f[i].base, f[i].base_gbps, f[i].ratio,
-		       f[i].verified ? "true" : "false");
+		printf("%s{\"figure\":", i ? "," : "");
+		kvs_json_string(stdout, f[i].name);
+		if (f[i].psize) {
+			printf(",\"page_size\":%" PRIu64 ",\"gather_mode\":", f[i].psize);
+			kvs_json_string(stdout, f[i].mode);
+		}
+		printf(",\"bytes\":%" PRIu64 ",\"gbps\":%.3f,\"baseline\":", f[i].bytes, f[i].gbps);
+		kvs_json_string(stdout, f[i].base);
+		printf(",\"baseline_gbps\":%.3f,\"ratio\":%.4f,\"verified\":%s}", f[i].base_gbps,
+		       f[i].ratio, f[i].verified ? "true" : "false");
 	}
 	printf("]");
 }
@@ -549,11 +557,12 @@ static void targets(const struct gopts *o, const struct figure *f, unsigned n)
 		       to->ratio, to->ratio >= TARGET_SLOT ? "true" : "false");
 		printf("\"from_slot\":{\"min_ratio\":%.2f,\"ratio\":%.4f,\"met\":%s}", TARGET_SLOT,
 		       from->ratio, from->ratio >= TARGET_SLOT ? "true" : "false");
-		if (g16)
-			printf(",\"gather_16k\":{\"mode\":\"%s\",\"min_ratio\":%.2f,\"ratio\":%.4f,"
-			       "\"met\":%s}",
-			       g16->mode, TARGET_GATHER, g16->ratio,
-			       g16->ratio >= TARGET_GATHER ? "true" : "false");
+		if (g16) {
+			printf(",\"gather_16k\":{\"mode\":");
+			kvs_json_string(stdout, g16->mode);
+			printf(",\"min_ratio\":%.2f,\"ratio\":%.4f,\"met\":%s}", TARGET_GATHER,
+			       g16->ratio, g16->ratio >= TARGET_GATHER ? "true" : "false");
+		}
 		printf("}}\n");
 		return;
 	}

@@ -174,19 +174,19 @@ static int bad(const char *opt, const char *val, const char *why)
 
 int bench_parse_uint(const char *s, unsigned lo, unsigned hi, unsigned *out)
 {
-	char *end;
-	errno = 0;
-	if (!*s || *s == '-' || *s == '+')
-		return -1;
-	unsigned long v = strtoul(s, &end, 10);
-	if (errno || *end || v < lo || v > hi)
+	uint64_t v;
+	if (kvs_parse_uint(s, hi, &v) || v < lo) /* digits only: no sign, space or suffix */
 		return -1;
 	*out = (unsigned)v;
 	return 0;
 }
 
+/* Seconds as a plain decimal ("2", "0.5", ".5", "1e-3"): strtod alone would
+ * also take leading spaces, a sign, hex ("0x1p3"), "inf" and "nan". */
 static int parse_sec(const char *s, double lo, double hi, double *out)
 {
+	if (!((*s >= '0' && *s <= '9') || *s == '.') || s[strspn(s, "0123456789.eE+-")])
+		return -1;
 	char *end;
 	errno = 0;
 	double v = strtod(s, &end);

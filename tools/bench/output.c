@@ -64,8 +64,10 @@ void jw_sep(struct jw *j, const char *key)
 	fputc('\n', j->f);
 	for (int i = 0; i < j->depth; i++)
 		fputs("  ", j->f);
-	if (key)
-		fprintf(j->f, "\"%s\": ", key);
+	if (key) {
+		kvs_json_string(j->f, key);
+		fputs(": ", j->f);
+	}
 }
 
 void jw_open(struct jw *j, const char *key, char c)
@@ -118,16 +120,7 @@ void jw_bool(struct jw *j, const char *key, bool v)
 void jw_str(struct jw *j, const char *key, const char *s)
 {
 	jw_sep(j, key);
-	fputc('"', j->f);
-	for (const unsigned char *p = (const unsigned char *)s; *p; p++) {
-		if (*p == '"' || *p == '\\')
-			fprintf(j->f, "\\%c", *p);
-		else if (*p < 0x20)
-			fprintf(j->f, "\\u%04x", *p);
-		else
-			fputc(*p, j->f);
-	}
-	fputc('"', j->f);
+	kvs_json_string(j->f, s);
 }
 
 void jw_lat(struct jw *j, const char *key, const struct lat *l)

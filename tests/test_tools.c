@@ -1,0 +1,574 @@
+/* SPDX-License-Identifier: MIT */
+/* The tools' hardening: kvstage-ctl and kvstage-stat take numbers one strict
+ * way, say the proxy's own reason, write JSON that parses whatever the
+ * strings hold, and a watching kvstage-stat follows a proxy that dies and
+ * comes back; kvstage-bench parses and escapes the same way. */
+#include <criterion/criterion.h>
+#include <criterion/logging.h>
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "harness.h"
+
+static struct proxy px = PROXY_INIT;
+static char out[65536], err[65536];
+static pid_t watcher;       /* a kvstage-stat --watch child, or 0 */
+static char links[2][128];  /* symlinks with awkward names, or "" */
+static char tmpfile_[64];   /* JSON handed to python3, or "" */
+static kvs_client *client;  /* held across a drain */
+
+static void teardown(void)
+{
+	if (watcher > 0) {
+		kill(watcher, SIGKILL);
+		waitpid(watcher, NULL, 0);
+		watcher = 0;
+	}
+	if (client)
+		kvs_close(client);
+	client = NULL;
+	proxy_stop(&px);
+	for (int i = 0; i < 2; i++)
+		if (links[i][0])
+			unlink(links[i]);
+	if (tmpfile_[0])
+		unlink(tmpfile_);
+}
+
+TestSuite(tools, .fini = teardown, .timeout = 60);
+
+#define RUN(...) run_cmd((const char *[]){ __VA_ARGS__, NULL }, out, sizeof(out), err, sizeof(err))
+#define NO_SOCK "/tmp/kvstage-tools-no-such.sock"
+
+static const char *const small[] = { "--slots", "4", "--slot-size", "4K", NULL };
+
+/* ------------------------------------------------------------ helpers */
+
+/* Whether every non-empty line of text is a JSON value, by python3's json
+ * module (strict UTF-8); with socket, also that each line's "socket" member
+ * decodes to exactly those bytes. 1 yes, 0 no (why in err), -1 when python3
+ * cannot be run here (the callers' own substring checks still hold). */
+static int json_lines_ok(const char *text, const char *socket)
+{
+	static const char script[] =
+		"import json, os, sys\n"
+		"data = open(sys.argv[1], 'rb').read()\n"
+		"for line in data.splitlines():\n"
+		"    if not line.strip():\n"
+		"        continue\n"
+		"    v = json.loads(line.decode('utf-8'))\n"
+		"    if len(sys.argv) > 2:\n"
+		"        got = v['socket'].encode('utf-8')\n"
+		"        assert got == os.fsencode(sys.argv[2]), (got, sys.argv[2])\n";
+	strcpy(tmpfile_, "/tmp/kvstage-tools-json.XXXXXX");
+	int fd = mkstemp(tmpfile_);
+	cr_assert_geq(fd, 0, "mkstemp: %s", strerror(errno));
+	size_t n = strlen(text);
+	cr_assert_eq(write(fd, text, n), (ssize_t)n);
+	close(fd);
+	char pout[4096], perr[8192];
+	int rc = run_cmd((const char *[]){ "/usr/bin/env", "python3", "-c", script, tmpfile_,
+					   socket, NULL },
+			 pout, sizeof(pout), perr, sizeof(perr));
+	unlink(tmpfile_);
+	tmpfile_[0] = 0;
+	if (rc == 127) {
+		cr_log_warn("python3 not found: JSON checked by substrings only");
+		return -1;
+	}
+	if (rc)
+		snprintf(err, sizeof(err), "%s", perr);
+	return rc == 0;
+}
+
+static uint64_t now_ms(void)
+{
+	struct timespec ts;
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (uint64_t)ts.tv_sec * 1000 + (uint64_t)ts.tv_nsec / 1000000;
+}
+
+/* What the watcher has written so far. */
+static struct {
+	int fd;
+	size_t len;
+	char buf[1 << 20];
+} rd = { .fd = -1 };
+
+/* Starts argv with its stdout to a pipe read by read_line. */
+static void watcher_start(const char *const *argv)
+{
+	int p[2];
+	cr_assert_eq(pipe2(p, O_CLOEXEC), 0);
+	fflush(NULL);
+	pid_t pid = fork();
+	cr_assert_neq(pid, -1);
+	if (pid == 0) {
+		prctl(PR_SET_PDEATHSIG, SIGKILL);
+		dup2(p[1], 1);
+		execv(argv[0], (char *const *)argv);
+		_exit(127);
+	}
+	close(p[1]);
+	watcher = pid;
+	rd.fd = p[0];
+	rd.len = 0;
+	rd.buf[0] = 0;
+}
+
+/* Reads the watcher's output until a whole line at or after offset from
+ * holds needle; copies that line (without its newline) into line and
+ * returns the offset after it. Fails the test after WAIT_MS. */
+static size_t read_line(size_t from, const char *needle, char *line, size_t cap)
+{
+	uint64_t deadline = now_ms() + WAIT_MS;
+	for (;;) {
+		const char *hit = strstr(rd.buf + from, needle);
+		const char *eol = hit ? strchr(hit, '\n') : NULL;
+		if (eol) {
+			const char *bol = hit;
+			while (bol > rd.buf + from && bol[-1] != '\n')
+				bol--;
+			snprintf(line, cap, "%.*s", (int)(eol - bol), bol);
+			return (size_t)(eol + 1 - rd.buf);
+		}
+		size_t tail = rd.len - from > 2000 ? rd.len - 2000 : from;
+		uint64_t now = now_ms();
+		cr_assert_lt(now, deadline, "no line with '%s' within %d ms; the last output: %s",
+			     needle, WAIT_MS, rd.buf + tail);
+		cr_assert_lt(rd.len, sizeof(rd.buf) - 1, "the watcher wrote 1 MiB without '%s'",
+			     needle);
+		struct pollfd p = { rd.fd, POLLIN, 0 };
+		int rc = poll(&p, 1, (int)(deadline - now));
+		if (rc < 0 && errno == EINTR)
+			continue;
+		cr_assert_geq(rc, 0, "poll: %s", strerror(errno));
+		if (rc == 0)
+			continue; /* the deadline check above fails the test */
+		ssize_t k = read(rd.fd, rd.buf + rd.len, sizeof(rd.buf) - 1 - rd.len);
+		cr_assert_gt(k, 0, "the watcher's output ended before '%s': %s", needle,
+			     rd.buf + tail);
+		rd.len += (size_t)k;
+		rd.buf[rd.len] = 0;
+	}
+}
+
+/* Lines of /proc/pid/maps that map the proxy's control segment. */
+static int ctrl_mappings(pid_t pid)
+{
+	char path[64], line[512];
+	snprintf(path, sizeof(path), "/proc/%d/maps", (int)pid);
+	FILE *f = fopen(path, "r");
+	cr_assert_not_null(f, "%s: %s", path, strerror(errno));
+	int n = 0;
+	while (fgets(line, sizeof(line), f))
+		n += strstr(line, "kvstage-ctrl") != NULL;
+	fclose(f);
+	return n;
+}
+
+/* Open fds of pid. */
+static int open_fds(pid_t pid)
+{
+	char path[64];
+	snprintf(path, sizeof(path), "/proc/%d/fd", (int)pid);
+	DIR *d = opendir(path);
+	cr_assert_not_null(d, "%s: %s", path, strerror(errno));
+	int n = 0;
+	for (struct dirent *e; (e = readdir(d));)
+		n += e->d_name[0] != '.';
+	closedir(d);
+	return n;
+}
+
+/* ------------------------------------------------------------ kvstage-ctl */
+
+Test(tools, ctl_help_tells_every_option_and_number_form)
+{
+	cr_assert_eq(RUN(build_path("tools/kvstage-ctl"), "--help"), 0);
+	const char *says[] = { "--socket", "--timeout", "--match", "--mask", "--help", "--version",
+			       "0x", "1 to 4095", "Exit status" };
+	for (unsigned i = 0; i < sizeof(says) / sizeof(says[0]); i++)
+		cr_assert(strstr(out, says[i]), "--help does not mention %s: %s", says[i], out);
+}
+
+/* Every number ctl takes: no sign, no space, no junk; refused with exit 2
+ * before the proxy is asked anything (NO_SOCK would be exit 1). */
+Test(tools, ctl_refuses_lenient_numbers)
+{
+	const char *ctl = build_path("tools/kvstage-ctl");
+	cr_assert_eq(RUN(ctl, "-s", NO_SOCK, "wait", "local.quiesce", "-1"), 2,
+		     "HITS -1 is a count of 2^64-1: it must be refused, not waited for: %s", err);
+	cr_assert(strstr(err, "invalid HITS '-1': want a count from 1 to "), "%s", err);
+
+	struct {
+		const char *argv[8];
+		const char *says;
+	} bad[] = {
+		{ { "wait", "local.quiesce", " 5" }, "invalid HITS ' 5'" },
+		{ { "wait", "local.quiesce", "+5" }, "invalid HITS '+5'" },
+		{ { "wait", "local.quiesce", "5x" }, "invalid HITS '5x'" },
+		{ { "wait", "local.quiesce", "0" }, "invalid HITS '0'" },
+		{ { "wait", "local.quiesce", "" }, "invalid HITS ''" },
+		{ { "wait", "local.quiesce", "0x5" }, "invalid HITS '0x5'" },
+		{ { "wait", "local.quiesce", "18446744073709551616" }, "invalid HITS" },
+		{ { "-t", "-1", "wait", "local.quiesce" }, "invalid --timeout '-1'" },
+		{ { "-t", " 5", "wait", "local.quiesce" }, "invalid --timeout ' 5'" },
+		{ { "--timeout", "5ms", "wait", "local.quiesce" }, "invalid --timeout '5ms'" },
+		{ { "--timeout", "+5", "wait", "local.quiesce" }, "invalid --timeout '+5'" },
+		{ { "--timeout", "2147483648", "wait", "local.quiesce" }, "invalid --timeout" },
+		{ { "--match", "-1", "set", "local.quiesce", "pause" }, "invalid --match '-1'" },
+		{ { "--match", " 5", "set", "local.quiesce", "pause" }, "invalid --match ' 5'" },
+		{ { "--match", "+5", "set", "local.quiesce", "pause" }, "invalid --match '+5'" },
+		{ { "--match", "5x", "set", "local.quiesce", "pause" }, "invalid --match '5x'" },
+		{ { "--match", "0x", "set", "local.quiesce", "pause" }, "invalid --match '0x'" },
+		{ { "--match", "0x 5", "set", "local.quiesce", "pause" }, "invalid --match '0x 5'" },
+		{ { "--match", "0x-1", "set", "local.quiesce", "pause" }, "invalid --match '0x-1'" },
+		{ { "--match", "0x10000000000000000", "set", "local.quiesce", "pause" },
+		  "invalid --match" },
+		{ { "set", "local.quiesce", "pause", "--match", "-1" }, "invalid --match '-1'" },
+		{ { "set", "local.quiesce", "pause", "-m", " 5" }, "invalid -m ' 5'" },
+		{ { "set", "local.quiesce", "pause", "--match" }, "--match needs a value" },
+		{ { "--match", "1", "--mask", "-1", "set", "local.quiesce", "pause" },
+		  "invalid --mask '-1'" },
+		{ { "--match", "1", "--mask", " 5", "set", "local.quiesce", "pause" },
+		  "invalid --mask ' 5'" },
+		{ { "set", "local.quiesce", "pause", "--match", "1", "--mask", "0" },
+		  "invalid --mask '0'" },
+		{ { "set", "local.quiesce", "pause", "--match", "1", "-k", "0x0" }, "invalid -k '0x0'" },
+		{ { "--mask", "0xff", "set", "local.quiesce", "pause" }, "--mask needs --match" },
+		{ { "wait", "local.quiesce", "--match", "1" }, "are for set" },
+		{ { "set", "local.quiesce", "fail=-5" }, "bad action 'fail=-5'" },
+		{ { "set", "local.quiesce", "fail= 5" }, "bad action 'fail= 5'" },
+		{ { "set", "local.quiesce", "fail=+5" }, "bad action 'fail=+5'" },
+		{ { "set", "local.quiesce", "fail=5x" }, "bad action 'fail=5x'" },
+		{ { "set", "local.quiesce", "fail=0" }, "bad action 'fail=0'" },
+		{ { "set", "local.quiesce", "fail=4096" }, "bad action 'fail=4096'" },
+		{ { "set", "local.quiesce", "fail=" }, "bad action 'fail='" },
+	};
+	for (unsigned i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+		const char *argv[16] = { ctl, "-s", NO_SOCK };
+		int n = 3;
+		for (int k = 0; bad[i].argv[k]; k++)
+			argv[n++] = bad[i].argv[k];
+		argv[n] = NULL;
+		int rc = run_cmd(argv, out, sizeof(out), err, sizeof(err));
+		cr_assert_eq(rc, 2, "case %u (%s %s %s): exit %d: %s", i, bad[i].argv[0],
+			     bad[i].argv[1], bad[i].argv[2] ? bad[i].argv[2] : "", rc, err);
+		cr_assert(strstr(err, bad[i].says), "case %u: want '%s', said: %s", i, bad[i].says,
+			  err);
+	}
+}
+
+Test(tools, ctl_takes_good_numbers)
+{
+	proxy_start(&px, NULL, small);
+	const char *ctl = build_path("tools/kvstage-ctl");
+	cr_assert_eq(RUN(ctl, "-s", px.sock, "--match", "0x7", "--mask", "0XfF", "set",
+			 "local.quiesce", "pause"),
+		     0, "%s", err);
+	cr_assert_eq(RUN(ctl, "-s", px.sock, "set", "local.quiesce", "pause", "-m", "7", "-k",
+			 "0x00000000000000000000ff"),
+		     0, "leading zeros do not count against 64 bits: %s", err);
+	cr_assert_eq(RUN(ctl, "-s", px.sock, "set", "local.quiesce", "fail=4095", "--match",
+			 "18446744073709551615"),
+		     0, "%s", err);
+	cr_assert_eq(RUN(ctl, "-s", px.sock, "set", "local.quiesce", "off"), 0, "%s", err);
+	cr_assert_eq(RUN(ctl, "-s", px.sock, "-t", "0", "wait", "local.quiesce", "1"), 3,
+		     "HITS 1 with --timeout 0: an unmet wait times out: %s", err);
+	cr_assert_eq(RUN(ctl, "-s", px.sock, "hits", "local.quiesce"), 0, "%s", err);
+	cr_assert_str_eq(out, "0\n");
+}
+
+/* A plain proxy refuses admins saying why; that reason is the one shown. */
+Test(tools, ctl_shows_the_proxys_reason)
+{
+	proxy_start_plain(&px, small);
+	int rc = RUN(build_path("tools/kvstage-ctl"), "-s", px.sock, "set", "local.quiesce",
+		     "pause");
+	cr_assert_eq(rc, 1, "%s", err);
+	cr_assert(strstr(err, "--failpoints"), "%s", err);
+	cr_assert_null(strstr(err, "not yours"), "%s", err);
+	char want[256];
+	snprintf(want, sizeof(want), "kvstage-ctl: %s: failpoints are off: start kvstaged with "
+				     "--failpoints\n",
+		 px.sock);
+	cr_assert_str_eq(err, want, "the proxy's message is the reason, nothing before it");
+}
+
+/* Without a message from the proxy, ctl says what kvs_strerror says. */
+Test(tools, ctl_without_a_proxy_says_why)
+{
+	cr_assert_eq(RUN(build_path("tools/kvstage-ctl"), "-s", NO_SOCK, "hits", "local.quiesce"),
+		     1);
+	char want[256];
+	snprintf(want, sizeof(want), "kvstage-ctl: %s: %s\n", NO_SOCK, kvs_strerror(-ENOENT));
+	cr_assert_str_eq(err, want);
+}
+
+/* ----------------------------------------------------------- kvstage-stat */
+
+Test(tools, stat_help_tells_every_option)
+{
+	cr_assert_eq(RUN(build_path("tools/kvstage-stat"), "--help"), 0);
+	const char *says[] = { "--socket", "--json", "--watch", "--slots", "--help", "--version",
+			       "serving or draining", "Exit status" };
+	for (unsigned i = 0; i < sizeof(says) / sizeof(says[0]); i++)
+		cr_assert(strstr(out, says[i]), "--help does not mention %s: %s", says[i], out);
+}
+
+Test(tools, stat_refuses_lenient_watch)
+{
+	const char *stat = build_path("tools/kvstage-stat");
+	const char *bad[] = { " 5", "5x", "+5", "-5", "0", "", "0x10", "5 ", "2147483648" };
+	for (unsigned i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+		int rc = RUN(stat, "-s", NO_SOCK, "--watch", bad[i]);
+		cr_assert_eq(rc, 2, "--watch '%s': exit %d: %s", bad[i], rc, err);
+		cr_assert(strstr(err, "invalid --watch"), "--watch '%s' said: %s", bad[i], err);
+	}
+}
+
+static int die_without_close(int rd_, int wr, void *arg)
+{
+	(void)rd_, (void)wr, (void)arg;
+	kvs_client *c;
+	return kvs_connect(px.sock, &c) ? 1 : 0; /* exits holding the connection */
+}
+
+/* The first line says serving; the new counters show, each its own field. */
+Test(tools, stat_shows_state_and_new_counters)
+{
+	proxy_start(&px, NULL, small);
+	/* two clients die, one closes, one forges tokens past the log's burst */
+	for (int i = 0; i < 2; i++) {
+		struct child ch;
+		child_start(&ch, die_without_close, NULL);
+		cr_assert_eq(child_wait(&ch), 0);
+	}
+	stat_wait(&px, "clients_died", 1, 2);
+	kvs_client *c = connect_ok(&px);
+	kvs_room *rr, *sr;
+	struct kvs_room_desc d;
+	cr_assert_eq(kvs_recv_open(c, 4096, 1, &rr, &d), 0);
+	d.bytes[24] ^= 1; /* a bit of the token */
+	for (int i = 0; i < 7; i++)
+		cr_assert_eq(kvs_send_open(c, &d, 2, &sr), -EPERM);
+	kvs_close(c);
+	stat_wait(&px, "clients", 0, 0);
+	cr_assert_geq(stat_get(&px, "log_suppressed"), 1, "7 forgeries, a burst of 5 logged");
+	unsigned long long closed = stat_get(&px, "clients_closed"),
+			   died = stat_get(&px, "clients_died"),
+			   supp = stat_get(&px, "log_suppressed");
+
+	const char *stat = build_path("tools/kvstage-stat");
+	cr_assert_eq(RUN(stat, "-s", px.sock), 0, "%s", err);
+	char want[256];
+	snprintf(want, sizeof(want), "kvstaged %s: serving  pid %d  instance %016llx  uptime ",
+		 px.sock, px.pid, (unsigned long long)px.ctrl->instance);
+	cr_assert_eq(strncmp(out, want, strlen(want)), 0, "first line: %s", out);
+	snprintf(want, sizeof(want), "  closed %llu  died %llu  ", closed, died);
+	cr_assert(strstr(out, want), "want '%s' in: %s", want, out);
+	snprintf(want, sizeof(want), "  log-suppressed %llu\n", supp);
+	cr_assert(strstr(out, want), "want '%s' in: %s", want, out);
+
+	cr_assert_eq(RUN(stat, "-s", px.sock, "--json", "--slots"), 0, "%s", err);
+	snprintf(want, sizeof(want), "{\"socket\":\"%s\",\"up\":true,\"draining\":false,", px.sock);
+	cr_assert_eq(strncmp(out, want, strlen(want)), 0, "%s", out);
+	snprintf(want, sizeof(want), "\"closed\":%llu,\"died\":%llu,", closed, died);
+	cr_assert(strstr(out, want), "want '%s' in: %s", want, out);
+	snprintf(want, sizeof(want), "\"log_suppressed\":%llu", supp);
+	cr_assert(strstr(out, want), "want '%s' in: %s", want, out);
+	cr_assert_neq(json_lines_ok(out, px.sock), 0, "not JSON: %s\n%s", err, out);
+}
+
+/* Every string in --json is escaped: a socket path holding '"', '\\', a
+ * control character, and a byte that is not UTF-8. The proxy serves its
+ * own path; the awkward ones are symlinks to its directory. */
+Test(tools, stat_json_escapes_strings)
+{
+	proxy_start(&px, NULL, small);
+	const char *stat = build_path("tools/kvstage-stat");
+	char path[160], want[256];
+
+	snprintf(links[0], sizeof(links[0]), "/tmp/kvstage-tools-%d-q\"b\\s\x01t", (int)getpid());
+	cr_assert_eq(symlink(px.dir, links[0]), 0, "symlink: %s", strerror(errno));
+	snprintf(path, sizeof(path), "%s/kvstaged.sock", links[0]);
+	cr_assert_lt(strlen(path), 100);
+	cr_assert_eq(RUN(stat, "-s", path, "--json", "--slots"), 0, "%s", err);
+	snprintf(want, sizeof(want),
+		 "{\"socket\":\"/tmp/kvstage-tools-%d-q\\\"b\\\\s\\u0001t/kvstaged.sock\",",
+		 (int)getpid());
+	cr_assert_eq(strncmp(out, want, strlen(want)), 0, "want %s, got %s", want, out);
+	cr_assert_null(memchr(out, '\x01', strlen(out)), "a raw control character: %s", out);
+	cr_assert_neq(json_lines_ok(out, path), 0, "not JSON: %s\n%s", err, out);
+
+	/* JSON text is UTF-8: a stray byte becomes U+FFFD, real UTF-8 stays */
+	snprintf(links[1], sizeof(links[1]), "/tmp/kvstage-tools-%d-\xff-\xc3\xa9", (int)getpid());
+	cr_assert_eq(symlink(px.dir, links[1]), 0, "symlink: %s", strerror(errno));
+	snprintf(path, sizeof(path), "%s/kvstaged.sock", links[1]);
+	cr_assert_eq(RUN(stat, "-s", path, "--json"), 0, "%s", err);
+	snprintf(want, sizeof(want), "{\"socket\":\"/tmp/kvstage-tools-%d-\\ufffd-\xc3\xa9/", (int)getpid());
+	cr_assert_eq(strncmp(out, want, strlen(want)), 0, "want %s, got %s", want, out);
+	cr_assert_neq(json_lines_ok(out, NULL), 0, "not JSON: %s\n%s", err, out);
+}
+
+/* A watching stat asks anew every sample: the proxy dies, it says so and
+ * keeps watching; a new proxy on the path is shown; no mapping or fd is
+ * left behind. */
+Test(tools, stat_watch_follows_a_proxy_that_dies_and_comes_back)
+{
+	proxy_start(&px, NULL, small);
+	watcher_start((const char *[]){ build_path("tools/kvstage-stat"), "--watch", "50", "-s",
+					px.sock, NULL });
+	char want[256], line[4096];
+	snprintf(want, sizeof(want), "kvstaged %s: serving  pid %d  instance %016llx", px.sock,
+		 px.pid, (unsigned long long)px.ctrl->instance);
+	size_t at = read_line(0, want, line, sizeof(line));
+	cr_assert_null(strstr(line, "new instance"), "%s", line);
+
+	proxy_kill(&px, SIGKILL);
+	/* The dead proxy's socket file is still there. (A sample caught
+	 * mid-handshake by the kill may say something else first.) */
+	snprintf(want, sizeof(want), "kvstaged %s: down (%s)", px.sock,
+		 kvs_strerror(-ECONNREFUSED));
+	at = read_line(at, want, line, sizeof(line));
+	cr_assert_str_eq(line, want);
+	at = read_line(at, want, line, sizeof(line)); /* and it keeps watching */
+
+	proxy_restart(&px, small);
+	snprintf(want, sizeof(want), "kvstaged %s: serving  pid %d  instance %016llx", px.sock,
+		 px.pid, (unsigned long long)px.ctrl->instance);
+	at = read_line(at, want, line, sizeof(line));
+	cr_assert(strstr(line, "(new instance)"), "%s", line);
+
+	/* samples map and unmap: nothing piles up */
+	at = read_line(at, ": serving", line, sizeof(line));
+	int fds = open_fds(watcher);
+	for (int i = 0; i < 6; i++)
+		at = read_line(at, ": serving", line, sizeof(line));
+	cr_assert_leq(ctrl_mappings(watcher), 1, "control segment mappings pile up");
+	cr_assert_leq(open_fds(watcher), fds + 2, "fds pile up: %d, then %d", fds,
+		      open_fds(watcher));
+	cr_assert_eq(waitpid(watcher, NULL, WNOHANG), 0, "the watcher exited");
+}
+
+/* The same in --json: a sample without a proxy is an object that says so. */
+Test(tools, stat_watch_json_says_down)
+{
+	proxy_start(&px, NULL, small);
+	watcher_start((const char *[]){ build_path("tools/kvstage-stat"), "--json", "--watch", "50",
+					"-s", px.sock, NULL });
+	char want[256], line[8192];
+	snprintf(want, sizeof(want), "{\"socket\":\"%s\",\"up\":true,\"draining\":false,", px.sock);
+	size_t at = read_line(0, want, line, sizeof(line));
+	proxy_kill(&px, SIGKILL);
+	snprintf(want, sizeof(want), "{\"socket\":\"%s\",\"up\":false,\"error\":\"%s\"}", px.sock,
+		 kvs_strerror(-ECONNREFUSED));
+	at = read_line(at, want, line, sizeof(line));
+	cr_assert_str_eq(line, want);
+	char both[8192];
+	snprintf(both, sizeof(both), "%.*s", (int)at, rd.buf);
+	cr_assert_neq(json_lines_ok(both, px.sock), 0, "not JSON lines: %s\n%s", err, both);
+}
+
+/* Watching a path where no proxy ever was: a line each sample, no exit. */
+Test(tools, stat_watch_waits_for_a_proxy)
+{
+	watcher_start((const char *[]){ build_path("tools/kvstage-stat"), "-w", "50", "-s", NO_SOCK,
+					NULL });
+	char want[256], line[1024];
+	snprintf(want, sizeof(want), "kvstaged %s: down (%s)", NO_SOCK, kvs_strerror(-ENOENT));
+	size_t at = read_line(0, want, line, sizeof(line));
+	cr_assert_str_eq(line, want);
+	read_line(at, want, line, sizeof(line));
+}
+
+/* A proxy that got SIGTERM and still has a room open drains: stat says
+ * draining. Needs the proxy to keep its socket while draining. */
+Test(tools, stat_shows_draining)
+{
+	proxy_start(&px, NULL, (const char *[]){ "--shutdown-grace", "60000", "--slots", "4",
+						 "--slot-size", "4K", NULL });
+	client = connect_ok(&px);
+	kvs_room *rr;
+	struct kvs_room_desc d;
+	cr_assert_eq(kvs_recv_open(client, 4096, 1, &rr, &d), 0);
+	cr_assert_eq(kill(px.pid, SIGTERM), 0);
+	stat_wait(&px, "draining", 1, 1);
+
+	const char *stat = build_path("tools/kvstage-stat");
+	int rc = RUN(stat, "-s", px.sock);
+	if (rc == 1 && strstr(err, kvs_strerror(-ENOENT)))
+		cr_assert_fail("the draining proxy removed its socket, so no tool can reach it "
+			       "(kvstaged must keep it while draining): %s", err);
+	cr_assert_eq(rc, 0, "%s", err);
+	char want[256];
+	snprintf(want, sizeof(want), "kvstaged %s: draining  pid %d", px.sock, px.pid);
+	cr_assert_eq(strncmp(out, want, strlen(want)), 0, "first line: %s", out);
+	cr_assert_eq(RUN(stat, "-s", px.sock, "--json"), 0, "%s", err);
+	snprintf(want, sizeof(want), "{\"socket\":\"%s\",\"up\":true,\"draining\":true,", px.sock);
+	cr_assert_eq(strncmp(out, want, strlen(want)), 0, "%s", out);
+}
+
+/* ---------------------------------------------------------- kvstage-bench */
+
+Test(tools, bench_refuses_lenient_numbers)
+{
+	const char *bench = build_path("tools/bench/kvstage-bench");
+	struct {
+		const char *opt, *val;
+	} bad[] = {
+		{ "--rooms", " 5" },      { "--rooms", "+5" },       { "--rooms", "5x" },
+		{ "--senders", " 1" },    { "--receivers", " 1" },   { "--samples", " 5" },
+		{ "--duration", " 1" },   { "--duration", "+1" },    { "--duration", "-1" },
+		{ "--duration", "0x1p0" }, { "--duration", "inf" },  { "--duration", "1s" },
+		{ "--warmup", " 0" },     { "--warmup", "-0" },      { "--baseline-sec", "+0.1" },
+		{ "--idle-gap", " 2" },   { "--idle-gap", "nan" },   { "--room-bytes", " 4K" },
+		{ "--bytes", "-1M" },     { "--wset", " 1M" },       { "--chunk", " 4K" },
+	};
+	for (unsigned i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+		int rc = RUN(bench, bad[i].opt, bad[i].val, "local");
+		cr_assert_eq(rc, 2, "%s '%s': exit %d: %s", bad[i].opt, bad[i].val, rc, err);
+		char want[64];
+		snprintf(want, sizeof(want), "invalid %s '%s'", bad[i].opt, bad[i].val);
+		cr_assert(strstr(err, want), "%s '%s' said: %s", bad[i].opt, bad[i].val, err);
+	}
+	/* good ones still pass (--help ends the parse after them) */
+	cr_assert_eq(RUN(bench, "--rooms", "5", "--duration", ".5", "--warmup", "0", "--idle-gap",
+			 "1e1", "--samples", "10", "--help"),
+		     0, "%s", err);
+
+	/* the gpu mode's own numbers (a build without CUDA refuses the mode) */
+	int rc = RUN(bench, "gpu", "--iters", " 5");
+	cr_assert_eq(rc, 2, "%s", err);
+	cr_assert(strstr(err, "--iters ' 5'") || strstr(err, "built without CUDA"), "%s", err);
+	rc = RUN(bench, "gpu", "--reps", "+5");
+	cr_assert_eq(rc, 2, "%s", err);
+	cr_assert(strstr(err, "--reps '+5'") || strstr(err, "built without CUDA"), "%s", err);
+}
+
+/* kvstage-bench --json repeats its command line: a stray byte there must
+ * not make the JSON invalid UTF-8, nor a quote or backslash end a string. */
+Test(tools, bench_json_escapes_strings)
+{
+	const char *bench = build_path("tools/bench/kvstage-bench");
+	int rc = RUN(bench, "baseline", "--json", "-q", "-c", "4K", "-d", "0.01", "--proxy-arg",
+		     "a\"b\\c\x01" "d\xff" "e");
+	cr_assert_eq(rc, 0, "%s", err);
+	cr_assert(strstr(out, "\"a\\\"b\\\\c\\u0001d\\ufffde\""), "%s", out);
+	/* one object, so one "line" for the checker: join it */
+	for (char *p = out; *p; p++)
+		if (*p == '\n')
+			*p = ' ';
+	cr_assert_neq(json_lines_ok(out, NULL), 0, "not JSON: %s\n%s", err, out);
+}
