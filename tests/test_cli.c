@@ -157,6 +157,7 @@ Test(cli, stat_and_ctl_against_a_live_proxy)
 	const char *stat = build_path("tools/kvstage-stat"), *ctl = build_path("tools/kvstage-ctl");
 	cr_assert_eq(RUN(stat, "-s", px.sock), 0, "%s", err);
 	cr_assert(strstr(out, "free 8"), "%s", out);
+	cr_assert(strstr(out, "8 slots x 4 KiB = 32 KiB"), "a small pool in KiB: %s", out);
 	cr_assert_eq(RUN(stat, "-s", px.sock, "--json", "--slots"), 0, "%s", err);
 	cr_assert(strstr(out, "\"slot_count\":8"), "%s", out);
 	cr_assert(strstr(out, "\"slot_table\":[]"), "%s", out);

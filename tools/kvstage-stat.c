@@ -71,9 +71,11 @@ static void print_human(const struct kvs_ctrl *c, size_t len, const char *path, 
 	printf("kvstaged %s: %s  pid %d  instance %016llx  uptime %.1f s%s\n", path,
 	       state_word(st), c->proxy_pid, (unsigned long long)c->instance, uptime_s(c),
 	       restarted ? "  (new instance)" : "");
-	printf("pool      %u slots x %llu KiB = %llu MiB  hugepages %s  locked %s  failpoints %s\n",
-	       c->slot_count, (unsigned long long)(c->slot_size >> 10),
-	       (unsigned long long)(c->pool_size >> 20), c->flags & KVS_CTRL_HUGEPAGES ? "yes" : "no",
+	char slot[32], pool[32];
+	printf("pool      %u slots x %s = %s  hugepages %s  locked %s  failpoints %s\n",
+	       c->slot_count, kvs_format_size(c->slot_size, slot, sizeof(slot)),
+	       kvs_format_size(c->pool_size, pool, sizeof(pool)),
+	       c->flags & KVS_CTRL_HUGEPAGES ? "yes" : "no",
 	       c->flags & KVS_CTRL_LOCKED ? "yes" : "no",
 	       c->flags & KVS_CTRL_FAILPOINTS ? "on" : "off");
 	printf("slots    ");
