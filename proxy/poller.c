@@ -7,17 +7,13 @@
  * having told clients (ctrl->sleeping) to kick its eventfd.
  */
 #include <errno.h>
-#include <fcntl.h>
 #include <sched.h>
 #include <signal.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
-#include <sys/file.h>
 #include <sys/socket.h>
-#include <sys/stat.h>
-#include <sys/un.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -26,8 +22,6 @@
 
 #include "log.h"
 #include "proxy.h"
-#include "sock.h"
-#include "statnames.h"
 #include "transport.h"
 
 #define TICK_NS 1000000ull
