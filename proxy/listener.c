@@ -295,6 +295,10 @@ void kvsp_listener_fini(struct kvsp *p)
 		close(p->spare_fd);
 	p->spare_fd = -1;
 	kvsp_listener_close(p);
+	/* Last: while we hold it, no other kvstaged takes the name. */
+	if (p->lock_fd >= 0)
+		close(p->lock_fd);
+	p->lock_fd = -1;
 }
 
 void kvsp_refuse(struct kvsp *p, int fd, int status, const char *msg)

@@ -134,8 +134,6 @@ void kvsp_fini(struct kvsp *p)
 		close(p->epfd);
 	if (p->wake_fd >= 0)
 		close(p->wake_fd);
-	if (p->lock_fd >= 0)
-		close(p->lock_fd);
 	g_proxy = NULL;
 }
 

@@ -174,6 +174,12 @@ static int proxy_gone_lazy(kvs_client *c)
 
 static void unwait(kvs_client *c);
 
+/* kvs_event_fd was asked for: the proxy kicks the eventfd for every batch. */
+static bool fd_mode(const kvs_client *c)
+{
+	return c->event_fd >= 0;
+}
+
 static void kick_proxy(kvs_client *c)
 {
 	/* Pairs with the proxy's fence between setting `sleeping` and its last
@@ -282,7 +288,7 @@ static int sync_call(kvs_client *c, struct kvs_sqe *q)
 		return -EAGAIN; /* events are waiting: kvs_poll first */
 	int rc = sync_call_wait(c, q);
 	/* Waiting drained the event fd; events we moved aside still need it. */
-	if (c->fd_mode && c->stash_n)
+	if (fd_mode(c) && c->stash_n)
 		eventfd_write(c->efd, 1);
 	return rc;
 }
@@ -627,7 +633,6 @@ int kvs_event_fd(kvs_client *c)
 	}
 	/* From now on the proxy signals the fd for every batch of events,
 	 * not only while we block in kvs_wait. */
-	c->fd_mode = true;
 	__atomic_store_n(&c->cshm->waiting, 1, __ATOMIC_RELAXED);
 	return c->event_fd;
 }
@@ -635,7 +640,7 @@ int kvs_event_fd(kvs_client *c)
 /* Leaves `waiting` as the mode wants it after a blocking wait. */
 static void unwait(kvs_client *c)
 {
-	__atomic_store_n(&c->cshm->waiting, c->fd_mode, __ATOMIC_RELAXED);
+	__atomic_store_n(&c->cshm->waiting, fd_mode(c), __ATOMIC_RELAXED);
 }
 
 void *kvs_pool_map(kvs_client *c, size_t *len)
@@ -1037,7 +1042,7 @@ int kvs_poll(kvs_client *c, struct kvs_event *ev, unsigned max)
 	 * space sleeps until told that we made some. */
 	if (n && kvs_ring_count(&c->sq))
 		kick_proxy(c);
-	if (n == 0 && c->fd_mode && max) {
+	if (n == 0 && fd_mode(c) && max) {
 		/* Drain the fd first, then look once more: an event posted
 		 * after our look kicks it again, so none is left unsignalled. */
 		eventfd_t v;

@@ -69,11 +69,11 @@ struct kvs_ext {
 
 struct kvs_client {
 	int sock, wake_fd, efd;
-	int event_fd;   /* kvs_event_fd: an epoll fd over efd and sock, or -1 */
+	int event_fd;   /* kvs_event_fd: an epoll fd over efd and sock, or -1 (then the
+			 * proxy kicks efd only while we block) */
 	int err;        /* 0 while usable, else why not: -ENOTCONN, -ETIMEDOUT */
 	bool forked;    /* we are a child of the process that connected */
 	bool welcomed;  /* the proxy took us in: it is owed a goodbye */
-	bool fd_mode;   /* kvs_event_fd was asked for: the proxy kicks on every batch */
 	uint16_t reg;   /* index in the registry of connections */
 	uint32_t id;
 	uint8_t *pool;
