@@ -38,10 +38,7 @@ pid_t reap(pid_t pid, int *status)
 	int st = 0, pfd = (int)syscall(SYS_pidfd_open, pid, 0);
 	if (pfd >= 0) {
 		struct pollfd p = { pfd, POLLIN, 0 };
-		int rc;
-		do
-			rc = poll(&p, 1, WAIT_MS);
-		while (rc < 0 && errno == EINTR);
+		int rc = kvs_poll_for(&p, 1, WAIT_MS);
 		close(pfd);
 		if (rc == 0) {
 			kill(pid, SIGKILL);
@@ -167,6 +164,14 @@ int proxy_kill(struct proxy *px, int sig)
 		px->pid = 0;
 	}
 	return st;
+}
+
+void proxy_freeze(struct proxy *px)
+{
+	int st;
+	kill(px->pid, SIGSTOP);
+	cr_assert_eq(waitpid(px->pid, &st, WUNTRACED), px->pid);
+	cr_assert(WIFSTOPPED(st));
 }
 
 void proxy_stop(struct proxy *px)

@@ -43,6 +43,8 @@ void proxy_start_plain(struct proxy *px, const char *const *args);
 void proxy_restart(struct proxy *px, const char *const *args);
 /* Sends sig and reaps the proxy. Returns its wait status. */
 int proxy_kill(struct proxy *px, int sig);
+/* SIGSTOPs the proxy and returns once it is stopped, not just signalled. */
+void proxy_freeze(struct proxy *px);
 /* Kills (if alive) and cleans up; safe to call twice. */
 void proxy_stop(struct proxy *px);
 /* The vulnerable test-only build's path. */

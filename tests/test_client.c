@@ -276,10 +276,7 @@ Test(client, sync_calls_give_up_on_a_wedged_proxy)
 	kvs_client *c = connect_ok(&px);
 	unsetenv("KVSTAGE_SYNC_TIMEOUT_MS");
 	cr_assert_eq(kvs_set_sync_timeout(c, 0), -EINVAL);
-	kill(px.pid, SIGSTOP);
-	int st;
-	cr_assert_eq(waitpid(px.pid, &st, WUNTRACED), px.pid);
-	cr_assert(WIFSTOPPED(st));
+	proxy_freeze(&px);
 	struct kvs_lease l;
 	uint64_t t0 = now_ms();
 	cr_assert_eq(kvs_acquire(c, 1, &l), -ETIMEDOUT);
