@@ -64,11 +64,6 @@ static void usage(FILE *f)
 "  -V, --version            show the version\n");
 }
 
-static int parse_uint(const char *s, uint64_t max, uint64_t *out)
-{
-	return kvs_parse_uint(s, max, out);
-}
-
 /* An octal mode: digits 0-7 only, at most 0777. */
 static int parse_mode(const char *s, unsigned *out)
 {
@@ -170,7 +165,7 @@ int main(int argc, char **argv)
 				return bad("--socket-group", optarg, "no such group");
 			break;
 		case 'n':
-			if (parse_uint(optarg, 1u << 24, &v) || v == 0)
+			if (kvs_parse_uint(optarg, 1u << 24, &v) || v == 0)
 				return bad("--slots", optarg, "want 1 to 16777216");
 			cfg.slot_count = (uint32_t)v;
 			break;
@@ -197,7 +192,7 @@ int main(int argc, char **argv)
 			break;
 		case O_UID:
 		case O_GID:
-			if (parse_uint(optarg, UINT32_MAX - 1, &v))
+			if (kvs_parse_uint(optarg, UINT32_MAX - 1, &v))
 				return bad(opt == O_UID ? "--allow-uid" : "--allow-gid", optarg,
 					   "want a number");
 			if (opt == O_UID && cfg.n_allow_uid < KVSP_MAX_ALLOW)
@@ -209,37 +204,37 @@ int main(int argc, char **argv)
 					   "at most 16 of each");
 			break;
 		case O_ROOMS:
-			if (parse_uint(optarg, 1u << 24, &v) || !v)
+			if (kvs_parse_uint(optarg, 1u << 24, &v) || !v)
 				return bad("--max-rooms", optarg, "want 1 to 16777216");
 			cfg.max_rooms = (uint32_t)v;
 			break;
 		case O_CROOMS:
-			if (parse_uint(optarg, 65534, &v) || !v)
+			if (kvs_parse_uint(optarg, 65534, &v) || !v)
 				return bad("--client-rooms", optarg, "want 1 to 65534");
 			cfg.client_rooms = (uint32_t)v;
 			break;
 		case O_CLIENTS:
-			if (parse_uint(optarg, 65535, &v) || !v)
+			if (kvs_parse_uint(optarg, 65535, &v) || !v)
 				return bad("--max-clients", optarg, "want 1 to 65535");
 			cfg.max_clients = (uint32_t)v;
 			break;
 		case O_RING:
-			if (parse_uint(optarg, 65536, &v) || v < 64 || (v & (v - 1)))
+			if (kvs_parse_uint(optarg, 65536, &v) || v < 64 || (v & (v - 1)))
 				return bad("--ring", optarg, "want a power of two, 64 to 65536");
 			cfg.sq_count = (uint32_t)v;
 			break;
 		case O_TIMEOUT:
-			if (parse_uint(optarg, 86400000, &v))
+			if (kvs_parse_uint(optarg, 86400000, &v))
 				return bad("--room-timeout", optarg, "want milliseconds, 0 to 86400000");
 			cfg.room_timeout_ns = v * 1000000;
 			break;
 		case O_GRACE:
-			if (parse_uint(optarg, 86400000, &v))
+			if (kvs_parse_uint(optarg, 86400000, &v))
 				return bad("--shutdown-grace", optarg, "want milliseconds");
 			cfg.shutdown_grace_ns = v * 1000000;
 			break;
 		case O_SPIN:
-			if (parse_uint(optarg, 1000000, &v))
+			if (kvs_parse_uint(optarg, 1000000, &v))
 				return bad("--spin-us", optarg, "want 0 to 1000000");
 			cfg.spin_ns = v * 1000;
 			break;
@@ -247,7 +242,7 @@ int main(int argc, char **argv)
 			cfg.failpoints = true;
 			break;
 		case O_READY:
-			if (parse_uint(optarg, INT_MAX, &v) || fcntl((int)v, F_GETFD) < 0)
+			if (kvs_parse_uint(optarg, INT_MAX, &v) || fcntl((int)v, F_GETFD) < 0)
 				return bad("--ready-fd", optarg, "not an open file descriptor");
 			ready_fd = (int)v;
 			break;
