@@ -16,7 +16,6 @@
 
 #include "log.h"
 #include "proxy.h"
-#include "transport.h"
 
 #define NCLIENTS 4
 #define NSLOTS 16
@@ -91,6 +90,9 @@ static void check(void)
 		if (s->state >= KVS_SLOT_NSTATES)
 			die("bad state", i);
 		count[s->state]++;
+		/* every pin belongs to a transfer record, and only a pin has one */
+		if (s->pins != (P.xfers[i].dir != 0) || (s->pins && P.xfers[i].slot != i))
+			die("a pin without its transfer record, or a record without a pin", i);
 		if (KVS_EPOCH_AFTER(shadow_epoch[i], s->epoch))
 			die("epoch went backwards", i);
 		shadow_epoch[i] = s->epoch;

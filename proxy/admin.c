@@ -15,7 +15,6 @@
 #include "proxy.h"
 #include "sock.h"
 #include "statnames.h"
-#include "transport.h"
 
 #define MAX_ADMINS 16
 
@@ -141,8 +140,12 @@ static void on_admin(struct kvsp *p, struct kvsp_admin *a)
 			admin_reply(a, -EOPNOTSUPP, 0, "only local.quiesce holds anything");
 			return;
 		}
-		uint64_t mask = q.mask ? q.mask : UINT64_MAX;
-		admin_reply(a, 0, kvsp_local_release(p->local, q.match & mask, mask), "ok");
+		/* Whichever transports hold work let go of what matches. */
+		uint64_t mask = q.mask ? q.mask : UINT64_MAX, n = 0;
+		for (unsigned k = 0; k < p->nxports; k++)
+			if (p->xports[k]->ops->release)
+				n += p->xports[k]->ops->release(p->xports[k], q.match & mask, mask);
+		admin_reply(a, 0, n, "ok");
 		break;
 	}
 	case KVS_ADMIN_FP_WAIT:

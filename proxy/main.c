@@ -283,6 +283,11 @@ int main(int argc, char **argv)
 		return 2;
 	}
 
+#ifdef KVSTAGED_VULNERABLE
+	/* kvstaged-vulnerable, a test-only build: see transport_vulnerable.c. */
+	cfg.local_create = kvsp_vulnerable_create;
+	LOG_WARN("TEST-ONLY BUILD: the local transport reports quiescence early; never deploy this");
+#endif
 	static struct kvsp p;
 	int rc = kvsp_init(&p, &cfg);
 	if (rc == 0)

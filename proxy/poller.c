@@ -22,12 +22,11 @@
 
 #include "log.h"
 #include "proxy.h"
-#include "transport.h"
 
 #define TICK_NS 1000000ull
 #define DRAIN_REPORT_NS 2000000000ull /* a draining proxy says what it waits for this often */
 
-static struct kvsp *g_proxy; /* for the signal handler */
+struct kvsp *kvsp_signalled; /* for the signal handler: set by kvsp_listen */
 
 uint64_t kvsp_now_ns(void)
 {
@@ -45,62 +44,10 @@ int kvsp_ep_add(struct kvsp *p, int fd, uint32_t events, uint64_t data)
 static void on_signal(int sig)
 {
 	(void)sig;
-	if (g_proxy) {
-		g_proxy->term++;
-		eventfd_write(g_proxy->wake_fd, 1);
+	if (kvsp_signalled) {
+		kvsp_signalled->term++;
+		eventfd_write(kvsp_signalled->wake_fd, 1);
 	}
-}
-
-/* ------------------------------------------------------------ lifetime */
-
-static uint32_t pow2_at_least(uint32_t v)
-{
-	uint32_t n = 1;
-	while (n < v)
-		n <<= 1;
-	return n;
-}
-
-int kvsp_init(struct kvsp *p, const struct kvsp_config *cfg)
-{
-	memset(p, 0, sizeof(*p));
-	p->cfg = *cfg;
-	p->cfg.cq_count = pow2_at_least(2 * (cfg->client_rooms + 32));
-	p->epfd = p->listen_fd = p->wake_fd = p->lock_fd = p->pool_fd = p->ctrl_fd = -1;
-	p->spare_fd = -1;
-	kvsp_log_level = cfg->log_level;
-
-	/* The cheap checks first: a bad socket path is said at once, not
-	 * after minutes of populating a large pool. */
-	int rc = 0;
-	if (cfg->socket_path)
-		rc = kvsp_socket_claim(p);
-	if (rc == 0)
-		rc = kvsp_pool_fits(cfg);
-	if (rc == 0)
-		rc = kvsp_pool_create(p);
-	if (rc == 0)
-		rc = kvsp_rooms_init(p);
-	if (rc == 0)
-		rc = kvsp_listener_init(p);
-	if (rc == 0)
-		rc = kvsp_admin_init(p);
-	if (rc < 0)
-		return rc;
-	p->clients = calloc(p->cfg.max_clients, sizeof(*p->clients));
-	p->kicks = calloc(p->cfg.max_clients, sizeof(*p->kicks));
-	p->local = kvsp_local_create(p);
-	if (!p->clients || !p->kicks || !p->local)
-		return -ENOMEM;
-	p->epfd = epoll_create1(EPOLL_CLOEXEC);
-	p->wake_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
-	if (p->epfd < 0 || p->wake_fd < 0)
-		return -errno;
-	rc = kvsp_ep_add(p, p->wake_fd, EPOLLIN, kvsp_ep_tag(KVSP_EP_WAKE, 0, 0));
-	if (rc < 0)
-		return rc;
-	p->now_ns = kvsp_now_ns();
-	return 0;
 }
 
 int kvsp_listen(struct kvsp *p)
@@ -108,33 +55,13 @@ int kvsp_listen(struct kvsp *p)
 	int rc = kvsp_listener_open(p);
 	if (rc < 0)
 		return rc;
-	g_proxy = p;
+	kvsp_signalled = p;
 	struct sigaction sa_term = { .sa_handler = on_signal };
 	sigemptyset(&sa_term.sa_mask);
 	sigaction(SIGTERM, &sa_term, NULL);
 	sigaction(SIGINT, &sa_term, NULL);
 	signal(SIGPIPE, SIG_IGN);
 	return 0;
-}
-
-void kvsp_fini(struct kvsp *p)
-{
-	for (unsigned i = 0; p->clients && i < p->cfg.max_clients; i++)
-		if (p->clients[i])
-			kvsp_client_destroy(p, p->clients[i]);
-	kvsp_admin_fini(p);
-	if (p->local)
-		p->local->ops->destroy(p->local);
-	kvsp_listener_fini(p);
-	kvsp_rooms_fini(p);
-	kvsp_pool_destroy(p);
-	free(p->clients);
-	free(p->kicks);
-	if (p->epfd >= 0)
-		close(p->epfd);
-	if (p->wake_fd >= 0)
-		close(p->wake_fd);
-	g_proxy = NULL;
 }
 
 /* ------------------------------------------------------------ sockets */
@@ -189,6 +116,10 @@ static void on_events(struct kvsp *p, struct epoll_event *ev, int n)
 		case KVSP_EP_ADMIN:
 			kvsp_admin_event(p, idx, ev[k].events);
 			break;
+		case KVSP_EP_XPORT:
+			if (idx < p->nxports && p->xports[idx]->ops->on_fd)
+				p->xports[idx]->ops->on_fd(p->xports[idx], id, ev[k].events);
+			break;
 		}
 	}
 }
@@ -204,10 +135,19 @@ static int poll_clients(struct kvsp *p)
 	return busy;
 }
 
+static int poll_transports(struct kvsp *p)
+{
+	int busy = KVSP_IDLE;
+	for (unsigned k = 0; k < p->nxports; k++)
+		busy |= p->xports[k]->ops->poll(p->xports[k]);
+	return busy;
+}
+
 static bool work_waiting(struct kvsp *p)
 {
-	if (p->local->ops->pending(p->local))
-		return true;
+	for (unsigned k = 0; k < p->nxports; k++)
+		if (p->xports[k]->ops->pending(p->xports[k]))
+			return true;
 	for (unsigned i = 0; i < p->clients_hi; i++) {
 		struct kvsp_client *c = p->clients[i];
 		if (c && kvs_ring_count(&c->sq) && kvs_ring_free(&c->cq) > c->finals_owed)
@@ -348,7 +288,7 @@ int kvsp_run(struct kvsp *p)
 	for (;;) {
 		p->now_ns = kvsp_now_ns();
 		int busy = poll_clients(p);
-		busy |= p->local->ops->poll(p->local);
+		busy |= poll_transports(p);
 		if (p->now_ns >= p->next_tick_ns) {
 			struct epoll_event ev[32];
 			int n = epoll_wait(p->epfd, ev, 32, 0);

@@ -1,13 +1,14 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * Rooms: one request's transfer. A receiving client opens one (bytes, and a
- * descriptor with a random token); a sending client opens its other side
- * with that descriptor and hands it leased slots, one chunk each. A
- * transport carries each chunk and reports quiescence; only then, and only
- * through the fence in kvsp_xfer_done(), does a chunk land.
+ * Rooms: lifetime, opens, abort and end, and what clients ask of them. A
+ * receiving client opens one (bytes, and a descriptor with a random
+ * token); a sending client opens its other half with that descriptor, on
+ * this proxy or another, and hands it leased slots, one chunk each. The
+ * transfers themselves, and the fence every landing passes, are xfer.c's.
  *
  * A room ends with exactly one final event on each attached handle. An
- * aborted room ends only after every slot it touched has quiesced.
+ * aborted room ends only after every slot it touched has quiesced, here
+ * and, when its other half is on a peer, there.
  */
 #include <endian.h>
 #include <errno.h>
@@ -17,13 +18,12 @@
 
 #include "log.h"
 #include "proxy.h"
-#include "transport.h"
 
 #define NONE KVSP_NONE
 
 /* ------------------------------------------------------------ helpers */
 
-static void slist_push(struct kvsp *p, uint32_t *head, uint32_t slot)
+void kvsp_slist_push(struct kvsp *p, uint32_t *head, uint32_t slot)
 {
 	struct kvsp_slot_priv *sp = p->slots.priv;
 	sp[slot].prev = NONE;
@@ -33,7 +33,7 @@ static void slist_push(struct kvsp *p, uint32_t *head, uint32_t slot)
 	*head = slot;
 }
 
-static void slist_del(struct kvsp *p, uint32_t *head, uint32_t slot)
+void kvsp_slist_del(struct kvsp *p, uint32_t *head, uint32_t slot)
 {
 	struct kvsp_slot_priv *sp = p->slots.priv;
 	if (sp[slot].prev != NONE)
@@ -61,8 +61,7 @@ static void lru_del(struct kvsp *p, uint32_t i)
 	r->lru_prev = r->lru_next = NONE;
 }
 
-/* Progress: the room moves to the young end of the timeout list. */
-static void touch(struct kvsp *p, uint32_t i)
+void kvsp_room_touch(struct kvsp *p, uint32_t i)
 {
 	struct kvsp_room *r = &p->rooms[i];
 	r->progress_ns = p->now_ns;
@@ -93,7 +92,7 @@ static void new_token(struct kvsp *p, uint8_t token[16])
 	p->rnd_used += 16;
 }
 
-static bool token_eq(const uint8_t a[16], const uint8_t b[16])
+bool kvsp_token_eq(const uint8_t a[16], const uint8_t b[16])
 {
 	uint8_t d = 0; /* constant time: a forger learns nothing from timing */
 	for (int i = 0; i < 16; i++)
@@ -101,7 +100,7 @@ static bool token_eq(const uint8_t a[16], const uint8_t b[16])
 	return d == 0;
 }
 
-static uint64_t chunk_len(const struct kvsp *p, const struct kvsp_room *r, uint32_t chunk)
+uint64_t kvsp_chunk_len(const struct kvsp *p, const struct kvsp_room *r, uint32_t chunk)
 {
 	uint64_t off = (uint64_t)chunk * p->cfg.slot_size;
 	uint64_t left = r->bytes - off;
@@ -127,7 +126,7 @@ int kvsp_rooms_init(struct kvsp *p)
 		struct kvsp_room *r = &p->rooms[i];
 		r->gen = 1;
 		r->lru_prev = r->lru_next = NONE;
-		r->placed_head = r->inflight_head = NONE;
+		r->recv.placed_head = r->recv.posted_head = r->send.inflight_head = NONE;
 		r->claimed_bits = p->bits_arena + (size_t)i * p->bits_words;
 		r->next_free = i + 1 < n ? i + 1 : NONE;
 	}
@@ -163,7 +162,7 @@ static uint32_t room_alloc(struct kvsp *p)
 static void room_maybe_free(struct kvsp *p, uint32_t i)
 {
 	struct kvsp_room *r = &p->rooms[i];
-	if (r->state != KVSP_ROOM_ENDED || r->recv.cid || r->send.cid)
+	if (r->state != KVSP_ROOM_ENDED || r->recv.client.cid || r->send.client.cid)
 		return;
 	r->state = KVSP_ROOM_FREE;
 	r->gen++;
@@ -194,31 +193,26 @@ static void post_final(struct kvsp *p, struct kvsp_side *s, uint16_t type, int s
 		s->cid = 0;
 }
 
-#ifdef KVS_VULNERABLE
-/* The buggy engines: what is in flight is freed at once and forgotten;
- * the transport does not know and carries on. */
-static void vulnerable_forget_inflight(struct kvsp *p, struct kvsp_room *r)
-{
-	while (r->inflight_head != NONE) {
-		uint32_t s = r->inflight_head;
-		slist_del(p, &r->inflight_head, s);
-		kvsp_slot_kill(&p->slots, s);
-		r->inflight--;
-	}
-}
-#endif
-
 static void room_end(struct kvsp *p, uint32_t i)
 {
 	struct kvsp_room *r = &p->rooms[i];
+	if (r->state == KVSP_ROOM_ENDED || r->state == KVSP_ROOM_FREE)
+		return;
 	r->state = KVSP_ROOM_ENDED;
 	p->rooms_active--;
-	post_final(p, &r->send, r->final_type, r->status, 0, NONE, 0);
-	post_final(p, &r->recv, r->final_type, r->status, 0, NONE, 0);
+	post_final(p, &r->send.client, r->final_type, r->status, 0, NONE, 0);
+	post_final(p, &r->recv.client, r->final_type, r->status, 0, NONE, 0);
 	room_maybe_free(p, i);
 }
 
-static void room_complete(struct kvsp *p, uint32_t i, uint32_t first_slot)
+static void note(struct kvsp *p, uint32_t i, int what, int status)
+{
+	struct kvsp_room *r = &p->rooms[i];
+	if (r->far && r->xport->ops->notify)
+		r->xport->ops->notify(r->xport, i, r->gen, what, status);
+}
+
+void kvsp_room_recv_complete(struct kvsp *p, uint32_t i)
 {
 	struct kvsp_room *r = &p->rooms[i];
 	lru_del(p, i);
@@ -226,15 +220,26 @@ static void room_complete(struct kvsp *p, uint32_t i, uint32_t first_slot)
 	r->final_type = KVS_EV_RECV_DONE;
 	p->rooms_active--;
 	KVS_STAT_ADD(p->stats->rooms_done, 1);
-	post_final(p, &r->send, KVS_EV_SEND_DONE, 0, r->bytes, NONE, 0);
-	post_final(p, &r->recv, KVS_EV_RECV_DONE, 0, r->bytes, first_slot,
-		   p->slots.pub[first_slot].epoch);
+	note(p, i, KVSP_NOTE_DONE, 0);
+	post_final(p, &r->send.client, KVS_EV_SEND_DONE, 0, r->bytes, NONE, 0);
+	post_final(p, &r->recv.client, KVS_EV_RECV_DONE, 0, r->bytes, r->recv.chunk0,
+		   p->slots.pub[r->recv.chunk0].epoch);
 	room_maybe_free(p, i);
 }
 
-/* Aborts room i: what it holds is freed, what a transport still pins
- * becomes a tombstone, and the final events wait for the last quiescence. */
-static void room_abort(struct kvsp *p, uint32_t i, int status, uint8_t type)
+void kvsp_room_send_complete(struct kvsp *p, uint32_t i)
+{
+	struct kvsp_room *r = &p->rooms[i];
+	lru_del(p, i);
+	r->state = KVSP_ROOM_ENDED;
+	r->final_type = KVS_EV_SEND_DONE;
+	p->rooms_active--;
+	KVS_STAT_ADD(p->stats->rooms_done, 1);
+	post_final(p, &r->send.client, KVS_EV_SEND_DONE, 0, r->bytes, NONE, 0);
+	room_maybe_free(p, i);
+}
+
+void kvsp_room_abort(struct kvsp *p, uint32_t i, int status, uint8_t type, bool told_by_peer)
 {
 	struct kvsp_room *r = &p->rooms[i];
 	if (r->state != KVSP_ROOM_OPEN)
@@ -247,28 +252,45 @@ static void room_abort(struct kvsp *p, uint32_t i, int status, uint8_t type)
 		KVS_STAT_ADD(p->stats->rooms_failed, 1);
 	else
 		KVS_STAT_ADD(p->stats->rooms_aborted, 1);
-	while (r->placed_head != NONE) {
-		uint32_t s = r->placed_head;
-		slist_del(p, &r->placed_head, s);
+	/* What the room holds is freed; what a transport still pins (sent
+	 * and not quiesced, posted and being written) becomes a tombstone. */
+	while (r->recv.placed_head != NONE) {
+		uint32_t s = r->recv.placed_head;
+		kvsp_slist_del(p, &r->recv.placed_head, s);
 		kvsp_slot_kill(&p->slots, s);
 	}
-#ifdef KVS_VULNERABLE
-	vulnerable_forget_inflight(p, r);
-#else
-	for (uint32_t s = r->inflight_head; s != NONE; s = p->slots.priv[s].next)
+	for (uint32_t s = r->send.inflight_head; s != NONE; s = p->slots.priv[s].next)
 		kvsp_slot_kill(&p->slots, s);
-#endif
-	if (r->xport)
-		r->xport->ops->cancel(r->xport, i);
-	LOG_DEBUG("room %u aborted (%d), %u in flight", i, status, r->inflight);
-	if (r->inflight == 0)
-		room_end(p, i);
+	for (uint32_t s = r->recv.posted_head; s != NONE; s = p->slots.priv[s].next)
+		kvsp_slot_kill(&p->slots, s);
+	LOG_DEBUG("room %u aborted (%d), %u in flight, %u posted", i, status, r->send.inflight,
+		  r->recv.posted);
+	r->xport->ops->cancel(r->xport, i, r->gen, status);
+	if (!told_by_peer && r->state == KVSP_ROOM_ABORTING)
+		note(p, i, KVSP_NOTE_ABORT, status);
+	kvsp_room_try_end(p, i);
+}
+
+void kvsp_room_try_end(struct kvsp *p, uint32_t i)
+{
+	struct kvsp_room *r = &p->rooms[i];
+	if (r->state != KVSP_ROOM_ABORTING || r->send.inflight || r->recv.posted)
+		return;
+	if (r->far && !r->ended_told) {
+		r->ended_told = true;
+		note(p, i, KVSP_NOTE_ENDED, r->status);
+		if (r->state != KVSP_ROOM_ABORTING)
+			return; /* the transport ended it meanwhile (a lost peer) */
+	}
+	if (r->far && r->far_live)
+		return; /* the receiver's ABORTED means no byte can land: wait for the peer */
+	room_end(p, i);
 }
 
 void kvsp_rooms_abort_all(struct kvsp *p, int status)
 {
 	for (uint32_t i = 0; i < p->cfg.max_rooms; i++)
-		room_abort(p, i, status, KVS_EV_ABORTED);
+		kvsp_room_abort(p, i, status, KVS_EV_ABORTED, false);
 }
 
 uint64_t kvsp_rooms_tick(struct kvsp *p)
@@ -284,12 +306,45 @@ uint64_t kvsp_rooms_tick(struct kvsp *p)
 			    "room %u: no progress for %llu ms, aborting", p->lru_head,
 			    (unsigned long long)(t / 1000000));
 		KVS_STAT_ADD(p->stats->rooms_timed_out, 1);
-		room_abort(p, p->lru_head, -ETIMEDOUT, KVS_EV_ABORTED);
+		kvsp_room_abort(p, p->lru_head, -ETIMEDOUT, KVS_EV_ABORTED, false);
 	}
 	return UINT64_MAX;
 }
 
 /* --------------------------------------------------------------- opens */
+
+/* A room in use from now: both halves empty, nothing claimed. */
+static struct kvsp_room *room_start(struct kvsp *p, uint32_t i, uint64_t bytes,
+				    struct kvsp_transport *t)
+{
+	struct kvsp_room *r = &p->rooms[i];
+	r->state = KVSP_ROOM_OPEN;
+	r->final_type = 0;
+	r->status = 0;
+	r->far = KVSP_FAR_NONE;
+	r->far_live = r->far_done = r->ended_told = false;
+	r->peer = 0;
+	r->bytes = bytes;
+	r->nchunks = (uint32_t)((bytes + p->cfg.slot_size - 1) / p->cfg.slot_size);
+	memset(r->claimed_bits, 0, ((r->nchunks + 63) / 64) * sizeof(uint64_t));
+	r->recv = (struct kvsp_recv_half){ .placed_head = NONE, .posted_head = NONE,
+					   .chunk0 = NONE };
+	r->send = (struct kvsp_send_half){ .inflight_head = NONE };
+	r->xport = t;
+	return r;
+}
+
+static void attach_handle(struct kvsp *p, struct kvsp_client *c, uint16_t h, uint32_t i,
+			  uint8_t role, uint64_t user_data)
+{
+	struct kvsp_room *r = &p->rooms[i];
+	struct kvsp_side *s = role == KVSP_RECV ? &r->recv.client : &r->send.client;
+	*s = (struct kvsp_side){ c->id, c->idx, h, user_data };
+	c->handles[h] = (struct kvsp_handle){ .state = KVSP_H_OPEN, .role = role, .room = i,
+					      .user_data = user_data };
+	c->finals_owed++;
+	kvsp_room_touch(p, i);
+}
 
 int kvsp_room_open_recv(struct kvsp *p, struct kvsp_client *c, uint16_t h, uint64_t bytes,
 			uint64_t user_data, struct kvs_desc_wire *d)
@@ -309,24 +364,10 @@ int kvsp_room_open_recv(struct kvsp *p, struct kvsp_client *c, uint16_t h, uint6
 	uint32_t i = room_alloc(p);
 	if (i == NONE)
 		return -ENFILE;
-	struct kvsp_room *r = &p->rooms[i];
-	r->state = KVSP_ROOM_OPEN;
-	r->final_type = 0;
-	r->status = 0;
-	r->bytes = bytes;
-	r->nchunks = (uint32_t)((bytes + p->cfg.slot_size - 1) / p->cfg.slot_size);
-	r->placed = r->inflight = 0;
-	r->placed_head = r->inflight_head = NONE;
-	memset(r->claimed_bits, 0, ((r->nchunks + 63) / 64) * sizeof(uint64_t));
+	struct kvsp_room *r = room_start(p, i, bytes, p->local);
 	new_token(p, r->token);
-	r->recv = (struct kvsp_side){ c->id, c->idx, h, user_data };
-	r->send = (struct kvsp_side){ 0 };
-	r->xport = p->local;
-	*hd = (struct kvsp_handle){ .state = KVSP_H_OPEN, .role = KVSP_RECV, .room = i,
-				    .user_data = user_data };
-	c->finals_owed++;
 	p->rooms_active++;
-	touch(p, i);
+	attach_handle(p, c, h, i, KVSP_RECV, user_data);
 
 	memset(d, 0, sizeof(*d));
 	d->magic = htole32(KVS_MAGIC_DESC);
@@ -340,6 +381,49 @@ int kvsp_room_open_recv(struct kvsp *p, struct kvsp_client *c, uint16_t h, uint6
 	return 0;
 }
 
+/* The descriptor names another proxy: a send half here, its receiving
+ * half there, through the first transport that reaches it. Whether that
+ * room exists is the peer's to say: a refusal comes as the final FAILED. */
+static int open_send_far(struct kvsp *p, struct kvsp_client *c, uint16_t h,
+			 const struct kvs_desc_wire *d, uint64_t user_data, uint64_t *bytes)
+{
+	struct kvsp_transport *t = NULL;
+	uint32_t peer = 0;
+	int rc = -EOPNOTSUPP;
+	for (unsigned k = 0; k < p->nxports && rc == -EOPNOTSUPP; k++)
+		if (p->xports[k]->ops->reach) {
+			t = p->xports[k];
+			rc = t->ops->reach(t, d, &peer);
+		}
+	if (rc < 0)
+		return rc;
+	uint64_t n = le64toh(d->bytes);
+	if (!n || le64toh(d->slot_size) != p->cfg.slot_size)
+		return -EINVAL; /* one deployment, one slot size: a chunk is a slot on both */
+	if (n > (uint64_t)p->cfg.slot_count * p->cfg.slot_size)
+		return -EMSGSIZE;
+	if (p->draining)
+		return -ESHUTDOWN;
+	uint32_t i = room_alloc(p);
+	if (i == NONE)
+		return -ENFILE;
+	struct kvsp_room *r = room_start(p, i, n, t);
+	r->far = KVSP_FAR_RECV;
+	r->far_live = true;
+	r->peer = peer;
+	memcpy(r->token, d->token, 16);
+	rc = t->ops->attach(t, peer, i, r->gen, d);
+	if (rc < 0) {
+		r->state = KVSP_ROOM_ENDED;
+		room_maybe_free(p, i);
+		return rc;
+	}
+	p->rooms_active++;
+	attach_handle(p, c, h, i, KVSP_SEND, user_data);
+	*bytes = n;
+	return 0;
+}
+
 int kvsp_room_open_send(struct kvsp *p, struct kvsp_client *c, uint16_t h,
 			const struct kvs_desc_wire *d, uint64_t user_data, uint64_t *bytes)
 {
@@ -349,15 +433,15 @@ int kvsp_room_open_send(struct kvsp *p, struct kvsp_client *c, uint16_t h,
 	if (le32toh(d->magic) != KVS_MAGIC_DESC || le16toh(d->version) != 1)
 		return -EINVAL;
 	if (le64toh(d->instance) != p->instance)
-		/* Another proxy's room, or one from before a restart. */
-		return d->endpoint[0] ? -EOPNOTSUPP : -ESTALE;
+		/* Another proxy's room, or one of ours from before a restart. */
+		return d->endpoint[0] ? open_send_far(p, c, h, d, user_data, bytes) : -ESTALE;
 	uint32_t i = le32toh(d->room);
 	if (i >= p->cfg.max_rooms)
 		return -EINVAL;
 	struct kvsp_room *r = &p->rooms[i];
-	if (r->state == KVSP_ROOM_FREE || r->gen != le32toh(d->gen))
+	if (r->state == KVSP_ROOM_FREE || r->gen != le32toh(d->gen) || r->far == KVSP_FAR_RECV)
 		return -ESTALE;
-	if (!token_eq(r->token, d->token)) {
+	if (!kvsp_token_eq(r->token, d->token)) {
 		KVS_STAT_ADD(p->stats->rej_token, 1);
 		kvsp_log_rl(&c->rl[KVSP_RL_TOKEN], p->now_ns, &p->stats->log_suppressed, KVSP_LOG_WARN,
 			    "client %u (pid %d): wrong token for room %u", c->id, (int)c->pid, i);
@@ -365,13 +449,9 @@ int kvsp_room_open_send(struct kvsp *p, struct kvsp_client *c, uint16_t h,
 	}
 	if (r->state != KVSP_ROOM_OPEN)
 		return -ECANCELED;
-	if (r->send.cid)
+	if (r->send.client.cid || r->far)
 		return -EBUSY;
-	r->send = (struct kvsp_side){ c->id, c->idx, h, user_data };
-	*hd = (struct kvsp_handle){ .state = KVSP_H_OPEN, .role = KVSP_SEND, .room = i,
-				    .user_data = user_data };
-	c->finals_owed++;
-	touch(p, i);
+	attach_handle(p, c, h, i, KVSP_SEND, user_data);
 	*bytes = r->bytes;
 	return 0;
 }
@@ -398,84 +478,12 @@ int kvsp_room_send(struct kvsp *p, struct kvsp_client *c, uint16_t h, const stru
 	if (offset % p->cfg.slot_size || offset >= r->bytes)
 		return -EINVAL;
 	uint32_t chunk = (uint32_t)(offset / p->cfg.slot_size);
-	if (len != chunk_len(p, r, chunk))
+	if (len != kvsp_chunk_len(p, r, chunk))
 		return -EINVAL;
 	if (r->claimed_bits[chunk / 64] & (1ull << (chunk % 64)))
 		return -EEXIST;
-
-	kvsp_slot_pin(&p->slots, c->id, l);
-	struct kvsp_slot_priv *sp = &p->slots.priv[l->slot];
-	sp->room = i;
-	sp->chunk = chunk;
-	__atomic_store_n(&p->slots.pub[l->slot].room, i + 1, __ATOMIC_RELAXED);
-	slist_push(p, &r->inflight_head, l->slot);
-	r->inflight++;
-	r->claimed_bits[chunk / 64] |= 1ull << (chunk % 64);
-	touch(p, i);
-
-	struct kvsp_xfer x = { l->slot, l->epoch, i, r->gen, chunk };
-	int rc = r->xport->ops->submit(r->xport, &x);
-	if (rc < 0)
-		kvsp_xfer_done(p, &x, rc); /* refused before touching: fail the room */
+	kvsp_xfer_send(p, c->id, i, l, chunk);
 	return 0;
-}
-
-#ifdef KVS_VULNERABLE
-/* The buggy engines' transport: no fence. The late chunk lands in the
- * room from whatever slot it named, whoever holds that slot now. */
-static void vulnerable_land(struct kvsp *p, const struct kvsp_xfer *x)
-{
-	struct kvsp_room *r = &p->rooms[x->room];
-	if (r->state != KVSP_ROOM_OPEN || !r->recv.cid)
-		return;
-	kvsp_slot_force_handoff(&p->slots, x->slot, r->recv.cid);
-	p->slots.priv[x->slot].room = x->room;
-	p->slots.priv[x->slot].chunk = x->chunk;
-	slist_push(p, &r->placed_head, x->slot);
-	if (x->chunk == 0)
-		r->chunk0 = x->slot;
-	if (++r->placed == r->nchunks)
-		room_complete(p, x->room, r->chunk0);
-}
-#endif
-
-void kvsp_xfer_done(struct kvsp *p, const struct kvsp_xfer *x, int status)
-{
-	struct kvs_slot *pub = &p->slots.pub[x->slot];
-#ifdef KVS_VULNERABLE
-	if (pub->state != KVS_SLOT_INFLIGHT || pub->epoch != x->epoch) {
-		vulnerable_land(p, x);
-		return;
-	}
-#endif
-	/* The slot is pinned for x, so it is still on its room's in-flight
-	 * list, INFLIGHT or (if the room was aborted) a TOMBSTONE. */
-	struct kvsp_room *r = &p->rooms[x->room];
-	slist_del(p, &r->inflight_head, x->slot);
-	r->inflight--;
-	/* The fence (invariant 5): the chunk lands only if the slot is still
-	 * in flight for this room, at the epoch it was captured with, and the
-	 * room is the same generation and still open. */
-	bool lands = status == 0 && pub->state == KVS_SLOT_INFLIGHT && pub->epoch == x->epoch &&
-		     r->gen == x->room_gen && r->state == KVSP_ROOM_OPEN;
-	int st = kvsp_slot_unpin(&p->slots, x->slot);
-	if (lands) {
-		kvsp_slot_handoff(&p->slots, x->slot, r->recv.cid);
-		slist_push(p, &r->placed_head, x->slot);
-		KVS_STAT_ADD(p->stats->chunks_moved, 1);
-		KVS_STAT_ADD(p->stats->bytes_moved, chunk_len(p, r, x->chunk));
-		if (x->chunk == 0)
-			r->chunk0 = x->slot;
-		touch(p, x->room);
-		if (++r->placed == r->nchunks)
-			room_complete(p, x->room, r->chunk0);
-	} else if (st == KVS_SLOT_INFLIGHT) {
-		/* Not tombstoned, yet not landing: the transport failed it. */
-		kvsp_slot_kill(&p->slots, x->slot);
-		room_abort(p, x->room, status ? status : -EIO, KVS_EV_FAILED);
-	}
-	if (r->state == KVSP_ROOM_ABORTING && r->inflight == 0)
-		room_end(p, x->room);
 }
 
 /* ---------------------------------------------------- abort, close, map */
@@ -485,26 +493,16 @@ void kvsp_room_abort_from(struct kvsp *p, struct kvsp_client *c, uint16_t h, int
 	struct kvsp_handle *hd = handle_of(p, c, h);
 	if (hd->state != KVSP_H_OPEN)
 		return; /* its final is posted or owed already: idempotent */
-#ifdef KVS_VULNERABLE
-	if (hd->role == KVSP_SEND) {
-		/* The buggy engines: the sender's abort is local. Its pages
-		 * are freed at once; the receiver keeps waiting. */
-		struct kvsp_room *r = &p->rooms[hd->room];
-		vulnerable_forget_inflight(p, r);
-		post_final(p, &r->send, KVS_EV_ABORTED, status, 0, NONE, 0);
-		return;
-	}
-#endif
-	room_abort(p, hd->room, status, KVS_EV_ABORTED);
+	kvsp_room_abort(p, hd->room, status, KVS_EV_ABORTED, false);
 }
 
 /* The receiver's slots still in room i go back to the pool. */
 static void release_placed(struct kvsp *p, uint32_t i)
 {
 	struct kvsp_room *r = &p->rooms[i];
-	while (r->placed_head != NONE) {
-		uint32_t s = r->placed_head;
-		slist_del(p, &r->placed_head, s);
+	while (r->recv.placed_head != NONE) {
+		uint32_t s = r->recv.placed_head;
+		kvsp_slist_del(p, &r->recv.placed_head, s);
 		kvsp_slot_kill(&p->slots, s);
 	}
 }
@@ -514,13 +512,13 @@ void kvsp_room_detach(struct kvsp *p, struct kvsp_client *c, uint16_t h, int sta
 	struct kvsp_handle *hd = handle_of(p, c, h);
 	uint32_t i = hd->room;
 	struct kvsp_room *r = &p->rooms[i];
-	struct kvsp_side *side = hd->role == KVSP_RECV ? &r->recv : &r->send;
+	struct kvsp_side *side = hd->role == KVSP_RECV ? &r->recv.client : &r->send.client;
 	bool dead = status == -ECONNRESET;
 
 	if (hd->state == KVSP_H_FREE || hd->state == KVSP_H_CLOSING)
 		return;
 	if (r->state == KVSP_ROOM_OPEN)
-		room_abort(p, i, status, KVS_EV_ABORTED);
+		kvsp_room_abort(p, i, status, KVS_EV_ABORTED, false);
 	if (hd->role == KVSP_RECV)
 		release_placed(p, i);
 	if (hd->state == KVSP_H_OPEN && !dead) {
@@ -545,7 +543,7 @@ int kvsp_room_map(struct kvsp *p, struct kvsp_client *c, uint16_t h, struct kvs_
 		return -ECANCELED;
 	for (uint32_t k = 0; k < r->nchunks; k++)
 		out[k] = (struct kvs_lease){ NONE, 0 };
-	for (uint32_t s = r->placed_head; s != NONE; s = p->slots.priv[s].next)
+	for (uint32_t s = r->recv.placed_head; s != NONE; s = p->slots.priv[s].next)
 		out[p->slots.priv[s].chunk] = (struct kvs_lease){ s, p->slots.pub[s].epoch };
 	return (int)r->nchunks;
 }
@@ -556,7 +554,7 @@ int kvsp_lease_release(struct kvsp *p, struct kvsp_client *c, const struct kvs_l
 	if (st == KVS_SLOT_RECV_FILLED) {
 		uint32_t i = p->slots.priv[l->slot].room;
 		if (i != NONE)
-			slist_del(p, &p->rooms[i].placed_head, l->slot);
+			kvsp_slist_del(p, &p->rooms[i].recv.placed_head, l->slot);
 	}
 	return kvsp_slot_release(&p->slots, c->id, l);
 }
@@ -565,6 +563,6 @@ void kvsp_slot_drop(struct kvsp *p, uint32_t slot)
 {
 	uint32_t i = p->slots.priv[slot].room;
 	if (i != NONE && p->slots.pub[slot].state == KVS_SLOT_RECV_FILLED)
-		slist_del(p, &p->rooms[i].placed_head, slot);
+		kvsp_slist_del(p, &p->rooms[i].recv.placed_head, slot);
 	kvsp_slot_kill(&p->slots, slot);
 }

@@ -165,9 +165,8 @@ int kvsp_slot_fill(struct kvsp_slots *s, uint32_t slot)
 	if (slot >= s->count)
 		return -EINVAL;
 	struct kvs_slot *p = &s->pub[slot];
-	if (p->state != KVS_SLOT_RECV_POSTED || p->pins != 1)
+	if (p->state != KVS_SLOT_RECV_POSTED || p->pins)
 		return -EINVAL;
-	PUB_SET(p->pins, 0);
 	set_state(s, slot, KVS_SLOT_RECV_FILLED);
 	return 0;
 }
@@ -184,11 +183,6 @@ int kvsp_slot_kill(struct kvsp_slots *s, uint32_t slot)
 		break;
 	case KVS_SLOT_INFLIGHT:
 	case KVS_SLOT_RECV_POSTED:
-#ifdef KVS_VULNERABLE
-		/* The buggy engines: abort frees at once, pins or not. */
-		to_free(s, slot);
-		break;
-#endif
 		if (!p->pins) {
 			to_free(s, slot);
 			break;
@@ -206,22 +200,3 @@ int kvsp_slot_kill(struct kvsp_slots *s, uint32_t slot)
 	}
 	return p->state;
 }
-
-#ifdef KVS_VULNERABLE
-void kvsp_slot_force_handoff(struct kvsp_slots *s, uint32_t slot, uint32_t new_owner)
-{
-	struct kvs_slot *p = &s->pub[slot];
-	if (p->state == KVS_SLOT_FREE) {
-		/* take it off the free stack */
-		for (uint32_t k = 0; k < s->nfree; k++)
-			if (s->free_stack[k] == slot) {
-				s->free_stack[k] = s->free_stack[--s->nfree];
-				break;
-			}
-	}
-	bump(s, slot);
-	PUB_SET(p->owner, new_owner);
-	PUB_SET(p->pins, 0);
-	set_state(s, slot, KVS_SLOT_RECV_FILLED);
-}
-#endif

@@ -5,9 +5,12 @@
  * it does not hold, returns -errno and changes nothing.
  *
  *   FREE --acquire--> LEASED --pin(send)--> INFLIGHT --unpin, handoff--> RECV_FILLED
- *   LEASED, RECV_FILLED --release/kill--> FREE (epoch+1)
+ *   FREE --post(pinned)--> RECV_POSTED --unpin, fill--> RECV_FILLED
+ *   LEASED, RECV_FILLED, unpinned INFLIGHT/RECV_POSTED --release/kill--> FREE (epoch+1)
  *   INFLIGHT, RECV_POSTED --kill with pins--> TOMBSTONE (epoch+1) --last unpin--> FREE (epoch+1)
- *   FREE --post--> RECV_POSTED --fill--> RECV_FILLED
+ *
+ * One rule for a writer or reader transport: its quiescence is unpin, in
+ * every state; only an unpinned slot changes hands (handoff, fill).
  */
 #ifndef KVSP_SLOTS_H
 #define KVSP_SLOTS_H
@@ -57,14 +60,10 @@ int kvsp_slot_unpin(struct kvsp_slots *s, uint32_t slot);
 int kvsp_slot_handoff(struct kvsp_slots *s, uint32_t slot, uint32_t new_owner);
 /* A FREE slot -> RECV_POSTED for owner, pinned for the writing transport. Returns 0, or -ENOBUFS. */
 int kvsp_slot_post(struct kvsp_slots *s, uint32_t owner, uint32_t *slot);
-/* RECV_POSTED slot whose writer quiesced -> RECV_FILLED. Returns 0, or -EINVAL. */
+/* RECV_POSTED slot whose writer quiesced (unpinned) -> RECV_FILLED. Returns 0, or -EINVAL. */
 int kvsp_slot_fill(struct kvsp_slots *s, uint32_t slot);
 /* The owner is gone: held slots are freed, pinned ones become tombstones. Returns the new state, or -EINVAL. */
 int kvsp_slot_kill(struct kvsp_slots *s, uint32_t slot);
 
-#ifdef KVS_VULNERABLE
-/* Test-only: the buggy engines' late transfer lands in whoever holds the slot now. */
-void kvsp_slot_force_handoff(struct kvsp_slots *s, uint32_t slot, uint32_t new_owner);
-#endif
 
 #endif

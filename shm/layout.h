@@ -75,6 +75,7 @@ struct kvs_stats {
 	uint64_t sleeps;
 	uint64_t draining; /* 1 once SIGTERM was seen */
 	uint64_t log_suppressed; /* log lines the rate limits kept back */
+	uint64_t chunks_discarded; /* late or refused chunks the fence kept out */
 };
 
 /* The proxy is the counters' only writer, so a plain load and store (no

@@ -30,6 +30,7 @@ static const struct kvs_stat_name kvs_stat_names[] = {
 	KVS_STAT(rej_token), KVS_STAT(rej_nobufs), KVS_STAT(ops), KVS_STAT(events),
 	KVS_STAT(events_dropped), KVS_STAT(chunks_moved), KVS_STAT(bytes_moved),
 	KVS_STAT(tombstones_reaped), KVS_STAT(sleeps), KVS_STAT(draining), KVS_STAT(log_suppressed),
+	KVS_STAT(chunks_discarded),
 };
 
 /* Returns the counter's offset in struct kvs_stats, or -1. */

@@ -194,17 +194,29 @@ Test(slots, post_fill_and_posted_tombstone)
 	cr_assert_eq(kvsp_slot_post(&s, 6, &a), 0);
 	cr_assert_eq(pub[a].state, KVS_SLOT_RECV_POSTED);
 	cr_assert_eq(pub[a].pins, 1);
+	struct snap x = snap();
+	cr_assert_eq(kvsp_slot_fill(&s, a), -EINVAL, "filled while its writer still pins it");
+	assert_unchanged(&x, "fill of a pinned slot");
+	/* One rule with INFLIGHT: the writer's quiescence is unpin, then it
+	 * may change hands. */
+	cr_assert_eq(kvsp_slot_unpin(&s, a), KVS_SLOT_RECV_POSTED);
+	cr_assert_eq(pub[a].pins, 0);
 	cr_assert_eq(kvsp_slot_fill(&s, a), 0);
 	cr_assert_eq(pub[a].state, KVS_SLOT_RECV_FILLED);
-	cr_assert_eq(pub[a].pins, 0);
-	struct snap x = snap();
+	cr_assert_eq(pub[a].owner, 6);
+	x = snap();
 	cr_assert_eq(kvsp_slot_fill(&s, a), -EINVAL, "filled twice");
+	cr_assert_eq(kvsp_slot_unpin(&s, a), -EINVAL, "unpinned with no pin");
 	cr_assert_eq(kvsp_slot_post(&s, 0, &b), -EINVAL, "posted for nobody");
 	assert_unchanged(&x, "bad post and fill");
 	cr_assert_eq(kvsp_slot_post(&s, 6, &b), 0);
 	cr_assert_eq(kvsp_slot_kill(&s, b), KVS_SLOT_TOMBSTONE, "a writer may still land");
 	cr_assert_eq(kvsp_slot_unpin(&s, b), KVS_SLOT_FREE);
 	cr_assert_eq(kvsp_slot_kill(&s, a), KVS_SLOT_FREE);
+	/* A posted slot whose writer quiesced without landing: nothing to wait for. */
+	cr_assert_eq(kvsp_slot_post(&s, 6, &b), 0);
+	cr_assert_eq(kvsp_slot_unpin(&s, b), KVS_SLOT_RECV_POSTED);
+	cr_assert_eq(kvsp_slot_kill(&s, b), KVS_SLOT_FREE);
 }
 
 /* Every operation from every state: the legal ones move, the rest refuse
@@ -239,6 +251,7 @@ static uint32_t make_state(uint8_t st, struct kvs_lease *l)
 		return slot;
 	default:
 		kvsp_slot_post(&s, 3, &slot);
+		kvsp_slot_unpin(&s, slot);
 		kvsp_slot_fill(&s, slot);
 		*l = (struct kvs_lease){ slot, pub[slot].epoch };
 		return slot;
@@ -253,7 +266,8 @@ Test(slots, transition_table)
 		[KVS_SLOT_LEASED] = { KVS_SLOT_FREE, KVS_SLOT_INFLIGHT, -1, -1, -1 },
 		[KVS_SLOT_INFLIGHT] = { -1, -1, KVS_SLOT_INFLIGHT, -1, -1 },
 		[KVS_SLOT_TOMBSTONE] = { -1, -1, KVS_SLOT_FREE, -1, -1 },
-		[KVS_SLOT_RECV_POSTED] = { -1, -1, KVS_SLOT_RECV_POSTED, -1, KVS_SLOT_RECV_FILLED },
+		/* posted and pinned: only the writer's unpin; fill waits for it */
+		[KVS_SLOT_RECV_POSTED] = { -1, -1, KVS_SLOT_RECV_POSTED, -1, -1 },
 		[KVS_SLOT_RECV_FILLED] = { KVS_SLOT_FREE, -1, -1, -1, -1 },
 	};
 	for (uint8_t st = 0; st < KVS_SLOT_NSTATES; st++) {
@@ -327,6 +341,8 @@ Test(slots, random_walk_keeps_every_invariant)
 				cr_assert_eq(kvsp_slot_handoff(&s, i, who), 0);
 				owner_of[i] = who;
 				held[i] = (struct kvs_lease){ i, pub[i].epoch };
+			} else if (pub[i].state == KVS_SLOT_RECV_POSTED) {
+				cr_assert_eq(kvsp_slot_fill(&s, i), 0);
 			}
 			break;
 		case 4:
@@ -345,6 +361,15 @@ Test(slots, random_walk_keeps_every_invariant)
 				cr_assert_eq(kvsp_slot_pin(&s, who, &held[i]), -EPERM);
 			}
 			assert_unchanged(&x, "hostile leases");
+			break;
+		}
+		case 6: {
+			uint32_t slot;
+			if (kvsp_slot_post(&s, who, &slot) == 0) {
+				cr_assert_eq(owner_of[slot], 0, "posted a held slot");
+				owner_of[slot] = who;
+				held[slot] = (struct kvs_lease){ slot, pub[slot].epoch };
+			}
 			break;
 		}
 		default:

@@ -1,0 +1,54 @@
+/* SPDX-License-Identifier: MIT */
+/* The loop and what plugs into its epoll: the listener and hello
+ * (listener.c), the admin protocol (admin.c), the loop itself (poller.c). */
+#ifndef KVSP_LOOP_H
+#define KVSP_LOOP_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+struct kvsp;
+struct kvsp_config;
+
+/* listener.c: the socket, access control, accept and hello */
+/* Checks that the socket's file can admit everyone the access rule admits; why says what not. Returns 0, or -EINVAL. */
+int kvsp_access_check(const struct kvsp_config *cfg, char *why, size_t len);
+/* Claims cfg.socket_path before anything costly: its directory, its lock, what is there now. Returns 0, or -errno (logged). */
+int kvsp_socket_claim(struct kvsp *p);
+/* Binds and listens on the claimed path with its mode and group. Returns 0, or -errno (logged). */
+int kvsp_listener_open(struct kvsp *p);
+/* Stops listening; unlinks the socket only if it is still the one we made. */
+void kvsp_listener_close(struct kvsp *p);
+int kvsp_listener_init(struct kvsp *p);
+void kvsp_listener_fini(struct kvsp *p);
+void kvsp_on_accept(struct kvsp *p);
+void kvsp_on_hello(struct kvsp *p, unsigned i);
+bool kvsp_pending_valid(const struct kvsp *p, unsigned i, uint32_t id);
+/* Drops handshakes past their time. Returns the next deadline. */
+uint64_t kvsp_pending_expire(struct kvsp *p);
+/* Answers a connection with status and msg, then closes it. */
+void kvsp_refuse(struct kvsp *p, int fd, int status, const char *msg);
+
+/* admin.c: failpoints and counter barriers */
+int kvsp_admin_init(struct kvsp *p);
+void kvsp_admin_fini(struct kvsp *p);
+void kvsp_admin_welcome(struct kvsp *p, int fd);
+void kvsp_admin_event(struct kvsp *p, unsigned i, uint32_t events);
+/* Answers the barriers that now hold. */
+void kvsp_admin_poll(struct kvsp *p);
+
+/* poller.c: the loop */
+/* What an fd in the loop's epoll is: the top byte of its data. */
+enum kvsp_ep { KVSP_EP_LISTEN = 1, KVSP_EP_WAKE, KVSP_EP_PENDING, KVSP_EP_CLIENT, KVSP_EP_ADMIN,
+	       KVSP_EP_XPORT /* idx: the transport, id: its tag */ };
+
+static inline uint64_t kvsp_ep_tag(unsigned type, unsigned idx, uint32_t id)
+{
+	return (uint64_t)type << 56 | (uint64_t)(idx & 0xffffff) << 32 | id;
+}
+
+/* Adds fd to the loop's epoll. Returns 0, or -errno. */
+int kvsp_ep_add(struct kvsp *p, int fd, uint32_t events, uint64_t data);
+
+#endif

@@ -1,0 +1,105 @@
+/* SPDX-License-Identifier: MIT */
+/* kvstaged: the proxy's lifetime, in the order its parts depend on each other. */
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
+
+#include "log.h"
+#include "proxy.h"
+
+extern struct kvsp *kvsp_signalled;
+
+/* The transports, in the order open_send asks them to reach a descriptor. */
+static int transports_create(struct kvsp *p)
+{
+	struct kvsp_transport *(*local)(struct kvsp *) = p->cfg.local_create;
+	if (!local)
+		local = p->cfg.failpoints ? kvsp_gated_create : kvsp_local_create;
+	p->local = local(p);
+	if (!p->local)
+		return -ENOMEM;
+	int rc = kvsp_xport_register(p, p->local);
+	if (rc < 0)
+		p->local->ops->destroy(p->local);
+	return rc;
+}
+
+static uint32_t pow2_at_least(uint32_t v)
+{
+	uint32_t n = 1;
+	while (n < v)
+		n <<= 1;
+	return n;
+}
+
+int kvsp_init(struct kvsp *p, const struct kvsp_config *cfg)
+{
+	memset(p, 0, sizeof(*p));
+	p->cfg = *cfg;
+	p->cfg.cq_count = pow2_at_least(2 * (cfg->client_rooms + 32));
+	p->epfd = p->listen_fd = p->wake_fd = p->lock_fd = p->pool_fd = p->ctrl_fd = -1;
+	p->spare_fd = -1;
+	kvsp_log_level = cfg->log_level;
+
+	/* The cheap checks first: a bad socket path is said at once, not
+	 * after minutes of populating a large pool. */
+	int rc = 0;
+	if (cfg->socket_path)
+		rc = kvsp_socket_claim(p);
+	if (rc == 0)
+		rc = kvsp_pool_fits(cfg);
+	if (rc == 0)
+		rc = kvsp_pool_create(p);
+	if (rc == 0)
+		rc = kvsp_rooms_init(p);
+	if (rc == 0)
+		rc = kvsp_listener_init(p);
+	if (rc == 0)
+		rc = kvsp_admin_init(p);
+	if (rc < 0)
+		return rc;
+	p->clients = calloc(p->cfg.max_clients, sizeof(*p->clients));
+	p->kicks = calloc(p->cfg.max_clients, sizeof(*p->kicks));
+	p->xfers = calloc(p->cfg.slot_count, sizeof(*p->xfers));
+	if (!p->clients || !p->kicks || !p->xfers)
+		return -ENOMEM;
+	rc = transports_create(p);
+	if (rc < 0)
+		return rc;
+	p->epfd = epoll_create1(EPOLL_CLOEXEC);
+	p->wake_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+	if (p->epfd < 0 || p->wake_fd < 0)
+		return -errno;
+	rc = kvsp_ep_add(p, p->wake_fd, EPOLLIN, kvsp_ep_tag(KVSP_EP_WAKE, 0, 0));
+	if (rc < 0)
+		return rc;
+	p->now_ns = kvsp_now_ns();
+	return 0;
+}
+
+void kvsp_fini(struct kvsp *p)
+{
+	for (unsigned i = 0; p->clients && i < p->cfg.max_clients; i++)
+		if (p->clients[i])
+			kvsp_client_destroy(p, p->clients[i]);
+	kvsp_admin_fini(p);
+	for (unsigned k = 0; k < p->nxports; k++)
+		p->xports[k]->ops->destroy(p->xports[k]);
+	p->nxports = 0;
+	p->local = NULL;
+	free(p->xfers);
+	kvsp_listener_fini(p);
+	kvsp_rooms_fini(p);
+	kvsp_pool_destroy(p);
+	free(p->clients);
+	free(p->kicks);
+	if (p->epfd >= 0)
+		close(p->epfd);
+	if (p->wake_fd >= 0)
+		close(p->wake_fd);
+	if (kvsp_signalled == p)
+		kvsp_signalled = NULL;
+}

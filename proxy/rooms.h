@@ -1,0 +1,117 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * Rooms: one request's transfer, in two halves. The receiving half posts
+ * slots and fences every landing; the sending half pins each slot it gives
+ * a transport until the transport quiesces. A proxy may hold both halves
+ * (a local room) or one, with the other on a peer proxy.
+ *
+ * rooms.c: lifetime, opens, abort and end, what clients ask of a room.
+ * xfer.c:  transfers and the transport API (xport.h): pins, quiescence,
+ *          posting, the fence, what peers report.
+ */
+#ifndef KVSP_ROOMS_H
+#define KVSP_ROOMS_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "layout.h"
+
+struct kvsp;
+struct kvsp_client;
+struct kvsp_transport;
+
+enum kvsp_room_state {
+	KVSP_ROOM_FREE = 0,
+	KVSP_ROOM_OPEN,
+	KVSP_ROOM_ABORTING, /* waiting for its transfers (and the peer's half) to quiesce */
+	KVSP_ROOM_ENDED,    /* final events posted */
+};
+
+/* A half's client on this proxy: its handle. cid 0: nobody attached. */
+struct kvsp_side {
+	uint32_t cid;
+	uint16_t cidx;
+	uint16_t handle;
+	uint64_t user_data;
+};
+
+struct kvsp_recv_half {
+	struct kvsp_side client;
+	uint32_t placed, posted;           /* chunks landed; slots pinned for a writer */
+	uint32_t placed_head, posted_head; /* slot lists through kvsp_slot_priv */
+	uint32_t chunk0;                   /* slot holding chunk 0, once placed */
+};
+
+struct kvsp_send_half {
+	struct kvsp_side client;
+	uint32_t inflight, inflight_head; /* slots pinned for the transport */
+};
+
+/* Where the half this proxy does not hold lives. */
+enum kvsp_far { KVSP_FAR_NONE = 0, KVSP_FAR_RECV, KVSP_FAR_SEND };
+
+struct kvsp_room {
+	uint32_t gen;
+	uint8_t state;
+	uint8_t final_type; /* KVS_EV_* when ENDED */
+	uint8_t far;        /* enum kvsp_far: the other half is on peer, through xport */
+	bool far_live;      /* the peer's half has not ended: an abort waits for it */
+	bool far_done;      /* sending half: the peer's receiving half has every chunk */
+	bool ended_told;    /* the peer heard that our half quiesced */
+	int32_t status;
+	uint8_t token[16];  /* frames about the room carry it (invariant 4) */
+	uint64_t bytes;
+	uint32_t nchunks;
+	uint32_t peer;
+	uint64_t *claimed_bits; /* chunks sent (sending half) or posted (receiving half, remote sender) */
+	struct kvsp_recv_half recv;
+	struct kvsp_send_half send;
+	uint64_t progress_ns;
+	uint32_t lru_prev, lru_next; /* open rooms, oldest progress first */
+	uint32_t next_free;
+	struct kvsp_transport *xport;
+};
+
+/* rooms.c */
+int kvsp_rooms_init(struct kvsp *p);
+void kvsp_rooms_fini(struct kvsp *p);
+/* A receiving room for bytes; its descriptor into desc. Returns 0, or -EBADF, -EINVAL, -EMSGSIZE, -ESHUTDOWN, -ENFILE. */
+int kvsp_room_open_recv(struct kvsp *p, struct kvsp_client *c, uint16_t h, uint64_t bytes,
+			uint64_t user_data, struct kvs_desc_wire *desc);
+/* Attaches c's handle h as the sender of desc's room (here, or through a transport). Returns 0 with *bytes, or -errno. */
+int kvsp_room_open_send(struct kvsp *p, struct kvsp_client *c, uint16_t h,
+			const struct kvs_desc_wire *desc, uint64_t user_data, uint64_t *bytes);
+/* Gives lease l to the room as the chunk at offset. Returns 0, or -errno (nothing changed). */
+int kvsp_room_send(struct kvsp *p, struct kvsp_client *c, uint16_t h, const struct kvs_lease *l,
+		   uint64_t offset, uint64_t len);
+void kvsp_room_abort_from(struct kvsp *p, struct kvsp_client *c, uint16_t h, int status);
+void kvsp_room_detach(struct kvsp *p, struct kvsp_client *c, uint16_t h, int status);
+/* The receiver's chunk leases, once complete. Returns their count, or -EAGAIN, -EBADF, -ECANCELED. */
+int kvsp_room_map(struct kvsp *p, struct kvsp_client *c, uint16_t h, struct kvs_lease *out);
+int kvsp_lease_release(struct kvsp *p, struct kvsp_client *c, const struct kvs_lease *l);
+/* The slot's owner is gone: off its room's lists, then killed. */
+void kvsp_slot_drop(struct kvsp *p, uint32_t slot);
+/* Aborts rooms past --room-timeout. Returns the next deadline. */
+uint64_t kvsp_rooms_tick(struct kvsp *p);
+void kvsp_rooms_abort_all(struct kvsp *p, int status);
+
+/* Core-internal, shared by rooms.c and xfer.c. */
+void kvsp_slist_push(struct kvsp *p, uint32_t *head, uint32_t slot);
+void kvsp_slist_del(struct kvsp *p, uint32_t *head, uint32_t slot);
+/* Progress: the room moves to the young end of the timeout list. */
+void kvsp_room_touch(struct kvsp *p, uint32_t i);
+/* Aborts room i (type KVS_EV_ABORTED or FAILED); told_by_peer: the peer aborted it. */
+void kvsp_room_abort(struct kvsp *p, uint32_t i, int status, uint8_t type, bool told_by_peer);
+/* Ends an aborting room once nothing of it is in flight here or on the peer. */
+void kvsp_room_try_end(struct kvsp *p, uint32_t i);
+/* The receiving half has every chunk. */
+void kvsp_room_recv_complete(struct kvsp *p, uint32_t i);
+/* The sending half is done: every chunk quiesced here and landed there. */
+void kvsp_room_send_complete(struct kvsp *p, uint32_t i);
+/* xfer.c: pins lease l (checked) for chunk of room i and gives it to the room's transport. */
+void kvsp_xfer_send(struct kvsp *p, uint32_t owner, uint32_t i, const struct kvs_lease *l, uint32_t chunk);
+uint64_t kvsp_chunk_len(const struct kvsp *p, const struct kvsp_room *r, uint32_t chunk);
+bool kvsp_token_eq(const uint8_t a[16], const uint8_t b[16]);
+
+#endif

@@ -1,0 +1,117 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * TEST ONLY, never installed: the buggy engines' transport, so the
+ * decisive test can show that it catches what they do. It reads the
+ * sender's slot, then tells the core at once that it is done with it (as
+ * a transport's "release" or timeout does while the NIC still holds the
+ * address), and later writes the chunk to the address it captured, which
+ * by then may be someone else's. Behind failpoint local.quiesce, like the
+ * gated transport, so the late write is staged with the same barrier.
+ *
+ * The core is the production one: this file proves the core cannot save
+ * a transport that reports quiescence early (invariant 3 is the
+ * transport's promise), and that the test sees the damage.
+ */
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "failpoint.h"
+#include "xport.h"
+
+struct late_write {
+	void *dst;      /* the address it captured */
+	uint8_t *bytes; /* what it read */
+	uint32_t len;
+};
+
+struct vulnerable {
+	struct kvsp_transport t;
+	struct late_write *w;
+	uint32_t cap, n;
+};
+
+static int vuln_submit(struct kvsp_transport *t, struct kvsp_xfer *x)
+{
+	struct vulnerable *v = (struct vulnerable *)t;
+	struct kvsp *p = t->p;
+	if (kvsp_xport_fp(p, KVSP_FP_LOCAL_QUIESCE, x->room) != KVSP_FP_HOLD) {
+		kvsp_xfer_handoff(p, x, 0);
+		return 0;
+	}
+	if (v->n == v->cap)
+		return -ENOBUFS;
+	struct late_write *w = &v->w[v->n];
+	w->dst = kvsp_slot_mem(p, x->slot);
+	w->len = x->len;
+	w->bytes = malloc(x->len);
+	if (!w->bytes)
+		return -ENOMEM;
+	memcpy(w->bytes, w->dst, x->len);
+	v->n++;
+	kvsp_xfer_quiesced(p, x, 0); /* the lie */
+	return 0;
+}
+
+static void vuln_cancel(struct kvsp_transport *t, uint32_t room, uint32_t gen, int status)
+{
+	/* An abort stops nothing already posted: that is the bug. */
+	(void)t;
+	(void)room;
+	(void)gen;
+	(void)status;
+}
+
+static bool vuln_pending(struct kvsp_transport *t)
+{
+	struct vulnerable *v = (struct vulnerable *)t;
+	int err;
+	return v->n && kvsp_xport_fp_action(t->p, KVSP_FP_LOCAL_QUIESCE, &err) != KVS_FP_PAUSE;
+}
+
+static int vuln_poll(struct kvsp_transport *t)
+{
+	struct vulnerable *v = (struct vulnerable *)t;
+	if (!vuln_pending(t))
+		return KVSP_IDLE;
+	for (uint32_t i = 0; i < v->n; i++) {
+		memcpy(v->w[i].dst, v->w[i].bytes, v->w[i].len); /* the late write */
+		free(v->w[i].bytes);
+	}
+	v->n = 0;
+	return KVSP_BUSY;
+}
+
+static void vuln_destroy(struct kvsp_transport *t)
+{
+	struct vulnerable *v = (struct vulnerable *)t;
+	for (uint32_t i = 0; i < v->n; i++)
+		free(v->w[i].bytes);
+	free(v->w);
+	free(v);
+}
+
+static const struct kvsp_transport_ops vuln_ops = {
+	.name = "vulnerable (test only)",
+	.submit = vuln_submit,
+	.cancel = vuln_cancel,
+	.poll = vuln_poll,
+	.pending = vuln_pending,
+	.destroy = vuln_destroy,
+};
+
+struct kvsp_transport *kvsp_vulnerable_create(struct kvsp *p)
+{
+	struct vulnerable *v = calloc(1, sizeof(*v));
+	if (!v)
+		return NULL;
+	v->cap = kvsp_slot_count(p);
+	v->w = calloc(v->cap, sizeof(*v->w));
+	if (!v->w) {
+		free(v);
+		return NULL;
+	}
+	v->t.ops = &vuln_ops;
+	v->t.p = p;
+	return &v->t;
+}
