@@ -1,12 +1,32 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * Records between proxies (the tcp transport, and the control path of
- * verbs). Little-endian, fixed-size, 8-byte aligned; a frame is a header
- * and its body, and a CHUNK frame's body is followed by its payload.
+ * Records between proxies: the tcp transport, and the control path of
+ * verbs. Little-endian, fixed-size, 8-byte aligned. The structs here are
+ * the wire form: fill them with htole*() and read them with le*toh(), as
+ * rooms.c does for the descriptor. proxy/peer_auth.c speaks the
+ * handshake, proxy/frame.c seals and decodes the frames.
  *
- * Not spoken yet: the local transport needs none. These are fixed now so
- * that the tcp and verbs transports slot in behind struct kvsp_transport
- * without changing the descriptor or the rooms:
+ * A connection is a handshake, then frames.
+ *
+ *  - Handshake (struct kvs_wire_hello, struct kvs_wire_proof): the dialer
+ *    and the listener each prove the deployment's shared secret over both
+ *    sides' fresh nonces and instances, and both derive one session key
+ *    per direction. Nothing else is spoken before it is done. The version
+ *    is settled here; frames carry none.
+ *  - Frame: a 40-byte header (struct kvs_wire_frame_hdr), the body of its
+ *    type (exactly kvsp_frame_body_size(type) bytes) and, for CHUNK only,
+ *    hdr.plen bytes of payload. The header's MAC is keyed BLAKE2b (16
+ *    bytes, the direction's session key) over the header before the MAC
+ *    and the body; seq counts the frames of a direction from 0, and a
+ *    receiver takes only the next one. A frame forged, altered, replayed,
+ *    reordered or dropped is refused, and the connection with it.
+ *  - The payload is not in the MAC: a MAC over every byte would cost more
+ *    than the link carries. CHUNK may carry a CRC32C of it (in the MACed
+ *    body), which catches corruption, not an attacker on the path, who
+ *    can change payload bytes and keep their CRC. Rooms, tokens, chunk
+ *    numbers and lengths, everything the fence decides on, are MACed.
+ *
+ * How the transports use them (DESIGN.md, "Across hosts"):
  *
  *  - A room descriptor names the receiving proxy (instance, endpoint) and
  *    the room (index, generation, token). A sender whose proxy is not the
@@ -22,6 +42,8 @@
  *  - Quiescence on the sending proxy: tcp, once the payload left the slot
  *    (copied into the socket); verbs, once the write's work completion
  *    (success or flush) arrived.
+ *
+ * Status fields are 0 or a negative Linux errno.
  */
 #ifndef KVS_SHM_WIRE_H
 #define KVS_SHM_WIRE_H
@@ -29,29 +51,75 @@
 #include <assert.h>
 #include <stdint.h>
 
-#define KVS_WIRE_MAGIC 0x4b565357u /* "KVSW" */
 #define KVS_WIRE_VERSION 1
 
-enum kvs_wire_type {
-	KVS_WIRE_HELLO = 1,  /* peer -> peer: instance, nonce */
-	KVS_WIRE_PROOF,      /* both ways: MAC of the other's nonce under the shared secret */
-	KVS_WIRE_OPEN,       /* sender proxy -> receiver proxy: attach a remote sender to a room */
-	KVS_WIRE_OPEN_ACK,   /* status; for verbs, the posted slots' addresses and rkey follow */
-	KVS_WIRE_CHUNK,      /* one chunk; payload follows (tcp) or was RDMA-written (verbs) */
-	KVS_WIRE_CHUNK_ACK,  /* receiver: placed or discarded, and why */
-	KVS_WIRE_ABORT,      /* either side: the room is aborted */
-	KVS_WIRE_QUIESCED,   /* sender (verbs): nothing of this room is in flight any more */
-	KVS_WIRE_DONE,       /* receiver: every chunk placed */
+/* --------------------------------------------------------------- handshake */
+
+#define KVS_WIRE_HELLO_MAGIC 0x4853564bu /* "KVSH" */
+
+enum kvs_wire_auth_type {
+	KVS_WIRE_HELLO = 1, /* both ways: who I am, my nonce */
+	KVS_WIRE_PROOF = 2, /* both ways: HMAC of both nonces and instances, role-labelled */
 };
 
-struct kvs_wire_hdr {
-	uint32_t magic;  /* KVS_WIRE_MAGIC */
-	uint16_t version;
-	uint16_t type;   /* enum kvs_wire_type */
-	uint32_t len;    /* body bytes after this header (payload not included) */
-	uint32_t rsvd;
+enum kvs_wire_role {
+	KVS_WIRE_DIALER = 1,   /* opened the connection */
+	KVS_WIRE_LISTENER = 2, /* accepted it */
 };
-static_assert(sizeof(struct kvs_wire_hdr) == 16, "wire header is 16 bytes");
+
+/* Every field is either checked for its one value or bound into the
+ * proofs, so a HELLO changed on the way fails the handshake. */
+struct kvs_wire_hello {
+	uint32_t magic;    /* KVS_WIRE_HELLO_MAGIC */
+	uint16_t version;  /* KVS_WIRE_VERSION */
+	uint16_t type;     /* KVS_WIRE_HELLO */
+	uint32_t role;     /* enum kvs_wire_role: the speaker's */
+	uint32_t rsvd;     /* 0 */
+	uint64_t instance; /* the speaker's proxy instance */
+	uint8_t nonce[32]; /* fresh per connection (randombytes_buf) */
+};
+static_assert(sizeof(struct kvs_wire_hello) == 56, "hello is 56 bytes");
+
+struct kvs_wire_proof {
+	uint32_t magic;   /* KVS_WIRE_HELLO_MAGIC */
+	uint16_t version; /* KVS_WIRE_VERSION */
+	uint16_t type;    /* KVS_WIRE_PROOF */
+	uint32_t role;    /* the prover's */
+	uint32_t rsvd;    /* 0 */
+	uint8_t mac[32];  /* HMAC-SHA256 under the master key, see proxy/peer_auth.c */
+};
+static_assert(sizeof(struct kvs_wire_proof) == 48, "proof is 48 bytes");
+
+/* ------------------------------------------------------------------ frames */
+
+#define KVS_WIRE_FRAME_MAGIC 0x4653564bu /* "KVSF" */
+#define KVS_WIRE_MAC_SIZE 16
+
+struct kvs_wire_frame_hdr {
+	uint32_t magic;  /* KVS_WIRE_FRAME_MAGIC */
+	uint16_t type;   /* enum kvs_wire_type */
+	uint16_t flags;  /* 0 in version 1 */
+	uint32_t len;    /* body bytes: exactly the type's body size */
+	uint32_t plen;   /* payload bytes after the body: CHUNK only, else 0 */
+	uint64_t seq;    /* this direction's frame count, from 0 after the handshake */
+	uint8_t mac[KVS_WIRE_MAC_SIZE]; /* over the 24 bytes above and the body */
+};
+static_assert(sizeof(struct kvs_wire_frame_hdr) == 40, "frame header is 40 bytes");
+
+enum kvs_wire_type {
+	KVS_WIRE_OPEN = 1,  /* sender proxy -> receiver proxy: attach a remote sender to a room */
+	KVS_WIRE_OPEN_ACK,  /* receiver -> sender: attached, or why not */
+	KVS_WIRE_CHUNK,     /* sender -> receiver: one chunk; plen payload bytes follow the body */
+	KVS_WIRE_CHUNK_ACK, /* receiver -> sender: placed or discarded, and why */
+	KVS_WIRE_ABORT,     /* either way: the room is aborted */
+	KVS_WIRE_DONE,      /* receiver -> sender: every chunk placed */
+	KVS_WIRE_PING,      /* either way: keep-alive, answered with PONG */
+	KVS_WIRE_PONG,
+	KVS_WIRE_BYE,       /* either way: no new rooms on this connection (drain) */
+	KVS_WIRE_NTYPES,
+	/* QUIESCED (verbs: nothing of a room in flight any more) will take the
+	 * next number, with its body size; until then it is an unknown type. */
+};
 
 /* Names a room on the receiving proxy: checked whole before anything lands. */
 struct kvs_wire_room {
@@ -60,41 +128,87 @@ struct kvs_wire_room {
 };
 static_assert(sizeof(struct kvs_wire_room) == 24, "room name is 24 bytes");
 
-struct kvs_wire_hello {
-	uint64_t instance; /* the speaker's proxy instance */
-	uint8_t nonce[32]; /* getrandom */
-};
-
-struct kvs_wire_proof {
-	uint8_t mac[32]; /* HMAC-SHA256(secret, peer's nonce || our instance) */
-};
-
 struct kvs_wire_open {
 	struct kvs_wire_room room;
-	uint64_t bytes;     /* as the sender understood the descriptor */
-	uint64_t slot_size; /* chunking the sender will use: must equal the receiver's */
+	uint64_t bytes;      /* as the sender understood the descriptor */
+	uint64_t slot_size;  /* chunking the sender will use: must equal the receiver's */
 	uint64_t sender_ref; /* the sender proxy's name for its side, echoed back */
 };
+static_assert(sizeof(struct kvs_wire_open) == 48, "open is 48 bytes");
+
+struct kvs_wire_open_ack {
+	struct kvs_wire_room room;
+	uint64_t sender_ref;
+	int32_t status; /* 0, or -ESTALE, -EPERM (wrong token), -ECANCELED, -EBUSY, -EINVAL */
+	uint32_t rsvd;
+};
+static_assert(sizeof(struct kvs_wire_open_ack) == 40, "open ack is 40 bytes");
+
+#define KVS_WIRE_CHUNK_CRC (1u << 0) /* crc32c holds CRC32C of the payload */
 
 struct kvs_wire_chunk {
 	struct kvs_wire_room room;
 	uint32_t chunk;
-	uint32_t len;      /* payload bytes (tcp: they follow) */
+	uint32_t len;      /* payload bytes: equals hdr.plen */
 	uint64_t xfer_ref; /* the sender's transfer, echoed in the ack */
+	uint32_t crc32c;   /* kvsp_crc32c(payload, len, 0), when flags has KVS_WIRE_CHUNK_CRC */
+	uint32_t flags;
 };
-static_assert(sizeof(struct kvs_wire_chunk) == 40, "chunk record is 40 bytes");
+static_assert(sizeof(struct kvs_wire_chunk) == 48, "chunk is 48 bytes");
 
 struct kvs_wire_chunk_ack {
 	struct kvs_wire_room room;
 	uint32_t chunk;
-	int32_t status;    /* 0: placed; else why it was discarded */
+	int32_t status; /* 0: placed; else why it was discarded */
 	uint64_t xfer_ref;
 };
+static_assert(sizeof(struct kvs_wire_chunk_ack) == 40, "chunk ack is 40 bytes");
 
 struct kvs_wire_abort {
 	struct kvs_wire_room room;
 	int32_t status;
 	uint32_t rsvd;
+	uint64_t sender_ref;
 };
+static_assert(sizeof(struct kvs_wire_abort) == 40, "abort is 40 bytes");
+
+struct kvs_wire_done {
+	struct kvs_wire_room room;
+	uint64_t sender_ref;
+};
+static_assert(sizeof(struct kvs_wire_done) == 32, "done is 32 bytes");
+
+/* PING and PONG: the pinger's value (a nonce or a time), echoed. */
+struct kvs_wire_ping {
+	uint64_t value;
+};
+static_assert(sizeof(struct kvs_wire_ping) == 8, "ping is 8 bytes");
+
+enum kvs_wire_bye_reason {
+	KVS_WIRE_BYE_UNSPEC = 0,
+	KVS_WIRE_BYE_DRAIN = 1, /* the proxy is draining: finish what is open, open nothing */
+};
+
+struct kvs_wire_bye {
+	uint32_t reason; /* enum kvs_wire_bye_reason */
+	uint32_t rsvd;
+};
+static_assert(sizeof(struct kvs_wire_bye) == 8, "bye is 8 bytes");
+
+/* Any body, for buffers that must hold the largest. */
+union kvs_wire_body {
+	struct kvs_wire_open open;
+	struct kvs_wire_open_ack open_ack;
+	struct kvs_wire_chunk chunk;
+	struct kvs_wire_chunk_ack chunk_ack;
+	struct kvs_wire_abort abort;
+	struct kvs_wire_done done;
+	struct kvs_wire_ping ping; /* PING and PONG */
+	struct kvs_wire_bye bye;
+	uint8_t bytes[48];
+};
+#define KVS_WIRE_BODY_MAX 48
+static_assert(sizeof(union kvs_wire_body) == KVS_WIRE_BODY_MAX, "largest body is 48 bytes");
+#define KVS_WIRE_FRAME_MAX (sizeof(struct kvs_wire_frame_hdr) + KVS_WIRE_BODY_MAX)
 
 #endif
