@@ -14,6 +14,20 @@ enum kvsp_huge { KVSP_HUGE_AUTO, KVSP_HUGE_ON, KVSP_HUGE_OFF };
 
 #define KVSP_MAX_ALLOW 16
 
+struct kvsp_secret;
+
+/* The tcp transport (--listen, or a peer secret alone: dial only). */
+struct kvsp_tcp_opts {
+	const char *listen;    /* "HOST:PORT", NULL: no listening */
+	const char *advertise; /* what goes into descriptors; NULL: the listen address */
+	unsigned streams;      /* connections per peer */
+	uint64_t peer_timeout_ns;
+	bool checksum;         /* CRC32C of every payload */
+	const struct kvsp_secret *secret; /* NULL: no tcp transport */
+	uint64_t instance;     /* ours: filled in by kvsp_init */
+	uint32_t max_rooms;    /* filled in by kvsp_init */
+};
+
 struct kvsp_config {
 	const char *socket_path;
 	uint32_t slot_count;
@@ -37,6 +51,7 @@ struct kvsp_config {
 	/* The transport for rooms with both halves here. NULL: the local
 	 * hand-off, or with failpoints its gated twin. Test builds set theirs. */
 	struct kvsp_transport *(*local_create)(struct kvsp *p);
+	struct kvsp_tcp_opts tcp;
 };
 
 #endif

@@ -17,6 +17,7 @@ enum kvsp_fp_id {
 	KVSP_FP_LOCAL_QUIESCE, /* local transport: hold or fail a chunk's hand-off (pinned, in flight) */
 	KVSP_FP_ACQUIRE,       /* fail acquires */
 	KVSP_FP_RECV_OPEN,     /* fail receiving-room opens */
+	KVSP_FP_TCP_PAYLOAD,   /* tcp: hold a chunk's payload after its header went (the stream waits) */
 	KVSP_FP_COUNT,
 };
 

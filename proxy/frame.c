@@ -27,6 +27,8 @@ static const uint32_t body_size[KVS_WIRE_NTYPES] = {
 	[KVS_WIRE_PING] = sizeof(struct kvs_wire_ping),
 	[KVS_WIRE_PONG] = sizeof(struct kvs_wire_ping),
 	[KVS_WIRE_BYE] = sizeof(struct kvs_wire_bye),
+	[KVS_WIRE_JOIN] = sizeof(struct kvs_wire_join),
+	[KVS_WIRE_ENDED] = sizeof(struct kvs_wire_ended),
 };
 
 uint32_t kvsp_frame_body_size(uint32_t type)

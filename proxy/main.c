@@ -14,7 +14,9 @@
 #include "kvstage.h"
 #include "log.h"
 #include "parse.h"
+#include "peer_auth.h"
 #include "proxy.h"
+#include "tcp.h"
 
 static void usage(FILE *f)
 {
@@ -56,6 +58,21 @@ static void usage(FILE *f)
 "                           soon after they begin; 0: never spin). Once idle\n"
 "                           for 5 us the spin yields its CPU every 5 us to\n"
 "                           whoever shares it\n"
+"      --listen HOST:PORT   take rooms from proxies on other hosts over TCP;\n"
+"                           HOST is a numeric IPv4 address or [IPv6]; port 0:\n"
+"                           any free one. Needs the peer secret\n"
+"      --advertise HOST:PORT  the endpoint our descriptors name, when peers\n"
+"                           must dial something else than --listen (NAT, or a\n"
+"                           wildcard listen address)\n"
+"      --peer-secret-file PATH  the deployment's shared secret (16 to 4096\n"
+"                           bytes; mode 0600 or stricter); else the value of\n"
+"                           $KVSTAGE_PEER_SECRET. With a secret and no --listen\n"
+"                           this proxy only sends to others\n"
+"      --tcp-streams N      connections to each peer, 1 to 16 (default 2)\n"
+"      --peer-timeout MS    a peer silent this long is lost and its rooms\n"
+"                           fail (default 10000, at least 100)\n"
+"      --tcp-checksum       send a CRC32C of every chunk's payload (received\n"
+"                           ones are always checked when they carry one)\n"
 "      --failpoints         accept failpoint control from kvstage-ctl (tests)\n"
 "      --ready-fd FD        write \"ready\\n\" to FD once serving, then close it\n"
 "                           (0, 1 and 2 are written to but kept open)\n"
@@ -100,7 +117,8 @@ static int bad(const char *opt, const char *val, const char *why)
 
 enum {
 	O_HUGE = 256, O_NOLOCK, O_UID, O_GID, O_ROOMS, O_CROOMS, O_CLIENTS, O_RING, O_TIMEOUT,
-	O_GRACE, O_SPIN, O_FP, O_READY, O_SMODE, O_SGROUP,
+	O_GRACE, O_SPIN, O_FP, O_READY, O_SMODE, O_SGROUP, O_LISTEN, O_ADVERTISE, O_SECRET,
+	O_STREAMS, O_PTIMEOUT, O_CSUM,
 };
 
 int main(int argc, char **argv)
@@ -123,6 +141,12 @@ int main(int argc, char **argv)
 		{ "shutdown-grace", required_argument, NULL, O_GRACE },
 		{ "spin-us", required_argument, NULL, O_SPIN },
 		{ "failpoints", no_argument, NULL, O_FP },
+		{ "listen", required_argument, NULL, O_LISTEN },
+		{ "advertise", required_argument, NULL, O_ADVERTISE },
+		{ "peer-secret-file", required_argument, NULL, O_SECRET },
+		{ "tcp-streams", required_argument, NULL, O_STREAMS },
+		{ "peer-timeout", required_argument, NULL, O_PTIMEOUT },
+		{ "tcp-checksum", no_argument, NULL, O_CSUM },
 		{ "ready-fd", required_argument, NULL, O_READY },
 		{ "log-level", required_argument, NULL, 'l' },
 		{ "help", no_argument, NULL, 'h' },
@@ -145,7 +169,9 @@ int main(int argc, char **argv)
 		.spin_ns = 50000,
 		.socket_mode = 0660,
 		.socket_group = getegid(),
+		.tcp = { .streams = 2, .peer_timeout_ns = 10000ull * 1000000 },
 	};
+	const char *secret_path = NULL;
 	int ready_fd = -1, opt;
 	uint64_t v;
 
@@ -241,6 +267,34 @@ int main(int argc, char **argv)
 		case O_FP:
 			cfg.failpoints = true;
 			break;
+		case O_LISTEN:
+		case O_ADVERTISE: {
+			struct tcp_ep ep;
+			if (tcp_ep_parse(optarg, &ep) < 0)
+				return bad(opt == O_LISTEN ? "--listen" : "--advertise", optarg,
+					   "want IPV4:PORT or [IPV6]:PORT, numeric");
+			if (opt == O_LISTEN)
+				cfg.tcp.listen = optarg;
+			else
+				cfg.tcp.advertise = optarg;
+			break;
+		}
+		case O_SECRET:
+			secret_path = optarg;
+			break;
+		case O_STREAMS:
+			if (kvs_parse_uint(optarg, TCP_MAX_STREAMS, &v) || !v)
+				return bad("--tcp-streams", optarg, "want 1 to 16");
+			cfg.tcp.streams = (unsigned)v;
+			break;
+		case O_PTIMEOUT:
+			if (kvs_parse_uint(optarg, 86400000, &v) || v < 100)
+				return bad("--peer-timeout", optarg, "want milliseconds, 100 to 86400000");
+			cfg.tcp.peer_timeout_ns = v * 1000000;
+			break;
+		case O_CSUM:
+			cfg.tcp.checksum = true;
+			break;
 		case O_READY:
 			if (kvs_parse_uint(optarg, INT_MAX, &v) || fcntl((int)v, F_GETFD) < 0)
 				return bad("--ready-fd", optarg, "not an open file descriptor");
@@ -272,6 +326,25 @@ int main(int argc, char **argv)
 	if (!cfg.socket_path || !*cfg.socket_path)
 		cfg.socket_path = KVS_DEFAULT_SOCKET;
 	char why[256];
+	/* The peer secret: never from the command line, where anyone reads it. */
+	const char *secret_env = getenv("KVSTAGE_PEER_SECRET");
+	static struct kvsp_secret secret;
+	if (secret_path || (secret_env && *secret_env)) {
+		if (kvsp_secret_load(secret_path, secret_env, &secret, why, sizeof(why)) < 0) {
+			fprintf(stderr, "kvstaged: peer secret: %s\n", why);
+			return 2;
+		}
+		cfg.tcp.secret = &secret;
+	} else if (cfg.tcp.listen) {
+		fprintf(stderr, "kvstaged: --listen needs the deployment's peer secret: "
+			"--peer-secret-file PATH or $KVSTAGE_PEER_SECRET\nTry 'kvstaged --help'.\n");
+		return 2;
+	}
+	if (cfg.tcp.advertise && !cfg.tcp.listen) {
+		fprintf(stderr, "kvstaged: --advertise names where --listen is reached: give both\n"
+			"Try 'kvstaged --help'.\n");
+		return 2;
+	}
 	if (kvsp_access_check(&cfg, why, sizeof(why))) {
 		fprintf(stderr, "kvstaged: %s\nTry 'kvstaged --help'.\n", why);
 		return 2;

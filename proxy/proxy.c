@@ -1,6 +1,7 @@
 /* SPDX-License-Identifier: MIT */
 /* kvstaged: the proxy's lifetime, in the order its parts depend on each other. */
 #include <errno.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/epoll.h>
@@ -22,9 +23,30 @@ static int transports_create(struct kvsp *p)
 	if (!p->local)
 		return -ENOMEM;
 	int rc = kvsp_xport_register(p, p->local);
-	if (rc < 0)
+	if (rc < 0) {
 		p->local->ops->destroy(p->local);
-	return rc;
+		return rc;
+	}
+	if (!p->cfg.tcp.secret)
+		return 0;
+	struct kvsp_tcp_opts o = p->cfg.tcp;
+	o.instance = p->instance;
+	o.max_rooms = p->cfg.max_rooms;
+	char why[256];
+	struct kvsp_transport *t = kvsp_tcp_create(p, &o, why, sizeof(why));
+	if (!t) {
+		LOG_ERR("%s", why);
+		return -EINVAL;
+	}
+	rc = kvsp_xport_register(p, t);
+	if (rc < 0) {
+		t->ops->destroy(t);
+		return rc;
+	}
+	snprintf(p->endpoint, sizeof(p->endpoint), "%s", kvsp_tcp_endpoint(t));
+	if (p->endpoint[0])
+		LOG_INFO("tcp: listening, descriptors name %s", p->endpoint);
+	return 0;
 }
 
 static uint32_t pow2_at_least(uint32_t v)
@@ -66,9 +88,6 @@ int kvsp_init(struct kvsp *p, const struct kvsp_config *cfg)
 	p->xfers = calloc(p->cfg.slot_count, sizeof(*p->xfers));
 	if (!p->clients || !p->kicks || !p->xfers)
 		return -ENOMEM;
-	rc = transports_create(p);
-	if (rc < 0)
-		return rc;
 	p->epfd = epoll_create1(EPOLL_CLOEXEC);
 	p->wake_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
 	if (p->epfd < 0 || p->wake_fd < 0)
@@ -77,7 +96,7 @@ int kvsp_init(struct kvsp *p, const struct kvsp_config *cfg)
 	if (rc < 0)
 		return rc;
 	p->now_ns = kvsp_now_ns();
-	return 0;
+	return transports_create(p); /* last: they may watch fds in the loop */
 }
 
 void kvsp_fini(struct kvsp *p)

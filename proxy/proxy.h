@@ -59,6 +59,7 @@ struct kvsp {
 	struct kvsp_transport *xports[KVSP_MAX_XPORTS];
 	unsigned nxports;
 	struct kvsp_transport *local; /* carries rooms whose halves are both here */
+	char endpoint[64];            /* where peers reach us, in our descriptors; "": nowhere */
 	/* failpoints */
 	struct kvsp_fp fp[KVSP_FP_COUNT];
 	/* event loop */

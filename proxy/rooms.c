@@ -378,6 +378,7 @@ int kvsp_room_open_recv(struct kvsp *p, struct kvsp_client *c, uint16_t h, uint6
 	memcpy(d->token, r->token, 16);
 	d->bytes = htole64(bytes);
 	d->slot_size = htole64(p->cfg.slot_size);
+	memcpy(d->endpoint, p->endpoint, sizeof(d->endpoint));
 	return 0;
 }
 

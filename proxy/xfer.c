@@ -300,6 +300,17 @@ void kvsp_room_peer_ended(struct kvsp *p, struct kvsp_transport *t, uint32_t pee
 	kvsp_room_try_end(p, i);
 }
 
+void kvsp_room_peer_refused(struct kvsp *p, struct kvsp_transport *t, uint32_t peer, uint32_t i,
+			    uint32_t gen, int status)
+{
+	struct kvsp_room *r = carried(p, t, peer, i, gen);
+	if (!r || r->far != KVSP_FAR_RECV)
+		return;
+	kvsp_room_abort(p, i, status, KVS_EV_FAILED, true);
+	r->far_live = false;
+	kvsp_room_try_end(p, i);
+}
+
 void kvsp_room_peer_done(struct kvsp *p, struct kvsp_transport *t, uint32_t peer, uint32_t i,
 			 uint32_t gen)
 {
@@ -349,6 +360,11 @@ int kvsp_xport_register(struct kvsp *p, struct kvsp_transport *t)
 	return 0;
 }
 
+struct kvsp_xfer *kvsp_xfer_of(struct kvsp *p, uint32_t slot)
+{
+	return &p->xfers[slot];
+}
+
 void *kvsp_slot_mem(struct kvsp *p, uint32_t slot)
 {
 	return p->pool + (size_t)slot * p->cfg.slot_size;
@@ -362,6 +378,11 @@ uint64_t kvsp_slot_size(const struct kvsp *p)
 uint32_t kvsp_slot_count(const struct kvsp *p)
 {
 	return p->cfg.slot_count;
+}
+
+struct kvs_stats *kvsp_xport_stats(struct kvsp *p)
+{
+	return p->stats;
 }
 
 uint64_t kvsp_xport_now(const struct kvsp *p)

@@ -28,8 +28,10 @@
 #define KVSP_XPORT_H
 
 #include <stdbool.h>
+#include <stddef.h>
 #include <stdint.h>
 
+#include "config.h"
 #include "layout.h"
 #include "wire.h"
 
@@ -141,6 +143,9 @@ int kvsp_room_peer_abort(struct kvsp *p, struct kvsp_transport *t, uint32_t peer
 /* The peer's half of room (index, gen) has quiesced after an abort. */
 void kvsp_room_peer_ended(struct kvsp *p, struct kvsp_transport *t, uint32_t peer, uint32_t room,
 			  uint32_t gen);
+/* Sending half: the peer refused the room (status) and holds nothing of it: the room fails. */
+void kvsp_room_peer_refused(struct kvsp *p, struct kvsp_transport *t, uint32_t peer, uint32_t room,
+			    uint32_t gen, int status);
 /* Sending half: the peer's receiving half has every chunk. */
 void kvsp_room_peer_done(struct kvsp *p, struct kvsp_transport *t, uint32_t peer, uint32_t room,
 			 uint32_t gen);
@@ -151,10 +156,14 @@ void kvsp_peer_lost(struct kvsp *p, struct kvsp_transport *t, uint32_t peer, int
 
 /* ------------------------------------------------ what they may use */
 
+/* The transfer record that holds slot's pin (dir 0 when none). */
+struct kvsp_xfer *kvsp_xfer_of(struct kvsp *p, uint32_t slot);
 /* The slot's bytes. */
 void *kvsp_slot_mem(struct kvsp *p, uint32_t slot);
 uint64_t kvsp_slot_size(const struct kvsp *p);
 uint32_t kvsp_slot_count(const struct kvsp *p);
+/* The published counters (the transport's own among them). */
+struct kvs_stats *kvsp_xport_stats(struct kvsp *p);
 /* The loop's clock, read once a pass. */
 uint64_t kvsp_xport_now(const struct kvsp *p);
 /* The room's user_data on each side (0 where none), for failpoint matching. */
@@ -177,6 +186,11 @@ void kvsp_xport_fd_del(struct kvsp *p, int fd);
 struct kvsp_transport *kvsp_local_create(struct kvsp *p);
 /* The local hand-off behind failpoint local.quiesce (only with --failpoints): held hand-offs stay pinned and in flight, as inside a NIC, until let go. Returns NULL on -ENOMEM. */
 struct kvsp_transport *kvsp_gated_create(struct kvsp *p);
+/* Proxies on other hosts, over TCP. Returns NULL with why set (a sentence). */
+struct kvsp_transport *kvsp_tcp_create(struct kvsp *p, const struct kvsp_tcp_opts *o, char *why,
+				       size_t why_len);
+/* The endpoint its descriptors carry ("tcp:HOST:PORT"), "" when it does not listen. */
+const char *kvsp_tcp_endpoint(const struct kvsp_transport *t);
 /* TEST ONLY (kvstaged-vulnerable): the buggy engines' transport, which reports quiescence early. Returns NULL on -ENOMEM. */
 struct kvsp_transport *kvsp_vulnerable_create(struct kvsp *p);
 

@@ -76,6 +76,15 @@ struct kvs_stats {
 	uint64_t draining; /* 1 once SIGTERM was seen */
 	uint64_t log_suppressed; /* log lines the rate limits kept back */
 	uint64_t chunks_discarded; /* late or refused chunks the fence kept out */
+	/* peers (the tcp transport) */
+	uint64_t peer_sessions;       /* up now */
+	uint64_t peer_lost;           /* sessions lost: dropped, cut, silent past --peer-timeout */
+	uint64_t peer_auth_failed;    /* connections that did not prove the secret in time */
+	uint64_t peer_refused;        /* connections refused for want of room */
+	uint64_t peer_frames_refused; /* malformed, forged or replayed frames (connection dropped) */
+	uint64_t peer_frames_ignored; /* authentic frames naming no room of ours (stale, wrong token) */
+	uint64_t peer_crc_errors;     /* chunks whose payload failed --tcp-checksum */
+	uint64_t tcp_bytes_tx, tcp_bytes_rx;
 };
 
 /* The proxy is the counters' only writer, so a plain load and store (no

@@ -30,7 +30,10 @@ static const struct kvs_stat_name kvs_stat_names[] = {
 	KVS_STAT(rej_token), KVS_STAT(rej_nobufs), KVS_STAT(ops), KVS_STAT(events),
 	KVS_STAT(events_dropped), KVS_STAT(chunks_moved), KVS_STAT(bytes_moved),
 	KVS_STAT(tombstones_reaped), KVS_STAT(sleeps), KVS_STAT(draining), KVS_STAT(log_suppressed),
-	KVS_STAT(chunks_discarded),
+	KVS_STAT(chunks_discarded), KVS_STAT(peer_sessions), KVS_STAT(peer_lost),
+	KVS_STAT(peer_auth_failed), KVS_STAT(peer_refused), KVS_STAT(peer_frames_refused),
+	KVS_STAT(peer_frames_ignored), KVS_STAT(peer_crc_errors), KVS_STAT(tcp_bytes_tx),
+	KVS_STAT(tcp_bytes_rx),
 };
 
 /* Returns the counter's offset in struct kvs_stats, or -1. */

@@ -116,6 +116,8 @@ enum kvs_wire_type {
 	KVS_WIRE_PING,      /* either way: keep-alive, answered with PONG */
 	KVS_WIRE_PONG,
 	KVS_WIRE_BYE,       /* either way: no new rooms on this connection (drain) */
+	KVS_WIRE_JOIN,      /* dialer, first frame of each connection: which session, which stream */
+	KVS_WIRE_ENDED,     /* either way: after an abort, nothing of the room is in flight here */
 	KVS_WIRE_NTYPES,
 	/* QUIESCED (verbs: nothing of a room in flight any more) will take the
 	 * next number, with its body size; until then it is an unknown type. */
@@ -164,10 +166,16 @@ struct kvs_wire_chunk_ack {
 };
 static_assert(sizeof(struct kvs_wire_chunk_ack) == 40, "chunk ack is 40 bytes");
 
+/* Which half of a room speaks in ABORT and ENDED: they travel both ways. */
+enum kvs_wire_from {
+	KVS_WIRE_FROM_SEND = 1, /* the sending half (the receiver's proxy looks up room) */
+	KVS_WIRE_FROM_RECV = 2, /* the receiving half (the sender's proxy looks up sender_ref) */
+};
+
 struct kvs_wire_abort {
 	struct kvs_wire_room room;
 	int32_t status;
-	uint32_t rsvd;
+	uint32_t from; /* enum kvs_wire_from */
 	uint64_t sender_ref;
 };
 static_assert(sizeof(struct kvs_wire_abort) == 40, "abort is 40 bytes");
@@ -177,6 +185,22 @@ struct kvs_wire_done {
 	uint64_t sender_ref;
 };
 static_assert(sizeof(struct kvs_wire_done) == 32, "done is 32 bytes");
+
+struct kvs_wire_ended {
+	struct kvs_wire_room room;
+	uint64_t sender_ref;
+	uint32_t from; /* enum kvs_wire_from */
+	uint32_t rsvd;
+};
+static_assert(sizeof(struct kvs_wire_ended) == 40, "ended is 40 bytes");
+
+/* The dialer's session: every connection of it names the same sid, each
+ * its stream; the listener groups them (and the peer's instance) into one. */
+struct kvs_wire_join {
+	uint64_t sid;
+	uint32_t stream, nstreams;
+};
+static_assert(sizeof(struct kvs_wire_join) == 16, "join is 16 bytes");
 
 /* PING and PONG: the pinger's value (a nonce or a time), echoed. */
 struct kvs_wire_ping {
@@ -205,6 +229,8 @@ union kvs_wire_body {
 	struct kvs_wire_done done;
 	struct kvs_wire_ping ping; /* PING and PONG */
 	struct kvs_wire_bye bye;
+	struct kvs_wire_join join;
+	struct kvs_wire_ended ended;
 	uint8_t bytes[48];
 };
 #define KVS_WIRE_BODY_MAX 48

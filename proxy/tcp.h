@@ -1,0 +1,171 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * The tcp transport's own parts, shared by its two files:
+ *   tcp_conn.c       one connection: connect or accept, the handshake,
+ *                    writing frames and payloads, reading them
+ *   transport_tcp.c  the transport: sessions (the connections to one peer),
+ *                    rooms, what each frame means, timers
+ *
+ * A session is what the core calls a peer: --tcp-streams connections to
+ * one proxy, authenticated, joined under one session id. Control frames
+ * go on stream 0, chunks round-robin on every stream. Losing any stream
+ * loses the session: every room it carried fails, every pin it held is
+ * released (kvsp_peer_lost), and only then are the sockets' slots reused.
+ */
+#ifndef KVSP_TCP_H
+#define KVSP_TCP_H
+
+#include <stdbool.h>
+#include <stdint.h>
+#include <sys/socket.h>
+
+#include "frame.h"
+#include "peer_auth.h"
+#include "xport.h"
+
+#define TCP_MAX_STREAMS 16
+#define TCP_MAX_SESS 64
+#define TCP_MAX_CONNS (TCP_MAX_SESS * 2 + 32) /* sessions both ways, and handshakes */
+#define TCP_SINK_SIZE (64 * 1024)
+#define TCP_REFUSALS 32
+
+struct tcp_ep {
+	struct sockaddr_storage sa;
+	socklen_t len;
+	char text[64]; /* "HOST:PORT", as it goes into descriptors after "tcp:" */
+};
+
+/* Parses "IPV4:PORT" or "[IPV6]:PORT" (numeric: the loop never waits for
+ * DNS). Returns 0, or -EINVAL. */
+int tcp_ep_parse(const char *s, struct tcp_ep *ep);
+
+enum tcp_conn_state {
+	TCP_C_FREE = 0,
+	TCP_C_CONNECTING, /* dialer: connect() in progress */
+	TCP_C_AUTH,       /* handshake messages */
+	TCP_C_JOINING,    /* listener: authenticated, waiting for JOIN */
+	TCP_C_UP,
+};
+
+struct tcp_conn {
+	int fd;
+	uint8_t state;
+	bool dialer;
+	bool wblocked; /* the socket is full: wait for EPOLLOUT */
+	uint16_t idx;
+	uint32_t id;   /* epoll tag: idx and a generation */
+	struct tcp_sess *sess;
+	unsigned stream;
+	uint64_t born_ns, last_rx_ns;
+	/* handshake */
+	struct kvsp_auth auth;
+	uint8_t hs_in[128], hs_out[128];
+	uint32_t hs_have, hs_need, hs_out_len, hs_out_off;
+	/* frames */
+	struct kvsp_frame_tx ftx;
+	struct kvsp_frame_rx frx;
+	/* what is being written: a frame, and a CHUNK's payload after it */
+	uint8_t txbuf[KVS_WIRE_FRAME_MAX];
+	uint32_t tx_len, tx_off;
+	struct kvsp_xfer *tx_x;
+	uint32_t tx_poff;
+	bool tx_fp_checked, tx_held;
+	uint32_t q_head, q_tail, qn; /* chunks to send, through tcp.xnext[] */
+	/* what is being read: a CHUNK's payload, into a slot or the sink */
+	struct kvsp_xfer *rx_x;
+	uint8_t *rx_dst;
+	uint32_t rx_len, rx_off, rx_crc, rx_want_crc;
+	bool rx_sink, rx_has_crc;
+};
+
+enum tcp_sess_state { TCP_S_FREE = 0, TCP_S_JOINING, TCP_S_UP };
+
+/* Control frames a room owes its peer, sent in this order on stream 0. */
+enum { OWE_OPEN = 1, OWE_ACK = 2, OWE_ABORT = 4, OWE_DONE = 8, OWE_ENDED = 16 };
+
+struct tcp_room {
+	uint32_t gen;         /* the core room's generation this is about */
+	uint32_t sess;        /* session id; 0: none */
+	uint8_t owed;
+	bool on_owe, acked, cancelled;
+	uint32_t owe_next;
+	int32_t ack_status, abort_status;
+	struct kvs_wire_room name; /* the receiving room (ours, or the peer's from the descriptor) */
+	uint64_t sender_ref;       /* the sending proxy's room: gen << 32 | index */
+	uint64_t far_instance;     /* sending side: the descriptor's instance */
+	uint32_t pend_head, pend_tail; /* sending side: chunks waiting for OPEN_ACK */
+	uint32_t from;             /* which half we hold: KVS_WIRE_FROM_SEND or _RECV */
+	uint64_t bytes;
+};
+
+struct tcp_sess {
+	uint32_t id; /* the core's peer: index | generation << 8 */
+	uint8_t state;
+	bool dialer, bye;
+	struct tcp_ep ep;    /* dialer: whom we dial */
+	uint64_t instance;   /* the peer's, once authenticated */
+	uint64_t sid;        /* the dialer's random name for the session */
+	unsigned nstreams, njoined, rr;
+	struct tcp_conn *conn[TCP_MAX_STREAMS];
+	uint32_t owe_head, owe_tail; /* rooms with control frames owed */
+	bool owe_ping, owe_pong, owe_bye;
+	uint64_t pong_value, last_tx_ns;
+	uint64_t bytes_tx, bytes_rx;
+	struct kvs_wire_open_ack refusals[TCP_REFUSALS]; /* OPENs refused, answers owed */
+	unsigned refusal_head, nrefusals;
+};
+
+struct tcp {
+	struct kvsp_transport t;
+	struct kvsp *p;
+	const struct kvsp_secret *secret;
+	uint64_t instance;
+	unsigned streams;
+	bool checksum;
+	uint64_t timeout_ns;
+	int epfd, listen_fd, timer_fd;
+	struct tcp_ep listen, advertise;
+	char endpoint[64]; /* "tcp:" advertise */
+	struct tcp_conn conn[TCP_MAX_CONNS];
+	uint32_t conn_gen;
+	struct tcp_sess sess[TCP_MAX_SESS];
+	uint32_t sess_gen;
+	struct tcp_room *rooms; /* by core room index */
+	uint32_t nrooms;
+	uint32_t *xnext;        /* chunk queues through slot indices */
+	uint8_t *sink;
+	unsigned nwritable;     /* conns with something to write and room to write it */
+	struct kvs_stats *st;
+};
+
+/* tcp_conn.c */
+/* A new connection on fd (non-blocking), dialing or accepted. Returns it, or NULL (fd closed). */
+struct tcp_conn *tcp_conn_new(struct tcp *tc, int fd, bool dialer, bool connecting);
+/* Closes c's socket; what it held is the session's to release. */
+void tcp_conn_close(struct tcp *tc, struct tcp_conn *c);
+/* Moves the handshake on. Returns 0, or -errno (drop the connection). */
+int tcp_conn_handshake(struct tcp *tc, struct tcp_conn *c);
+/* Writes what c has to write until the socket is full. Returns KVSP_BUSY/IDLE, or -errno (lost). */
+int tcp_conn_tx(struct tcp *tc, struct tcp_conn *c);
+/* Reads what c's socket has, a bounded amount. Returns KVSP_BUSY/IDLE, or -errno (lost). */
+int tcp_conn_rx(struct tcp *tc, struct tcp_conn *c);
+/* Seals a frame into c's write buffer (which must be empty). Returns 0, or -errno. */
+int tcp_conn_frame(struct tcp_conn *c, uint16_t type, const void *body);
+/* Queues chunk x on c. */
+void tcp_conn_queue(struct tcp *tc, struct tcp_conn *c, struct kvsp_xfer *x);
+/* True while c has something it could write now. */
+bool tcp_conn_wants_tx(const struct tcp *tc, const struct tcp_conn *c);
+
+/* transport_tcp.c, for tcp_conn.c */
+/* A verified frame from c. Returns 0, or -errno (drop the connection). */
+int tcp_on_frame(struct tcp *tc, struct tcp_conn *c, const struct kvsp_frame *f);
+/* c authenticated. Returns 0, or -errno. */
+int tcp_on_authed(struct tcp *tc, struct tcp_conn *c);
+/* c has no frame in progress: fills its buffer with the next control frame, if any. Returns true if it did. */
+bool tcp_next_control(struct tcp *tc, struct tcp_conn *c);
+/* True if x's room was cancelled (its chunk must not be sent). */
+bool tcp_room_cancelled(const struct tcp *tc, const struct kvsp_xfer *x);
+/* A CHUNK header from c: where its payload goes. */
+void tcp_on_chunk(struct tcp *tc, struct tcp_conn *c, const struct kvsp_frame *f);
+
+#endif
