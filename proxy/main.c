@@ -363,6 +363,10 @@ int main(int argc, char **argv)
 #endif
 	static struct kvsp p;
 	int rc = kvsp_init(&p, &cfg);
+#ifdef KVSTAGED_VULNERABLE
+	if (rc == 0)
+		kvsp_vulnerable_wrap(p.xports, p.nxports);
+#endif
 	if (rc == 0)
 		rc = kvsp_listen(&p);
 	if (rc < 0) {

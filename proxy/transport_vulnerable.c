@@ -115,3 +115,45 @@ struct kvsp_transport *kvsp_vulnerable_create(struct kvsp *p)
 	v->t.p = p;
 	return &v->t;
 }
+
+/* ------------------------------------------- the vulnerable receiver */
+
+/*
+ * The tcp transport as a receiver that skips the fence: when a room is
+ * aborted while a chunk's payload is still being read into the slot
+ * posted for it, it tells the core the write is over (the slot is freed
+ * and can be leased at once) and goes on reading the payload into that
+ * slot's memory.
+ */
+#include "tcp.h"
+
+static struct kvsp_transport_ops vuln_tcp_ops;
+static void (*tcp_cancel)(struct kvsp_transport *t, uint32_t room, uint32_t gen, int status);
+static struct kvsp_xfer nothing; /* what the late read ends on: no record, no effect */
+
+static void vuln_tcp_cancel(struct kvsp_transport *t, uint32_t room, uint32_t gen, int status)
+{
+	struct tcp *tc = (struct tcp *)t;
+	for (unsigned i = 0; i < TCP_MAX_CONNS; i++) {
+		struct tcp_conn *c = &tc->conn[i];
+		if (c->state == TCP_C_UP && c->rx_x && c->rx_x != &nothing && c->rx_x->room == room &&
+		    c->rx_x->room_gen == gen) {
+			kvsp_chunk_discard(t->p, c->rx_x, -ECANCELED); /* the lie */
+			c->rx_x = &nothing; /* rx_dst still points into the slot */
+		}
+	}
+	tcp_cancel(t, room, gen, status);
+}
+
+void kvsp_vulnerable_wrap(struct kvsp_transport **xports, unsigned n)
+{
+	for (unsigned k = 0; k < n; k++) {
+		if (strcmp(xports[k]->ops->name, "tcp"))
+			continue;
+		vuln_tcp_ops = *xports[k]->ops;
+		tcp_cancel = vuln_tcp_ops.cancel;
+		vuln_tcp_ops.cancel = vuln_tcp_cancel;
+		vuln_tcp_ops.name = "tcp (vulnerable receiver, test only)";
+		xports[k]->ops = &vuln_tcp_ops;
+	}
+}

@@ -193,5 +193,7 @@ struct kvsp_transport *kvsp_tcp_create(struct kvsp *p, const struct kvsp_tcp_opt
 const char *kvsp_tcp_endpoint(const struct kvsp_transport *t);
 /* TEST ONLY (kvstaged-vulnerable): the buggy engines' transport, which reports quiescence early. Returns NULL on -ENOMEM. */
 struct kvsp_transport *kvsp_vulnerable_create(struct kvsp *p);
+/* TEST ONLY (kvstaged-vulnerable): makes the tcp transport among xports a receiver that skips the fence. */
+void kvsp_vulnerable_wrap(struct kvsp_transport **xports, unsigned n);
 
 #endif
