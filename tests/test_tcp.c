@@ -7,6 +7,7 @@
  */
 #include <criterion/criterion.h>
 #include <errno.h>
+#include <poll.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -34,8 +35,9 @@ static void teardown(void)
 
 TestSuite(tcp, .init = setup, .fini = teardown, .timeout = 120);
 
-#define LISTEN(px) proxy_start(px, NULL, (const char *[]){ "--slots", "64", "--slot-size", "64K", \
-		"--listen", "127.0.0.1:0", "--peer-timeout", "5000", NULL })
+#define LISTEN_N(px, n) proxy_start(px, NULL, (const char *[]){ "--slots", n, "--slot-size", \
+		"64K", "--listen", "127.0.0.1:0", "--peer-timeout", "5000", NULL })
+#define LISTEN(px) LISTEN_N(px, "64")
 
 /* One room from a client of tx_px to a client of rx_px, of bytes, owner's canary. */
 struct xroom {
@@ -233,4 +235,108 @@ Test(tcp, decisive_vulnerable_receiver_is_caught_corrupting)
 	cr_assert(o.b_got_victim, "B is given the slot the late payload writes into");
 	cr_assert(!o.b_intact, "the late bytes landed in B's slot: the corruption detected");
 	cr_assert(o.victim_has_a, "what B's slot holds now is A's chunk");
+}
+
+/* ------------------------------------------------------- abort waves */
+
+#define WAVE_ROOMS 24
+#define WAVE_CHUNKS 4
+#define VICTIM_BIT (1ull << 20)
+
+/* nP sending proxies, nD receiving ones (all on loopback); room i goes from
+ * sender i % nP to receiver i % nD. Eight victims are aborted mid-transfer,
+ * from either side, while at least one of their payloads is held on a
+ * sending proxy; then everything is let go. */
+static void wave(unsigned nP, unsigned nD)
+{
+	struct proxy *all[3] = { &pa, &pb, &pc };
+	struct proxy *P[2], *D[2];
+	unsigned k = 0;
+	for (unsigned i = 0; i < nP; i++)
+		P[i] = all[k++];
+	for (unsigned i = 0; i < nD; i++)
+		D[i] = all[k++];
+	for (unsigned i = 0; i < nP + nD; i++)
+		LISTEN_N(all[i], "256");
+	kvs_client *tx[2], *rx[2];
+	for (unsigned i = 0; i < nP; i++)
+		tx[i] = connect_ok(P[i]);
+	for (unsigned i = 0; i < nD; i++)
+		rx[i] = connect_ok(D[i]);
+	for (unsigned i = 0; i < nP; i++) {
+		int rc = kvs_admin_fp_set_mask(P[i]->admin, "tcp.payload", "pause", VICTIM_BIT,
+					       VICTIM_BIT); /* victims' payloads only */
+		cr_assert_eq(rc, 0);
+	}
+	static struct xroom x[WAVE_ROOMS];
+	for (unsigned i = 0; i < WAVE_ROOMS; i++) {
+		bool victim = i % 3 == 0; /* 8 of 24 */
+		xroom_open(&x[i], rx[i % nD], tx[i % nP], WAVE_CHUNKS * SLOT - 100,
+			   0x1000 + i + (victim ? VICTIM_BIT : 0));
+	}
+	for (unsigned i = 0; i < WAVE_ROOMS; i++)
+		xroom_send(&x[i], tx[i % nP]);
+	for (unsigned i = 0; i < nP; i++)
+		fp_wait(P[i], "tcp.payload", 1); /* a victim's payload is held on every sender */
+	for (unsigned i = 0; i < WAVE_ROOMS; i += 3)
+		cr_assert_eq(kvs_abort(i % 2 ? x[i].sr : x[i].rr), 0);
+	for (unsigned i = 0; i < nP; i++)
+		fp_set(P[i], "tcp.payload", "off", NULL);
+
+	uint32_t rxf[WAVE_ROOMS] = { 0 }, txf[WAVE_ROOMS] = { 0 };
+	kvs_client *cl[4];
+	struct pollfd pfd[4];
+	unsigned ncl = 0;
+	for (unsigned i = 0; i < nP; i++)
+		cl[ncl++] = tx[i];
+	for (unsigned i = 0; i < nD; i++)
+		cl[ncl++] = rx[i];
+	for (unsigned c = 0; c < ncl; c++)
+		pfd[c] = (struct pollfd){ kvs_event_fd(cl[c]), POLLIN, 0 };
+	for (unsigned finals = 0; finals < 2 * WAVE_ROOMS;) {
+		unsigned got = 0;
+		for (unsigned c = 0; c < ncl; c++) {
+			struct kvs_event e[16];
+			int n = kvs_poll(cl[c], e, 16);
+			cr_assert_geq(n, 0);
+			for (int j = 0; j < n; j++) {
+				unsigned i = (unsigned)(e[j].user_data & 0xfff);
+				cr_assert_lt(i, WAVE_ROOMS);
+				(c < nP ? txf : rxf)[i] = e[j].type;
+			}
+			got += (unsigned)n;
+		}
+		finals += got;
+		if (!got && finals < 2 * WAVE_ROOMS)
+			cr_assert_gt(poll(pfd, ncl, WAIT_MS), 0, "no final for %u s", WAIT_MS / 1000);
+	}
+	for (unsigned i = 0; i < WAVE_ROOMS; i++) {
+		if (i % 3 == 0) {
+			cr_assert_eq(rxf[i], KVS_EV_ABORTED, "victim %u: receiver got %u", i, rxf[i]);
+			cr_assert_eq(txf[i], KVS_EV_ABORTED, "victim %u: sender got %u", i, txf[i]);
+		} else {
+			cr_assert_eq(rxf[i], KVS_EV_RECV_DONE, "room %u: receiver got %u", i, rxf[i]);
+			cr_assert_eq(txf[i], KVS_EV_SEND_DONE, "room %u: sender got %u", i, txf[i]);
+			xroom_verify(&x[i], rx[i % nD]);
+		}
+		xroom_close(&x[i]);
+	}
+	for (unsigned i = 0; i < nP; i++)
+		kvs_close(tx[i]);
+	for (unsigned i = 0; i < nD; i++)
+		kvs_close(rx[i]);
+	for (unsigned i = 0; i < nP + nD; i++) {
+		cr_assert_eq(kill(all[i]->pid, 0), 0, "a proxy died");
+		wait_idle(all[i], 0);
+	}
+}
+
+Test(tcp, abort_wave_2p1d)
+{
+	wave(2, 1);
+}
+
+Test(tcp, abort_wave_1p2d)
+{
+	wave(1, 2);
 }
