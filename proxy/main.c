@@ -335,6 +335,7 @@ int main(int argc, char **argv)
 			return 2;
 		}
 		cfg.tcp.secret = &secret;
+		unsetenv("KVSTAGE_PEER_SECRET"); /* read once; no child inherits it */
 	} else if (cfg.tcp.listen) {
 		fprintf(stderr, "kvstaged: --listen needs the deployment's peer secret: "
 			"--peer-secret-file PATH or $KVSTAGE_PEER_SECRET\nTry 'kvstaged --help'.\n");
