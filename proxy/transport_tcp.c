@@ -689,10 +689,17 @@ static void on_timer(struct tcp *tc)
 		struct tcp_sess *s = &tc->sess[i];
 		if (s->state != TCP_S_UP)
 			continue;
-		for (unsigned k = 0; k < s->nstreams && s->state == TCP_S_UP; k++)
-			if (now - s->conn[k]->last_rx_ns > tc->timeout_ns)
-				sess_lost(tc, s, -ETIMEDOUT);
-		if (s->state == TCP_S_UP && now - s->last_tx_ns > tc->timeout_ns / 4)
+		/* The peer speaks on stream 0 at least (PONG, PING): its
+		 * silence anywhere but there says nothing. */
+		uint64_t heard = 0;
+		for (unsigned k = 0; k < s->nstreams; k++)
+			if (s->conn[k]->last_rx_ns > heard)
+				heard = s->conn[k]->last_rx_ns;
+		if (now - heard > tc->timeout_ns) {
+			sess_lost(tc, s, -ETIMEDOUT);
+			continue;
+		}
+		if (now - s->last_tx_ns > tc->timeout_ns / 4)
 			s->owe_ping = true;
 	}
 }

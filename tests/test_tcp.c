@@ -340,3 +340,97 @@ Test(tcp, abort_wave_1p2d)
 {
 	wave(1, 2);
 }
+
+/* ----------------------------------------------------- peers that fail */
+
+/* A room from a client of from to a client of to, its one chunk held at
+ * from with the header sent: in flight on both proxies. */
+static void held_room(struct xroom *x, struct proxy *from, kvs_client *tx, struct proxy *to,
+		      kvs_client *rx, uint64_t owner)
+{
+	uint64_t posted = stat_get(to, "slots.recv_posted");
+	cr_assert_eq(kvs_admin_fp_set_mask(from->admin, "tcp.payload", "pause", owner, 0xffff), 0);
+	xroom_open(x, rx, tx, SLOT, owner);
+	xroom_send(x, tx);
+	fp_wait(from, "tcp.payload", 1);
+	stat_wait(to, "slots.recv_posted", 1, posted + 1);
+}
+
+static void one_room(kvs_client *rx, kvs_client *tx, uint64_t owner)
+{
+	struct xroom x;
+	xroom_open(&x, rx, tx, 3 * SLOT, owner);
+	xroom_send(&x, tx);
+	cr_assert_eq(wait_event(tx).type, KVS_EV_SEND_DONE);
+	cr_assert_eq(wait_event(rx).type, KVS_EV_RECV_DONE);
+	xroom_verify(&x, rx);
+	xroom_close(&x);
+}
+
+Test(tcp, a_sender_proxy_killed_mid_transfer_fails_its_rooms_and_leaks_nothing)
+{
+	LISTEN(&pb);
+	LISTEN(&pa);
+	LISTEN(&pc);
+	kvs_client *rx = connect_ok(&pb), *tx = connect_ok(&pa), *tx2 = connect_ok(&pc);
+	struct xroom x;
+	held_room(&x, &pa, tx, &pb, rx, 0x77);
+	proxy_kill(&pa, SIGKILL);
+	struct kvs_event e = wait_event(rx);
+	cr_assert_eq(e.type, KVS_EV_FAILED, "the receiver's room fails, got %u", e.type);
+	cr_assert_eq(kvs_room_close(x.rr), 0);
+	wait_idle(&pb, 2); /* the posted slot is free again: nothing leaked */
+	cr_assert_eq(stat_get(&pb, "peer_lost"), 1);
+	one_room(rx, tx2, 0x78); /* and another sender is served as before */
+	kvs_close(tx);
+	kvs_close(tx2);
+	kvs_close(rx);
+	wait_idle(&pb, 0);
+}
+
+Test(tcp, a_receiver_proxy_killed_mid_transfer_fails_the_senders_rooms)
+{
+	LISTEN(&pb);
+	LISTEN(&pa);
+	LISTEN(&pc);
+	kvs_client *rx = connect_ok(&pb), *tx = connect_ok(&pa), *rx2 = connect_ok(&pc);
+	struct xroom x;
+	held_room(&x, &pa, tx, &pb, rx, 0x55);
+	proxy_kill(&pb, SIGKILL);
+	struct kvs_event e = wait_event(tx);
+	cr_assert_eq(e.type, KVS_EV_FAILED, "the sender's room fails, got %u", e.type);
+	cr_assert_eq(kvs_room_close(x.sr), 0);
+	fp_set(&pa, "tcp.payload", "off", NULL);
+	wait_idle(&pa, 1); /* its slot was released with the session */
+	one_room(rx2, tx, 0x56);
+	kvs_close(tx);
+	kvs_close(rx2);
+	kvs_close(rx);
+	wait_idle(&pa, 0);
+}
+
+Test(tcp, a_peer_stopped_past_the_peer_timeout_is_lost_on_both_sides)
+{
+	const char *args[] = { "--slots", "64", "--slot-size", "64K", "--listen", "127.0.0.1:0",
+			       "--peer-timeout", "300", NULL };
+	proxy_start(&pb, NULL, args);
+	proxy_start(&pa, NULL, args);
+	kvs_client *rx = connect_ok(&pb), *tx = connect_ok(&pa);
+	one_room(rx, tx, 0x30); /* the session is up */
+	struct xroom x;
+	xroom_open(&x, rx, tx, 2 * SLOT, 0x31);
+	proxy_freeze(&pb);
+	xroom_send(&x, tx);
+	struct kvs_event e = wait_event(tx); /* after 300 ms of silence */
+	cr_assert_eq(e.type, KVS_EV_FAILED);
+	cr_assert_eq(e.status, -ETIMEDOUT, "got %s", kvs_strerror(e.status));
+	kill(pb.pid, SIGCONT);
+	e = wait_event(rx); /* it wakes to a closed connection */
+	cr_assert_eq(e.type, KVS_EV_FAILED);
+	xroom_close(&x);
+	wait_idle(&pa, 1);
+	wait_idle(&pb, 1);
+	one_room(rx, tx, 0x32); /* a new session serves the next room */
+	kvs_close(tx);
+	kvs_close(rx);
+}

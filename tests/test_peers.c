@@ -1,0 +1,393 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * Hostile peers against a real kvstaged --listen on loopback: a test peer
+ * speaking the wire (proxy/frame.c, proxy/peer_auth.c) with no secret, a
+ * wrong one, replays, forged and stale tokens, broken frames, or nothing
+ * at all. Each is refused or dropped and counted, and a real room between
+ * two real proxies, open all along, still arrives byte for byte.
+ */
+#include <arpa/inet.h>
+#include <criterion/criterion.h>
+#include <endian.h>
+#include <errno.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <sodium.h>
+
+#include "canary.h"
+#include "frame.h"
+#include "harness.h"
+#include "peer_auth.h"
+
+#define SLOT (64 * 1024)
+#define SECRET "kvstage-test-secret-0123456789abcdef"
+
+static struct proxy pa = PROXY_INIT, pb = PROXY_INIT;
+static struct kvsp_secret good, bad;
+
+static void setup(void)
+{
+	setenv("KVSTAGE_PEER_SECRET", SECRET, 1);
+	char why[128];
+	cr_assert_eq(kvsp_secret_load(NULL, SECRET, &good, why, sizeof(why)), 0, "%s", why);
+	cr_assert_eq(kvsp_secret_load(NULL, "another-secret-of-32-bytes-long!", &bad, why,
+				      sizeof(why)), 0, "%s", why);
+	proxy_start(&pb, NULL, (const char *[]){ "--slots", "32", "--slot-size", "64K", "--listen",
+						 "127.0.0.1:0", "--peer-timeout", "300", NULL });
+	proxy_start(&pa, NULL, (const char *[]){ "--slots", "32", "--slot-size", "64K", NULL });
+}
+
+static void teardown(void)
+{
+	proxy_stop(&pa);
+	proxy_stop(&pb);
+	kvsp_secret_free(&good);
+	kvsp_secret_free(&bad);
+}
+
+TestSuite(peers, .init = setup, .fini = teardown, .timeout = 60);
+
+/* ------------------------------------------------------ the test peer */
+
+struct hpeer {
+	int fd;
+	struct kvsp_auth a;
+	struct kvsp_frame_tx tx;
+	struct kvsp_frame_rx rx;
+	uint8_t hello[KVS_WIRE_HELLO_SIZE], proof[KVS_WIRE_PROOF_SIZE]; /* what we sent */
+};
+
+/* A room on B, open all along: its descriptor names B's endpoint. */
+static kvs_client *rx;
+static kvs_room *rroom;
+static struct kvs_desc_wire desc;
+
+static void open_room(void)
+{
+	rx = connect_ok(&pb);
+	struct kvs_room_desc d;
+	cr_assert_eq(kvs_recv_open(rx, 2 * SLOT, 0x99, &rroom, &d), 0);
+	memcpy(&desc, &d, sizeof(desc));
+	cr_assert(!strncmp(desc.endpoint, "tcp:127.0.0.1:", 14), "endpoint %s", desc.endpoint);
+}
+
+static int hp_connect(void)
+{
+	int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+	struct sockaddr_in a = { .sin_family = AF_INET, .sin_port = htons((uint16_t)atoi(desc.endpoint + 14)) };
+	a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+	cr_assert_eq(connect(fd, (struct sockaddr *)&a, sizeof(a)), 0);
+	return fd;
+}
+
+static void put(int fd, const void *b, size_t n)
+{
+	cr_assert_eq(send(fd, b, n, MSG_NOSIGNAL), (ssize_t)n);
+}
+
+/* Reads exactly n bytes. Returns 0, or -1 once the proxy closed. */
+static int get(int fd, void *b, size_t n)
+{
+	size_t have = 0;
+	while (have < n) {
+		struct pollfd p = { fd, POLLIN, 0 };
+		cr_assert_eq(poll(&p, 1, WAIT_MS), 1, "the proxy said nothing");
+		ssize_t k = recv(fd, (uint8_t *)b + have, n - have, 0);
+		if (k <= 0)
+			return -1;
+		have += (size_t)k;
+	}
+	return 0;
+}
+
+/* Barrier: the proxy closes the connection. */
+static void wait_closed(int fd)
+{
+	uint8_t b[256];
+	for (;;) {
+		struct pollfd p = { fd, POLLIN, 0 };
+		cr_assert_eq(poll(&p, 1, WAIT_MS), 1, "the proxy kept the connection");
+		ssize_t k = recv(fd, b, sizeof(b), 0);
+		if (k <= 0)
+			return;
+	}
+}
+
+/* The dialer's handshake with secret s, then JOIN as a one-stream session. */
+static void hp_join(struct hpeer *h, const struct kvsp_secret *s)
+{
+	h->fd = hp_connect();
+	uint64_t inst;
+	randombytes_buf(&inst, sizeof(inst));
+	cr_assert_eq(kvsp_auth_start(&h->a, s, KVS_WIRE_DIALER, inst | 1), 0);
+	cr_assert_eq(kvsp_auth_hello(&h->a, h->hello), 0);
+	put(h->fd, h->hello, sizeof(h->hello));
+	uint8_t in[KVS_WIRE_HELLO_SIZE];
+	cr_assert_eq(get(h->fd, in, KVS_WIRE_HELLO_SIZE), 0);
+	cr_assert_eq(kvsp_auth_on_hello(&h->a, in), 0);
+	cr_assert_eq(get(h->fd, in, KVS_WIRE_PROOF_SIZE), 0);
+	cr_assert_eq(kvsp_auth_on_proof(&h->a, in), 0, "the listener's proof");
+	cr_assert_eq(kvsp_auth_proof(&h->a, h->proof), 0);
+	put(h->fd, h->proof, sizeof(h->proof));
+	struct kvsp_frame_keys k;
+	cr_assert_eq(kvsp_auth_keys(&h->a, &k), 0);
+	kvsp_frame_tx_init(&h->tx, k.tx);
+	kvsp_frame_rx_init(&h->rx, k.rx, SLOT);
+	struct kvs_wire_join j = { 0 };
+	randombytes_buf(&j.sid, sizeof(j.sid));
+	j.nstreams = htole32(1);
+	uint8_t f[KVS_WIRE_FRAME_MAX];
+	int n = kvsp_frame_seal(&h->tx, KVS_WIRE_JOIN, &j, 0, f);
+	put(h->fd, f, (size_t)n);
+}
+
+/* Seals and sends a frame; its bytes into out (for replays) if given. */
+static size_t hp_send(struct hpeer *h, uint16_t type, const void *body, uint32_t plen, void *out)
+{
+	uint8_t f[KVS_WIRE_FRAME_MAX];
+	int n = kvsp_frame_seal(&h->tx, type, body, plen, f);
+	cr_assert_gt(n, 0);
+	put(h->fd, f, (size_t)n);
+	if (out)
+		memcpy(out, f, (size_t)n);
+	return (size_t)n;
+}
+
+/* The next frame from the proxy that is not a PING (answered). */
+static struct kvsp_frame hp_recv(struct hpeer *h)
+{
+	struct kvsp_frame f;
+	for (;;) {
+		void *at;
+		size_t want = kvsp_frame_rx_want(&h->rx, &at);
+		cr_assert_gt(want, 0);
+		cr_assert_eq(get(h->fd, at, want), 0, "the proxy closed");
+		int rc = kvsp_frame_rx_wrote(&h->rx, want, &f);
+		cr_assert_geq(rc, 0, "a frame from the proxy did not verify: %d", rc);
+		if (rc == 1 && f.type == KVS_WIRE_PING) {
+			hp_send(h, KVS_WIRE_PONG, &f.body.ping, 0, NULL);
+			continue;
+		}
+		if (rc == 1)
+			return f;
+	}
+}
+
+/* PING, PONG: the stream is still in step. */
+static void hp_in_sync(struct hpeer *h)
+{
+	struct kvs_wire_ping p = { htole64(0x5eed) };
+	hp_send(h, KVS_WIRE_PING, &p, 0, NULL);
+	struct kvsp_frame f = hp_recv(h);
+	cr_assert_eq(f.type, KVS_WIRE_PONG);
+	cr_assert_eq(le64toh(f.body.ping.value), 0x5eed);
+}
+
+static struct kvs_wire_room room_name(void)
+{
+	struct kvs_wire_room n = { desc.room, desc.gen, { 0 } };
+	memcpy(n.token, desc.token, 16);
+	return n;
+}
+
+/* The real room, sent by a real proxy, arrives whole after it all. */
+static void real_room_arrives(void)
+{
+	kvs_client *tx = connect_ok(&pa);
+	kvs_room *sr;
+	struct kvs_room_desc d;
+	memcpy(&d, &desc, sizeof(d));
+	cr_assert_eq(kvs_send_open(tx, &d, 0x98, &sr), 0);
+	for (unsigned k = 0; k < 2; k++) {
+		struct kvs_lease l;
+		cr_assert_eq(kvs_acquire(tx, 1, &l), 0);
+		canary_fill(kvs_lease_ptr(tx, &l), 0x99, (uint64_t)k * SLOT, SLOT);
+		cr_assert_eq(kvs_send(sr, &l, (uint64_t)k * SLOT, SLOT), 0);
+	}
+	struct kvs_event e = wait_event(rx);
+	cr_assert_eq(e.type, KVS_EV_RECV_DONE, "the real room got %u (%s)", e.type,
+		     kvs_strerror(e.status));
+	cr_assert_eq(wait_event(tx).type, KVS_EV_SEND_DONE);
+	for (unsigned k = 0; k < 2; k++) {
+		struct kvs_lease l;
+		cr_assert_eq(kvs_room_lease(rroom, k, &l), 0);
+		cr_assert_eq(canary_check(kvs_lease_ptr(rx, &l), 0x99, (uint64_t)k * SLOT, SLOT), SLOT);
+	}
+	kvs_room_close(sr);
+	kvs_room_close(rroom);
+	kvs_close(tx);
+	kvs_close(rx);
+	wait_idle(&pb, 0);
+	wait_idle(&pa, 0);
+}
+
+/* ---------------------------------------------------------- the tests */
+
+Test(peers, no_secret_garbage_is_refused_before_anything)
+{
+	open_room();
+	int fd = hp_connect();
+	uint8_t junk[KVS_WIRE_HELLO_SIZE];
+	randombytes_buf(junk, sizeof(junk));
+	put(fd, junk, sizeof(junk));
+	wait_closed(fd);
+	close(fd);
+	stat_wait(&pb, "peer_auth_failed", 1, 1);
+	real_room_arrives();
+}
+
+Test(peers, a_wrong_secret_cannot_prove_itself)
+{
+	open_room();
+	/* We can see the listener's proof does not verify under our key... */
+	struct hpeer h;
+	h.fd = hp_connect();
+	cr_assert_eq(kvsp_auth_start(&h.a, &bad, KVS_WIRE_DIALER, 12345), 0);
+	cr_assert_eq(kvsp_auth_hello(&h.a, h.hello), 0);
+	put(h.fd, h.hello, sizeof(h.hello));
+	uint8_t in[KVS_WIRE_HELLO_SIZE];
+	cr_assert_eq(get(h.fd, in, KVS_WIRE_HELLO_SIZE), 0);
+	cr_assert_eq(kvsp_auth_on_hello(&h.a, in), 0);
+	cr_assert_eq(get(h.fd, in, KVS_WIRE_PROOF_SIZE), 0);
+	cr_assert_eq(kvsp_auth_on_proof(&h.a, in), -EACCES);
+	/* ...and the proof we can make without the secret is refused. */
+	struct kvs_wire_proof p = { .magic = htole32(KVS_WIRE_HELLO_MAGIC),
+				    .version = htole16(KVS_WIRE_VERSION),
+				    .type = htole16(KVS_WIRE_PROOF), .role = htole32(KVS_WIRE_DIALER) };
+	randombytes_buf(p.mac, sizeof(p.mac));
+	put(h.fd, &p, sizeof(p));
+	wait_closed(h.fd);
+	close(h.fd);
+	stat_wait(&pb, "peer_auth_failed", 1, 1);
+	real_room_arrives();
+}
+
+Test(peers, a_replayed_handshake_is_refused)
+{
+	open_room();
+	struct hpeer h;
+	hp_join(&h, &good);
+	hp_in_sync(&h); /* the real one works */
+	int fd = hp_connect();
+	put(fd, h.hello, sizeof(h.hello));
+	uint8_t in[KVS_WIRE_HELLO_SIZE + KVS_WIRE_PROOF_SIZE];
+	cr_assert_eq(get(fd, in, sizeof(in)), 0);
+	put(fd, h.proof, sizeof(h.proof)); /* the old proof, for the old nonce */
+	wait_closed(fd);
+	close(fd);
+	stat_wait(&pb, "peer_auth_failed", 1, 1);
+	close(h.fd);
+	real_room_arrives();
+}
+
+Test(peers, a_replayed_frame_drops_the_connection)
+{
+	open_room();
+	struct hpeer h;
+	hp_join(&h, &good);
+	uint8_t f[KVS_WIRE_FRAME_MAX];
+	struct kvs_wire_ping p = { htole64(1) };
+	size_t n = hp_send(&h, KVS_WIRE_PING, &p, 0, f);
+	cr_assert_eq(hp_recv(&h).type, KVS_WIRE_PONG);
+	put(h.fd, f, n); /* the same frame again: its seq is spent */
+	wait_closed(h.fd);
+	close(h.fd);
+	stat_wait(&pb, "peer_frames_refused", 1, 1);
+	real_room_arrives();
+}
+
+Test(peers, forged_and_stale_tokens_change_nothing)
+{
+	open_room();
+	struct hpeer h;
+	hp_join(&h, &good);
+	uint64_t tokens = stat_get(&pb, "rej_token");
+	/* OPEN with a wrong token: refused, counted */
+	struct kvs_wire_open o = { .room = room_name(), .bytes = htole64(2 * SLOT),
+				   .slot_size = htole64(SLOT), .sender_ref = htole64(7) };
+	o.room.token[0] ^= 1;
+	hp_send(&h, KVS_WIRE_OPEN, &o, 0, NULL);
+	struct kvsp_frame f = hp_recv(&h);
+	cr_assert_eq(f.type, KVS_WIRE_OPEN_ACK);
+	cr_assert_eq((int32_t)le32toh((uint32_t)f.body.open_ack.status), -EPERM);
+	cr_assert_eq(stat_get(&pb, "rej_token"), tokens + 1);
+	/* OPEN naming a stale generation */
+	o.room = room_name();
+	o.room.gen = htole32(le32toh(o.room.gen) + 1);
+	hp_send(&h, KVS_WIRE_OPEN, &o, 0, NULL);
+	f = hp_recv(&h);
+	cr_assert_eq((int32_t)le32toh((uint32_t)f.body.open_ack.status), -ESTALE);
+	/* ABORT with a wrong token, and one for a room we never opened */
+	uint64_t ignored = stat_get(&pb, "peer_frames_ignored");
+	struct kvs_wire_abort ab = { .room = room_name(), .status = (int32_t)htole32(-ECANCELED),
+				     .from = htole32(KVS_WIRE_FROM_SEND) };
+	ab.room.token[5] ^= 0x80;
+	hp_send(&h, KVS_WIRE_ABORT, &ab, 0, NULL);
+	ab.room = room_name();
+	hp_send(&h, KVS_WIRE_ABORT, &ab, 0, NULL); /* right token, but not our room's sender */
+	/* CHUNK with a wrong token: its payload goes to the sink, in step */
+	uint64_t disc = stat_get(&pb, "chunks_discarded");
+	static uint8_t payload[SLOT];
+	memset(payload, 0xEE, sizeof(payload));
+	struct kvs_wire_chunk c = { .room = room_name(), .chunk = 0, .len = htole32(SLOT) };
+	c.room.token[15] ^= 1;
+	hp_send(&h, KVS_WIRE_CHUNK, &c, SLOT, NULL);
+	put(h.fd, payload, sizeof(payload));
+	hp_in_sync(&h);
+	cr_assert_eq(stat_get(&pb, "peer_frames_ignored"), ignored + 2);
+	cr_assert_eq(stat_get(&pb, "chunks_discarded"), disc + 1);
+	cr_assert_eq(stat_get(&pb, "rooms_aborted"), 0, "the real room was not touched");
+	close(h.fd);
+	real_room_arrives();
+}
+
+Test(peers, oversized_truncated_and_garbage_frames_drop_the_connection)
+{
+	open_room();
+	uint64_t refused = stat_get(&pb, "peer_frames_refused");
+	/* a CHUNK header claiming more than a slot */
+	struct hpeer h;
+	hp_join(&h, &good);
+	struct kvs_wire_frame_hdr big = { .magic = htole32(KVS_WIRE_FRAME_MAGIC),
+					  .type = htole16(KVS_WIRE_CHUNK),
+					  .len = htole32(sizeof(struct kvs_wire_chunk)),
+					  .plen = htole32(2 * SLOT), .seq = htole64(1) };
+	put(h.fd, &big, sizeof(big));
+	wait_closed(h.fd);
+	close(h.fd);
+	/* garbage after the handshake */
+	hp_join(&h, &good);
+	uint8_t junk[128];
+	randombytes_buf(junk, sizeof(junk));
+	put(h.fd, junk, sizeof(junk));
+	wait_closed(h.fd);
+	close(h.fd);
+	stat_wait(&pb, "peer_frames_refused", 1, refused + 2);
+	/* half a frame, then the peer is gone */
+	uint64_t lost = stat_get(&pb, "peer_lost");
+	hp_join(&h, &good);
+	hp_in_sync(&h);
+	uint8_t f[KVS_WIRE_FRAME_MAX];
+	struct kvs_wire_ping p = { 0 };
+	int n = kvsp_frame_seal(&h.tx, KVS_WIRE_PING, &p, 0, f);
+	put(h.fd, f, (size_t)n / 2);
+	close(h.fd);
+	stat_wait(&pb, "peer_lost", 1, lost + 1);
+	real_room_arrives();
+}
+
+Test(peers, a_connection_that_says_nothing_is_dropped)
+{
+	open_room();
+	uint64_t failed = stat_get(&pb, "peer_auth_failed");
+	int fd = hp_connect();
+	wait_closed(fd); /* after --peer-timeout (300 ms) */
+	close(fd);
+	cr_assert_eq(stat_get(&pb, "peer_auth_failed"), failed + 1);
+	real_room_arrives();
+}
