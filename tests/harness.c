@@ -5,6 +5,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <poll.h>
+#include <sched.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -62,6 +63,13 @@ const char *proxy_vulnerable_bin(void)
 
 static void spawn(struct proxy *px, const char *bin, const char *const *args, bool failpoints)
 {
+	int nsfd = -1;
+	if (px->netns[0]) {
+		char path[96];
+		snprintf(path, sizeof(path), "/run/netns/%s", px->netns);
+		nsfd = open(path, O_RDONLY | O_CLOEXEC);
+		cr_assert_geq(nsfd, 0, "netns %s: %s", px->netns, strerror(errno));
+	}
 	int ready[2];
 	cr_assert_eq(pipe2(ready, O_CLOEXEC), 0);
 	const char *argv[48];
@@ -83,6 +91,8 @@ static void spawn(struct proxy *px, const char *bin, const char *const *args, bo
 	if (pid == 0) {
 		/* Die with the test process; never hold its stdout. */
 		prctl(PR_SET_PDEATHSIG, SIGKILL);
+		if (nsfd >= 0 && setns(nsfd, CLONE_NEWNET) < 0)
+			_exit(126);
 		int rfd = fcntl(ready[1], F_DUPFD, 10); /* out of the way of 0..3 */
 		int log = open(px->log, O_WRONLY | O_CREAT | O_APPEND, 0644);
 		int devnull = open("/dev/null", O_RDONLY);
@@ -95,6 +105,8 @@ static void spawn(struct proxy *px, const char *bin, const char *const *args, bo
 		_exit(127);
 	}
 	close(ready[1]);
+	if (nsfd >= 0)
+		close(nsfd);
 	char buf[8] = { 0 };
 	ssize_t k = -1;
 	struct pollfd rp = { ready[0], POLLIN, 0 };
@@ -125,8 +137,11 @@ static void spawn(struct proxy *px, const char *bin, const char *const *args, bo
 
 static void start(struct proxy *px, const char *bin, const char *const *args, bool failpoints)
 {
+	char netns[32];
+	snprintf(netns, sizeof(netns), "%s", px->netns); /* the one thing a caller may preset */
 	memset(px, 0, sizeof(*px));
 	px->admin = -1;
+	memcpy(px->netns, netns, sizeof(netns));
 	strcpy(px->dir, "/tmp/kvstage-test.XXXXXX");
 	cr_assert_not_null(mkdtemp(px->dir));
 	snprintf(px->sock, sizeof(px->sock), "%s/kvstaged.sock", px->dir);
@@ -137,6 +152,12 @@ static void start(struct proxy *px, const char *bin, const char *const *args, bo
 void proxy_start(struct proxy *px, const char *bin, const char *const *args)
 {
 	start(px, bin, args, true);
+}
+
+void proxy_start_in(struct proxy *px, const char *netns, const char *const *args)
+{
+	snprintf(px->netns, sizeof(px->netns), "%s", netns);
+	start(px, NULL, args, true);
 }
 
 void proxy_start_plain(struct proxy *px, const char *const *args)

@@ -27,6 +27,7 @@ struct proxy {
 	char dir[64];
 	char sock[128];
 	char log[128];
+	char netns[32]; /* "": the test's own network namespace */
 };
 
 /* A proxy not yet started: its admin fd is -1, not 0, so stopping it closes
@@ -37,6 +38,8 @@ struct proxy {
 /* Starts bin (NULL: the normal kvstaged) with --socket, --failpoints and
  * args (NULL-terminated); returns once it serves. Aborts the test on failure. */
 void proxy_start(struct proxy *px, const char *bin, const char *const *args);
+/* As proxy_start (the normal kvstaged), inside network namespace netns (/run/netns/NAME). */
+void proxy_start_in(struct proxy *px, const char *netns, const char *const *args);
 /* As proxy_start, without --failpoints: no admin connection (px->admin is -1). */
 void proxy_start_plain(struct proxy *px, const char *const *args);
 /* Starts another proxy on px's socket path (after px died). */

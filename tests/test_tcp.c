@@ -13,10 +13,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "canary.h"
 #include "harness.h"
+#include "xroom.h"
 
-#define SLOT (64 * 1024)
 #define SECRET "kvstage-test-secret-0123456789abcdef"
 
 static struct proxy pa = PROXY_INIT, pb = PROXY_INIT, pc = PROXY_INIT;
@@ -38,61 +37,6 @@ TestSuite(tcp, .init = setup, .fini = teardown, .timeout = 120);
 #define LISTEN_N(px, n) proxy_start(px, NULL, (const char *[]){ "--slots", n, "--slot-size", \
 		"64K", "--listen", "127.0.0.1:0", "--peer-timeout", "5000", NULL })
 #define LISTEN(px) LISTEN_N(px, "64")
-
-/* One room from a client of tx_px to a client of rx_px, of bytes, owner's canary. */
-struct xroom {
-	kvs_room *rr, *sr;
-	struct kvs_room_desc d;
-	uint64_t bytes, owner;
-	unsigned nchunks;
-};
-
-static void xroom_open(struct xroom *x, kvs_client *rx, kvs_client *tx, uint64_t bytes,
-		       uint64_t owner)
-{
-	x->bytes = bytes;
-	x->owner = owner;
-	x->nchunks = (unsigned)((bytes + SLOT - 1) / SLOT);
-	int rc = kvs_recv_open(rx, bytes, owner, &x->rr, &x->d);
-	cr_assert_eq(rc, 0, "recv_open: %s", kvs_strerror(rc));
-	rc = kvs_send_open(tx, &x->d, owner | 1ull << 40, &x->sr);
-	cr_assert_eq(rc, 0, "send_open: %s", kvs_strerror(rc));
-}
-
-static void xroom_send(struct xroom *x, kvs_client *tx)
-{
-	for (unsigned k = 0; k < x->nchunks; k++) {
-		struct kvs_lease l;
-		int rc = kvs_acquire(tx, 1, &l);
-		cr_assert_eq(rc, 0, "acquire: %s", kvs_strerror(rc));
-		uint64_t off = (uint64_t)k * SLOT;
-		uint32_t len = (uint32_t)(x->bytes - off < SLOT ? x->bytes - off : SLOT);
-		canary_fill(kvs_lease_ptr(tx, &l), x->owner, off, len);
-		rc = kvs_send(x->sr, &l, off, len);
-		cr_assert_eq(rc, 0, "send: %s", kvs_strerror(rc));
-	}
-}
-
-/* Checks every byte of a completed room, then closes both ends. */
-static void xroom_verify(struct xroom *x, kvs_client *rx)
-{
-	for (unsigned k = 0; k < x->nchunks; k++) {
-		struct kvs_lease l;
-		cr_assert_eq(kvs_room_lease(x->rr, k, &l), 0);
-		const void *p = kvs_lease_ptr(rx, &l);
-		cr_assert_not_null(p);
-		uint64_t off = (uint64_t)k * SLOT;
-		uint64_t len = x->bytes - off < SLOT ? x->bytes - off : SLOT;
-		cr_assert_eq(canary_check(p, x->owner, off, len), len,
-			     "room %llx chunk %u: wrong bytes", (unsigned long long)x->owner, k);
-	}
-}
-
-static void xroom_close(struct xroom *x)
-{
-	cr_assert_eq(kvs_room_close(x->rr), 0);
-	cr_assert_eq(kvs_room_close(x->sr), 0);
-}
 
 Test(tcp, rooms_of_one_byte_to_many_chunks_arrive_byte_for_byte)
 {
@@ -354,17 +298,6 @@ static void held_room(struct xroom *x, struct proxy *from, kvs_client *tx, struc
 	xroom_send(x, tx);
 	fp_wait(from, "tcp.payload", 1);
 	stat_wait(to, "slots.recv_posted", 1, posted + 1);
-}
-
-static void one_room(kvs_client *rx, kvs_client *tx, uint64_t owner)
-{
-	struct xroom x;
-	xroom_open(&x, rx, tx, 3 * SLOT, owner);
-	xroom_send(&x, tx);
-	cr_assert_eq(wait_event(tx).type, KVS_EV_SEND_DONE);
-	cr_assert_eq(wait_event(rx).type, KVS_EV_RECV_DONE);
-	xroom_verify(&x, rx);
-	xroom_close(&x);
 }
 
 Test(tcp, a_sender_proxy_killed_mid_transfer_fails_its_rooms_and_leaks_nothing)
