@@ -80,7 +80,8 @@ static int ctrl_create(struct kvsp *p)
 	const struct kvsp_config *cfg = &p->cfg;
 	size_t hdr = KVS_ALIGN_UP(sizeof(struct kvs_ctrl), KVS_PAGE);
 	size_t table = KVS_ALIGN_UP((size_t)cfg->slot_count * sizeof(struct kvs_slot), KVS_PAGE);
-	size_t len = hdr + table + 2 * KVS_PAGE;
+	size_t peers = KVS_ALIGN_UP(KVS_MAX_PEERS * sizeof(struct kvs_peer), KVS_PAGE);
+	size_t len = hdr + table + 2 * KVS_PAGE + peers;
 	int rc;
 
 	int fd = memfd_create("kvstage-ctrl", MFD_CLOEXEC | MFD_ALLOW_SEALING);
@@ -110,6 +111,8 @@ static int ctrl_create(struct kvsp *p)
 	c->slots_off = hdr;
 	c->sq_geom_off = hdr + table;
 	c->cq_geom_off = hdr + table + KVS_PAGE;
+	c->peers_off = hdr + table + 2 * KVS_PAGE;
+	c->peer_count = KVS_MAX_PEERS;
 	c->proxy_pid = getpid();
 	struct timespec ts;
 	clock_gettime(CLOCK_REALTIME, &ts);

@@ -110,7 +110,7 @@ struct tcp_sess {
 	uint32_t owe_head, owe_tail; /* rooms with control frames owed */
 	bool owe_ping, owe_pong, owe_bye;
 	uint64_t pong_value, last_tx_ns;
-	uint64_t bytes_tx, bytes_rx;
+	struct kvs_peer *pub; /* its row in the published peer table */
 	struct kvs_wire_open_ack refusals[TCP_REFUSALS]; /* OPENs refused, answers owed */
 	unsigned refusal_head, nrefusals;
 };
@@ -136,7 +136,11 @@ struct tcp {
 	uint8_t *sink;
 	unsigned nwritable;     /* conns with something to write and room to write it */
 	struct kvs_stats *st;
+	struct kvs_peer *peers; /* published, one row per session index */
 };
+
+/* A published field, written by the loop, read by kvstage-stat. */
+#define PEER_SET(f, v) __atomic_store_n(&(f), (v), __ATOMIC_RELAXED)
 
 /* tcp_conn.c */
 /* A new connection on fd (non-blocking), dialing or accepted. Returns it, or NULL (fd closed). */

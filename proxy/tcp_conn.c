@@ -307,7 +307,7 @@ int tcp_conn_tx(struct tcp *tc, struct tcp_conn *c)
 		}
 		busy = KVSP_BUSY;
 		KVS_STAT_ADD(tc->st->tcp_bytes_tx, (uint64_t)n);
-		c->sess->bytes_tx += (uint64_t)n;
+		KVS_STAT_ADD(c->sess->pub->bytes_tx, (uint64_t)n);
 		c->sess->last_tx_ns = kvsp_xport_now(tc->p);
 		uint32_t h = c->tx_len - c->tx_off < (size_t)n ? c->tx_len - c->tx_off : (uint32_t)n;
 		c->tx_off += h;
@@ -334,6 +334,7 @@ static void chunk_end(struct tcp *tc, struct tcp_conn *c)
 	c->rx_x = NULL;
 	if (c->rx_sink) {
 		kvsp_chunk_sunk(tc->p, c->rx_len);
+		KVS_STAT_ADD(c->sess->pub->chunks_sunk, 1);
 	} else if (c->rx_has_crc && c->rx_crc != c->rx_want_crc) {
 		KVS_STAT_ADD(tc->st->peer_crc_errors, 1);
 		kvsp_chunk_discard(tc->p, x, -EBADMSG);
@@ -390,7 +391,7 @@ int tcp_conn_rx(struct tcp *tc, struct tcp_conn *c)
 		c->last_rx_ns = kvsp_xport_now(tc->p);
 		KVS_STAT_ADD(tc->st->tcp_bytes_rx, (uint64_t)n);
 		if (c->sess)
-			c->sess->bytes_rx += (uint64_t)n;
+			KVS_STAT_ADD(c->sess->pub->bytes_rx, (uint64_t)n);
 		if (owed && !kvsp_frame_rx_owed(&c->frx))
 			chunk_end(tc, c);
 		if (c->state == TCP_C_FREE)

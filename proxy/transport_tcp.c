@@ -63,9 +63,24 @@ static struct tcp_sess *sess_new(struct tcp *tc)
 		s->id = i | tc->sess_gen << 8;
 		s->state = TCP_S_JOINING;
 		s->owe_head = s->owe_tail = NONE;
+		s->pub = &tc->peers[i];
+		memset(s->pub, 0, sizeof(*s->pub));
+		PEER_SET(s->pub->state, KVS_PEER_JOINING);
 		return s;
 	}
 	return NULL;
+}
+
+static void sess_up(struct tcp *tc, struct tcp_sess *s)
+{
+	s->state = TCP_S_UP;
+	KVS_STAT_ADD(tc->st->peer_sessions, 1);
+	memcpy(s->pub->endpoint, s->ep.text, sizeof(s->pub->endpoint));
+	PEER_SET(s->pub->streams, s->nstreams);
+	PEER_SET(s->pub->instance, s->instance);
+	PEER_SET(s->pub->state, KVS_PEER_UP);
+	LOG_INFO("tcp: peer %s up (%s), %u streams", s->ep.text, s->dialer ? "dialed" : "accepted",
+		 s->nstreams);
 }
 
 /* Frees s and its connections; no call into the core. */
@@ -79,6 +94,7 @@ static void sess_free(struct tcp *tc, struct tcp_sess *s)
 	if (s->state == TCP_S_UP)
 		KVS_STAT_SUB(tc->st->peer_sessions, 1);
 	s->state = TCP_S_FREE;
+	PEER_SET(s->pub->state, KVS_PEER_FREE);
 }
 
 /* The session is gone: its sockets are closed first, so no byte for any
@@ -310,7 +326,7 @@ static int on_join(struct tcp *tc, struct tcp_conn *c, const struct kvsp_frame *
 		s->instance = inst;
 		s->sid = sid;
 		s->nstreams = n;
-		snprintf(s->ep.text, sizeof(s->ep.text), "instance %016llx", (unsigned long long)inst);
+		snprintf(s->ep.text, sizeof(s->ep.text), "accepted");
 	}
 	if (s->nstreams != n || s->conn[stream])
 		return -EPROTO;
@@ -318,11 +334,8 @@ static int on_join(struct tcp *tc, struct tcp_conn *c, const struct kvsp_frame *
 	c->sess = s;
 	c->stream = stream;
 	c->state = TCP_C_UP;
-	if (++s->njoined == s->nstreams) {
-		s->state = TCP_S_UP;
-		KVS_STAT_ADD(tc->st->peer_sessions, 1);
-		LOG_INFO("tcp: peer %s joined, %u streams", s->ep.text, n);
-	}
+	if (++s->njoined == s->nstreams)
+		sess_up(tc, s);
 	return 0;
 }
 
@@ -342,11 +355,8 @@ int tcp_on_authed(struct tcp *tc, struct tcp_conn *c)
 	int rc = tcp_conn_frame(c, KVS_WIRE_JOIN, &j);
 	if (rc < 0)
 		return rc;
-	if (++s->njoined == s->nstreams) {
-		s->state = TCP_S_UP;
-		KVS_STAT_ADD(tc->st->peer_sessions, 1);
-		LOG_INFO("tcp: peer %s up, %u streams", s->ep.text, s->nstreams);
-	}
+	if (++s->njoined == s->nstreams)
+		sess_up(tc, s);
 	return 0;
 }
 
@@ -866,6 +876,7 @@ struct kvsp_transport *kvsp_tcp_create(struct kvsp *p, const struct kvsp_tcp_opt
 	tc->checksum = o->checksum;
 	tc->timeout_ns = o->peer_timeout_ns;
 	tc->st = kvsp_xport_stats(p);
+	tc->peers = kvsp_xport_peers(p);
 	tc->listen_fd = tc->timer_fd = -1;
 	tc->nrooms = o->max_rooms;
 	tc->rooms = calloc(tc->nrooms, sizeof(*tc->rooms));

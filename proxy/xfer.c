@@ -385,6 +385,11 @@ struct kvs_stats *kvsp_xport_stats(struct kvsp *p)
 	return p->stats;
 }
 
+struct kvs_peer *kvsp_xport_peers(struct kvsp *p)
+{
+	return (struct kvs_peer *)((uint8_t *)p->ctrl + p->ctrl->peers_off);
+}
+
 uint64_t kvsp_xport_now(const struct kvsp *p)
 {
 	return p->now_ns;

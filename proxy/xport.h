@@ -164,6 +164,8 @@ uint64_t kvsp_slot_size(const struct kvsp *p);
 uint32_t kvsp_slot_count(const struct kvsp *p);
 /* The published counters (the transport's own among them). */
 struct kvs_stats *kvsp_xport_stats(struct kvsp *p);
+/* The published peer table (KVS_MAX_PEERS entries): transports of peers write it. */
+struct kvs_peer *kvsp_xport_peers(struct kvsp *p);
 /* The loop's clock, read once a pass. */
 uint64_t kvsp_xport_now(const struct kvsp *p);
 /* The room's user_data on each side (0 where none), for failpoint matching. */

@@ -92,6 +92,19 @@ struct kvs_stats {
 #define KVS_STAT_ADD(f, v) __atomic_store_n(&(f), __atomic_load_n(&(f), __ATOMIC_RELAXED) + (v), __ATOMIC_RELAXED)
 #define KVS_STAT_SUB(f, v) __atomic_store_n(&(f), __atomic_load_n(&(f), __ATOMIC_RELAXED) - (v), __ATOMIC_RELAXED)
 
+/* One session with another proxy (the tcp transport), as kvstage-stat shows it. */
+enum kvs_peer_state { KVS_PEER_FREE = 0, KVS_PEER_JOINING, KVS_PEER_UP };
+struct kvs_peer {
+	char endpoint[64];  /* whom we dialed, or "accepted" */
+	uint32_t state;     /* enum kvs_peer_state */
+	uint32_t streams;
+	uint64_t instance;  /* the peer's */
+	uint64_t bytes_tx, bytes_rx;
+	uint64_t chunks_sunk; /* its chunks the fence kept out */
+	uint64_t rsvd;
+};
+#define KVS_MAX_PEERS 64
+
 struct kvs_ctrl {
 	uint32_t magic; /* KVS_MAGIC_CTRL */
 	uint32_t abi;   /* KVS_ABI */
@@ -108,6 +121,9 @@ struct kvs_ctrl {
 	int32_t proxy_pid;
 	uint32_t rsvd;
 	uint64_t started_ns; /* CLOCK_REALTIME */
+	uint64_t peers_off;  /* struct kvs_peer[peer_count]: sessions with other proxies */
+	uint32_t peer_count;
+	uint32_t rsvd2;
 
 	/* Set while the proxy sleeps on its wake eventfd: clients kick it after
 	 * enqueueing. Own cache line: it flips on every sleep. */

@@ -64,6 +64,17 @@ Test(tcp, rooms_of_one_byte_to_many_chunks_arrive_byte_for_byte)
 		total += sizes[i];
 	cr_assert_geq(stat_get(&pa, "tcp_bytes_tx"), total, "the bytes went over tcp");
 	cr_assert_geq(stat_get(&pb, "tcp_bytes_rx"), total);
+	/* kvstage-stat shows the session on both sides */
+	static char out[8192], err[1024];
+	cr_assert_eq(run_cmd((const char *[]){ build_path("tools/kvstage-stat"), "--socket", pa.sock,
+					       NULL }, out, sizeof(out), err, sizeof(err)), 0, "%s", err);
+	cr_assert(strstr(out, "tcp       peers 1 "), "%s", out);
+	cr_assert(strstr(out, "peer      127.0.0.1:"), "the dialed endpoint: %s", out);
+	cr_assert(strstr(out, "  up  streams 2 "), "%s", out);
+	cr_assert_eq(run_cmd((const char *[]){ build_path("tools/kvstage-stat"), "--json", "--socket",
+					       pb.sock, NULL }, out, sizeof(out), err, sizeof(err)), 0);
+	cr_assert(strstr(out, "\"peers\":[{\"endpoint\":\"accepted\",\"state\":\"up\",\"streams\":2"),
+		  "%s", out);
 	kvs_close(rx);
 	kvs_close(tx);
 	wait_idle(&pa, 0);

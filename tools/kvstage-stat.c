@@ -59,6 +59,23 @@ static uint32_t table_slots(const struct kvs_ctrl *c, size_t len)
 	return c->slot_count < fit ? c->slot_count : (uint32_t)fit;
 }
 
+/* The peer table, where it lies inside the mapping. */
+static uint32_t peer_rows(const struct kvs_ctrl *c, size_t len, const struct kvs_peer **t)
+{
+	if (!c->peers_off || c->peers_off > len || c->peers_off % _Alignof(struct kvs_peer))
+		return 0;
+	uint64_t fit = (len - c->peers_off) / sizeof(struct kvs_peer);
+	*t = (const void *)((const char *)c + c->peers_off);
+	return c->peer_count < fit ? c->peer_count : (uint32_t)fit;
+}
+
+#define P(f) ((unsigned long long)__atomic_load_n(&p->f, __ATOMIC_RELAXED))
+
+static const char *peer_state(uint32_t st)
+{
+	return st == KVS_PEER_UP ? "up" : st == KVS_PEER_JOINING ? "joining" : "?";
+}
+
 static const char *state_word(const struct kvs_stats *st)
 {
 	return S(draining) ? "draining" : "serving";
@@ -94,6 +111,24 @@ static void print_human(const struct kvs_ctrl *c, size_t len, const char *path, 
 	       "  sleeps %llu\n",
 	       S(chunks_moved), S(bytes_moved), S(ops), S(events), S(events_dropped),
 	       S(tombstones_reaped), S(sleeps));
+	printf("tcp       peers %llu  lost %llu  auth-failed %llu  refused %llu  frames-refused %llu"
+	       "  frames-ignored %llu  crc-errors %llu  discarded %llu  tx %llu  rx %llu\n",
+	       S(peer_sessions), S(peer_lost), S(peer_auth_failed), S(peer_refused),
+	       S(peer_frames_refused), S(peer_frames_ignored), S(peer_crc_errors),
+	       S(chunks_discarded), S(tcp_bytes_tx), S(tcp_bytes_rx));
+	const struct kvs_peer *pt = NULL;
+	uint32_t np = peer_rows(c, len, &pt);
+	for (uint32_t i = 0; i < np; i++) {
+		const struct kvs_peer *p = &pt[i];
+		uint32_t st = __atomic_load_n(&p->state, __ATOMIC_RELAXED);
+		if (st == KVS_PEER_FREE)
+			continue;
+		char ep[sizeof(p->endpoint) + 1] = { 0 };
+		memcpy(ep, p->endpoint, sizeof(p->endpoint));
+		printf("peer      %s  %s  streams %llu  instance %016llx  tx %llu  rx %llu  sunk %llu\n",
+		       ep[0] ? ep : "(joining)", peer_state(st), P(streams), P(instance), P(bytes_tx),
+		       P(bytes_rx), P(chunks_sunk));
+	}
 	if (!slots)
 		return;
 	uint32_t n = table_slots(c, len);
@@ -154,6 +189,29 @@ static void print_json(const struct kvs_ctrl *c, size_t len, const char *path, i
 	       "\"log_suppressed\":%llu",
 	       S(chunks_moved), S(bytes_moved), S(ops), S(events), S(events_dropped),
 	       S(tombstones_reaped), S(sleeps), S(log_suppressed));
+	printf(",\"tcp\":{\"peers\":%llu,\"lost\":%llu,\"auth_failed\":%llu,\"refused\":%llu,"
+	       "\"frames_refused\":%llu,\"frames_ignored\":%llu,\"crc_errors\":%llu,"
+	       "\"chunks_discarded\":%llu,\"bytes_tx\":%llu,\"bytes_rx\":%llu},\"peers\":[",
+	       S(peer_sessions), S(peer_lost), S(peer_auth_failed), S(peer_refused),
+	       S(peer_frames_refused), S(peer_frames_ignored), S(peer_crc_errors),
+	       S(chunks_discarded), S(tcp_bytes_tx), S(tcp_bytes_rx));
+	const struct kvs_peer *pt = NULL;
+	uint32_t np = peer_rows(c, len, &pt);
+	for (uint32_t i = 0, first = 1; i < np; i++) {
+		const struct kvs_peer *p = &pt[i];
+		uint32_t st = __atomic_load_n(&p->state, __ATOMIC_RELAXED);
+		if (st == KVS_PEER_FREE)
+			continue;
+		char ep[sizeof(p->endpoint) + 1] = { 0 };
+		memcpy(ep, p->endpoint, sizeof(p->endpoint));
+		printf("%s{\"endpoint\":", first ? "" : ",");
+		kvs_json_string(stdout, ep);
+		printf(",\"state\":\"%s\",\"streams\":%llu,\"instance\":\"%016llx\",\"bytes_tx\":%llu,"
+		       "\"bytes_rx\":%llu,\"chunks_sunk\":%llu}",
+		       peer_state(st), P(streams), P(instance), P(bytes_tx), P(bytes_rx), P(chunks_sunk));
+		first = 0;
+	}
+	printf("]");
 	if (slots) {
 		uint32_t n = table_slots(c, len);
 		const struct kvs_slot *t = n ? (const void *)((const char *)c + c->slots_off) : NULL;
