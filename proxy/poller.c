@@ -266,6 +266,9 @@ static bool shutdown_step(struct kvsp *p, int *exit_code)
 		/* The socket stays: new clients are refused (-ESHUTDOWN), while
 		 * kvstage-stat and the admin path still reach us. */
 		drain_report(p, "draining: no new clients or rooms");
+		for (unsigned k = 0; k < p->nxports; k++)
+			if (p->xports[k]->ops->drain)
+				p->xports[k]->ops->drain(p->xports[k]);
 	}
 	/* Done when clients closed every room, or once the grace is over and
 	 * nothing is in flight: an ended room a client still holds involves

@@ -134,7 +134,7 @@ struct tcp {
 	uint32_t nrooms;
 	uint32_t *xnext;        /* chunk queues through slot indices */
 	uint8_t *sink;
-	unsigned nwritable;     /* conns with something to write and room to write it */
+	bool draining;
 	struct kvs_stats *st;
 	struct kvs_peer *peers; /* published, one row per session index */
 };

@@ -74,6 +74,7 @@ static struct tcp_sess *sess_new(struct tcp *tc)
 static void sess_up(struct tcp *tc, struct tcp_sess *s)
 {
 	s->state = TCP_S_UP;
+	s->owe_bye = tc->draining;
 	KVS_STAT_ADD(tc->st->peer_sessions, 1);
 	memcpy(s->pub->endpoint, s->ep.text, sizeof(s->pub->endpoint));
 	PEER_SET(s->pub->streams, s->nstreams);
@@ -223,6 +224,11 @@ bool tcp_next_control(struct tcp *tc, struct tcp_conn *c)
 		s->owe_ping = false;
 		struct kvs_wire_ping b = { htole64(kvsp_xport_now(tc->p)) };
 		return tcp_conn_frame(c, KVS_WIRE_PING, &b) == 0;
+	}
+	if (s->owe_bye) {
+		s->owe_bye = false;
+		struct kvs_wire_bye b = { htole32(KVS_WIRE_BYE_DRAIN), 0 };
+		return tcp_conn_frame(c, KVS_WIRE_BYE, &b) == 0;
 	}
 	struct kvs_wire_open_ack refusal;
 	if (refusal_pop(s, &refusal))
@@ -484,6 +490,7 @@ int tcp_on_frame(struct tcp *tc, struct tcp_conn *c, const struct kvsp_frame *f)
 		break; /* its arrival was the point */
 	case KVS_WIRE_BYE:
 		s->bye = true;
+		KVS_STAT_ADD(tc->st->peer_byes, 1);
 		LOG_INFO("tcp: peer %s is draining", s->ep.text);
 		break;
 	default:
@@ -772,6 +779,15 @@ static bool tcp_pending(struct kvsp_transport *t)
 	return false;
 }
 
+static void tcp_drain(struct kvsp_transport *t)
+{
+	struct tcp *tc = tcp_of(t);
+	for (unsigned i = 0; i < TCP_MAX_SESS; i++)
+		if (tc->sess[i].state != TCP_S_FREE)
+			tc->sess[i].owe_bye = true;
+	tc->draining = true; /* sessions that join from now on hear it too */
+}
+
 static void tcp_on_fd(struct kvsp_transport *t, uint32_t tag, uint32_t events)
 {
 	/* Our epoll fd woke the loop; tcp_poll reads it. */
@@ -809,6 +825,7 @@ static const struct kvsp_transport_ops tcp_ops = {
 	.poll = tcp_poll,
 	.pending = tcp_pending,
 	.on_fd = tcp_on_fd,
+	.drain = tcp_drain,
 	.destroy = tcp_destroy,
 };
 

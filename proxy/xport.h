@@ -84,6 +84,8 @@ struct kvsp_transport_ops {
 	bool (*pending)(struct kvsp_transport *t);
 	/* Optional: an fd registered with kvsp_xport_fd_add is ready. */
 	void (*on_fd)(struct kvsp_transport *t, uint32_t tag, uint32_t events);
+	/* Optional: the proxy is draining (SIGTERM): peers should open nothing new here. */
+	void (*drain)(struct kvsp_transport *t);
 	/* Optional (test transports): lets go of held work whose room's
 	 * user_data & mask == match. Returns how many. */
 	unsigned (*release)(struct kvsp_transport *t, uint64_t match, uint64_t mask);

@@ -85,6 +85,7 @@ struct kvs_stats {
 	uint64_t peer_frames_ignored; /* authentic frames naming no room of ours (stale, wrong token) */
 	uint64_t peer_crc_errors;     /* chunks whose payload failed --tcp-checksum */
 	uint64_t tcp_bytes_tx, tcp_bytes_rx;
+	uint64_t peer_byes;           /* peers that said they are draining */
 };
 
 /* The proxy is the counters' only writer, so a plain load and store (no

@@ -12,6 +12,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
 
 #include "harness.h"
 #include "xroom.h"
@@ -376,5 +377,37 @@ Test(tcp, a_peer_stopped_past_the_peer_timeout_is_lost_on_both_sides)
 	wait_idle(&pb, 1);
 	one_room(rx, tx, 0x32); /* a new session serves the next room */
 	kvs_close(tx);
+	kvs_close(rx);
+}
+
+/* SIGTERM on the receiving proxy with a remote room in flight: it tells its
+ * peers (BYE: no new rooms towards it), aborts the room at the end of its
+ * grace, and exits once both halves quiesced, with status 0. */
+Test(tcp, a_draining_proxy_tells_its_peers_and_exits_quiesced)
+{
+	proxy_start(&pb, NULL, (const char *[]){ "--slots", "64", "--slot-size", "64K", "--listen",
+						 "127.0.0.1:0", "--shutdown-grace", "200", NULL });
+	LISTEN(&pa);
+	kvs_client *rx = connect_ok(&pb), *tx = connect_ok(&pa);
+	struct xroom x;
+	held_room(&x, &pa, tx, &pb, rx, 0x61);
+	struct kvs_room_desc d2; /* a room made before the drain, opened after it */
+	kvs_room *r2;
+	cr_assert_eq(kvs_recv_open(rx, SLOT, 0x62, &r2, &d2), 0);
+	kill(pb.pid, SIGTERM);
+	stat_wait(&pa, "peer_byes", 1, 1);
+	kvs_room *s2;
+	cr_assert_eq(kvs_send_open(tx, &d2, 0x63, &s2), -ESHUTDOWN, "a draining peer takes no new room");
+	struct kvs_event e = wait_event(tx); /* the grace ended: B aborted the held room */
+	cr_assert_eq(e.type, KVS_EV_ABORTED, "got %u", e.type);
+	cr_assert_eq(e.status, -ESHUTDOWN, "%s", kvs_strerror(e.status));
+	fp_set(&pa, "tcp.payload", "off", NULL); /* the held payload leaves; both sides quiesce */
+	int st;
+	cr_assert_eq(reap(pb.pid, &st), pb.pid, "the draining proxy did not exit");
+	pb.pid = 0;
+	cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0, "exit status %d", st);
+	cr_assert_eq(kvs_room_close(x.sr), 0);
+	kvs_close(tx);
+	wait_idle(&pa, 0);
 	kvs_close(rx);
 }
