@@ -99,6 +99,7 @@ struct tcp_conn *tcp_conn_new(struct tcp *tc, int fd, bool dialer, bool connecti
 		c->state = TCP_C_FREE;
 		return NULL;
 	}
+	tc->nconns++;
 	return c;
 }
 
@@ -112,6 +113,7 @@ void tcp_conn_close(struct tcp *tc, struct tcp_conn *c)
 	kvsp_frame_tx_wipe(&c->ftx);
 	kvsp_frame_rx_wipe(&c->frx);
 	c->state = TCP_C_FREE;
+	tc->nconns--;
 	c->sess = NULL;
 	c->tx_x = c->rx_x = NULL; /* the session releases them, with every other pin */
 	c->qn = 0;

@@ -742,6 +742,12 @@ static int tcp_poll(struct kvsp_transport *t)
 {
 	struct tcp *tc = tcp_of(t);
 	int busy = KVSP_IDLE;
+	/* With no connection, only the listener and the timer can have news,
+	 * and the loop hears of those through our fd (tcp_on_fd): a proxy
+	 * with no peers pays no syscall a pass. */
+	if (!tc->nconns && !tc->woken)
+		return KVSP_IDLE;
+	tc->woken = false;
 	struct epoll_event ev[64];
 	int n = epoll_wait(tc->epfd, ev, 64, 0);
 	for (int k = 0; k < n; k++) {
@@ -773,7 +779,9 @@ static int tcp_poll(struct kvsp_transport *t)
 static bool tcp_pending(struct kvsp_transport *t)
 {
 	struct tcp *tc = tcp_of(t);
-	for (unsigned i = 0; i < TCP_MAX_CONNS; i++)
+	if (tc->woken)
+		return true;
+	for (unsigned i = 0; i < TCP_MAX_CONNS && tc->nconns; i++)
 		if (tcp_conn_wants_tx(tc, &tc->conn[i]))
 			return true;
 	return false;
@@ -791,9 +799,14 @@ static void tcp_drain(struct kvsp_transport *t)
 static void tcp_on_fd(struct kvsp_transport *t, uint32_t tag, uint32_t events)
 {
 	/* Our epoll fd woke the loop; tcp_poll reads it. */
-	(void)t;
+	tcp_of(t)->woken = true;
 	(void)tag;
 	(void)events;
+}
+
+static int tcp_loop_fd(struct kvsp_transport *t)
+{
+	return tcp_of(t)->epfd;
 }
 
 static void tcp_destroy(struct kvsp_transport *t)
@@ -824,6 +837,7 @@ static const struct kvsp_transport_ops tcp_ops = {
 	.attach = tcp_attach,
 	.poll = tcp_poll,
 	.pending = tcp_pending,
+	.loop_fd = tcp_loop_fd,
 	.on_fd = tcp_on_fd,
 	.drain = tcp_drain,
 	.destroy = tcp_destroy,
@@ -924,8 +938,7 @@ struct kvsp_transport *kvsp_tcp_create(struct kvsp *p, const struct kvsp_tcp_opt
 		its.it_value = its.it_interval;
 		struct epoll_event ev = { .events = EPOLLIN, .data.u64 = TAG_TIMER };
 		if (timerfd_settime(tc->timer_fd, 0, &its, NULL) < 0 ||
-		    epoll_ctl(tc->epfd, EPOLL_CTL_ADD, tc->timer_fd, &ev) < 0 ||
-		    kvsp_xport_fd_add(p, &tc->t, tc->epfd, EPOLLIN, 0) < 0) {
+		    epoll_ctl(tc->epfd, EPOLL_CTL_ADD, tc->timer_fd, &ev) < 0) {
 			snprintf(why, why_len, "tcp transport: %s", strerror(errno));
 			rc = -errno;
 		}

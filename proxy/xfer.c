@@ -356,6 +356,11 @@ int kvsp_xport_register(struct kvsp *p, struct kvsp_transport *t)
 	if (p->nxports == KVSP_MAX_XPORTS)
 		return -ENOSPC;
 	t->idx = (uint8_t)p->nxports;
+	if (t->ops->loop_fd) {
+		int rc = kvsp_xport_fd_add(p, t, t->ops->loop_fd(t), EPOLLIN, 0);
+		if (rc < 0)
+			return rc;
+	}
 	p->xports[p->nxports++] = t;
 	return 0;
 }

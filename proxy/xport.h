@@ -82,7 +82,11 @@ struct kvsp_transport_ops {
 	/* True while poll() has work that needs no outside event (the loop
 	 * does not sleep then). */
 	bool (*pending)(struct kvsp_transport *t);
-	/* Optional: an fd registered with kvsp_xport_fd_add is ready. */
+	/* Optional: one fd the loop watches for t from registration on
+	 * (EPOLLIN, tag 0), so that t's readiness wakes a sleeping loop.
+	 * Registration adds it: only then does t have its index. */
+	int (*loop_fd)(struct kvsp_transport *t);
+	/* Optional: an fd registered with kvsp_xport_fd_add (or loop_fd) is ready. */
 	void (*on_fd)(struct kvsp_transport *t, uint32_t tag, uint32_t events);
 	/* Optional: the proxy is draining (SIGTERM): peers should open nothing new here. */
 	void (*drain)(struct kvsp_transport *t);
@@ -100,7 +104,8 @@ struct kvsp_transport {
 
 /* --------------------------------------------------- the registry */
 
-/* Adds t to the transports the loop polls. Returns 0, or -ENOSPC. */
+/* Adds t to the transports the loop polls, and its loop_fd to the loop.
+ * Returns 0, or -ENOSPC, or -errno from epoll (t is then not registered). */
 int kvsp_xport_register(struct kvsp *p, struct kvsp_transport *t);
 
 /* ------------------------------------------- what transports call */

@@ -209,7 +209,8 @@ void proxy_stop(struct proxy *px)
 		snprintf(lock, sizeof(lock), "%s.lock", px->sock);
 		unlink(px->sock);
 		unlink(lock);
-		unlink(px->log);
+		if (!getenv("KVSTAGE_KEEP_LOGS")) /* for a post-mortem */
+			unlink(px->log);
 		rmdir(px->dir);
 		px->dir[0] = 0;
 	}
