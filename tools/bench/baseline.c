@@ -6,19 +6,16 @@
  *    cache bandwidth.
  *  - rte_ring: the same SPSC ring kvstage uses, between two processes in a
  *    MAP_SHARED mapping, with nothing else: the floor for a hand-off.
- *  - TCP: one loopback connection, for the tcp transport to be held to.
+ *  - TCP (rawtcp.c): raw streams, for the tcp transport to be held to.
  */
-#include <arpa/inet.h>
 #include <errno.h>
 #include <sched.h>
-#include <netinet/in.h>
 #include <signal.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/eventfd.h>
 #include <sys/mman.h>
 #include <sys/prctl.h>
-#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -405,77 +402,6 @@ int baseline_wake(unsigned samples, uint64_t gap_ns, struct lat *out)
 	close(there);
 	close(back);
 	return rc;
-}
-
-/* ----------------------------------------------------------------- TCP */
-
-double baseline_tcp(uint64_t chunk, double sec)
-{
-	int ls = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-	struct sockaddr_in sa = { .sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK) };
-	socklen_t sl = sizeof(sa);
-	if (ls < 0 || bind(ls, (struct sockaddr *)&sa, sizeof(sa)) < 0 || listen(ls, 1) < 0 ||
-	    getsockname(ls, (struct sockaddr *)&sa, &sl) < 0) {
-		if (ls >= 0)
-			close(ls);
-		return -1;
-	}
-	/* 16 chunks each way, at least 64 MiB: a socket copy from and to memory
-	 * that is not all in cache, as a transport's would be. */
-	size_t n = (64u << 20) / chunk < 16 ? 16 : (64u << 20) / chunk;
-	size_t len = n * chunk;
-	fflush(NULL);
-	pid_t pid = fork();
-	if (pid < 0) {
-		close(ls);
-		return -1;
-	}
-	if (pid == 0) {
-		prctl(PR_SET_PDEATHSIG, SIGKILL);
-		close(ls);
-		uint8_t *src = bench_alloc(len, false);
-		int s = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-		if (!src || s < 0 || connect(s, (struct sockaddr *)&sa, sizeof(sa)) < 0)
-			_exit(1);
-		/* Until the reader hangs up. */
-		for (size_t i = 0;; i = (i + 1) % n) {
-			size_t off = 0;
-			while (off < chunk) {
-				ssize_t k = send(s, src + i * chunk + off, chunk - off, MSG_NOSIGNAL);
-				if (k < 0 && errno == EINTR)
-					continue;
-				if (k <= 0)
-					_exit(0);
-				off += (size_t)k;
-			}
-		}
-	}
-	int s = accept4(ls, NULL, NULL, SOCK_CLOEXEC);
-	close(ls);
-	uint8_t *dst = s >= 0 ? bench_alloc(len, false) : NULL;
-	double gbps = -1;
-	if (dst) {
-		uint64_t bytes = 0, t0 = now_ns(), t = t0, end = t0 + (uint64_t)(sec * 1e9);
-		size_t i = 0;
-		while (t < end) {
-			ssize_t k = recv(s, dst + i * chunk, chunk, 0);
-			if (k < 0 && errno == EINTR)
-				continue;
-			if (k <= 0)
-				break;
-			bytes += (uint64_t)k;
-			i = (i + 1) % n;
-			t = now_ns();
-		}
-		if (t >= end)
-			gbps = (double)bytes / (double)(t - t0);
-	}
-	if (s >= 0)
-		close(s);
-	int st;
-	waitpid(pid, &st, 0);
-	bench_free(dst, len);
-	return gbps;
 }
 
 /* ---------------------------------------------------------------- mode */

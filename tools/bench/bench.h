@@ -23,7 +23,7 @@
 #define BENCH_MAX_PAIRS 64
 #define BENCH_WSET_DEFAULT (256ull << 20)
 
-enum bench_mode { MODE_LOCAL, MODE_LATENCY, MODE_IDLE, MODE_BASELINE, MODE_GPU };
+enum bench_mode { MODE_LOCAL, MODE_LATENCY, MODE_IDLE, MODE_BASELINE, MODE_GPU, MODE_TCP };
 enum bench_payload { PAYLOAD_NONE, PAYLOAD_COPY, PAYLOAD_VERIFY, PAYLOAD_IN };
 enum bench_fmt { FMT_TABLE, FMT_JSON, FMT_CSV };
 
@@ -51,6 +51,8 @@ struct bench_opts {
 	const char *plot;
 	bool progress, quiet;
 	bool no_pin;         /* leave CPU placement to the scheduler */
+	bool netns;          /* tcp: the two proxies in network namespaces joined by veth */
+	unsigned tcp_streams; /* tcp: --tcp-streams of the proxies, and of the raw baseline */
 	int argc;
 	char **argv; /* as given, for --json */
 };
@@ -128,6 +130,11 @@ struct bench_proxy {
  * waits until it serves (--ready-fd). Returns 0, or -1 after printing why. */
 int proxy_start(struct bench_proxy *px, const struct bench_opts *o, uint64_t slot_size,
 		uint32_t slots);
+/* The same, with more arguments (NULL-terminated, or NULL), on CPU cpu
+ * (-1: as pinning says), in network namespace netns (NULL: ours).
+ * Returns 0, or -1 after printing why. */
+int proxy_start_ex(struct bench_proxy *px, const struct bench_opts *o, uint64_t slot_size,
+		   uint32_t slots, const char *const *extra, int cpu, const char *netns);
 /* Uses the running proxy at sock: reads its pool geometry and pid from its
  * control segment. Returns 0, or -1 after printing why. */
 int proxy_attach(struct bench_proxy *px, const char *sock);
@@ -142,6 +149,7 @@ struct bench_pin {
 	bool on;              /* clients pinned away from the proxy */
 	bool spread;          /* two or more CPUs and no --no-pin: baselines may spread */
 	int proxy_cpu;        /* for a proxy we start; -1: none */
+	int proxy2_cpu;       /* tcp: the receiving side's proxy; -1: none */
 	cpu_set_t all, clients;
 };
 extern struct bench_pin g_pin;
@@ -175,6 +183,21 @@ double baseline_memcpy(uint64_t chunk, uint64_t wset, double sec);
 int baseline_ring(double sec, struct ring_base *out);
 /* One TCP connection on 127.0.0.1, writes of chunk bytes: GB/s, or < 0 on failure. */
 double baseline_tcp(uint64_t chunk, double sec);
+/* rawtcp.c: streams TCP connections from a sender process (in tx_ns, on
+ * tx_cpu) to a receiver process (listening on rx_ip in rx_ns, on rx_cpu),
+ * each holding all of its sockets in one thread. NULL namespace: ours;
+ * NULL rx_ip: 127.0.0.1; cpu -1: unpinned. */
+struct raw_tcp {
+	uint64_t chunk;
+	double sec;
+	unsigned streams;
+	const char *tx_ns, *rx_ns, *rx_ip;
+	int tx_cpu, rx_cpu;
+};
+/* GB/s the receiver counted over r->sec, or < 0 on failure. */
+double baseline_raw_tcp(const struct raw_tcp *r);
+/* Moves the calling process into network namespace ns (/run/netns/NS); NULL or "": stays. Returns 0, or -errno. */
+int bench_enter_netns(const char *ns);
 /* Eventfd ping-pong between two processes that both block (placed like the
  * proxy and a client), one round trip after each gap_ns of quiet: the
  * kernel's floor for waking a sleeping proxy and then its sleeping client.
@@ -203,6 +226,9 @@ struct local_point {
 	double proxy_cpu; /* % of one core, < 0: n/a */
 	double memcpy_gbps, bound_gbps;
 	double pipe_gbps; /* payload copy/verify: baseline_pipe, else 0 */
+	/* tcp mode */
+	double proxy_rx_cpu;          /* the receiving side's proxy, % of one core; < 0: n/a */
+	double tcp1_gbps, tcpn_gbps;  /* raw TCP, one stream and --tcp-streams; < 0: failed */
 };
 
 struct latency_result {
@@ -246,6 +272,8 @@ int run_local(const struct bench_opts *o);
 int run_latency(const struct bench_opts *o);
 /* Runs the idle mode. Returns the exit code. */
 int run_idle(const struct bench_opts *o);
+/* Runs the tcp mode (tcp.c): two proxies, rooms between them, raw TCP. Returns the exit code. */
+int run_tcp(const struct bench_opts *o);
 /* Runs the baselines alone. Returns the exit code. */
 int run_baseline(const struct bench_opts *o);
 /* The gpu mode (gpu.c with CUDA, else gpu_stub.c). argv is the command line
@@ -258,6 +286,9 @@ int kvs_bench_gpu_main(int argc, char **argv);
 /* Prints the local mode's result in o->fmt, and the plot if asked. Returns 0, or the exit code of a failed plot. */
 int report_local(const struct bench_opts *o, const struct local_point *pt, unsigned n,
 		 const struct ring_base *ring, const struct bench_proxy_info *px);
+/* Prints the tcp mode's result in o->fmt (report_tcp.c). */
+void report_tcp(const struct bench_opts *o, const struct local_point *pt, unsigned n,
+		const struct bench_proxy_info *px, const char *path);
 /* Prints the latency mode's result in o->fmt. */
 void report_latency(const struct bench_opts *o, const struct latency_result *r,
 		    const struct ring_base *ring, const struct bench_proxy_info *px);

@@ -23,6 +23,19 @@ static void on_interrupt(int sig)
 	interrupted = 1;
 }
 
+void local_catch_signals(void)
+{
+	struct sigaction sa = { .sa_handler = on_interrupt };
+	sigemptyset(&sa.sa_mask);
+	sigaction(SIGINT, &sa, NULL);
+	sigaction(SIGTERM, &sa, NULL);
+}
+
+bool local_interrupted(void)
+{
+	return interrupted;
+}
+
 /* -------------------------------------------------------------- parent */
 
 struct kids {
@@ -108,9 +121,8 @@ static void progress(const struct bench_opts *o, const struct lshared *sh, unsig
 	*last_t = t;
 }
 
-/* Forks the pairs, runs one point, fills pt. Returns 0, or 1 on failure. */
-static int measure(const struct bench_opts *o, const char *sock, pid_t cpu_pid, uint64_t chunk,
-		   struct local_point *pt)
+int local_measure(const struct bench_opts *o, const struct bench_ends *e, uint64_t chunk,
+		  struct local_point *pt)
 {
 	unsigned pairs = o->senders;
 	struct lshared *sh = bench_alloc(sizeof(*sh), true);
@@ -124,7 +136,7 @@ static int measure(const struct bench_opts *o, const char *sock, pid_t cpu_pid, 
 		hist_init(&sh->rx[i].h);
 		hist_init(&sh->tx[i].h);
 	}
-	struct lctx x = { .o = o, .sock = sock, .chunk = chunk, .room_bytes = pt->room_bytes,
+	struct lctx x = { .o = o, .rx_sock = e->rx_sock, .tx_sock = e->tx_sock, .chunk = chunk, .room_bytes = pt->room_bytes,
 			  .room_chunks = pt->room_chunks, .sh = sh };
 	int go[2], ready[2], done[2];
 	if (pipe(go) < 0 || pipe(ready) < 0 || pipe(done) < 0) {
@@ -184,7 +196,8 @@ static int measure(const struct bench_opts *o, const char *sock, pid_t cpu_pid, 
 		else
 			nready += (unsigned)k;
 	}
-	double cpu_a = -1, cpu_b = -1;
+	pid_t rx_pid = e->rx_cpu_pid != e->tx_cpu_pid ? e->rx_cpu_pid : 0;
+	double cpu_a = -1, cpu_b = -1, rcpu_a = -1, rcpu_b = -1;
 	uint64_t t_a = 0, t_b = 0;
 	if (!rc) {
 		uint64_t t0 = now_ns();
@@ -214,7 +227,8 @@ static int measure(const struct bench_opts *o, const char *sock, pid_t cpu_pid, 
 				ndone += (unsigned)k;
 			}
 			if (!t_a && __atomic_load_n(&sh->t_meas, __ATOMIC_ACQUIRE)) {
-				cpu_a = proc_cpu_seconds(cpu_pid);
+				cpu_a = proc_cpu_seconds(e->tx_cpu_pid);
+				rcpu_a = proc_cpu_seconds(rx_pid);
 				t_a = now_ns();
 			}
 			if (interrupted || kids_reap(&kids, false)) {
@@ -224,7 +238,8 @@ static int measure(const struct bench_opts *o, const char *sock, pid_t cpu_pid, 
 			if (prog && now_ns() - last_t >= 200000000ull)
 				progress(o, sh, pairs, chunk, &last_b, &last_t);
 		}
-		cpu_b = proc_cpu_seconds(cpu_pid);
+		cpu_b = proc_cpu_seconds(e->tx_cpu_pid);
+		rcpu_b = proc_cpu_seconds(rx_pid);
 		t_b = now_ns();
 		progress_clear();
 	}
@@ -268,9 +283,10 @@ static int measure(const struct bench_opts *o, const char *sock, pid_t cpu_pid, 
 		pt->rooms_s = (double)pt->rooms / pt->seconds;
 		pt->room_lat = hist_lat(hr);
 		pt->chunk_lat = hist_lat(hs);
-		pt->proxy_cpu = cpu_a >= 0 && cpu_b >= 0 && t_b > t_a
-					? (cpu_b - cpu_a) / ((double)(t_b - t_a) / 1e9) * 100
-					: -1;
+		double win = (double)(t_b - t_a) / 1e9;
+		pt->proxy_cpu = cpu_a >= 0 && cpu_b >= 0 && t_b > t_a ? (cpu_b - cpu_a) / win * 100 : -1;
+		pt->proxy_rx_cpu = rcpu_a >= 0 && rcpu_b >= 0 && t_b > t_a ? (rcpu_b - rcpu_a) / win * 100
+									 : -1;
 	}
 	if (rc || pt->errors)
 		print_child_errors(sh, pairs);
@@ -284,10 +300,7 @@ static int measure(const struct bench_opts *o, const char *sock, pid_t cpu_pid, 
 
 int run_local(const struct bench_opts *o)
 {
-	struct sigaction sa = { .sa_handler = on_interrupt };
-	sigemptyset(&sa.sa_mask);
-	sigaction(SIGINT, &sa, NULL);
-	sigaction(SIGTERM, &sa, NULL);
+	local_catch_signals();
 
 	struct local_point *pts = calloc(o->nchunks, sizeof(*pts));
 	struct bench_proxy_info info = { .external = o->socket != NULL,
@@ -377,7 +390,8 @@ int run_local(const struct bench_opts *o)
 			}
 			pt->slots = px.slots;
 			note(o, "local %s: %u pair(s) through the proxy at %s", cs, pairs, o->socket);
-			rc = measure(o, o->socket, px.cpu_pid, chunk, pt);
+			struct bench_ends e = { o->socket, o->socket, px.cpu_pid, px.cpu_pid };
+			rc = local_measure(o, &e, chunk, pt);
 		} else {
 			uint32_t slots = proxy_slots_for(chunk, need);
 			if ((uint64_t)slots * chunk > (64ull << 30)) {
@@ -398,7 +412,8 @@ int run_local(const struct bench_opts *o)
 				"payload %s",
 			     cs, (int)px.pid, slots, pairs, o->rooms, pt->room_chunks,
 			     bench_payload_str(o->payload));
-			rc = measure(o, px.sock, px.cpu_pid, chunk, pt);
+			struct bench_ends e = { px.sock, px.sock, px.cpu_pid, px.cpu_pid };
+			rc = local_measure(o, &e, chunk, pt);
 			proxy_stop(&px);
 		}
 		if (!rc)

@@ -44,12 +44,29 @@ struct lshared {
 /* What a child needs to know about its point and pair. */
 struct lctx {
 	const struct bench_opts *o;
-	const char *sock;
+	const char *rx_sock, *tx_sock; /* the receivers' proxy, the senders' (one in local mode) */
 	uint64_t chunk, room_bytes;
 	unsigned room_chunks;
 	struct lshared *sh;
 	unsigned pair;
 };
+
+/* Where one point runs: the proxy the receivers attach to and the one the
+ * senders do (the same in local mode), with the pids whose CPU is read. */
+struct bench_ends {
+	const char *rx_sock, *tx_sock;
+	pid_t rx_cpu_pid, tx_cpu_pid; /* 0: n/a */
+};
+
+/* Forks the pairs, runs one point, fills pt (proxy_cpu: the senders'
+ * proxy; proxy_rx_cpu: the receivers', when it is another). Returns 0, or 1. */
+int local_measure(const struct bench_opts *o, const struct bench_ends *e, uint64_t chunk,
+		  struct local_point *pt);
+
+/* SIGINT and SIGTERM end the run between points (and a point early). */
+void local_catch_signals(void);
+/* True once one of them came. */
+bool local_interrupted(void);
 
 /* A receiver: connects, says ready on ready_wr, waits for go_rd to close,
  * keeps --rooms rooms open (descriptors to desc_wr), writes a byte to

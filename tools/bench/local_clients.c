@@ -157,7 +157,7 @@ int local_receiver(struct lctx *x, int desc_wr, int ready_wr, int go_rd, int don
 	struct lshared *sh = x->sh;
 	struct receiver rv = { .x = x, .res = &sh->rx[x->pair] };
 	const struct bench_opts *o = x->o;
-	int rc = kvs_connect(x->sock, &rv.c);
+	int rc = kvs_connect(x->rx_sock, &rv.c);
 	if (rc < 0)
 		return fail(rv.res, "receiver %u: kvs_connect: %s", x->pair, kvs_strerror(rc));
 	if (kvs_slot_size(rv.c) != x->chunk)
@@ -440,7 +440,7 @@ int local_sender(struct lctx *x, int desc_rd, int ready_wr, int go_rd)
 	sv->x = x;
 	sv->res = res;
 	const struct bench_opts *o = x->o;
-	int rc = kvs_connect(x->sock, &sv->c);
+	int rc = kvs_connect(x->tx_sock, &sv->c);
 	if (rc < 0)
 		return fail(res, "sender %u: kvs_connect: %s", x->pair, kvs_strerror(rc));
 	sv->nrooms = kvs_max_rooms(sv->c);

@@ -36,6 +36,12 @@ static void usage(FILE *f)
 "             request after an idle gap, to its reply)\n"
 "  baseline   the baselines alone: memcpy and one TCP loopback connection at\n"
 "             each chunk size, the rte_ring round trip\n"
+"  tcp        two proxies joined by the tcp transport: receivers on proxy B\n"
+"             (which listens), senders on proxy A (which dials B), on\n"
+"             loopback or with --netns in two network namespaces; GB/s,\n"
+"             chunks/s, room latency and both proxies' CPU, against raw TCP\n"
+"             between the same two endpoints (one stream, and --tcp-streams\n"
+"             streams), measured in the same run\n"
 "  gpu        GPU memory into and out of slots (needs a CUDA build); it takes\n"
 "             its own options: kvstage-bench gpu --help\n"
 "\n"
@@ -47,6 +53,14 @@ static void usage(FILE *f)
 "      --proxy-arg ARG    pass ARG to the kvstaged we start (repeatable), e.g.\n"
 "                         --proxy-arg=--spin-us=1000; it is started with\n"
 "                         --socket, --slots, --slot-size and --ready-fd\n"
+"\n"
+"tcp mode:\n"
+"      --tcp-streams N    connections per peer, for the proxies and the raw\n"
+"                         baseline (default 2, at most 16)\n"
+"      --netns            put each proxy in a network namespace of its own,\n"
+"                         joined by a veth pair (10.78.0.1 - 10.78.0.2) made\n"
+"                         for this run and removed after it; needs root and\n"
+"                         iproute2 (default: both on 127.0.0.1)\n"
 "\n"
 "Work:\n"
 "  -c, --chunk SIZE[,SIZE...]  chunk (slot) sizes, multiples of 4K, K/M/G\n"
@@ -64,7 +78,7 @@ static void usage(FILE *f)
 "                         reads it in place (one copy, like a buffer-to-buffer\n"
 "                         transport); verify: the sender stamps a canary, the\n"
 "                         receiver checks every byte (default: copy;\n"
-"                         latency: none)\n"
+"                         latency and tcp: none)\n"
 "  -d, --duration SEC     measured seconds per point; idle: the quiet window\n"
 "                         (default 2)\n"
 "  -b, --bytes TOTAL      measure until TOTAL bytes moved instead (K/M/G)\n"
@@ -72,7 +86,7 @@ static void usage(FILE *f)
 "                         at most 0.5; 0 with --bytes); local mode also waits\n"
 "                         until each receiver has completed --rooms rooms\n"
 "      --baseline-sec SEC seconds per baseline figure (default: a quarter of\n"
-"                         --duration, 0.05 to 0.5)\n"
+"                         --duration, 0.05 to 0.5; tcp: half, 0.1 to 1)\n"
 "      --wset BYTES       working set of each memcpy buffer ring and of each\n"
 "                         client's private buffer (default 256M; keep it above\n"
 "                         the last-level cache)\n"
@@ -101,7 +115,7 @@ static void usage(FILE *f)
 enum {
 	O_KVSTAGED = 256, O_SWEEP, O_ROOMBYTES, O_ROOMS, O_SENDERS, O_RECEIVERS, O_PAYLOAD,
 	O_WARMUP, O_BASESEC, O_WSET, O_SAMPLES, O_GAP, O_JSON, O_CSV, O_PLOT, O_PROGRESS,
-	O_NOPIN, O_PROXYARG,
+	O_NOPIN, O_PROXYARG, O_STREAMS, O_NETNS,
 };
 
 static const struct option long_opts[] = {
@@ -127,6 +141,8 @@ static const struct option long_opts[] = {
 	{ "plot", required_argument, NULL, O_PLOT },
 	{ "progress", no_argument, NULL, O_PROGRESS },
 	{ "no-pin", no_argument, NULL, O_NOPIN },
+	{ "tcp-streams", required_argument, NULL, O_STREAMS },
+	{ "netns", no_argument, NULL, O_NETNS },
 	{ "quiet", no_argument, NULL, 'q' },
 	{ "help", no_argument, NULL, 'h' },
 	{ "version", no_argument, NULL, 'V' },
@@ -218,7 +234,7 @@ static int parse_chunks(const char *arg, struct bench_opts *o)
 
 static const char *const mode_names[] = {
 	[MODE_LOCAL] = "local", [MODE_LATENCY] = "latency", [MODE_IDLE] = "idle",
-	[MODE_BASELINE] = "baseline", [MODE_GPU] = "gpu",
+	[MODE_BASELINE] = "baseline", [MODE_GPU] = "gpu", [MODE_TCP] = "tcp",
 };
 
 bool bench_mode_is_gpu(int argc, char **argv)
@@ -257,10 +273,11 @@ int bench_opts_parse(int argc, char **argv, struct bench_opts *o)
 	o->wset = BENCH_WSET_DEFAULT;
 	o->samples = 200;
 	o->idle_gap_ms = 2;
+	o->tcp_streams = 2;
 	o->argc = argc;
 	o->argv = argv;
 	int payload = -1, opt;
-	bool sweep = false, dur_set = false, json = false, csv = false;
+	bool sweep = false, dur_set = false, json = false, csv = false, streams_set = false;
 	uint64_t v;
 	unsigned u;
 
@@ -373,6 +390,15 @@ int bench_opts_parse(int argc, char **argv, struct bench_opts *o)
 		case O_NOPIN:
 			o->no_pin = true;
 			break;
+		case O_STREAMS:
+			if (bench_parse_uint(optarg, 1, 16, &u))
+				return bad("--tcp-streams", optarg, "want 1 to 16");
+			o->tcp_streams = u;
+			streams_set = true;
+			break;
+		case O_NETNS:
+			o->netns = true;
+			break;
 		case 'q':
 			o->quiet = true;
 			break;
@@ -388,8 +414,8 @@ int bench_opts_parse(int argc, char **argv, struct bench_opts *o)
 		}
 	}
 	if (optind >= argc) {
-		fprintf(stderr, "kvstage-bench: no mode given (local, latency, idle, baseline or "
-				"gpu)\nTry 'kvstage-bench --help'.\n");
+		fprintf(stderr, "kvstage-bench: no mode given (local, tcp, latency, idle, baseline "
+				"or gpu)\nTry 'kvstage-bench --help'.\n");
 		return 2;
 	}
 	if (optind + 1 < argc) {
@@ -403,8 +429,18 @@ int bench_opts_parse(int argc, char **argv, struct bench_opts *o)
 		if (!strcmp(m, mode_names[k]))
 			break;
 	if (k == sizeof(mode_names) / sizeof(mode_names[0]))
-		return bad("mode", m, "want local, latency, idle, baseline or gpu");
+		return bad("mode", m, "want local, tcp, latency, idle, baseline or gpu");
 	o->mode = (enum bench_mode)k;
+	if (o->mode != MODE_TCP && (o->netns || streams_set)) {
+		fprintf(stderr, "kvstage-bench: --%s is for the tcp mode\n",
+			o->netns ? "netns" : "tcp-streams");
+		return 2;
+	}
+	if (o->mode == MODE_TCP && o->socket) {
+		fprintf(stderr, "kvstage-bench: the tcp mode starts both of its proxies; --socket "
+				"is for local, latency and idle\n");
+		return 2;
+	}
 
 	if (json && csv) {
 		fprintf(stderr, "kvstage-bench: --json and --csv both write stdout: pick one\n");
@@ -433,13 +469,15 @@ int bench_opts_parse(int argc, char **argv, struct bench_opts *o)
 		return 2;
 	}
 	o->payload = payload >= 0 ? (enum bench_payload)payload
-				  : o->mode == MODE_LATENCY ? PAYLOAD_NONE : PAYLOAD_COPY;
+				  : o->mode == MODE_LATENCY || o->mode == MODE_TCP ? PAYLOAD_NONE
+										   : PAYLOAD_COPY;
 	if (o->mode == MODE_LATENCY && o->payload == PAYLOAD_IN)
 		return bad("--payload", "in", "latency mode takes none, copy or verify");
 	if (o->warmup < 0)
 		o->warmup = o->bytes ? 0 : fmin(0.5, o->duration / 10);
-	if (o->baseline_sec < 0)
-		o->baseline_sec = fmax(0.05, fmin(0.5, o->duration / 4));
+	if (o->baseline_sec < 0) /* tcp: raw TCP on a VM moves a lot from run to run */
+		o->baseline_sec = o->mode == MODE_TCP ? fmax(0.1, fmin(1, o->duration / 2))
+						      : fmax(0.05, fmin(0.5, o->duration / 4));
 	if (o->mode == MODE_LATENCY || o->mode == MODE_IDLE) {
 		if (o->nchunks > 1) {
 			fprintf(stderr, "kvstage-bench: the %s mode takes one chunk size\n", m);

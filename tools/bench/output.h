@@ -49,4 +49,21 @@ int plot(const struct bench_opts *o, const char *title, const uint64_t *x, unsig
 	 const double *const *cols, const char *const *names, const char *const *styles,
 	 unsigned ncols);
 
+/* report.c's parts the other reports share. */
+/* Opens the JSON document: tool, mode, command, machine, config. */
+void json_head(struct jw *j, const struct bench_opts *o);
+/* The "proxy" member: binary, extra arguments. */
+void json_proxy(struct jw *j, const struct bench_proxy_info *px);
+/* Closes the JSON document. */
+void json_end(struct jw *j);
+/* One table row: figure, kvstage value, baseline (base_txt, else base) and what it is, ratio. */
+void row(const char *what, const char *kv, double base, const char *base_txt,
+	 const char *base_what, double r);
+/* The table's column heads. */
+void row_head(void);
+/* "proxy: BIN how; extra arguments: ..." */
+void print_proxy(const struct bench_proxy_info *px, const char *how);
+/* "machine: CPU, N CPUs, load; placement" */
+void print_machine(void);
+
 #endif

@@ -62,17 +62,26 @@ static void cpuset_str(const cpu_set_t *set, char *buf, size_t len)
 void pin_init(const struct bench_opts *o)
 {
 	memset(&g_pin, 0, sizeof(g_pin));
-	g_pin.proxy_cpu = -1;
+	g_pin.proxy_cpu = g_pin.proxy2_cpu = -1;
 	if (sched_getaffinity(0, sizeof(g_pin.all), &g_pin.all) < 0)
 		return;
-	if (o->no_pin || CPU_COUNT(&g_pin.all) < 2)
+	/* tcp: two proxies, each on a CPU of its own, and two left for the
+	 * clients; with fewer, nobody is pinned. */
+	unsigned need = o->mode == MODE_TCP ? 4 : 2;
+	if (o->no_pin || CPU_COUNT(&g_pin.all) < (int)need)
 		return;
 	g_pin.spread = true;
 	for (int c = 0; c < CPU_SETSIZE; c++)
-		if (CPU_ISSET(c, &g_pin.all))
+		if (CPU_ISSET(c, &g_pin.all)) {
+			g_pin.proxy2_cpu = g_pin.proxy_cpu;
 			g_pin.proxy_cpu = c;
+		}
 	g_pin.clients = g_pin.all;
 	CPU_CLR(g_pin.proxy_cpu, &g_pin.clients);
+	if (o->mode == MODE_TCP)
+		CPU_CLR(g_pin.proxy2_cpu, &g_pin.clients);
+	else
+		g_pin.proxy2_cpu = -1;
 	g_pin.on = true;
 }
 
@@ -111,11 +120,15 @@ const char *pin_desc(char *buf, size_t len)
 {
 	char cl[128];
 	if (!g_pin.on) {
-		snprintf(buf, len, "not pinned (--no-pin, one CPU, or an unpinned external proxy)");
+		snprintf(buf, len, "not pinned (--no-pin, one CPU (tcp: fewer than 4), or an unpinned "
+			 "external proxy)");
 		return buf;
 	}
 	cpuset_str(&g_pin.clients, cl, sizeof(cl));
-	if (g_pin.proxy_cpu >= 0)
+	if (g_pin.proxy2_cpu >= 0)
+		snprintf(buf, len, "sending proxy on CPU %d, receiving proxy on CPU %d, clients on CPU %s",
+			 g_pin.proxy_cpu, g_pin.proxy2_cpu, cl);
+	else if (g_pin.proxy_cpu >= 0)
 		snprintf(buf, len, "proxy on CPU %d, clients on CPU %s", g_pin.proxy_cpu, cl);
 	else
 		snprintf(buf, len, "clients on CPU %s (the external proxy's affinity excludes them)", cl);
@@ -207,6 +220,12 @@ static void cleanup_dir(struct bench_proxy *px)
 int proxy_start(struct bench_proxy *px, const struct bench_opts *o, uint64_t slot_size,
 		uint32_t slots)
 {
+	return proxy_start_ex(px, o, slot_size, slots, NULL, -1, NULL);
+}
+
+int proxy_start_ex(struct bench_proxy *px, const struct bench_opts *o, uint64_t slot_size,
+		   uint32_t slots, const char *const *extra, int cpu, const char *netns)
+{
 	memset(px, 0, sizeof(*px));
 	if (find_kvstaged(o, px->bin, sizeof(px->bin)) < 0)
 		return -1;
@@ -221,9 +240,11 @@ int proxy_start(struct bench_proxy *px, const struct bench_opts *o, uint64_t slo
 	char nslots[16], size[32];
 	snprintf(nslots, sizeof(nslots), "%u", slots);
 	snprintf(size, sizeof(size), "%llu", (unsigned long long)slot_size);
-	const char *argv[32] = { px->bin, "--socket", px->sock, "--slots", nslots, "--slot-size",
+	const char *argv[48] = { px->bin, "--socket", px->sock, "--slots", nslots, "--slot-size",
 				 size, "--ready-fd", "3" };
 	unsigned argc = 9;
+	for (unsigned i = 0; extra && extra[i] && argc < 30; i++)
+		argv[argc++] = extra[i];
 	for (unsigned i = 0; i < o->nproxy_args; i++)
 		argv[argc++] = o->proxy_args[i];
 	argv[argc] = NULL;
@@ -246,11 +267,17 @@ int proxy_start(struct bench_proxy *px, const struct bench_opts *o, uint64_t slo
 	if (pid == 0) {
 		/* A killed bench must not leave a proxy spinning on a core. */
 		prctl(PR_SET_PDEATHSIG, SIGTERM);
-		if (g_pin.on && g_pin.proxy_cpu >= 0) {
+		if (cpu < 0 && g_pin.on)
+			cpu = g_pin.proxy_cpu;
+		if (cpu >= 0) {
 			cpu_set_t one;
 			CPU_ZERO(&one);
-			CPU_SET(g_pin.proxy_cpu, &one);
+			CPU_SET(cpu, &one);
 			sched_setaffinity(0, sizeof(one), &one);
+		}
+		if (bench_enter_netns(netns) < 0) {
+			dprintf(2, "kvstage-bench: cannot enter network namespace %s\n", netns);
+			_exit(127);
 		}
 		int rfd = fcntl(ready[1], F_DUPFD, 10);
 		int log = open(px->log, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0600);

@@ -17,11 +17,12 @@ static const char *mode_word(enum bench_mode m)
 	case MODE_LATENCY: return "latency";
 	case MODE_IDLE: return "idle";
 	case MODE_BASELINE: return "baseline";
+	case MODE_TCP: return "tcp";
 	default: return "gpu";
 	}
 }
 
-static void json_head(struct jw *j, const struct bench_opts *o)
+void json_head(struct jw *j, const struct bench_opts *o)
 {
 	j->f = stdout;
 	j->depth = 0;
@@ -59,7 +60,7 @@ static void json_head(struct jw *j, const struct bench_opts *o)
 	jw_close(j, '}');
 }
 
-static void json_proxy(struct jw *j, const struct bench_proxy_info *px)
+void json_proxy(struct jw *j, const struct bench_proxy_info *px)
 {
 	jw_open(j, "proxy", '{');
 	jw_bool(j, "external", px->external);
@@ -99,14 +100,14 @@ static void json_start(struct jw *j, const struct bench_opts *o, const struct be
 	jw_close(j, '}');
 }
 
-static void json_end(struct jw *j)
+void json_end(struct jw *j)
 {
 	jw_close(j, '}');
 	fputc('\n', j->f);
 }
 
 /* One table row: figure, kvstage value, baseline value and what it is, ratio. */
-static void row(const char *what, const char *kv, double base, const char *base_txt,
+void row(const char *what, const char *kv, double base, const char *base_txt,
 		const char *base_what, double r)
 {
 	char b[32], rb[32];
@@ -123,7 +124,7 @@ static void row(const char *what, const char *kv, double base, const char *base_
 	printf("  %-28s %12s %12s  %-42s %8s\n", what, kv, b, base_what ? base_what : "", rb);
 }
 
-static void row_head(void)
+void row_head(void)
 {
 	printf("  %-28s %12s %12s  %-42s %8s\n", "", "kvstage", "baseline", "(baseline is)",
 	       "ratio");
@@ -164,7 +165,7 @@ static void print_ring(const struct ring_base *ring)
 	       human(ring->batch_rec_per_s, b, sizeof(b)));
 }
 
-static void print_proxy(const struct bench_proxy_info *px, const char *how)
+void print_proxy(const struct bench_proxy_info *px, const char *how)
 {
 	if (px->external) {
 		printf("proxy: the running one at %s (%s)\n", px->sock, px->bin);
@@ -176,7 +177,7 @@ static void print_proxy(const struct bench_proxy_info *px, const char *how)
 	printf("\n");
 }
 
-static void print_machine(void)
+void print_machine(void)
 {
 	char cpu[256];
 	cpu_model(cpu, sizeof(cpu));

@@ -82,6 +82,31 @@ for w in 'GB/s' 'chunks/s' 'rooms/s' 'chunk latency p99.9' 'room latency p50' 'p
   grep -q "$w" "$tmp/local.txt" || fail "local.txt: no '$w'"
 done
 
+# --- tcp: two proxies on loopback, every byte verified
+run 0 tcp.json -q --chunk 64K --duration 0.3 --payload verify --json tcp
+valid_json "$tmp/tcp.json"
+has_keys "$tmp/tcp.json" transport tcp_streams points gbps chunks_per_s room_latency_us \
+  proxy_a_cpu_pct proxy_b_cpu_pct raw_tcp_1_gbps raw_tcp_n_gbps gbps_vs_raw_tcp_1 errors
+grep -q '"mode": "tcp"' "$tmp/tcp.json" || fail "tcp.json: mode is not tcp"
+grep -q '"errors": 0' "$tmp/tcp.json" || fail "tcp.json: verify found wrong bytes"
+for k in gbps chunks_per_s raw_tcp_1_gbps raw_tcp_n_gbps; do
+  positive "$tmp/tcp.json" "$k"
+done
+run 2 tcp-socket.txt --socket /nonexistent tcp
+grep -q "starts both of its proxies" "$tmp/tcp-socket.txt.err" || fail "tcp --socket gave no clear message"
+# The same through two network namespaces, where this machine lets us make them.
+ipbin=/usr/sbin/ip; [ -x "$ipbin" ] || ipbin=/sbin/ip
+if [ "$(id -u)" -eq 0 ] && [ -x "$ipbin" ] && "$ipbin" netns list >/dev/null 2>&1; then
+  run 0 tcp-netns.txt -q --netns --chunk 256K --duration 0.3 --tcp-streams 3 tcp
+  for w in 'veth between two network namespaces' 'raw TCP, 1 stream' 'raw TCP, 3 streams' \
+    'room latency p99' 'proxy B CPU'; do
+    grep -q "$w" "$tmp/tcp-netns.txt" || fail "tcp-netns.txt: no '$w'"
+  done
+  ! "$ipbin" netns list | grep -q kvsbench || fail "tcp --netns left its namespaces behind"
+else
+  echo "bench-smoke: skipping tcp --netns: needs root and iproute2 (loopback ran above)"
+fi
+
 # --- latency, idle, baseline
 run 0 latency.json -q --wset 32M --duration 0.2 --json latency
 valid_json "$tmp/latency.json"

@@ -1,0 +1,211 @@
+/* SPDX-License-Identifier: MIT */
+/* What the tcp mode reports: the table, JSON and CSV. */
+#include <math.h>
+#include <stdio.h>
+
+#include "kvstage.h"
+#include "output.h"
+
+/* The better of the two raw figures: what the kernel gives this path. */
+static double raw_best(const struct local_point *p)
+{
+	return fmax(p->tcp1_gbps, p->tcpn_gbps);
+}
+
+/* Little's law: with this many room bytes in flight, a room waits at
+ * least in_flight / rate, the floor for room latency at the raw rate. */
+static double lat_floor_us(const struct bench_opts *o, const struct local_point *p)
+{
+	double gbps = raw_best(p);
+	if (gbps <= 0)
+		return NAN;
+	double in_flight = (double)o->senders * o->rooms * (double)p->room_bytes;
+	return in_flight / (gbps * 1e3);
+}
+
+static const char *const tcp_defs[][2] = {
+	{ "path", "proxy A (the senders' clients) dials proxy B (the receivers' clients) with the "
+		  "tcp transport: --tcp-streams connections, authenticated, frames MACed; every "
+		  "chunk is read off a socket into B's posted slot through the fence" },
+	{ "raw_tcp", "the same two endpoints with nothing of kvstage: one sender process and one "
+		     "receiver process placed like the proxies, each holding all its sockets in "
+		     "one thread, writes and reads of the chunk size from a 64 MiB ring of buffers; "
+		     "one stream, and --tcp-streams streams" },
+	{ "gbps", "room bytes completed in the window / window; 1 GB = 1e9 bytes; ratio over the "
+		  "raw figure" },
+	{ "chunks_per_s", "chunks completed per second; baseline: the better raw figure in "
+			  "chunks of this size" },
+	{ "room_latency", "kvs_recv_open on B to RECV_DONE, under load; baseline: the room bytes "
+			  "in flight (senders x --rooms x room bytes) over the better raw rate, "
+			  "the least a room can wait at that rate (Little's law)" },
+	{ "chunk_latency", "a room's last kvs_send on A to its SEND_DONE (the bytes left A's slot)" },
+	{ "proxy_cpu", "utime + stime of each proxy over the window, % of one core" },
+};
+
+static void table(const struct bench_opts *o, const struct local_point *pt, unsigned n,
+		  const struct bench_proxy_info *px, const char *path)
+{
+	char a[32], b[32], c[32];
+	printf("kvstage-bench %s tcp: %u sender(s) on proxy A -> %u receiver(s) on proxy B over "
+	       "%s, --tcp-streams %u, %u rooms in flight per sender, payload %s, ",
+	       KVS_VERSION_STRING, o->senders, o->receivers, path, o->tcp_streams, o->rooms,
+	       bench_payload_str(o->payload));
+	if (o->bytes)
+		printf("%s bytes per point\n", bench_size_str(o->bytes, a, sizeof(a)));
+	else
+		printf("%.2f s per point\n", o->duration);
+	print_machine();
+	print_proxy(px, ", two started per point with --slot-size = chunk size");
+	for (unsigned i = 0; i < n; i++) {
+		const struct local_point *p = &pt[i];
+		printf("\n== chunk %s: rooms of %u chunks (%s bytes), %u slots on each proxy, %.2f s "
+		       "measured after %.2f s warm-up, %llu rooms\n",
+		       bench_size_str(p->chunk, a, sizeof(a)), p->room_chunks,
+		       bench_size_str(p->room_bytes, b, sizeof(b)), p->slots, p->seconds, p->warmup_s,
+		       (unsigned long long)p->rooms);
+		row_head();
+		char bw[64];
+		row("GB/s", num(p->gbps, a, sizeof(a)), p->tcp1_gbps > 0 ? p->tcp1_gbps : NAN,
+		    p->tcp1_gbps > 0 ? NULL : "n/a", "raw TCP, 1 stream", ratio(p->gbps, p->tcp1_gbps));
+		if (o->tcp_streams > 1) {
+			snprintf(bw, sizeof(bw), "raw TCP, %u streams", o->tcp_streams);
+			row("", "", p->tcpn_gbps > 0 ? p->tcpn_gbps : NAN, p->tcpn_gbps > 0 ? NULL : "n/a",
+			    bw, ratio(p->gbps, p->tcpn_gbps));
+		}
+		double raw_cps = raw_best(p) > 0 ? raw_best(p) * 1e9 / (double)p->chunk : NAN;
+		row("chunks/s", human(p->chunks_s, a, sizeof(a)), NAN,
+		    isnan(raw_cps) ? "n/a" : human(raw_cps, b, sizeof(b)), "raw TCP (better), in chunks",
+		    ratio(p->chunks_s, raw_cps));
+		double fl = lat_floor_us(o, p);
+		row("room latency p50 (us)", p->room_lat.n ? num(p->room_lat.p50, a, sizeof(a)) : "n/a",
+		    fl, NULL, "bytes in flight / raw TCP rate", ratio(p->room_lat.p50, fl));
+		row("room latency p99 (us)", p->room_lat.n ? num(p->room_lat.p99, a, sizeof(a)) : "n/a",
+		    fl, NULL, "bytes in flight / raw TCP rate", ratio(p->room_lat.p99, fl));
+		row("chunk latency p50 (us)", p->chunk_lat.n ? num(p->chunk_lat.p50, a, sizeof(a)) : "n/a",
+		    NAN, NULL, NULL, NAN);
+		row("chunk latency p99 (us)", p->chunk_lat.n ? num(p->chunk_lat.p99, a, sizeof(a)) : "n/a",
+		    NAN, NULL, NULL, NAN);
+		row("proxy A CPU (% of a core)", num(p->proxy_cpu, a, sizeof(a)), NAN, NULL, "senders' side",
+		    NAN);
+		row("proxy B CPU (% of a core)", num(p->proxy_rx_cpu, a, sizeof(a)), NAN, NULL,
+		    "receivers' side", NAN);
+		if (o->payload == PAYLOAD_VERIFY)
+			printf("  verified: %llu chunks, %llu with a wrong byte\n",
+			       (unsigned long long)p->chunks, (unsigned long long)p->errors);
+	}
+	if (n > 1) {
+		printf("\n%-6s %8s %8s %6s %8s %6s %10s %17s %7s %7s\n", "chunk", "GB/s", "raw 1",
+		       "ratio", "raw N", "ratio", "chunks/s", "room p50/p99 us", "A CPU%", "B CPU%");
+		for (unsigned i = 0; i < n; i++) {
+			const struct local_point *p = &pt[i];
+			char r1[16], rn[16], rl[32], ca[16], cb[16];
+			snprintf(rl, sizeof(rl), "%.0f/%.0f", p->room_lat.p50, p->room_lat.p99);
+			printf("%-6s %8.3f %8.3f %6s %8.3f %6s %10s %17s %7s %7s\n",
+			       bench_size_str(p->chunk, a, sizeof(a)), p->gbps, p->tcp1_gbps,
+			       num(ratio(p->gbps, p->tcp1_gbps), r1, sizeof(r1)), p->tcpn_gbps,
+			       num(ratio(p->gbps, p->tcpn_gbps), rn, sizeof(rn)),
+			       human(p->chunks_s, c, sizeof(c)), rl, num(p->proxy_cpu, ca, sizeof(ca)),
+			       num(p->proxy_rx_cpu, cb, sizeof(cb)));
+		}
+	}
+	printf("\nHow to read it:\n");
+	for (size_t i = 0; i < sizeof(tcp_defs) / sizeof(tcp_defs[0]); i++)
+		printf("  %s: %s.\n", tcp_defs[i][0], tcp_defs[i][1]);
+}
+
+static void json(const struct bench_opts *o, const struct local_point *pt, unsigned n,
+		 const struct bench_proxy_info *px, const char *path)
+{
+	struct jw j;
+	json_head(&j, o);
+	json_proxy(&j, px);
+	jw_open(&j, "transport", '{');
+	jw_str(&j, "path", path);
+	jw_int(&j, "tcp_streams", o->tcp_streams);
+	jw_close(&j, '}');
+	jw_open(&j, "definitions", '{');
+	for (size_t i = 0; i < sizeof(tcp_defs) / sizeof(tcp_defs[0]); i++)
+		jw_str(&j, tcp_defs[i][0], tcp_defs[i][1]);
+	jw_close(&j, '}');
+	jw_open(&j, "points", '[');
+	for (unsigned i = 0; i < n; i++) {
+		const struct local_point *p = &pt[i];
+		double raw_cps = raw_best(p) > 0 ? raw_best(p) * 1e9 / (double)p->chunk : NAN;
+		double fl = lat_floor_us(o, p);
+		jw_open(&j, NULL, '{');
+		jw_int(&j, "chunk_bytes", p->chunk);
+		jw_int(&j, "room_bytes", p->room_bytes);
+		jw_int(&j, "room_chunks", p->room_chunks);
+		jw_int(&j, "slots", p->slots);
+		jw_num(&j, "warmup_s", p->warmup_s);
+		jw_num(&j, "seconds", p->seconds);
+		jw_int(&j, "bytes", p->bytes);
+		jw_int(&j, "chunks", p->chunks);
+		jw_int(&j, "rooms", p->rooms);
+		jw_int(&j, "errors", p->errors);
+		jw_num(&j, "gbps", p->gbps);
+		jw_num(&j, "chunks_per_s", p->chunks_s);
+		jw_lat(&j, "room_latency_us", &p->room_lat);
+		jw_lat(&j, "chunk_latency_us", &p->chunk_lat);
+		jw_num_na(&j, "proxy_a_cpu_pct", p->proxy_cpu);
+		jw_num_na(&j, "proxy_b_cpu_pct", p->proxy_rx_cpu);
+		jw_open(&j, "baseline", '{');
+		jw_num_na(&j, "raw_tcp_1_gbps", p->tcp1_gbps);
+		jw_num_na(&j, "raw_tcp_n_gbps", p->tcpn_gbps);
+		jw_num(&j, "raw_tcp_chunks_per_s", raw_cps);
+		jw_num(&j, "room_latency_floor_us", fl);
+		jw_close(&j, '}');
+		jw_open(&j, "ratio", '{');
+		jw_num(&j, "gbps_vs_raw_tcp_1", ratio(p->gbps, p->tcp1_gbps));
+		jw_num(&j, "gbps_vs_raw_tcp_n", ratio(p->gbps, p->tcpn_gbps));
+		jw_num(&j, "chunks_per_s_vs_raw_tcp", ratio(p->chunks_s, raw_cps));
+		jw_num(&j, "room_p50_vs_floor", p->room_lat.n ? ratio(p->room_lat.p50, fl) : NAN);
+		jw_num(&j, "room_p99_vs_floor", p->room_lat.n ? ratio(p->room_lat.p99, fl) : NAN);
+		jw_close(&j, '}');
+		jw_close(&j, '}');
+	}
+	jw_close(&j, ']');
+	json_end(&j);
+}
+
+static void csv(const struct bench_opts *o, const struct local_point *pt, unsigned n)
+{
+	printf("mode,path,tcp_streams,chunk_bytes,room_bytes,payload,pairs,rooms_in_flight,seconds,"
+	       "bytes,chunks,rooms,errors,gbps,chunks_per_s,room_p50_us,room_p99_us,chunk_p50_us,"
+	       "chunk_p99_us,proxy_a_cpu_pct,proxy_b_cpu_pct,raw_tcp_1_gbps,raw_tcp_n_gbps,"
+	       "gbps_vs_raw_tcp_1,gbps_vs_raw_tcp_n\n");
+	for (unsigned i = 0; i < n; i++) {
+		const struct local_point *p = &pt[i];
+		printf("tcp,%s,%u,%llu,%llu,%s,%u,%u,", o->netns ? "veth" : "loopback", o->tcp_streams,
+		       (unsigned long long)p->chunk, (unsigned long long)p->room_bytes,
+		       bench_payload_str(o->payload), o->senders, o->rooms);
+		csv_num(p->seconds, false);
+		printf("%llu,%llu,%llu,%llu,", (unsigned long long)p->bytes,
+		       (unsigned long long)p->chunks, (unsigned long long)p->rooms,
+		       (unsigned long long)p->errors);
+		csv_num(p->gbps, false);
+		csv_num(p->chunks_s, false);
+		csv_num(p->room_lat.n ? p->room_lat.p50 : NAN, false);
+		csv_num(p->room_lat.n ? p->room_lat.p99 : NAN, false);
+		csv_num(p->chunk_lat.n ? p->chunk_lat.p50 : NAN, false);
+		csv_num(p->chunk_lat.n ? p->chunk_lat.p99 : NAN, false);
+		csv_num(p->proxy_cpu, false);
+		csv_num(p->proxy_rx_cpu, false);
+		csv_num(p->tcp1_gbps > 0 ? p->tcp1_gbps : NAN, false);
+		csv_num(p->tcpn_gbps > 0 ? p->tcpn_gbps : NAN, false);
+		csv_num(ratio(p->gbps, p->tcp1_gbps), false);
+		csv_num(ratio(p->gbps, p->tcpn_gbps), true);
+	}
+}
+
+void report_tcp(const struct bench_opts *o, const struct local_point *pt, unsigned n,
+		const struct bench_proxy_info *px, const char *path)
+{
+	if (o->fmt == FMT_JSON)
+		json(o, pt, n, px, path);
+	else if (o->fmt == FMT_CSV)
+		csv(o, pt, n);
+	else
+		table(o, pt, n, px, path);
+	fflush(stdout);
+}

@@ -1,0 +1,243 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * The tcp mode: two proxies joined by the tcp transport, the receivers on
+ * one (B, which listens) and the senders on the other (A, which dials B
+ * when a descriptor names it), on loopback or, with --netns, in two
+ * network namespaces joined by a veth pair this run makes and removes.
+ * Per chunk size: the raw TCP baselines between the same two endpoints
+ * (rawtcp.c), then the rooms (local_measure, the local mode's clients).
+ */
+#include <errno.h>
+#include <fcntl.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/random.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "admin.h"
+#include "kvstage.h"
+#include "layout.h"
+#include "local.h"
+#include "statnames.h"
+
+#define NS_A_IP "10.78.0.1"
+#define NS_B_IP "10.78.0.2"
+
+struct tcp_env {
+	char dir[64];     /* holds the peer secret */
+	char secret[128];
+	char ns[2][32];   /* --netns: A's and B's; "" otherwise */
+	const char *ipbin;
+	const char *b_ip; /* where B listens, and the raw receiver */
+};
+
+static int run_ip(const char *ipbin, const char *const *args)
+{
+	const char *argv[16] = { ipbin };
+	unsigned n = 1;
+	for (; args[n - 1] && n < 15; n++)
+		argv[n] = args[n - 1];
+	argv[n] = NULL;
+	fflush(NULL);
+	pid_t pid = fork();
+	if (pid == 0) {
+		execv(ipbin, (char *const *)argv);
+		_exit(127);
+	}
+	int st;
+	if (pid < 0 || waitpid(pid, &st, 0) < 0 || !WIFEXITED(st) || WEXITSTATUS(st)) {
+		fprintf(stderr, "kvstage-bench: --netns: '%s", ipbin);
+		for (unsigned i = 1; i < n; i++)
+			fprintf(stderr, " %s", argv[i]);
+		fprintf(stderr, "' failed\n");
+		return -1;
+	}
+	return 0;
+}
+
+#define IP(e, ...) run_ip((e)->ipbin, (const char *[]){ __VA_ARGS__, NULL })
+
+static void env_fini(struct tcp_env *e)
+{
+	for (unsigned i = 0; i < 2; i++)
+		if (e->ns[i][0])
+			IP(e, "netns", "delete", e->ns[i]); /* its veth end goes with it */
+	if (e->secret[0])
+		unlink(e->secret);
+	if (e->dir[0])
+		rmdir(e->dir);
+}
+
+/* Two namespaces, a veth pair between them, an address on each end. */
+static int make_netns(struct tcp_env *e)
+{
+	if (geteuid() != 0) {
+		fprintf(stderr, "kvstage-bench: --netns makes network namespaces: it needs root "
+				"(CAP_NET_ADMIN); without --netns the proxies meet on loopback\n");
+		return -1;
+	}
+	e->ipbin = access("/usr/sbin/ip", X_OK) == 0 ? "/usr/sbin/ip" : "/sbin/ip";
+	if (access(e->ipbin, X_OK)) {
+		fprintf(stderr, "kvstage-bench: --netns needs iproute2's ip (apt install iproute2)\n");
+		return -1;
+	}
+	unsigned tag = (unsigned)getpid() % 100000;
+	for (unsigned i = 0; i < 2; i++) {
+		snprintf(e->ns[i], sizeof(e->ns[i]), "kvsbench%u-%c", tag, 'a' + i);
+		if (IP(e, "netns", "add", e->ns[i])) {
+			e->ns[i][0] = 0;
+			return -1;
+		}
+	}
+	if (IP(e, "-n", e->ns[0], "link", "add", "veth0", "type", "veth", "peer", "name", "veth1",
+	       "netns", e->ns[1]) ||
+	    IP(e, "-n", e->ns[0], "addr", "add", NS_A_IP "/24", "dev", "veth0") ||
+	    IP(e, "-n", e->ns[1], "addr", "add", NS_B_IP "/24", "dev", "veth1") ||
+	    IP(e, "-n", e->ns[0], "link", "set", "veth0", "up") ||
+	    IP(e, "-n", e->ns[1], "link", "set", "veth1", "up") ||
+	    IP(e, "-n", e->ns[0], "link", "set", "lo", "up") ||
+	    IP(e, "-n", e->ns[1], "link", "set", "lo", "up"))
+		return -1;
+	e->b_ip = NS_B_IP;
+	return 0;
+}
+
+/* A fresh random secret in a 0600 file only this run knows. */
+static int make_secret(struct tcp_env *e)
+{
+	strcpy(e->dir, "/tmp/kvstage-bench-tcp.XXXXXX");
+	if (!mkdtemp(e->dir)) {
+		fprintf(stderr, "kvstage-bench: mkdtemp: %s\n", strerror(errno));
+		e->dir[0] = 0;
+		return -1;
+	}
+	snprintf(e->secret, sizeof(e->secret), "%s/peer-secret", e->dir);
+	uint8_t raw[32];
+	char hex[2 * sizeof(raw) + 2];
+	if (getrandom(raw, sizeof(raw), 0) != (ssize_t)sizeof(raw))
+		return -1;
+	for (size_t i = 0; i < sizeof(raw); i++)
+		snprintf(hex + 2 * i, 3, "%02x", raw[i]);
+	strcat(hex, "\n");
+	int fd = open(e->secret, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+	bool ok = fd >= 0 && write(fd, hex, strlen(hex)) == (ssize_t)strlen(hex);
+	if (fd >= 0)
+		close(fd);
+	if (!ok) {
+		fprintf(stderr, "kvstage-bench: cannot write %s: %s\n", e->secret, strerror(errno));
+		return -1;
+	}
+	return 0;
+}
+
+/* One of the sending proxy's counters (the bytes it sent over tcp). */
+static uint64_t stat_of(const char *sock, const char *name)
+{
+	const struct kvs_ctrl *ctrl;
+	size_t len;
+	long off = kvs_stat_find(name);
+	if (off < 0 || kvs_stat_map(sock, &ctrl, &len) < 0)
+		return 0;
+	uint64_t v = __atomic_load_n((const uint64_t *)((const uint8_t *)&ctrl->stats + off),
+				     __ATOMIC_RELAXED);
+	munmap((void *)ctrl, len);
+	return v;
+}
+
+static int point(const struct bench_opts *o, const struct tcp_env *e, struct local_point *pt,
+		 struct bench_proxy_info *info)
+{
+	uint64_t chunk = pt->chunk;
+	unsigned pairs = o->senders;
+	uint64_t need = (uint64_t)pairs * o->rooms * pt->room_chunks;
+	uint32_t slots = proxy_slots_for(chunk, need);
+	char cs[16], streams[8], listen[48];
+	bench_size_str(chunk, cs, sizeof(cs));
+	if ((uint64_t)slots * chunk > (32ull << 30)) {
+		fprintf(stderr, "kvstage-bench: %u x %s would need two %llu GiB pools: lower --rooms, "
+				"--senders or --room-bytes\n",
+			slots, cs, (unsigned long long)((uint64_t)slots * chunk >> 30));
+		return 2;
+	}
+	pt->slots = slots;
+	snprintf(streams, sizeof(streams), "%u", o->tcp_streams);
+	snprintf(listen, sizeof(listen), "%s:0", e->b_ip);
+
+	struct raw_tcp raw = { .chunk = chunk, .sec = o->baseline_sec, .streams = 1,
+			       .tx_ns = e->ns[0], .rx_ns = e->ns[1], .rx_ip = e->b_ip,
+			       .tx_cpu = g_pin.proxy_cpu, .rx_cpu = g_pin.proxy2_cpu };
+	note(o, "baseline: raw TCP %s, one stream, writes of %s (%.2f s)", listen, cs, o->baseline_sec);
+	pt->tcp1_gbps = baseline_raw_tcp(&raw);
+	pt->tcpn_gbps = pt->tcp1_gbps;
+	if (o->tcp_streams > 1) {
+		raw.streams = o->tcp_streams;
+		note(o, "baseline: raw TCP, %u streams in one thread each side (%.2f s)", raw.streams,
+		     o->baseline_sec);
+		pt->tcpn_gbps = baseline_raw_tcp(&raw);
+	}
+	if (pt->tcp1_gbps <= 0 || pt->tcpn_gbps <= 0)
+		note(o, "baseline: a raw TCP measurement failed; its ratio is n/a");
+
+	struct bench_proxy a, b;
+	const char *b_args[] = { "--peer-secret-file", e->secret, "--tcp-streams", streams,
+				 "--listen", listen, NULL };
+	const char *a_args[] = { "--peer-secret-file", e->secret, "--tcp-streams", streams, NULL };
+	if (proxy_start_ex(&b, o, chunk, slots, b_args, g_pin.proxy2_cpu, e->ns[1]) < 0)
+		return 1;
+	if (proxy_start_ex(&a, o, chunk, slots, a_args, g_pin.proxy_cpu, e->ns[0]) < 0) {
+		proxy_stop(&b);
+		return 1;
+	}
+	snprintf(info->bin, sizeof(info->bin), "%s", a.bin);
+	note(o, "tcp %s: kvstaged A pid %d (senders) -> B pid %d (receivers, %s), %u slots each; "
+		"%u pair(s), %u rooms x %u chunks, payload %s",
+	     cs, (int)a.pid, (int)b.pid, listen, slots, pairs, o->rooms, pt->room_chunks,
+	     bench_payload_str(o->payload));
+	struct bench_ends ends = { b.sock, a.sock, b.pid, a.pid };
+	int rc = local_measure(o, &ends, chunk, pt);
+	/* Every room crossed the wire: A sent at least the window's bytes. */
+	uint64_t sent = stat_of(a.sock, "tcp_bytes_tx");
+	if (!rc && sent < pt->bytes) {
+		fprintf(stderr, "kvstage-bench: proxy A sent %llu bytes over tcp, fewer than the %llu "
+				"the receivers counted: the rooms did not cross\n",
+			(unsigned long long)sent, (unsigned long long)pt->bytes);
+		rc = 1;
+	}
+	proxy_stop(&a);
+	proxy_stop(&b);
+	return rc;
+}
+
+int run_tcp(const struct bench_opts *o)
+{
+	local_catch_signals();
+	struct tcp_env e = { .b_ip = "127.0.0.1" };
+	struct local_point *pts = calloc(o->nchunks, sizeof(*pts));
+	struct bench_proxy_info info = { .args = o->proxy_args, .nargs = o->nproxy_args };
+	int rc = 0;
+	unsigned done = 0;
+	if (!pts || make_secret(&e) < 0 || (o->netns && make_netns(&e) < 0))
+		rc = 1;
+	pin_clients();
+	for (unsigned i = 0; i < o->nchunks && !rc && !local_interrupted(); i++) {
+		struct local_point *pt = &pts[i];
+		pt->chunk = o->chunks[i];
+		pt->room_bytes = bench_room_bytes(o, pt->chunk);
+		pt->room_chunks = bench_room_chunks(o, pt->chunk);
+		rc = point(o, &e, pt, &info);
+		if (!rc)
+			done++;
+	}
+	pin_all();
+	env_fini(&e);
+	if (local_interrupted())
+		rc = 130;
+	if (done)
+		report_tcp(o, pts, done, &info, o->netns ? "veth between two network namespaces"
+							 : "loopback");
+	free(pts);
+	return rc;
+}
