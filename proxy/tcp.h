@@ -128,7 +128,7 @@ struct tcp {
 	char endpoint[64]; /* "tcp:" advertise */
 	struct tcp_conn conn[TCP_MAX_CONNS];
 	uint32_t conn_gen;
-	unsigned nconns; /* not FREE: while 0, tcp_poll has nothing to look at */
+	unsigned conns_hi; /* conn[conns_hi..] are FREE: loops stop there; 0: no connection */
 	bool woken;      /* our epoll fd woke the loop (the listener, the timer) */
 	struct tcp_sess sess[TCP_MAX_SESS];
 	uint32_t sess_gen;

@@ -99,7 +99,8 @@ struct tcp_conn *tcp_conn_new(struct tcp *tc, int fd, bool dialer, bool connecti
 		c->state = TCP_C_FREE;
 		return NULL;
 	}
-	tc->nconns++;
+	if (i >= tc->conns_hi)
+		tc->conns_hi = i + 1;
 	return c;
 }
 
@@ -113,7 +114,8 @@ void tcp_conn_close(struct tcp *tc, struct tcp_conn *c)
 	kvsp_frame_tx_wipe(&c->ftx);
 	kvsp_frame_rx_wipe(&c->frx);
 	c->state = TCP_C_FREE;
-	tc->nconns--;
+	while (tc->conns_hi && tc->conn[tc->conns_hi - 1].state == TCP_C_FREE)
+		tc->conns_hi--;
 	c->sess = NULL;
 	c->tx_x = c->rx_x = NULL; /* the session releases them, with every other pin */
 	c->qn = 0;

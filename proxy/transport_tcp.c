@@ -87,7 +87,7 @@ static void sess_up(struct tcp *tc, struct tcp_sess *s)
 /* Frees s and its connections; no call into the core. */
 static void sess_free(struct tcp *tc, struct tcp_sess *s)
 {
-	for (unsigned i = 0; i < TCP_MAX_CONNS; i++)
+	for (unsigned i = 0; i < tc->conns_hi; i++)
 		if (tc->conn[i].state != TCP_C_FREE && tc->conn[i].sess == s)
 			tcp_conn_close(tc, &tc->conn[i]);
 	for (uint32_t i = s->owe_head; i != NONE; i = tc->rooms[i].owe_next)
@@ -676,7 +676,7 @@ static void on_accept(struct tcp *tc)
 		if (fd < 0)
 			return;
 		unsigned hs = 0;
-		for (unsigned i = 0; i < TCP_MAX_CONNS; i++)
+		for (unsigned i = 0; i < tc->conns_hi; i++)
 			hs += !tc->conn[i].dialer && (tc->conn[i].state == TCP_C_AUTH ||
 						      tc->conn[i].state == TCP_C_JOINING);
 		if (hs >= MAX_HANDSHAKES || !tcp_conn_new(tc, fd, false, false)) {
@@ -695,7 +695,7 @@ static void on_timer(struct tcp *tc)
 	if (read(tc->timer_fd, &expirations, sizeof(expirations)) < 0)
 		return;
 	uint64_t now = kvsp_xport_now(tc->p);
-	for (unsigned i = 0; i < TCP_MAX_CONNS; i++) {
+	for (unsigned i = 0; i < tc->conns_hi; i++) {
 		struct tcp_conn *c = &tc->conn[i];
 		if (c->state == TCP_C_FREE || c->state == TCP_C_UP)
 			continue;
@@ -745,7 +745,7 @@ static int tcp_poll(struct kvsp_transport *t)
 	/* With no connection, only the listener and the timer can have news,
 	 * and the loop hears of those through our fd (tcp_on_fd): a proxy
 	 * with no peers pays no syscall a pass. */
-	if (!tc->nconns && !tc->woken)
+	if (!tc->conns_hi && !tc->woken)
 		return KVSP_IDLE;
 	tc->woken = false;
 	struct epoll_event ev[64];
@@ -763,7 +763,7 @@ static int tcp_poll(struct kvsp_transport *t)
 				on_conn_event(tc, c, ev[k].events);
 		}
 	}
-	for (unsigned i = 0; i < TCP_MAX_CONNS; i++) {
+	for (unsigned i = 0; i < tc->conns_hi; i++) {
 		struct tcp_conn *c = &tc->conn[i];
 		if (!tcp_conn_wants_tx(tc, c))
 			continue;
@@ -781,7 +781,7 @@ static bool tcp_pending(struct kvsp_transport *t)
 	struct tcp *tc = tcp_of(t);
 	if (tc->woken)
 		return true;
-	for (unsigned i = 0; i < TCP_MAX_CONNS && tc->nconns; i++)
+	for (unsigned i = 0; i < tc->conns_hi; i++)
 		if (tcp_conn_wants_tx(tc, &tc->conn[i]))
 			return true;
 	return false;
@@ -812,7 +812,7 @@ static int tcp_loop_fd(struct kvsp_transport *t)
 static void tcp_destroy(struct kvsp_transport *t)
 {
 	struct tcp *tc = tcp_of(t);
-	for (unsigned i = 0; i < TCP_MAX_CONNS; i++)
+	for (unsigned i = 0; i < tc->conns_hi; i++)
 		tcp_conn_close(tc, &tc->conn[i]);
 	if (tc->listen_fd >= 0)
 		close(tc->listen_fd);

@@ -134,7 +134,7 @@ static struct kvsp_xfer nothing; /* what the late read ends on: no record, no ef
 static void vuln_tcp_cancel(struct kvsp_transport *t, uint32_t room, uint32_t gen, int status)
 {
 	struct tcp *tc = (struct tcp *)t;
-	for (unsigned i = 0; i < TCP_MAX_CONNS; i++) {
+	for (unsigned i = 0; i < tc->conns_hi; i++) {
 		struct tcp_conn *c = &tc->conn[i];
 		if (c->state == TCP_C_UP && c->rx_x && c->rx_x != &nothing && c->rx_x->room == room &&
 		    c->rx_x->room_gen == gen) {
