@@ -1,10 +1,13 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * The tcp transport's own parts, shared by its two files:
+ * The tcp transport's own parts, shared by its files:
+ *   transport_tcp.c  the ops table, the loop's poll, creation and teardown
+ *   tcp_sess.c       sessions (the connections to one peer): dial, accept,
+ *                    join, lose; the timer
+ *   tcp_room.c       rooms: the control frames they owe, what each frame
+ *                    from a peer means
  *   tcp_conn.c       one connection: connect or accept, the handshake,
  *                    writing frames and payloads, reading them
- *   transport_tcp.c  the transport: sessions (the connections to one peer),
- *                    rooms, what each frame means, timers
  *
  * A session is what the core calls a peer: --tcp-streams connections to
  * one proxy, authenticated, joined under one session id. Control frames
@@ -28,6 +31,7 @@
 #define TCP_MAX_CONNS (TCP_MAX_SESS * 2 + 32) /* sessions both ways, and handshakes */
 #define TCP_SINK_SIZE (64 * 1024)
 #define TCP_REFUSALS 32
+#define TCP_NONE UINT32_MAX /* the end of a list through slot or room indices */
 
 struct tcp_ep {
 	struct sockaddr_storage sa;
@@ -162,7 +166,28 @@ void tcp_conn_queue(struct tcp *tc, struct tcp_conn *c, struct kvsp_xfer *x);
 /* True while c has something it could write now. */
 bool tcp_conn_wants_tx(const struct tcp *tc, const struct tcp_conn *c);
 
-/* transport_tcp.c, for tcp_conn.c */
+/* tcp_sess.c */
+/* The live session with id, or NULL. */
+struct tcp_sess *tcp_sess_get(struct tcp *tc, uint32_t id);
+/* c failed: its session is lost (every room it carried fails), or, before
+ * it joined one, it is closed and counted. */
+void tcp_conn_fail(struct tcp *tc, struct tcp_conn *c, int status);
+/* Starts a session to ep (--tcp-streams connections). Returns it, or NULL with *err set. */
+struct tcp_sess *tcp_dial(struct tcp *tc, const struct tcp_ep *ep, int *err);
+/* The listener is readable: accepts what it can, within MAX_HANDSHAKES. */
+void tcp_on_accept(struct tcp *tc);
+/* The timer fired: timeouts, pings. */
+void tcp_on_timer(struct tcp *tc);
+/* c's socket is ready for events. */
+void tcp_on_conn_event(struct tcp *tc, struct tcp_conn *c, uint32_t events);
+/* An accepted connection's first frame, which must be JOIN. Returns 0, or -errno. */
+int tcp_on_join(struct tcp *tc, struct tcp_conn *c, const struct kvsp_frame *f);
+
+/* tcp_room.c */
+/* Room i owes its peer the control frame what (OWE_*). */
+void tcp_owe(struct tcp *tc, uint32_t i, uint8_t what);
+
+/* for tcp_conn.c */
 /* A verified frame from c. Returns 0, or -errno (drop the connection). */
 int tcp_on_frame(struct tcp *tc, struct tcp_conn *c, const struct kvsp_frame *f);
 /* c authenticated. Returns 0, or -errno. */

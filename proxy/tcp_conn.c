@@ -23,7 +23,6 @@
 #include "failpoint.h"
 #include "tcp.h"
 
-#define NONE UINT32_MAX
 #define BURST 64
 
 int tcp_ep_parse(const char *s, struct tcp_ep *ep)
@@ -89,7 +88,7 @@ struct tcp_conn *tcp_conn_new(struct tcp *tc, int fd, bool dialer, bool connecti
 	c->dialer = dialer;
 	c->state = connecting ? TCP_C_CONNECTING : TCP_C_AUTH;
 	c->born_ns = c->last_rx_ns = kvsp_xport_now(tc->p);
-	c->q_head = c->q_tail = NONE;
+	c->q_head = c->q_tail = TCP_NONE;
 	int one = 1;
 	setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
 	if (kvsp_auth_start(&c->auth, tc->secret, dialer ? KVS_WIRE_DIALER : KVS_WIRE_LISTENER,
@@ -196,8 +195,8 @@ int tcp_conn_handshake(struct tcp *tc, struct tcp_conn *c)
 
 void tcp_conn_queue(struct tcp *tc, struct tcp_conn *c, struct kvsp_xfer *x)
 {
-	tc->xnext[x->slot] = NONE;
-	if (c->q_tail != NONE)
+	tc->xnext[x->slot] = TCP_NONE;
+	if (c->q_tail != TCP_NONE)
 		tc->xnext[c->q_tail] = x->slot;
 	else
 		c->q_head = x->slot;
@@ -209,8 +208,8 @@ static struct kvsp_xfer *dequeue(struct tcp *tc, struct tcp_conn *c)
 {
 	uint32_t s = c->q_head;
 	c->q_head = tc->xnext[s];
-	if (c->q_head == NONE)
-		c->q_tail = NONE;
+	if (c->q_head == TCP_NONE)
+		c->q_tail = TCP_NONE;
 	c->qn--;
 	return kvsp_xfer_of(tc->p, s);
 }
@@ -236,7 +235,7 @@ bool tcp_conn_wants_tx(const struct tcp *tc, const struct tcp_conn *c)
 		return kvsp_xport_fp_action(tc->p, KVSP_FP_TCP_PAYLOAD, &err) != KVS_FP_PAUSE;
 	}
 	return c->tx_len || c->qn || (c->stream == 0 && c->sess &&
-				       (c->sess->owe_head != NONE || c->sess->owe_ping ||
+				       (c->sess->owe_head != TCP_NONE || c->sess->owe_ping ||
 					c->sess->owe_pong || c->sess->owe_bye));
 }
 

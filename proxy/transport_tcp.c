@@ -9,19 +9,14 @@
  * lands. Aborts and ends travel both ways with the room's token; a lost
  * session releases exactly the pins it held (kvsp_peer_lost).
  *
- * Every frame a peer sends is authenticated (proxy/frame.c); what it says
- * about a room is still checked against our own record of the room
- * (index, generation, token, session) before anything changes.
+ * This file is the ops table the core calls, the loop's poll and the
+ * transport's lifetime; tcp_sess.c has the sessions, tcp_room.c what the
+ * frames mean, tcp_conn.c one connection.
  */
-#include <arpa/inet.h>
-#include <endian.h>
 #include <errno.h>
 #include <netinet/in.h>
-#include <stdio.h>
-#include <stdlib.h>
 #include <string.h>
 #include <sys/epoll.h>
-#include <sys/socket.h>
 #include <sys/timerfd.h>
 #include <unistd.h>
 
@@ -30,498 +25,12 @@
 #include "log.h"
 #include "tcp.h"
 
-#define NONE UINT32_MAX
 #define TAG_LISTEN UINT64_MAX
 #define TAG_TIMER (UINT64_MAX - 1)
-#define MAX_HANDSHAKES 32 /* unauthenticated connections at once */
 
 static struct tcp *tcp_of(struct kvsp_transport *t)
 {
 	return (struct tcp *)t;
-}
-
-/* ------------------------------------------------------------ sessions */
-
-static struct tcp_sess *sess_get(struct tcp *tc, uint32_t id)
-{
-	unsigned i = id & 0xff;
-	if (!id || i >= TCP_MAX_SESS || tc->sess[i].state == TCP_S_FREE || tc->sess[i].id != id)
-		return NULL;
-	return &tc->sess[i];
-}
-
-static struct tcp_sess *sess_new(struct tcp *tc)
-{
-	for (unsigned i = 0; i < TCP_MAX_SESS; i++) {
-		struct tcp_sess *s = &tc->sess[i];
-		if (s->state != TCP_S_FREE)
-			continue;
-		memset(s, 0, sizeof(*s));
-		tc->sess_gen = (tc->sess_gen + 1) & 0xffffff;
-		if (!tc->sess_gen)
-			tc->sess_gen = 1;
-		s->id = i | tc->sess_gen << 8;
-		s->state = TCP_S_JOINING;
-		s->owe_head = s->owe_tail = NONE;
-		s->pub = &tc->peers[i];
-		memset(s->pub, 0, sizeof(*s->pub));
-		PEER_SET(s->pub->state, KVS_PEER_JOINING);
-		return s;
-	}
-	return NULL;
-}
-
-static void sess_up(struct tcp *tc, struct tcp_sess *s)
-{
-	s->state = TCP_S_UP;
-	s->owe_bye = tc->draining;
-	KVS_STAT_ADD(tc->st->peer_sessions, 1);
-	memcpy(s->pub->endpoint, s->ep.text, sizeof(s->pub->endpoint));
-	PEER_SET(s->pub->streams, s->nstreams);
-	PEER_SET(s->pub->instance, s->instance);
-	PEER_SET(s->pub->state, KVS_PEER_UP);
-	LOG_INFO("tcp: peer %s up (%s), %u streams", s->ep.text, s->dialer ? "dialed" : "accepted",
-		 s->nstreams);
-}
-
-/* Frees s and its connections; no call into the core. */
-static void sess_free(struct tcp *tc, struct tcp_sess *s)
-{
-	for (unsigned i = 0; i < tc->conns_hi; i++)
-		if (tc->conn[i].state != TCP_C_FREE && tc->conn[i].sess == s)
-			tcp_conn_close(tc, &tc->conn[i]);
-	for (uint32_t i = s->owe_head; i != NONE; i = tc->rooms[i].owe_next)
-		tc->rooms[i].on_owe = false;
-	if (s->state == TCP_S_UP)
-		KVS_STAT_SUB(tc->st->peer_sessions, 1);
-	s->state = TCP_S_FREE;
-	PEER_SET(s->pub->state, KVS_PEER_FREE);
-}
-
-/* The session is gone: its sockets are closed first, so no byte for any
- * of its transfers can arrive or leave; then the core releases their pins
- * and fails the rooms it carried. */
-static void sess_lost(struct tcp *tc, struct tcp_sess *s, int status)
-{
-	uint32_t id = s->id;
-	LOG_INFO("tcp: peer %s (%s) lost: %s", s->ep.text[0] ? s->ep.text : "?",
-		 s->dialer ? "dialed" : "accepted", strerror(-status));
-	KVS_STAT_ADD(tc->st->peer_lost, 1);
-	sess_free(tc, s);
-	kvsp_peer_lost(tc->p, &tc->t, id, status);
-	for (uint32_t i = 0; i < tc->nrooms; i++)
-		if (tc->rooms[i].sess == id)
-			tc->rooms[i].sess = 0;
-}
-
-static void conn_fail(struct tcp *tc, struct tcp_conn *c, int status)
-{
-	if (c->state == TCP_C_FREE)
-		return;
-	if (c->sess) {
-		sess_lost(tc, c->sess, status);
-		return;
-	}
-	if (c->state == TCP_C_AUTH || c->state == TCP_C_JOINING) {
-		KVS_STAT_ADD(tc->st->peer_auth_failed, 1);
-		LOG_INFO("tcp: connection refused before joining: %s", strerror(-status));
-	}
-	tcp_conn_close(tc, c);
-}
-
-/* ---------------------------------------------------------------- rooms */
-
-static void owe(struct tcp *tc, uint32_t i, uint8_t what)
-{
-	struct tcp_room *r = &tc->rooms[i];
-	struct tcp_sess *s = sess_get(tc, r->sess);
-	if (!s)
-		return; /* nobody to tell: the session is gone, and with it the far half */
-	r->owed |= what;
-	if (r->on_owe)
-		return;
-	r->on_owe = true;
-	r->owe_next = NONE;
-	if (s->owe_tail != NONE)
-		tc->rooms[s->owe_tail].owe_next = i;
-	else
-		s->owe_head = i;
-	s->owe_tail = i;
-}
-
-/* Sending side: the frame names our room (sender_ref) and the peer's
- * receiving room (name); both must be what we recorded. */
-static struct tcp_room *sender_room(struct tcp *tc, struct tcp_sess *s, uint64_t ref,
-				    const struct kvs_wire_room *name, uint32_t *idx)
-{
-	uint32_t i = (uint32_t)ref, gen = (uint32_t)(ref >> 32);
-	if (i >= tc->nrooms)
-		return NULL;
-	struct tcp_room *r = &tc->rooms[i];
-	if (r->sess != s->id || r->gen != gen || r->name.room != name->room ||
-	    r->name.gen != name->gen || sodium_memcmp(r->name.token, name->token, 16))
-		return NULL;
-	*idx = i;
-	return r;
-}
-
-/* Receiving side: the frame names our room; the token is the core's to
- * check (a wrong one is counted there), the session ours. */
-static struct tcp_room *receiver_room(struct tcp *tc, struct tcp_sess *s,
-				      const struct kvs_wire_room *name, uint32_t *idx)
-{
-	int rc = kvsp_room_find(tc->p, name);
-	if (rc < 0 && rc != -ECANCELED)
-		return NULL;
-	uint32_t i = le32toh(name->room);
-	struct tcp_room *r = &tc->rooms[i];
-	if (r->sess != s->id || r->gen != le32toh(name->gen))
-		return NULL;
-	*idx = i;
-	return r;
-}
-
-static void ignored(struct tcp *tc, const char *what)
-{
-	KVS_STAT_ADD(tc->st->peer_frames_ignored, 1);
-	LOG_DEBUG("tcp: %s for no room of ours: ignored", what);
-}
-
-bool tcp_room_cancelled(const struct tcp *tc, const struct kvsp_xfer *x)
-{
-	const struct tcp_room *r = &tc->rooms[x->room];
-	return r->cancelled || r->gen != x->room_gen;
-}
-
-/* Sending side: the receiver said yes; the chunks that waited go out. */
-static void room_acked(struct tcp *tc, struct tcp_sess *s, struct tcp_room *r)
-{
-	r->acked = true;
-	while (r->pend_head != NONE) {
-		uint32_t slot = r->pend_head;
-		r->pend_head = tc->xnext[slot];
-		struct tcp_conn *c = s->conn[s->rr++ % s->nstreams];
-		tcp_conn_queue(tc, c, kvsp_xfer_of(tc->p, slot));
-	}
-	r->pend_tail = NONE;
-}
-
-/* ------------------------------------------------------ control frames */
-
-static bool refusal_pop(struct tcp_sess *s, struct kvs_wire_open_ack *a);
-
-bool tcp_next_control(struct tcp *tc, struct tcp_conn *c)
-{
-	struct tcp_sess *s = c->sess;
-	if (c->stream != 0 || !s || s->state != TCP_S_UP)
-		return false;
-	if (s->owe_pong) {
-		s->owe_pong = false;
-		struct kvs_wire_ping b = { htole64(s->pong_value) };
-		return tcp_conn_frame(c, KVS_WIRE_PONG, &b) == 0;
-	}
-	if (s->owe_ping) {
-		s->owe_ping = false;
-		struct kvs_wire_ping b = { htole64(kvsp_xport_now(tc->p)) };
-		return tcp_conn_frame(c, KVS_WIRE_PING, &b) == 0;
-	}
-	if (s->owe_bye) {
-		s->owe_bye = false;
-		struct kvs_wire_bye b = { htole32(KVS_WIRE_BYE_DRAIN), 0 };
-		return tcp_conn_frame(c, KVS_WIRE_BYE, &b) == 0;
-	}
-	struct kvs_wire_open_ack refusal;
-	if (refusal_pop(s, &refusal))
-		return tcp_conn_frame(c, KVS_WIRE_OPEN_ACK, &refusal) == 0;
-	while (s->owe_head != NONE) {
-		uint32_t i = s->owe_head;
-		struct tcp_room *r = &tc->rooms[i];
-		uint8_t what = r->owed & -r->owed; /* in the order of the bits */
-		r->owed &= (uint8_t)~what;
-		if (!r->owed) {
-			s->owe_head = r->owe_next;
-			if (s->owe_head == NONE)
-				s->owe_tail = NONE;
-			r->on_owe = false;
-		}
-		uint64_t ref = htole64(r->sender_ref);
-		union kvs_wire_body b;
-		memset(&b, 0, sizeof(b));
-		uint16_t type;
-		switch (what) {
-		case OWE_OPEN:
-			if (r->far_instance != s->instance) {
-				/* The proxy at that endpoint restarted since the
-				 * descriptor was made: its room is gone. */
-				uint32_t id = r->sess;
-				r->sess = 0;
-				kvsp_room_peer_refused(tc->p, &tc->t, id, i, r->gen, -ESTALE);
-				continue;
-			}
-			b.open = (struct kvs_wire_open){ r->name, htole64(r->bytes),
-							 htole64(kvsp_slot_size(tc->p)), ref };
-			type = KVS_WIRE_OPEN;
-			break;
-		case OWE_ACK:
-			b.open_ack = (struct kvs_wire_open_ack){ .room = r->name, .sender_ref = ref,
-								 .status = (int32_t)htole32(r->ack_status) };
-			type = KVS_WIRE_OPEN_ACK;
-			break;
-		case OWE_ABORT:
-			b.abort = (struct kvs_wire_abort){ .room = r->name,
-							   .status = (int32_t)htole32(r->abort_status),
-							   .from = htole32(r->from), .sender_ref = ref };
-			type = KVS_WIRE_ABORT;
-			break;
-		case OWE_DONE:
-			b.done = (struct kvs_wire_done){ r->name, ref };
-			type = KVS_WIRE_DONE;
-			break;
-		default:
-			b.ended = (struct kvs_wire_ended){ .room = r->name, .sender_ref = ref,
-							   .from = htole32(r->from) };
-			type = KVS_WIRE_ENDED;
-			break;
-		}
-		return tcp_conn_frame(c, type, &b) == 0;
-	}
-	return false;
-}
-
-/* Refusals of OPENs that name no room we could record them in. Bounded:
- * past it, a peer sending that many bad OPENs hears nothing more. */
-static bool refusal_push(struct tcp_sess *s, const struct kvs_wire_open_ack *a)
-{
-	if (s->nrefusals == TCP_REFUSALS)
-		return false;
-	s->refusals[(s->refusal_head + s->nrefusals++) % TCP_REFUSALS] = *a;
-	return true;
-}
-
-static bool refusal_pop(struct tcp_sess *s, struct kvs_wire_open_ack *a)
-{
-	if (!s->nrefusals)
-		return false;
-	*a = s->refusals[s->refusal_head];
-	s->refusal_head = (s->refusal_head + 1) % TCP_REFUSALS;
-	s->nrefusals--;
-	return true;
-}
-
-/* --------------------------------------------------------- what comes */
-
-static int on_join(struct tcp *tc, struct tcp_conn *c, const struct kvsp_frame *f)
-{
-	if (f->type != KVS_WIRE_JOIN)
-		return -EPROTO;
-	uint64_t sid = le64toh(f->body.join.sid);
-	uint32_t stream = le32toh(f->body.join.stream), n = le32toh(f->body.join.nstreams);
-	if (!n || n > TCP_MAX_STREAMS || stream >= n)
-		return -EPROTO;
-	uint64_t inst = kvsp_auth_peer_instance(&c->auth);
-	struct tcp_sess *s = NULL;
-	for (unsigned i = 0; i < TCP_MAX_SESS && !s; i++) {
-		struct tcp_sess *x = &tc->sess[i];
-		if (x->state != TCP_S_FREE && !x->dialer && x->instance == inst && x->sid == sid)
-			s = x;
-	}
-	if (!s) {
-		s = sess_new(tc);
-		if (!s)
-			return -EUSERS;
-		s->instance = inst;
-		s->sid = sid;
-		s->nstreams = n;
-		snprintf(s->ep.text, sizeof(s->ep.text), "accepted");
-	}
-	if (s->nstreams != n || s->conn[stream])
-		return -EPROTO;
-	s->conn[stream] = c;
-	c->sess = s;
-	c->stream = stream;
-	c->state = TCP_C_UP;
-	if (++s->njoined == s->nstreams)
-		sess_up(tc, s);
-	return 0;
-}
-
-int tcp_on_authed(struct tcp *tc, struct tcp_conn *c)
-{
-	if (!c->dialer) {
-		c->state = TCP_C_JOINING; /* its first frame must say which session */
-		return 0;
-	}
-	struct tcp_sess *s = c->sess;
-	uint64_t inst = kvsp_auth_peer_instance(&c->auth);
-	if (s->njoined && s->instance != inst)
-		return -EPROTO; /* one session, one proxy */
-	s->instance = inst;
-	c->state = TCP_C_UP;
-	struct kvs_wire_join j = { htole64(s->sid), htole32(c->stream), htole32(s->nstreams) };
-	int rc = tcp_conn_frame(c, KVS_WIRE_JOIN, &j);
-	if (rc < 0)
-		return rc;
-	if (++s->njoined == s->nstreams)
-		sess_up(tc, s);
-	return 0;
-}
-
-static void on_open(struct tcp *tc, struct tcp_sess *s, const struct kvs_wire_open *b)
-{
-	int rc = kvsp_room_attach_peer(tc->p, &tc->t, s->id, &b->room, le64toh(b->bytes),
-				       le64toh(b->slot_size));
-	if (rc < 0) {
-		/* Said back on the frame's own terms: this may name a room of
-		 * someone else's, whose record must not change. */
-		struct kvs_wire_open_ack a = { .room = b->room, .sender_ref = b->sender_ref,
-					       .status = (int32_t)htole32(rc) };
-		if (!refusal_push(s, &a))
-			KVS_STAT_ADD(tc->st->peer_frames_ignored, 1);
-		return;
-	}
-	uint32_t i = le32toh(b->room.room);
-	struct tcp_room *r = &tc->rooms[i];
-	*r = (struct tcp_room){ .gen = le32toh(b->room.gen), .sess = s->id, .name = b->room,
-				.sender_ref = le64toh(b->sender_ref), .from = KVS_WIRE_FROM_RECV,
-				.pend_head = NONE, .pend_tail = NONE };
-	r->ack_status = 0;
-	owe(tc, i, OWE_ACK);
-}
-
-static void on_open_ack(struct tcp *tc, struct tcp_sess *s, const struct kvs_wire_open_ack *b)
-{
-	uint32_t i;
-	struct tcp_room *r = sender_room(tc, s, le64toh(b->sender_ref), &b->room, &i);
-	if (!r || r->acked) {
-		ignored(tc, "OPEN_ACK");
-		return;
-	}
-	int status = (int32_t)le32toh((uint32_t)b->status);
-	if (status == 0) {
-		room_acked(tc, s, r);
-		return;
-	}
-	if (status > 0 || status < -4095)
-		status = -EPROTO;
-	r->sess = 0; /* there is no far half to tell anything */
-	kvsp_room_peer_refused(tc->p, &tc->t, s->id, i, r->gen, status);
-}
-
-/* ABORT and ENDED name the room from the speaker's side: from its sending
- * half (we hold the receiving one) or its receiving half. */
-static struct tcp_room *named_room(struct tcp *tc, struct tcp_sess *s, uint32_t from,
-				   const struct kvs_wire_room *name, uint64_t ref, uint32_t *i)
-{
-	if (from == KVS_WIRE_FROM_SEND)
-		return receiver_room(tc, s, name, i);
-	if (from == KVS_WIRE_FROM_RECV)
-		return sender_room(tc, s, ref, name, i);
-	return NULL;
-}
-
-static void on_abort(struct tcp *tc, struct tcp_sess *s, const struct kvs_wire_abort *b)
-{
-	uint32_t i;
-	struct tcp_room *r = named_room(tc, s, le32toh(b->from), &b->room, le64toh(b->sender_ref), &i);
-	int status = (int32_t)le32toh((uint32_t)b->status);
-	if (status >= 0 || status < -4095)
-		status = -ECANCELED;
-	if (!r) {
-		ignored(tc, "ABORT");
-		return;
-	}
-	int rc = kvsp_room_peer_abort(tc->p, &tc->t, s->id, i, r->gen, status);
-	if (rc == -EALREADY)
-		owe(tc, i, OWE_ENDED); /* over here already: nothing of ours in flight */
-	else if (rc < 0)
-		ignored(tc, "ABORT");
-}
-
-static void on_ended(struct tcp *tc, struct tcp_sess *s, const struct kvs_wire_ended *b)
-{
-	uint32_t i;
-	struct tcp_room *r = named_room(tc, s, le32toh(b->from), &b->room, le64toh(b->sender_ref), &i);
-	if (!r) {
-		ignored(tc, "ENDED");
-		return;
-	}
-	kvsp_room_peer_ended(tc->p, &tc->t, s->id, i, r->gen);
-}
-
-static void on_done(struct tcp *tc, struct tcp_sess *s, const struct kvs_wire_done *b)
-{
-	uint32_t i;
-	struct tcp_room *r = sender_room(tc, s, le64toh(b->sender_ref), &b->room, &i);
-	if (!r) {
-		ignored(tc, "DONE");
-		return;
-	}
-	kvsp_room_peer_done(tc->p, &tc->t, s->id, i, r->gen);
-}
-
-int tcp_on_frame(struct tcp *tc, struct tcp_conn *c, const struct kvsp_frame *f)
-{
-	if (c->state == TCP_C_JOINING)
-		return on_join(tc, c, f);
-	struct tcp_sess *s = c->sess;
-	if (f->type != KVS_WIRE_PING && f->type != KVS_WIRE_PONG && c->stream != 0)
-		return -EPROTO; /* control goes on stream 0 only: that is its order */
-	switch (f->type) {
-	case KVS_WIRE_OPEN:
-		on_open(tc, s, &f->body.open);
-		break;
-	case KVS_WIRE_OPEN_ACK:
-		on_open_ack(tc, s, &f->body.open_ack);
-		break;
-	case KVS_WIRE_ABORT:
-		on_abort(tc, s, &f->body.abort);
-		break;
-	case KVS_WIRE_ENDED:
-		on_ended(tc, s, &f->body.ended);
-		break;
-	case KVS_WIRE_DONE:
-		on_done(tc, s, &f->body.done);
-		break;
-	case KVS_WIRE_PING:
-		s->owe_pong = true;
-		s->pong_value = le64toh(f->body.ping.value);
-		break;
-	case KVS_WIRE_PONG:
-		break; /* its arrival was the point */
-	case KVS_WIRE_BYE:
-		s->bye = true;
-		KVS_STAT_ADD(tc->st->peer_byes, 1);
-		LOG_INFO("tcp: peer %s is draining", s->ep.text);
-		break;
-	default:
-		return -EPROTO; /* JOIN again, or a frame we never send */
-	}
-	return 0;
-}
-
-void tcp_on_chunk(struct tcp *tc, struct tcp_conn *c, const struct kvsp_frame *f)
-{
-	const struct kvs_wire_chunk *b = &f->body.chunk;
-	c->rx_len = f->plen;
-	c->rx_off = 0;
-	c->rx_crc = 0;
-	c->rx_want_crc = le32toh(b->crc32c);
-	c->rx_has_crc = le32toh(b->flags) & KVS_WIRE_CHUNK_CRC;
-	c->rx_x = NULL;
-	c->rx_sink = true;
-	uint32_t i;
-	int rc = -ESTALE;
-	struct tcp_room *r = receiver_room(tc, c->sess, &b->room, &i);
-	if (r)
-		rc = kvsp_chunk_post(tc->p, &tc->t, c->sess->id, i, r->gen, le32toh(b->chunk),
-				     f->plen, &c->rx_x, (void **)&c->rx_dst);
-	if (rc == 0)
-		c->rx_sink = false;
-	else
-		LOG_DEBUG("tcp: chunk %u of room %u into the sink: %s", le32toh(b->chunk),
-			  le32toh(b->room.room), strerror(-rc));
-	if (!f->plen)
-		kvsp_chunk_sunk(tc->p, 0); /* a chunk is never empty: nothing to read, counted */
 }
 
 /* ------------------------------------------------------------- the ops */
@@ -530,12 +39,12 @@ static int tcp_submit(struct kvsp_transport *t, struct kvsp_xfer *x)
 {
 	struct tcp *tc = tcp_of(t);
 	struct tcp_room *r = &tc->rooms[x->room];
-	struct tcp_sess *s = sess_get(tc, r->sess);
+	struct tcp_sess *s = tcp_sess_get(tc, r->sess);
 	if (!s)
 		return -ECONNRESET;
 	if (!r->acked) {
-		tc->xnext[x->slot] = NONE;
-		if (r->pend_tail != NONE)
+		tc->xnext[x->slot] = TCP_NONE;
+		if (r->pend_tail != TCP_NONE)
 			tc->xnext[r->pend_tail] = x->slot;
 		else
 			r->pend_head = x->slot;
@@ -557,12 +66,12 @@ static void tcp_cancel(struct kvsp_transport *t, uint32_t room, uint32_t gen, in
 	/* What waited for OPEN_ACK never left its slot. Queued chunks are
 	 * dropped as their stream reaches them; a chunk being written
 	 * finishes, and quiesces then. */
-	while (r->pend_head != NONE) {
+	while (r->pend_head != TCP_NONE) {
 		uint32_t slot = r->pend_head;
 		r->pend_head = tc->xnext[slot];
 		kvsp_xfer_quiesced(tc->p, kvsp_xfer_of(tc->p, slot), -ECANCELED);
 	}
-	r->pend_tail = NONE;
+	r->pend_tail = TCP_NONE;
 }
 
 static void tcp_notify(struct kvsp_transport *t, uint32_t room, uint32_t gen, int note, int status)
@@ -574,54 +83,15 @@ static void tcp_notify(struct kvsp_transport *t, uint32_t room, uint32_t gen, in
 	switch (note) {
 	case KVSP_NOTE_ABORT:
 		r->abort_status = status;
-		owe(tc, room, OWE_ABORT);
+		tcp_owe(tc, room, OWE_ABORT);
 		break;
 	case KVSP_NOTE_ENDED:
-		owe(tc, room, OWE_ENDED);
+		tcp_owe(tc, room, OWE_ENDED);
 		break;
 	case KVSP_NOTE_DONE:
-		owe(tc, room, OWE_DONE);
+		tcp_owe(tc, room, OWE_DONE);
 		break;
 	}
-}
-
-static struct tcp_sess *dial(struct tcp *tc, const struct tcp_ep *ep, int *err)
-{
-	struct tcp_sess *s = sess_new(tc);
-	if (!s) {
-		*err = -EUSERS;
-		return NULL;
-	}
-	s->dialer = true;
-	s->ep = *ep;
-	s->nstreams = tc->streams;
-	randombytes_buf(&s->sid, sizeof(s->sid));
-	for (unsigned k = 0; k < s->nstreams; k++) {
-		int fd = socket(ep->sa.ss_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
-		if (fd < 0) {
-			*err = -errno;
-			sess_free(tc, s);
-			return NULL;
-		}
-		if (connect(fd, (const struct sockaddr *)&ep->sa, ep->len) < 0 &&
-		    errno != EINPROGRESS) {
-			*err = -errno;
-			close(fd);
-			sess_free(tc, s);
-			return NULL;
-		}
-		struct tcp_conn *c = tcp_conn_new(tc, fd, true, true);
-		if (!c) {
-			*err = -EMFILE;
-			sess_free(tc, s);
-			return NULL;
-		}
-		c->sess = s;
-		c->stream = k;
-		s->conn[k] = c;
-	}
-	LOG_INFO("tcp: dialing %s, %u streams", ep->text, s->nstreams);
-	return s;
 }
 
 static int tcp_reach(struct kvsp_transport *t, const struct kvs_desc_wire *d, uint32_t *peer)
@@ -646,7 +116,7 @@ static int tcp_reach(struct kvsp_transport *t, const struct kvs_desc_wire *d, ui
 		}
 	}
 	int err = 0;
-	struct tcp_sess *s = dial(tc, &ep, &err);
+	struct tcp_sess *s = tcp_dial(tc, &ep, &err);
 	if (!s)
 		return err;
 	*peer = s->id;
@@ -661,81 +131,12 @@ static int tcp_attach(struct kvsp_transport *t, uint32_t peer, uint32_t room, ui
 	*r = (struct tcp_room){ .gen = gen, .sess = peer, .from = KVS_WIRE_FROM_SEND,
 				.sender_ref = (uint64_t)gen << 32 | room,
 				.far_instance = le64toh(d->instance), .bytes = le64toh(d->bytes),
-				.pend_head = NONE, .pend_tail = NONE };
+				.pend_head = TCP_NONE, .pend_tail = TCP_NONE };
 	r->name.room = d->room;
 	r->name.gen = d->gen;
 	memcpy(r->name.token, d->token, 16);
-	owe(tc, room, OWE_OPEN);
+	tcp_owe(tc, room, OWE_OPEN);
 	return 0;
-}
-
-static void on_accept(struct tcp *tc)
-{
-	for (;;) {
-		int fd = accept4(tc->listen_fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
-		if (fd < 0)
-			return;
-		unsigned hs = 0;
-		for (unsigned i = 0; i < tc->conns_hi; i++)
-			hs += !tc->conn[i].dialer && (tc->conn[i].state == TCP_C_AUTH ||
-						      tc->conn[i].state == TCP_C_JOINING);
-		if (hs >= MAX_HANDSHAKES || !tcp_conn_new(tc, fd, false, false)) {
-			if (hs >= MAX_HANDSHAKES)
-				close(fd);
-			KVS_STAT_ADD(tc->st->peer_refused, 1);
-		}
-	}
-}
-
-/* Every quarter of --peer-timeout: silence past it loses a session, a
- * quiet stretch of a quarter earns a PING, a handshake past it is dropped. */
-static void on_timer(struct tcp *tc)
-{
-	uint64_t expirations;
-	if (read(tc->timer_fd, &expirations, sizeof(expirations)) < 0)
-		return;
-	uint64_t now = kvsp_xport_now(tc->p);
-	for (unsigned i = 0; i < tc->conns_hi; i++) {
-		struct tcp_conn *c = &tc->conn[i];
-		if (c->state == TCP_C_FREE || c->state == TCP_C_UP)
-			continue;
-		if (now - c->born_ns > tc->timeout_ns)
-			conn_fail(tc, c, -ETIMEDOUT);
-	}
-	for (unsigned i = 0; i < TCP_MAX_SESS; i++) {
-		struct tcp_sess *s = &tc->sess[i];
-		if (s->state != TCP_S_UP)
-			continue;
-		/* The peer speaks on stream 0 at least (PONG, PING): its
-		 * silence anywhere but there says nothing. */
-		uint64_t heard = 0;
-		for (unsigned k = 0; k < s->nstreams; k++)
-			if (s->conn[k]->last_rx_ns > heard)
-				heard = s->conn[k]->last_rx_ns;
-		if (now - heard > tc->timeout_ns) {
-			sess_lost(tc, s, -ETIMEDOUT);
-			continue;
-		}
-		if (now - s->last_tx_ns > tc->timeout_ns / 4)
-			s->owe_ping = true;
-	}
-}
-
-static void on_conn_event(struct tcp *tc, struct tcp_conn *c, uint32_t events)
-{
-	if (events & EPOLLOUT && c->wblocked) {
-		c->wblocked = false;
-		struct epoll_event ev = { .events = EPOLLIN,
-					  .data.u64 = (uint64_t)c->id << 32 | c->idx };
-		epoll_ctl(tc->epfd, EPOLL_CTL_MOD, c->fd, &ev);
-	}
-	int rc;
-	if (c->state == TCP_C_CONNECTING || c->state == TCP_C_AUTH)
-		rc = tcp_conn_handshake(tc, c);
-	else
-		rc = tcp_conn_rx(tc, c);
-	if (rc < 0)
-		conn_fail(tc, c, rc);
 }
 
 static int tcp_poll(struct kvsp_transport *t)
@@ -754,13 +155,13 @@ static int tcp_poll(struct kvsp_transport *t)
 		uint64_t d = ev[k].data.u64;
 		busy = KVSP_BUSY;
 		if (d == TAG_LISTEN) {
-			on_accept(tc);
+			tcp_on_accept(tc);
 		} else if (d == TAG_TIMER) {
-			on_timer(tc);
+			tcp_on_timer(tc);
 		} else {
 			struct tcp_conn *c = &tc->conn[(uint32_t)d % TCP_MAX_CONNS];
 			if (c->state != TCP_C_FREE && c->id == (uint32_t)(d >> 32))
-				on_conn_event(tc, c, ev[k].events);
+				tcp_on_conn_event(tc, c, ev[k].events);
 		}
 	}
 	for (unsigned i = 0; i < tc->conns_hi; i++) {
@@ -769,7 +170,7 @@ static int tcp_poll(struct kvsp_transport *t)
 			continue;
 		int rc = tcp_conn_tx(tc, c);
 		if (rc < 0)
-			conn_fail(tc, c, rc);
+			tcp_conn_fail(tc, c, rc);
 		else
 			busy |= rc;
 	}
