@@ -15,6 +15,7 @@
 #include <unistd.h>
 
 #include "harness.h"
+#include "decisive_across.h"
 #include "xroom.h"
 
 #define SECRET "kvstage-netns-secret-0123456789abcdef"
@@ -50,8 +51,9 @@ static void teardown(void)
 
 TestSuite(netns, .fini = teardown, .timeout = 120);
 
-/* Makes n hosts on one link; skips the test where that cannot be done. */
-static void hosts(unsigned n)
+/* Makes n hosts on one link, each proxy with a pool of slots x 64K;
+ * skips the test where that cannot be done. */
+static void hosts_with(unsigned n, const char *slots)
 {
 	if (geteuid() != 0)
 		cr_skip_test("needs root to make network namespaces (suite 'tcp' covers loopback)");
@@ -85,9 +87,14 @@ static void hosts(unsigned n)
 	for (unsigned i = 0; i < n; i++) {
 		char listen[48];
 		snprintf(listen, sizeof(listen), "%.15s:7600", addr[i]);
-		proxy_start_in(&px[i], ns[i], (const char *[]){ "--slots", "128", "--slot-size", "64K",
+		proxy_start_in(&px[i], ns[i], (const char *[]){ "--slots", slots, "--slot-size", "64K",
 			"--listen", listen, "--peer-timeout", "400", NULL });
 	}
+}
+
+static void hosts(unsigned n)
+{
+	hosts_with(n, "128");
 }
 
 /* Rooms of every size from each sender host to each receiver host, all
@@ -177,4 +184,76 @@ Test(netns, a_link_cut_mid_transfer_fails_the_room_on_both_sides)
 	one_room(rx, tx, 0x12);
 	kvs_close(tx);
 	kvs_close(rx);
+}
+
+/* DESIGN's scenario between hosts: the payload held on the prefill host
+ * after its header left, the room aborted on the decode host, the posted
+ * slot reused by another room there, then the payload let go. */
+Test(netns, decisive_late_payload_never_lands_in_a_reused_slot)
+{
+	hosts_with(2, "16");
+	struct decisive o = decisive_across(&px[0], &px[1]);
+	cr_assert_eq(o.state_after_abort, KVS_SLOT_TOMBSTONE,
+		     "aborted mid-payload: the posted slot must be a tombstone");
+	cr_assert(!o.b_got_victim, "B was given the slot the late payload still writes into");
+	cr_assert_eq(o.b_slots, DECISIVE_SLOTS - 1, "B gets every slot but the tombstone");
+	cr_assert(o.b_intact, "B's slots changed under it");
+	cr_assert_eq(o.rx_final, KVS_EV_ABORTED);
+	cr_assert_eq(o.tx_final, KVS_EV_ABORTED);
+	cr_assert_eq(o.discarded, 1, "the late chunk is discarded, and counted");
+	wait_idle(&px[0], 0);
+	wait_idle(&px[1], 0);
+}
+
+/* The decode host's proxy SIGSTOPped past --peer-timeout (400 ms): the
+ * prefill host fails the room; the stopped one wakes to a closed session
+ * and fails its half; a new session serves the next room. */
+Test(netns, a_peer_stopped_past_the_peer_timeout_is_lost_on_both_sides)
+{
+	hosts(2);
+	kvs_client *tx = connect_ok(&px[0]), *rx = connect_ok(&px[1]);
+	one_room(rx, tx, 0x40); /* the session is up */
+	struct xroom x;
+	xroom_open(&x, rx, tx, 2 * SLOT, 0x41);
+	proxy_freeze(&px[1]);
+	xroom_send(&x, tx);
+	struct kvs_event e = wait_event(tx);
+	cr_assert_eq(e.type, KVS_EV_FAILED, "sender got %u", e.type);
+	cr_assert_eq(e.status, -ETIMEDOUT, "got %s", kvs_strerror(e.status));
+	kill(px[1].pid, SIGCONT);
+	e = wait_event(rx);
+	cr_assert_eq(e.type, KVS_EV_FAILED, "receiver got %u", e.type);
+	xroom_close(&x);
+	wait_idle(&px[0], 1);
+	wait_idle(&px[1], 1);
+	one_room(rx, tx, 0x42);
+	kvs_close(tx);
+	kvs_close(rx);
+}
+
+/* The decode host's proxy SIGKILLed with a chunk in flight to it: the
+ * prefill host fails the room, releases the slot, and serves the other
+ * decode host as before. */
+Test(netns, a_decode_proxy_killed_mid_transfer_fails_the_room_and_leaks_nothing)
+{
+	hosts(3);
+	kvs_client *tx = connect_ok(&px[0]), *rx = connect_ok(&px[1]), *rx2 = connect_ok(&px[2]);
+	uint64_t posted = stat_get(&px[1], "slots.recv_posted");
+	cr_assert_eq(kvs_admin_fp_set_mask(px[0].admin, "tcp.payload", "pause", 0x51, 0xff), 0);
+	struct xroom x;
+	xroom_open(&x, rx, tx, SLOT, 0x51);
+	xroom_send(&x, tx);
+	fp_wait(&px[0], "tcp.payload", 1);
+	stat_wait(&px[1], "slots.recv_posted", 1, posted + 1);
+	proxy_kill(&px[1], SIGKILL);
+	struct kvs_event e = wait_event(tx);
+	cr_assert_eq(e.type, KVS_EV_FAILED, "the sender's room fails, got %u", e.type);
+	cr_assert_eq(kvs_room_close(x.sr), 0);
+	fp_set(&px[0], "tcp.payload", "off", NULL);
+	wait_idle(&px[0], 1); /* its slot was released with the session */
+	one_room(rx2, tx, 0x52);
+	kvs_close(tx);
+	kvs_close(rx2);
+	kvs_close(rx);
+	wait_idle(&px[0], 0);
 }

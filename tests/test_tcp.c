@@ -15,6 +15,7 @@
 #include <sys/wait.h>
 
 #include "harness.h"
+#include "decisive_across.h"
 #include "xroom.h"
 
 #define SECRET "kvstage-test-secret-0123456789abcdef"
@@ -85,91 +86,17 @@ Test(tcp, rooms_of_one_byte_to_many_chunks_arrive_byte_for_byte)
 
 /* ------------------------------------------------ the decisive scenario */
 
-#define A_RX 0xA1
-#define A_TX 0xA2
-#define B_OWNER 0xB0B
-
-struct decisive {
-	uint32_t victim;          /* the receiving proxy's slot posted for A's chunk */
-	uint8_t state_after_abort;
-	bool b_got_victim, b_intact, victim_has_a;
-	unsigned b_slots;
-	uint32_t rx_final, tx_final;
-	uint64_t discarded;
-};
-
-/* Across hosts: A's chunk is held at the sending proxy with its header
- * sent and its payload not (failpoint tcp.payload), so the receiving proxy
- * has posted a slot and is reading into it. The decode side aborts; B
- * drains the receiving pool and stamps every slot it gets; the payload is
- * let go. The late bytes must never land in a slot that is B's. */
-static struct decisive decisive_across(const char *rx_bin)
+static struct decisive decisive_loopback(const char *rx_bin)
 {
-	struct decisive o = { 0 };
 	proxy_start(&pb, rx_bin, (const char *[]){ "--slots", "16", "--slot-size", "64K", "--listen",
 						   "127.0.0.1:0", "--tcp-streams", "1", NULL });
 	LISTEN(&pa);
-	kvs_client *rx = connect_ok(&pb), *tx = connect_ok(&pa), *b = connect_ok(&pb);
-	kvs_room *rr, *sr;
-	struct kvs_room_desc d;
-	cr_assert_eq(kvs_recv_open(rx, SLOT, A_RX, &rr, &d), 0);
-	cr_assert_eq(kvs_send_open(tx, &d, A_TX, &sr), 0);
-	uint64_t match = A_TX;
-	fp_set(&pa, "tcp.payload", "pause", &match);
-	struct kvs_lease a;
-	cr_assert_eq(kvs_acquire(tx, 1, &a), 0);
-	canary_fill(kvs_lease_ptr(tx, &a), A_TX, 0, SLOT);
-	cr_assert_eq(kvs_send(sr, &a, 0, SLOT), 0);
-	fp_wait(&pa, "tcp.payload", 1);              /* the header is on its way */
-	stat_wait(&pb, "slots.recv_posted", 1, 1);   /* the receiver posted a slot for it */
-	o.victim = UINT32_MAX;
-	for (uint32_t i = 0; i < 16; i++)
-		if (slot_pub(&pb, i).state == KVS_SLOT_RECV_POSTED)
-			o.victim = i;
-	cr_assert_neq(o.victim, UINT32_MAX);
-
-	cr_assert_eq(kvs_abort(rr), 0);
-	sync_barrier(rx);
-	o.state_after_abort = slot_pub(&pb, o.victim).state;
-
-	struct kvs_lease bl[16];
-	for (;;) {
-		struct kvs_lease x;
-		int rc = kvs_acquire(b, 1, &x);
-		if (rc == -ENOBUFS)
-			break;
-		cr_assert_eq(rc, 0, "B's acquire: %s", kvs_strerror(rc));
-		canary_fill(kvs_lease_ptr(b, &x), B_OWNER, x.slot, SLOT);
-		bl[o.b_slots++] = x;
-		o.b_got_victim |= x.slot == o.victim;
-	}
-	uint64_t rx_bytes = stat_get(&pb, "tcp_bytes_rx");
-	fp_set(&pa, "tcp.payload", "off", NULL);     /* the late payload goes */
-	stat_wait(&pb, "tcp_bytes_rx", 1, rx_bytes + SLOT); /* and has been read */
-
-	o.rx_final = wait_event(rx).type;
-	o.tx_final = wait_event(tx).type;
-	o.discarded = stat_get(&pb, "chunks_discarded");
-	o.b_intact = true;
-	for (unsigned i = 0; i < o.b_slots; i++) {
-		const void *p = kvs_lease_ptr(b, &bl[i]);
-		if (!p || canary_check(p, B_OWNER, bl[i].slot, SLOT) != SLOT)
-			o.b_intact = false;
-		if (p && bl[i].slot == o.victim)
-			o.victim_has_a = canary_check(p, A_TX, 0, SLOT) == SLOT;
-		kvs_release(b, &bl[i]);
-	}
-	kvs_room_close(rr);
-	kvs_room_close(sr);
-	kvs_close(rx);
-	kvs_close(tx);
-	kvs_close(b);
-	return o;
+	return decisive_across(&pa, &pb);
 }
 
 Test(tcp, decisive_late_payload_never_lands_in_a_reused_slot)
 {
-	struct decisive o = decisive_across(NULL);
+	struct decisive o = decisive_loopback(NULL);
 	cr_assert_eq(o.state_after_abort, KVS_SLOT_TOMBSTONE,
 		     "aborted mid-payload: the posted slot must be a tombstone");
 	cr_assert(!o.b_got_victim, "B was given the slot the late payload still writes into");
@@ -186,7 +113,7 @@ Test(tcp, decisive_late_payload_never_lands_in_a_reused_slot)
  * while the payload still comes (kvstaged-vulnerable). */
 Test(tcp, decisive_vulnerable_receiver_is_caught_corrupting)
 {
-	struct decisive o = decisive_across(proxy_vulnerable_bin());
+	struct decisive o = decisive_loopback(proxy_vulnerable_bin());
 	cr_assert_neq(o.state_after_abort, KVS_SLOT_TOMBSTONE, "the vulnerable receiver frees at once");
 	cr_assert(o.b_got_victim, "B is given the slot the late payload writes into");
 	cr_assert(!o.b_intact, "the late bytes landed in B's slot: the corruption detected");
