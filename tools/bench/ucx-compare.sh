@@ -188,7 +188,9 @@ ratio() { awk -v a="$1" -v b="$2" 'BEGIN { if (b > 0) printf "%.2f", a / b; else
 
 ucx_ver=$(ucx_info -v 2>/dev/null | sed -n 's/^# Version //p' | head -1)
 echo "ucx-compare: kvstage $transport vs UCX ${ucx_ver:-?} $test (UCX_TLS=$tls), $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ //'), $ncpu CPUs, load $(cut -d' ' -f1 /proc/loadavg)"
-if [ ${#srv_pin[@]} -gt 0 ]; then
+if [ ${#srv_pin[@]} -gt 0 ] && [ "$transport" = tcp ]; then
+  echo "  pinned: UCX server on CPU $((ncpu - 1)), UCX client on CPU 0; kvstage-bench tcp places its two proxies itself (each on a CPU of its own with 4 or more, else unpinned)"
+elif [ ${#srv_pin[@]} -gt 0 ]; then
   echo "  pinned: UCX server and kvstaged on CPU $((ncpu - 1)), UCX client and kvstage clients on CPU 0"
 fi
 if [ "$transport" = tcp ]; then
