@@ -88,7 +88,7 @@ static void hosts_with(unsigned n, const char *slots)
 		char listen[48];
 		snprintf(listen, sizeof(listen), "%.15s:7600", addr[i]);
 		proxy_start_in(&px[i], ns[i], (const char *[]){ "--slots", slots, "--slot-size", "64K",
-			"--listen", listen, "--peer-timeout", "400", NULL });
+			"--listen", listen, "--peer-timeout", "1000", NULL });
 	}
 }
 
@@ -205,7 +205,7 @@ Test(netns, decisive_late_payload_never_lands_in_a_reused_slot)
 	wait_idle(&px[1], 0);
 }
 
-/* The decode host's proxy SIGSTOPped past --peer-timeout (400 ms): the
+/* The decode host's proxy SIGSTOPped past --peer-timeout (1 s here: long enough that a loaded machine does not lose a live peer): the
  * prefill host fails the room; the stopped one wakes to a closed session
  * and fails its half; a new session serves the next room. */
 Test(netns, a_peer_stopped_past_the_peer_timeout_is_lost_on_both_sides)
