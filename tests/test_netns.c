@@ -205,9 +205,10 @@ Test(netns, decisive_late_payload_never_lands_in_a_reused_slot)
 	wait_idle(&px[1], 0);
 }
 
-/* The decode host's proxy SIGSTOPped past --peer-timeout (1 s here: long enough that a loaded machine does not lose a live peer): the
- * prefill host fails the room; the stopped one wakes to a closed session
- * and fails its half; a new session serves the next room. */
+/* The decode host's proxy SIGSTOPped past --peer-timeout (1 s here, so
+ * that a loaded machine never loses a live peer): the prefill host fails
+ * the room; the stopped one wakes to a closed session and fails its half;
+ * a new session serves the next room. */
 Test(netns, a_peer_stopped_past_the_peer_timeout_is_lost_on_both_sides)
 {
 	hosts(2);
