@@ -306,7 +306,10 @@ void kvsp_room_peer_refused(struct kvsp *p, struct kvsp_transport *t, uint32_t p
 	struct kvsp_room *r = carried(p, t, peer, i, gen);
 	if (!r || r->far != KVSP_FAR_RECV)
 		return;
-	kvsp_room_abort(p, i, status, KVS_EV_FAILED, true);
+	/* -ECANCELED: the receiving room was aborted there before our OPEN
+	 * arrived. Locally the sender hears ABORTED for an abort after its
+	 * send_open; so it does here. */
+	kvsp_room_abort(p, i, status, status == -ECANCELED ? KVS_EV_ABORTED : KVS_EV_FAILED, true);
 	r->far_live = false;
 	kvsp_room_try_end(p, i);
 }

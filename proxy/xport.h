@@ -150,7 +150,8 @@ int kvsp_room_peer_abort(struct kvsp *p, struct kvsp_transport *t, uint32_t peer
 /* The peer's half of room (index, gen) has quiesced after an abort. */
 void kvsp_room_peer_ended(struct kvsp *p, struct kvsp_transport *t, uint32_t peer, uint32_t room,
 			  uint32_t gen);
-/* Sending half: the peer refused the room (status) and holds nothing of it: the room fails. */
+/* Sending half: the peer refused the room (status) and holds nothing of it: the room fails
+ * (ends ABORTED when status is -ECANCELED: the receiving room was aborted first). */
 void kvsp_room_peer_refused(struct kvsp *p, struct kvsp_transport *t, uint32_t peer, uint32_t room,
 			    uint32_t gen, int status);
 /* Sending half: the peer's receiving half has every chunk. */
