@@ -19,6 +19,9 @@ fi
 ninja -C build-asan
 ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
   meson test -C build-asan --print-errorlogs
+echo "== soft-RoCE in a qemu guest (tests/rxe: Debian's kernel, rdma_rxe, a real RC transfer)"
+tests/rxe/setup.sh
+RXE_WORKDIR="$PWD/build/rxe" tests/rxe/selftest.sh
 echo "== short fuzz pass (fuzz/run.sh: libFuzzer, clang, ASan+UBSan; see README for the long run)"
 FUZZ_RUNS=${FUZZ_RUNS:-100000} fuzz/run.sh
 echo "== all tests passed"
