@@ -11,6 +11,9 @@ tools/setup.sh
 echo "== tests (build/)"
 meson test -C build --print-errorlogs
 
+echo "== the Python binding (python/, pytest against build/)"
+python/run-tests.sh build
+
 echo "== tests under ASan+UBSan (build-asan/)"
 if [ ! -f build-asan/build.ninja ]; then
   meson setup build-asan --buildtype=debug -Db_sanitize=address,undefined \
@@ -19,6 +22,7 @@ fi
 ninja -C build-asan
 ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
   meson test -C build-asan --print-errorlogs
+python/run-tests.sh build-asan
 echo "== soft-RoCE in a qemu guest (tests/rxe: Debian's kernel, rdma_rxe, a real RC transfer)"
 tests/rxe/setup.sh
 RXE_WORKDIR="$PWD/build/rxe" tests/rxe/selftest.sh
