@@ -11,6 +11,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "config_file.h"
 #include "kvstage.h"
 #include "log.h"
 #include "parse.h"
@@ -26,6 +27,10 @@ static void usage(FILE *f)
 "lease, fill and hand to rooms; only its transports move slot bytes.\n"
 "Runs in the foreground until SIGTERM or SIGINT (a second one exits at once).\n"
 "\n"
+"  -c, --config FILE        read options from FILE first: one \"name = value\"\n"
+"                           per line for each long option below (a flag:\n"
+"                           true or false), '#' comments, an optional\n"
+"                           [kvstaged] section; the command line overrides it\n"
 "  -s, --socket PATH        Unix socket to serve (default: $KVSTAGE_SOCKET,\n"
 "                           else " KVS_DEFAULT_SOCKET ")\n"
 "  -n, --slots N            slots in the pool (default 256)\n"
@@ -108,9 +113,12 @@ static int parse_group(const char *s, gid_t *out)
 	return 0;
 }
 
+/* "FILE:LINE: " while the option being parsed came from --config. */
+static char origin[320];
+
 static int bad(const char *opt, const char *val, const char *why)
 {
-	fprintf(stderr, "kvstaged: invalid %s '%s': %s\n", opt, val, why);
+	fprintf(stderr, "kvstaged: %sinvalid %s '%s': %s\n", origin, opt, val, why);
 	fprintf(stderr, "Try 'kvstaged --help'.\n");
 	return 2;
 }
@@ -121,9 +129,33 @@ enum {
 	O_STREAMS, O_PTIMEOUT, O_CSUM,
 };
 
+/* The --config FILE argument, if any, before anything is parsed: the
+ * file's options go first so that the command line overrides them.
+ * Returns 0 (*path NULL: none), or 2 after saying why. */
+static int find_config(int argc, char **argv, const char **path)
+{
+	*path = NULL;
+	for (int i = 1; i < argc && strcmp(argv[i], "--"); i++) {
+		const char *v = NULL;
+		if (!strncmp(argv[i], "--config=", 9))
+			v = argv[i] + 9;
+		else if ((!strcmp(argv[i], "--config") || !strcmp(argv[i], "-c")) && i + 1 < argc)
+			v = argv[++i];
+		else
+			continue;
+		if (*path) {
+			fprintf(stderr, "kvstaged: --config given twice\nTry 'kvstaged --help'.\n");
+			return 2;
+		}
+		*path = v;
+	}
+	return 0;
+}
+
 int main(int argc, char **argv)
 {
 	static const struct option opts[] = {
+		{ "config", required_argument, NULL, 'c' },
 		{ "socket", required_argument, NULL, 's' },
 		{ "slots", required_argument, NULL, 'n' },
 		{ "slot-size", required_argument, NULL, 'z' },
@@ -171,12 +203,41 @@ int main(int argc, char **argv)
 		.socket_group = getegid(),
 		.tcp = { .streams = 2, .peer_timeout_ns = 10000ull * 1000000 },
 	};
-	const char *secret_path = NULL;
+	const char *secret_path = NULL, *conf_path;
 	int ready_fd = -1, opt;
 	uint64_t v;
 
-	while ((opt = getopt_long(argc, argv, "s:n:z:l:hV", opts, NULL)) != -1) {
+	static struct kvsp_conf_args conf; /* its strings are the options' values: kept */
+	if (find_config(argc, argv, &conf_path))
+		return 2;
+	char **args = argv;
+	int nargs = argc;
+	if (conf_path) {
+		char why[512];
+		if (kvsp_conf_read(conf_path, opts, &conf, why, sizeof(why)) < 0) {
+			fprintf(stderr, "kvstaged: %s\nTry 'kvstaged --help'.\n", why);
+			return 2;
+		}
+		nargs = argc + conf.argc;
+		args = calloc((size_t)nargs + 1, sizeof(*args));
+		if (!args)
+			return 1;
+		args[0] = argv[0];
+		memcpy(args + 1, conf.argv, (size_t)conf.argc * sizeof(*args));
+		memcpy(args + 1 + conf.argc, argv + 1, (size_t)(argc - 1) * sizeof(*args));
+	}
+
+	for (;;) {
+		int at = optind; /* a file entry is one "--name=value": it is args[at] */
+		opt = getopt_long(nargs, args, "c:s:n:z:l:hV", opts, NULL);
+		if (opt == -1)
+			break;
+		origin[0] = 0;
+		if (at >= 1 && at <= conf.argc)
+			snprintf(origin, sizeof(origin), "%.255s:%u: ", conf_path, conf.line[at - 1]);
 		switch (opt) {
+		case 'c':
+			break; /* read first, above */
 		case 's':
 			if (!*optarg)
 				return bad("--socket", optarg, "want a path");
@@ -318,9 +379,10 @@ int main(int argc, char **argv)
 			return 2;
 		}
 	}
-	if (optind < argc) {
+	origin[0] = 0;
+	if (optind < nargs) {
 		fprintf(stderr, "kvstaged: unexpected argument '%s'\nTry 'kvstaged --help'.\n",
-			argv[optind]);
+			args[optind]);
 		return 2;
 	}
 	if (!cfg.socket_path || !*cfg.socket_path)

@@ -192,3 +192,54 @@ Test(cli, ctl_needs_failpoints)
 	cr_assert_eq(rc, 1);
 	cr_assert(strstr(err, "--failpoints"), "%s", err);
 }
+
+static void write_file(const char *path, const char *text)
+{
+	FILE *f = fopen(path, "w");
+	cr_assert_not_null(f);
+	fputs(text, f);
+	fclose(f);
+}
+
+/* --config FILE: its options apply, the command line overrides them, and a
+ * bad line is named with its number, exit 2, before anything starts. */
+Test(cli, config_file_sets_options_and_the_command_line_wins)
+{
+	char dir[] = "/tmp/kvstage-conf.XXXXXX", good[96], path[96];
+	cr_assert_not_null(mkdtemp(dir));
+	snprintf(good, sizeof(good), "%s/good.conf", dir);
+	write_file(good, "# a deployment's options\n[kvstaged]\nslots = 8\nslot-size = 64K\n"
+			 "room-timeout = 1234\nno-lock = true\ntcp-checksum = no\n");
+	proxy_start(&px, NULL, (const char *[]){ "--config", good, "--slots", "4", NULL });
+	cr_assert_eq(px.ctrl->slot_count, 4, "the command line's --slots wins");
+	cr_assert_eq(px.ctrl->slot_size, 64 * 1024, "the file's slot-size applies");
+	proxy_stop(&px);
+
+	const char *bin = build_path("proxy/kvstaged");
+	struct {
+		const char *text, *says;
+	} bad[] = {
+		{ "slots = 8\nslotz = 3\n", ":2: unknown key 'slotz'" },
+		{ "\n# comment\nslots = many\n", ":3: invalid --slots 'many'" },
+		{ "no-lock = maybe\n", ":1: no-lock = 'maybe': want true or false" },
+		{ "[other]\nslots = 3\n", "unknown section [other]" },
+		{ "slots\n", ":1: not 'key = value'" },
+		{ "help = true\n", ":1: unknown key 'help'" },
+		{ "slots =\n", ":1: slots has no value" },
+		{ "listen = 127.0.0.1:0\n", "needs the deployment's peer secret" },
+	};
+	for (unsigned i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+		snprintf(path, sizeof(path), "%s/bad%u.conf", dir, i);
+		write_file(path, bad[i].text);
+		int rc = RUN(bin, "--socket", "/tmp/kvstage-cli-never.sock", "--config", path);
+		cr_assert_eq(rc, 2, "%s: exit %d", bad[i].text, rc);
+		cr_assert(strstr(err, bad[i].says), "%s said: %s", bad[i].text, err);
+		unlink(path);
+	}
+	cr_assert_eq(RUN(bin, "--config", "/nonexistent/kvstaged.conf"), 2);
+	cr_assert(strstr(err, "No such file"), "%s", err);
+	cr_assert_eq(RUN(bin, "--config", good, "--config", good), 2);
+	cr_assert(strstr(err, "twice"), "%s", err);
+	unlink(good);
+	rmdir(dir);
+}
