@@ -57,16 +57,7 @@ static inline struct decisive decisive_across(struct proxy *pa, struct proxy *pb
 	o.state_after_abort = slot_pub(pb, o.victim).state;
 
 	struct kvs_lease bl[DECISIVE_SLOTS];
-	for (;;) {
-		struct kvs_lease x;
-		int rc = kvs_acquire(b, 1, &x);
-		if (rc == -ENOBUFS)
-			break;
-		cr_assert_eq(rc, 0, "B's acquire: %s", kvs_strerror(rc));
-		canary_fill(kvs_lease_ptr(b, &x), B_OWNER, x.slot, SLOT);
-		bl[o.b_slots++] = x;
-		o.b_got_victim |= x.slot == o.victim;
-	}
+	o.b_slots = xroom_drain_pool(b, bl, DECISIVE_SLOTS, B_OWNER, o.victim, &o.b_got_victim);
 	uint64_t rx_bytes = stat_get(pb, "tcp_bytes_rx");
 	fp_set(pa, "tcp.payload", "off", NULL);     /* the late payload goes */
 	stat_wait(pb, "tcp_bytes_rx", 1, rx_bytes + SLOT); /* and has been read */

@@ -5,6 +5,7 @@
 #define KVS_TEST_XROOM_H
 
 #include <criterion/criterion.h>
+#include <errno.h>
 #include <stdint.h>
 
 #include "canary.h"
@@ -76,6 +77,27 @@ static inline void one_room(kvs_client *rx, kvs_client *tx, uint64_t owner)
 	cr_assert_eq(wait_event(rx).type, KVS_EV_RECV_DONE);
 	xroom_verify(&x, rx);
 	xroom_close(&x);
+}
+
+/* A reuser leases every slot of its proxy's pool and stamps each with
+ * owner's canary: up to cap leases into bl. Returns how many; *got is set
+ * if it was given slot victim. */
+static inline unsigned xroom_drain_pool(kvs_client *b, struct kvs_lease *bl, unsigned cap,
+					uint64_t owner, uint32_t victim, bool *got)
+{
+	unsigned n = 0;
+	for (;;) {
+		struct kvs_lease x;
+		int rc = kvs_acquire(b, 1, &x);
+		if (rc == -ENOBUFS)
+			break;
+		cr_assert_eq(rc, 0, "the reuser's acquire: %s", kvs_strerror(rc));
+		cr_assert_lt(n, cap);
+		canary_fill(kvs_lease_ptr(b, &x), owner, x.slot, SLOT);
+		bl[n++] = x;
+		*got |= x.slot == victim;
+	}
+	return n;
 }
 
 #endif

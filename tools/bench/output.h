@@ -54,6 +54,8 @@ int plot(const struct bench_opts *o, const char *title, const uint64_t *x, unsig
 void json_head(struct jw *j, const struct bench_opts *o);
 /* The "proxy" member: binary, extra arguments. */
 void json_proxy(struct jw *j, const struct bench_proxy_info *px);
+/* A local or tcp point's sizes, window and counts, as members of the open object. */
+void json_point_counts(struct jw *j, const struct local_point *p);
 /* Closes the JSON document. */
 void json_end(struct jw *j);
 /* One table row: figure, kvstage value, baseline (base_txt, else base) and what it is, ratio. */

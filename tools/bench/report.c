@@ -296,6 +296,22 @@ static void local_table(const struct bench_opts *o, const struct local_point *pt
 		printf("  %s: %s.\n", local_defs[i][0], local_defs[i][1]);
 }
 
+void json_point_counts(struct jw *j, const struct local_point *p)
+{
+	jw_int(j, "chunk_bytes", p->chunk);
+	jw_int(j, "room_bytes", p->room_bytes);
+	jw_int(j, "room_chunks", p->room_chunks);
+	jw_int(j, "slots", p->slots);
+	jw_num(j, "warmup_s", p->warmup_s);
+	jw_num(j, "seconds", p->seconds);
+	jw_int(j, "bytes", p->bytes);
+	jw_int(j, "chunks", p->chunks);
+	jw_int(j, "rooms", p->rooms);
+	jw_int(j, "errors", p->errors);
+	jw_num(j, "gbps", p->gbps);
+	jw_num(j, "chunks_per_s", p->chunks_s);
+}
+
 static void local_json(const struct bench_opts *o, const struct local_point *pt, unsigned n,
 		       const struct ring_base *ring, const struct bench_proxy_info *px)
 {
@@ -309,18 +325,7 @@ static void local_json(const struct bench_opts *o, const struct local_point *pt,
 	for (unsigned i = 0; i < n; i++) {
 		const struct local_point *p = &pt[i];
 		jw_open(&j, NULL, '{');
-		jw_int(&j, "chunk_bytes", p->chunk);
-		jw_int(&j, "room_bytes", p->room_bytes);
-		jw_int(&j, "room_chunks", p->room_chunks);
-		jw_int(&j, "slots", p->slots);
-		jw_num(&j, "warmup_s", p->warmup_s);
-		jw_num(&j, "seconds", p->seconds);
-		jw_int(&j, "bytes", p->bytes);
-		jw_int(&j, "chunks", p->chunks);
-		jw_int(&j, "rooms", p->rooms);
-		jw_int(&j, "errors", p->errors);
-		jw_num(&j, "gbps", p->gbps);
-		jw_num(&j, "chunks_per_s", p->chunks_s);
+		json_point_counts(&j, p);
 		jw_num(&j, "rooms_per_s", p->rooms_s);
 		jw_lat(&j, "chunk_latency_us", &p->chunk_lat);
 		jw_lat(&j, "room_latency_us", &p->room_lat);
