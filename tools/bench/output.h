@@ -56,6 +56,8 @@ void json_head(struct jw *j, const struct bench_opts *o);
 void json_proxy(struct jw *j, const struct bench_proxy_info *px);
 /* A local or tcp point's sizes, window and counts, as members of the open object. */
 void json_point_counts(struct jw *j, const struct local_point *p);
+/* The same as CSV fields: seconds,bytes,chunks,rooms,errors,gbps,chunks_per_s, each with its comma. */
+void csv_point_counts(const struct local_point *p);
 /* Closes the JSON document. */
 void json_end(struct jw *j);
 /* One table row: figure, kvstage value, baseline (base_txt, else base) and what it is, ratio. */

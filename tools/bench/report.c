@@ -312,6 +312,15 @@ void json_point_counts(struct jw *j, const struct local_point *p)
 	jw_num(j, "chunks_per_s", p->chunks_s);
 }
 
+void csv_point_counts(const struct local_point *p)
+{
+	csv_num(p->seconds, false);
+	printf("%llu,%llu,%llu,%llu,", (unsigned long long)p->bytes, (unsigned long long)p->chunks,
+	       (unsigned long long)p->rooms, (unsigned long long)p->errors);
+	csv_num(p->gbps, false);
+	csv_num(p->chunks_s, false);
+}
+
 static void local_json(const struct bench_opts *o, const struct local_point *pt, unsigned n,
 		       const struct ring_base *ring, const struct bench_proxy_info *px)
 {
@@ -373,12 +382,7 @@ static void local_csv(const struct bench_opts *o, const struct local_point *pt, 
 		printf("local,%llu,%llu,%u,%s,%u,%u,", (unsigned long long)p->chunk,
 		       (unsigned long long)p->room_bytes, p->room_chunks,
 		       bench_payload_str(o->payload), o->senders, o->rooms);
-		csv_num(p->seconds, false);
-		printf("%llu,%llu,%llu,%llu,", (unsigned long long)p->bytes,
-		       (unsigned long long)p->chunks, (unsigned long long)p->rooms,
-		       (unsigned long long)p->errors);
-		csv_num(p->gbps, false);
-		csv_num(p->chunks_s, false);
+		csv_point_counts(p);
 		csv_num(p->rooms_s, false);
 		csv_num(p->chunk_lat.n ? p->chunk_lat.p50 : NAN, false);
 		csv_num(p->chunk_lat.n ? p->chunk_lat.p99 : NAN, false);

@@ -168,12 +168,7 @@ static void csv(const struct bench_opts *o, const struct local_point *pt, unsign
 		printf("tcp,%s,%u,%llu,%llu,%s,%u,%u,", o->netns ? "veth" : "loopback", o->tcp_streams,
 		       (unsigned long long)p->chunk, (unsigned long long)p->room_bytes,
 		       bench_payload_str(o->payload), o->senders, o->rooms);
-		csv_num(p->seconds, false);
-		printf("%llu,%llu,%llu,%llu,", (unsigned long long)p->bytes,
-		       (unsigned long long)p->chunks, (unsigned long long)p->rooms,
-		       (unsigned long long)p->errors);
-		csv_num(p->gbps, false);
-		csv_num(p->chunks_s, false);
+		csv_point_counts(p);
 		csv_num(p->room_lat.n ? p->room_lat.p50 : NAN, false);
 		csv_num(p->room_lat.n ? p->room_lat.p99 : NAN, false);
 		csv_num(p->chunk_lat.n ? p->chunk_lat.p50 : NAN, false);
