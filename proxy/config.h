@@ -23,6 +23,8 @@ struct kvsp_tcp_opts {
 	unsigned streams;      /* connections per peer */
 	uint64_t peer_timeout_ns;
 	bool checksum;         /* CRC32C of every payload */
+	const char *rdma_device; /* chunks by RDMA READ with peers that have it; NULL: none */
+	int rdma_gid_index;    /* -1: the device's first RoCE v2 GID, IPv4-mapped first */
 	const struct kvsp_secret *secret; /* NULL: no tcp transport */
 	uint64_t instance;     /* ours: filled in by kvsp_init */
 	uint32_t max_rooms;    /* filled in by kvsp_init */

@@ -9,6 +9,7 @@ const char *const kvsp_fp_names[KVSP_FP_COUNT] = {
 	[KVSP_FP_ACQUIRE] = "acquire",
 	[KVSP_FP_RECV_OPEN] = "recv_open",
 	[KVSP_FP_TCP_PAYLOAD] = "tcp.payload",
+	[KVSP_FP_RDMA_READ] = "rdma.read",
 };
 
 int kvsp_fp_find(const char *name)

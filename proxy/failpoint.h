@@ -18,6 +18,7 @@ enum kvsp_fp_id {
 	KVSP_FP_ACQUIRE,       /* fail acquires */
 	KVSP_FP_RECV_OPEN,     /* fail receiving-room opens */
 	KVSP_FP_TCP_PAYLOAD,   /* tcp: hold a chunk's payload after its header went (the stream waits) */
+	KVSP_FP_RDMA_READ,     /* rdma, receiving side: hold a READ into a slot posted for it */
 	KVSP_FP_COUNT,
 };
 

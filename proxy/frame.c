@@ -29,6 +29,8 @@ static const uint32_t body_size[KVS_WIRE_NTYPES] = {
 	[KVS_WIRE_BYE] = sizeof(struct kvs_wire_bye),
 	[KVS_WIRE_JOIN] = sizeof(struct kvs_wire_join),
 	[KVS_WIRE_ENDED] = sizeof(struct kvs_wire_ended),
+	[KVS_WIRE_RDMA_HELLO] = sizeof(struct kvs_wire_rdma_hello),
+	[KVS_WIRE_CHUNK_READ] = sizeof(struct kvs_wire_chunk_read),
 };
 
 uint32_t kvsp_frame_body_size(uint32_t type)

@@ -78,6 +78,12 @@ static void usage(FILE *f)
 "                           fail (default 10000, at least 100)\n"
 "      --tcp-checksum       send a CRC32C of every chunk's payload (received\n"
 "                           ones are always checked when they carry one)\n"
+"      --rdma-device NAME   move chunks by RDMA READ on this device with peers\n"
+"                           that have one too (the others: by TCP); the pool\n"
+"                           is registered for local write and remote read\n"
+"                           only. Needs the peer secret (control stays on TCP)\n"
+"      --rdma-gid-index N   the GID to use (default: the first RoCE v2 one,\n"
+"                           IPv4-mapped first)\n"
 "      --failpoints         accept failpoint control from kvstage-ctl (tests)\n"
 "      --ready-fd FD        write \"ready\\n\" to FD once serving, then close it\n"
 "                           (0, 1 and 2 are written to but kept open)\n"
@@ -126,7 +132,7 @@ static int bad(const char *opt, const char *val, const char *why)
 enum {
 	O_HUGE = 256, O_NOLOCK, O_UID, O_GID, O_ROOMS, O_CROOMS, O_CLIENTS, O_RING, O_TIMEOUT,
 	O_GRACE, O_SPIN, O_FP, O_READY, O_SMODE, O_SGROUP, O_LISTEN, O_ADVERTISE, O_SECRET,
-	O_STREAMS, O_PTIMEOUT, O_CSUM,
+	O_STREAMS, O_PTIMEOUT, O_CSUM, O_RDMA, O_GIDX,
 };
 
 /* The --config FILE argument, if any, before anything is parsed: the
@@ -179,6 +185,8 @@ int main(int argc, char **argv)
 		{ "tcp-streams", required_argument, NULL, O_STREAMS },
 		{ "peer-timeout", required_argument, NULL, O_PTIMEOUT },
 		{ "tcp-checksum", no_argument, NULL, O_CSUM },
+		{ "rdma-device", required_argument, NULL, O_RDMA },
+		{ "rdma-gid-index", required_argument, NULL, O_GIDX },
 		{ "ready-fd", required_argument, NULL, O_READY },
 		{ "log-level", required_argument, NULL, 'l' },
 		{ "help", no_argument, NULL, 'h' },
@@ -201,7 +209,7 @@ int main(int argc, char **argv)
 		.spin_ns = 50000,
 		.socket_mode = 0660,
 		.socket_group = getegid(),
-		.tcp = { .streams = 2, .peer_timeout_ns = 10000ull * 1000000 },
+		.tcp = { .streams = 2, .peer_timeout_ns = 10000ull * 1000000, .rdma_gid_index = -1 },
 	};
 	const char *secret_path = NULL, *conf_path;
 	int ready_fd = -1, opt;
@@ -356,6 +364,16 @@ int main(int argc, char **argv)
 		case O_CSUM:
 			cfg.tcp.checksum = true;
 			break;
+		case O_RDMA:
+			if (!*optarg)
+				return bad("--rdma-device", optarg, "want a device name (ibv_devices)");
+			cfg.tcp.rdma_device = optarg;
+			break;
+		case O_GIDX:
+			if (kvs_parse_uint(optarg, 255, &v))
+				return bad("--rdma-gid-index", optarg, "want 0 to 255");
+			cfg.tcp.rdma_gid_index = (int)v;
+			break;
 		case O_READY:
 			if (kvs_parse_uint(optarg, INT_MAX, &v) || fcntl((int)v, F_GETFD) < 0)
 				return bad("--ready-fd", optarg, "not an open file descriptor");
@@ -401,6 +419,12 @@ int main(int argc, char **argv)
 	} else if (cfg.tcp.listen) {
 		fprintf(stderr, "kvstaged: --listen needs the deployment's peer secret: "
 			"--peer-secret-file PATH or $KVSTAGE_PEER_SECRET\nTry 'kvstaged --help'.\n");
+		return 2;
+	}
+	if (cfg.tcp.rdma_device && !cfg.tcp.secret) {
+		fprintf(stderr, "kvstaged: --rdma-device rides on the tcp transport's sessions: it "
+			"needs the peer secret (--peer-secret-file or $KVSTAGE_PEER_SECRET)\n"
+			"Try 'kvstaged --help'.\n");
 		return 2;
 	}
 	if (cfg.tcp.advertise && !cfg.tcp.listen) {

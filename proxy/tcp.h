@@ -24,6 +24,7 @@
 
 #include "frame.h"
 #include "peer_auth.h"
+#include "verbs.h"
 #include "xport.h"
 
 #define TCP_MAX_STREAMS 16
@@ -32,6 +33,9 @@
 #define TCP_SINK_SIZE (64 * 1024)
 #define TCP_REFUSALS 32
 #define TCP_NONE UINT32_MAX /* the end of a list through slot or room indices */
+/* CHUNK_READs a sender keeps unacknowledged on one session: bounds the
+ * receiver's READs in flight and the acks it may owe at once. */
+#define TCP_RDMA_WINDOW 128
 
 struct tcp_ep {
 	struct sockaddr_storage sa;
@@ -82,7 +86,8 @@ struct tcp_conn {
 	bool rx_sink, rx_has_crc;
 };
 
-enum tcp_sess_state { TCP_S_FREE = 0, TCP_S_JOINING, TCP_S_UP };
+/* DYING: lost, sockets closed, waiting for its READs to flush (tcp_rdma.c). */
+enum tcp_sess_state { TCP_S_FREE = 0, TCP_S_JOINING, TCP_S_UP, TCP_S_DYING };
 
 /* Control frames a room owes its peer, sent in this order on stream 0. */
 enum { OWE_OPEN = 1, OWE_ACK = 2, OWE_ABORT = 4, OWE_DONE = 8, OWE_ENDED = 16 };
@@ -117,6 +122,31 @@ struct tcp_sess {
 	struct kvs_peer *pub; /* its row in the published peer table */
 	struct kvs_wire_open_ack refusals[TCP_REFUSALS]; /* OPENs refused, answers owed */
 	unsigned refusal_head, nrefusals;
+	/* RDMA (tcp_rdma.c): once both ends said RDMA_HELLO, chunks we send go
+	 * as CHUNK_READ on stream 0 and the peer pulls them. */
+	struct ibv_qp *qp;
+	struct kvsp_verbs_ep rdma_local, rdma_peer;
+	bool owe_rdma_hello, rdma_heard, rdma_up;
+	unsigned reads_inflight;     /* sending: CHUNK_READs not yet acknowledged */
+	unsigned reads_out;          /* receiving: READs posted on qp, not completed */
+	uint32_t ack_head, ack_tail; /* receiving: our slots whose READ ended, CHUNK_ACK owed */
+	uint32_t held_head, held_tail; /* receiving: READs the rdma.read failpoint holds (tests) */
+	struct kvs_wire_chunk_ack nacks[TCP_RDMA_WINDOW]; /* CHUNK_READs refused, acks owed */
+	unsigned nack_head, nnacks;
+	bool dying;                  /* lost: its sockets are closed, its READs still flushing */
+	int lost_status;
+};
+
+/* Receiving side: a READ we posted into our slot, or its ack still owed. */
+struct tcp_rread {
+	struct kvs_wire_room name;
+	uint64_t sender_ref;
+	uint32_t sess, chunk;
+	int32_t status;
+	uint32_t next; /* the session's ack or held list */
+	uint32_t len;
+	void *dst;
+	uint64_t raddr;
 };
 
 struct tcp {
@@ -141,6 +171,9 @@ struct tcp {
 	uint32_t *xnext;        /* chunk queues through slot indices */
 	uint8_t *sink;
 	bool draining;
+	struct kvsp_verbs *verbs; /* --rdma-device; NULL: chunks only by TCP */
+	struct tcp_rread *rread;  /* by our slot index */
+	uint8_t *rwait;           /* by our slot index: sent by CHUNK_READ, waiting for CHUNK_ACK */
 	struct kvs_stats *st;
 	struct kvs_peer *peers; /* published, one row per session index */
 };
@@ -183,7 +216,42 @@ void tcp_on_conn_event(struct tcp *tc, struct tcp_conn *c, uint32_t events);
 /* An accepted connection's first frame, which must be JOIN. Returns 0, or -errno. */
 int tcp_on_join(struct tcp *tc, struct tcp_conn *c, const struct kvsp_frame *f);
 
+/* The session is lost (status): see tcp_sess.c. */
+void tcp_sess_lost(struct tcp *tc, struct tcp_sess *s, int status);
+/* A DYING session's last READ flushed: the core releases its pins now. */
+void tcp_sess_end(struct tcp *tc, struct tcp_sess *s);
+
+/* tcp_rdma.c */
+/* Opens the device of o->rdma_device over our pool. Returns 0, or -errno with why. */
+int tcp_rdma_open(struct tcp *tc, const struct kvsp_tcp_opts *o, char *why, size_t len);
+/* Closes it (every session gone). */
+void tcp_rdma_close(struct tcp *tc);
+/* s came up: with a device, makes its queue pair and owes RDMA_HELLO. */
+void tcp_rdma_sess_up(struct tcp *tc, struct tcp_sess *s);
+/* s is lost: its queue pair to the error state. Returns true if READs
+ * are still to flush (the loss finishes in tcp_rdma_poll). */
+bool tcp_rdma_sess_lost(struct tcp *tc, struct tcp_sess *s);
+/* s is freed: its queue pair destroyed, its sending pins' marks cleared. */
+void tcp_rdma_sess_free(struct tcp *tc, struct tcp_sess *s);
+/* Completions. Returns KVSP_BUSY or KVSP_IDLE. */
+int tcp_rdma_poll(struct tcp *tc);
+/* True while any READ is in flight (the loop must not sleep). */
+bool tcp_rdma_pending(const struct tcp *tc);
+/* The connection chunks of s go on. */
+struct tcp_conn *tcp_rdma_conn_for(struct tcp_sess *s);
+/* c has no frame in progress: seals RDMA control owed (hello, acks). Returns true if it did. */
+bool tcp_rdma_next_control(struct tcp *tc, struct tcp_conn *c);
+/* Seals x as CHUNK_READ into c if the session reads by RDMA and c is its
+ * stream 0 and the window has room. Returns 1 (sealed), 0 (send it by
+ * TCP), or -1 (not now: the window is full). */
+int tcp_rdma_chunk(struct tcp *tc, struct tcp_conn *c, struct kvsp_xfer *x);
+/* Frames: RDMA_HELLO, CHUNK_READ, CHUNK_ACK. Returns 0, or -errno (drop the connection). */
+int tcp_rdma_on_frame(struct tcp *tc, struct tcp_sess *s, const struct kvsp_frame *f);
+
 /* tcp_room.c */
+/* Receiving side: our room the frame names through s, or NULL (the token is checked by the core). */
+struct tcp_room *tcp_receiver_room(struct tcp *tc, struct tcp_sess *s,
+				   const struct kvs_wire_room *name, uint32_t *idx);
 /* Room i owes its peer the control frame what (OWE_*). */
 void tcp_owe(struct tcp *tc, uint32_t i, uint8_t what);
 

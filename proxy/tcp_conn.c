@@ -243,11 +243,18 @@ bool tcp_conn_wants_tx(const struct tcp *tc, const struct tcp_conn *c)
 static bool next_chunk(struct tcp *tc, struct tcp_conn *c)
 {
 	while (c->qn) {
-		struct kvsp_xfer *x = dequeue(tc, c);
+		struct kvsp_xfer *x = kvsp_xfer_of(tc->p, c->q_head);
 		if (tcp_room_cancelled(tc, x)) {
+			dequeue(tc, c);
 			kvsp_xfer_quiesced(tc->p, x, -ECANCELED); /* never sent */
 			continue;
 		}
+		int by_rdma = tcp_rdma_chunk(tc, c, x);
+		if (by_rdma < 0)
+			return false; /* the READ window is full: it waits for an ack */
+		dequeue(tc, c);
+		if (by_rdma)
+			return true; /* a CHUNK_READ: the peer pulls the payload */
 		const uint8_t *src = kvsp_slot_mem(tc->p, x->slot);
 		struct kvs_wire_chunk b = {
 			.room = tc->rooms[x->room].name,

@@ -53,8 +53,8 @@ static struct tcp_room *sender_room(struct tcp *tc, struct tcp_sess *s, uint64_t
 
 /* Receiving side: the frame names our room; the token is the core's to
  * check (a wrong one is counted there), the session ours. */
-static struct tcp_room *receiver_room(struct tcp *tc, struct tcp_sess *s,
-				      const struct kvs_wire_room *name, uint32_t *idx)
+struct tcp_room *tcp_receiver_room(struct tcp *tc, struct tcp_sess *s,
+				   const struct kvs_wire_room *name, uint32_t *idx)
 {
 	int rc = kvsp_room_find(tc->p, name);
 	if (rc < 0 && rc != -ECANCELED)
@@ -86,7 +86,7 @@ static void room_acked(struct tcp *tc, struct tcp_sess *s, struct tcp_room *r)
 	while (r->pend_head != TCP_NONE) {
 		uint32_t slot = r->pend_head;
 		r->pend_head = tc->xnext[slot];
-		struct tcp_conn *c = s->conn[s->rr++ % s->nstreams];
+		struct tcp_conn *c = tcp_rdma_conn_for(s);
 		tcp_conn_queue(tc, c, kvsp_xfer_of(tc->p, slot));
 	}
 	r->pend_tail = TCP_NONE;
@@ -119,6 +119,8 @@ bool tcp_next_control(struct tcp *tc, struct tcp_conn *c)
 	struct kvs_wire_open_ack refusal;
 	if (refusal_pop(s, &refusal))
 		return tcp_conn_frame(c, KVS_WIRE_OPEN_ACK, &refusal) == 0;
+	if (tcp_rdma_next_control(tc, c))
+		return true;
 	while (s->owe_head != TCP_NONE) {
 		uint32_t i = s->owe_head;
 		struct tcp_room *r = &tc->rooms[i];
@@ -243,7 +245,7 @@ static struct tcp_room *named_room(struct tcp *tc, struct tcp_sess *s, uint32_t 
 				   const struct kvs_wire_room *name, uint64_t ref, uint32_t *i)
 {
 	if (from == KVS_WIRE_FROM_SEND)
-		return receiver_room(tc, s, name, i);
+		return tcp_receiver_room(tc, s, name, i);
 	if (from == KVS_WIRE_FROM_RECV)
 		return sender_room(tc, s, ref, name, i);
 	return NULL;
@@ -318,6 +320,10 @@ int tcp_on_frame(struct tcp *tc, struct tcp_conn *c, const struct kvsp_frame *f)
 		break;
 	case KVS_WIRE_PONG:
 		break; /* its arrival was the point */
+	case KVS_WIRE_RDMA_HELLO:
+	case KVS_WIRE_CHUNK_READ:
+	case KVS_WIRE_CHUNK_ACK:
+		return tcp_rdma_on_frame(tc, s, f);
 	case KVS_WIRE_BYE:
 		s->bye = true;
 		KVS_STAT_ADD(tc->st->peer_byes, 1);
@@ -341,7 +347,7 @@ void tcp_on_chunk(struct tcp *tc, struct tcp_conn *c, const struct kvsp_frame *f
 	c->rx_sink = true;
 	uint32_t i;
 	int rc = -ESTALE;
-	struct tcp_room *r = receiver_room(tc, c->sess, &b->room, &i);
+	struct tcp_room *r = tcp_receiver_room(tc, c->sess, &b->room, &i);
 	if (r)
 		rc = kvsp_chunk_post(tc->p, &tc->t, c->sess->id, i, r->gen, le32toh(b->chunk),
 				     f->plen, &c->rx_x, (void **)&c->rx_dst);

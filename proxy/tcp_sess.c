@@ -24,7 +24,8 @@
 struct tcp_sess *tcp_sess_get(struct tcp *tc, uint32_t id)
 {
 	unsigned i = id & 0xff;
-	if (!id || i >= TCP_MAX_SESS || tc->sess[i].state == TCP_S_FREE || tc->sess[i].id != id)
+	if (!id || i >= TCP_MAX_SESS || tc->sess[i].state == TCP_S_FREE ||
+	    tc->sess[i].state == TCP_S_DYING || tc->sess[i].id != id)
 		return NULL;
 	return &tc->sess[i];
 }
@@ -42,6 +43,8 @@ static struct tcp_sess *sess_new(struct tcp *tc)
 		s->id = i | tc->sess_gen << 8;
 		s->state = TCP_S_JOINING;
 		s->owe_head = s->owe_tail = TCP_NONE;
+		s->ack_head = s->ack_tail = TCP_NONE;
+		s->held_head = s->held_tail = TCP_NONE;
 		s->pub = &tc->peers[i];
 		memset(s->pub, 0, sizeof(*s->pub));
 		PEER_SET(s->pub->state, KVS_PEER_JOINING);
@@ -61,6 +64,7 @@ static void sess_up(struct tcp *tc, struct tcp_sess *s)
 	PEER_SET(s->pub->state, KVS_PEER_UP);
 	LOG_INFO("tcp: peer %s up (%s), %u streams", s->ep.text, s->dialer ? "dialed" : "accepted",
 		 s->nstreams);
+	tcp_rdma_sess_up(tc, s);
 }
 
 /* Frees s and its connections; no call into the core. */
@@ -71,21 +75,41 @@ static void sess_free(struct tcp *tc, struct tcp_sess *s)
 			tcp_conn_close(tc, &tc->conn[i]);
 	for (uint32_t i = s->owe_head; i != TCP_NONE; i = tc->rooms[i].owe_next)
 		tc->rooms[i].on_owe = false;
-	if (s->state == TCP_S_UP)
+	s->owe_head = s->owe_tail = TCP_NONE;
+	tcp_rdma_sess_free(tc, s);
+	if (s->state == TCP_S_UP || s->state == TCP_S_DYING)
 		KVS_STAT_SUB(tc->st->peer_sessions, 1);
 	s->state = TCP_S_FREE;
 	PEER_SET(s->pub->state, KVS_PEER_FREE);
 }
 
 /* The session is gone: its sockets are closed first, so no byte for any
- * of its transfers can arrive or leave; then the core releases their pins
- * and fails the rooms it carried. */
-static void sess_lost(struct tcp *tc, struct tcp_sess *s, int status)
+ * of its transfers can arrive or leave, and its queue pair is moved to the
+ * error state; once every READ it posted has completed (flushed), the core
+ * releases its pins and fails the rooms it carried (tcp_sess_end). */
+void tcp_sess_lost(struct tcp *tc, struct tcp_sess *s, int status)
 {
-	uint32_t id = s->id;
+	if (s->state == TCP_S_DYING || s->state == TCP_S_FREE)
+		return;
 	LOG_INFO("tcp: peer %s (%s) lost: %s", s->ep.text[0] ? s->ep.text : "?",
 		 s->dialer ? "dialed" : "accepted", strerror(-status));
 	KVS_STAT_ADD(tc->st->peer_lost, 1);
+	for (unsigned i = 0; i < tc->conns_hi; i++)
+		if (tc->conn[i].state != TCP_C_FREE && tc->conn[i].sess == s)
+			tcp_conn_close(tc, &tc->conn[i]);
+	if (s->state != TCP_S_UP)
+		KVS_STAT_ADD(tc->st->peer_sessions, 1); /* sess_free takes it back */
+	s->state = TCP_S_DYING;
+	s->lost_status = status;
+	PEER_SET(s->pub->state, KVS_PEER_FREE);
+	if (!tcp_rdma_sess_lost(tc, s))
+		tcp_sess_end(tc, s);
+}
+
+void tcp_sess_end(struct tcp *tc, struct tcp_sess *s)
+{
+	uint32_t id = s->id;
+	int status = s->lost_status;
 	sess_free(tc, s);
 	kvsp_peer_lost(tc->p, &tc->t, id, status);
 	for (uint32_t i = 0; i < tc->nrooms; i++)
@@ -98,7 +122,7 @@ void tcp_conn_fail(struct tcp *tc, struct tcp_conn *c, int status)
 	if (c->state == TCP_C_FREE)
 		return;
 	if (c->sess) {
-		sess_lost(tc, c->sess, status);
+		tcp_sess_lost(tc, c->sess, status);
 		return;
 	}
 	if (c->state == TCP_C_AUTH || c->state == TCP_C_JOINING) {
@@ -122,7 +146,8 @@ int tcp_on_join(struct tcp *tc, struct tcp_conn *c, const struct kvsp_frame *f)
 	struct tcp_sess *s = NULL;
 	for (unsigned i = 0; i < TCP_MAX_SESS && !s; i++) {
 		struct tcp_sess *x = &tc->sess[i];
-		if (x->state != TCP_S_FREE && !x->dialer && x->instance == inst && x->sid == sid)
+		if (x->state != TCP_S_FREE && x->state != TCP_S_DYING &&
+		    !x->dialer && x->instance == inst && x->sid == sid)
 			s = x;
 	}
 	if (!s) {
@@ -248,7 +273,7 @@ void tcp_on_timer(struct tcp *tc)
 			if (s->conn[k]->last_rx_ns > heard)
 				heard = s->conn[k]->last_rx_ns;
 		if (now - heard > tc->timeout_ns) {
-			sess_lost(tc, s, -ETIMEDOUT);
+			tcp_sess_lost(tc, s, -ETIMEDOUT);
 			continue;
 		}
 		if (now - s->last_tx_ns > tc->timeout_ns / 4)

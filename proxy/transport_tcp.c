@@ -51,7 +51,7 @@ static int tcp_submit(struct kvsp_transport *t, struct kvsp_xfer *x)
 		r->pend_tail = x->slot;
 		return 0;
 	}
-	tcp_conn_queue(tc, s->conn[s->rr++ % s->nstreams], x);
+	tcp_conn_queue(tc, tcp_rdma_conn_for(s), x);
 	return 0;
 }
 
@@ -108,7 +108,8 @@ static int tcp_reach(struct kvsp_transport *t, const struct kvs_desc_wire *d, ui
 		return -EINVAL;
 	for (unsigned i = 0; i < TCP_MAX_SESS; i++) {
 		struct tcp_sess *s = &tc->sess[i];
-		if (s->state != TCP_S_FREE && s->dialer && !strcmp(s->ep.text, ep.text)) {
+		if (s->state != TCP_S_FREE && s->state != TCP_S_DYING && s->dialer &&
+		    !strcmp(s->ep.text, ep.text)) {
 			if (s->bye)
 				return -ESHUTDOWN;
 			*peer = s->id;
@@ -142,13 +143,14 @@ static int tcp_attach(struct kvsp_transport *t, uint32_t peer, uint32_t room, ui
 static int tcp_poll(struct kvsp_transport *t)
 {
 	struct tcp *tc = tcp_of(t);
-	int busy = KVSP_IDLE;
 	/* With no connection, only the listener and the timer can have news,
 	 * and the loop hears of those through our fd (tcp_on_fd): a proxy
 	 * with no peers pays no syscall a pass. */
+	int rdma = tcp_rdma_poll(tc); /* before: a lost session's READs flush with no socket left */
 	if (!tc->conns_hi && !tc->woken)
-		return KVSP_IDLE;
+		return rdma;
 	tc->woken = false;
+	int busy = rdma;
 	struct epoll_event ev[64];
 	int n = epoll_wait(tc->epfd, ev, 64, 0);
 	for (int k = 0; k < n; k++) {
@@ -180,7 +182,7 @@ static int tcp_poll(struct kvsp_transport *t)
 static bool tcp_pending(struct kvsp_transport *t)
 {
 	struct tcp *tc = tcp_of(t);
-	if (tc->woken)
+	if (tc->woken || tcp_rdma_pending(tc))
 		return true;
 	for (unsigned i = 0; i < tc->conns_hi; i++)
 		if (tcp_conn_wants_tx(tc, &tc->conn[i]))
@@ -192,7 +194,7 @@ static void tcp_drain(struct kvsp_transport *t)
 {
 	struct tcp *tc = tcp_of(t);
 	for (unsigned i = 0; i < TCP_MAX_SESS; i++)
-		if (tc->sess[i].state != TCP_S_FREE)
+		if (tc->sess[i].state == TCP_S_JOINING || tc->sess[i].state == TCP_S_UP)
 			tc->sess[i].owe_bye = true;
 	tc->draining = true; /* sessions that join from now on hear it too */
 }
@@ -215,6 +217,9 @@ static void tcp_destroy(struct kvsp_transport *t)
 	struct tcp *tc = tcp_of(t);
 	for (unsigned i = 0; i < tc->conns_hi; i++)
 		tcp_conn_close(tc, &tc->conn[i]);
+	for (unsigned i = 0; i < TCP_MAX_SESS; i++)
+		tcp_rdma_sess_free(tc, &tc->sess[i]);
+	tcp_rdma_close(tc);
 	if (tc->listen_fd >= 0)
 		close(tc->listen_fd);
 	if (tc->timer_fd >= 0)
@@ -333,6 +338,8 @@ struct kvsp_transport *kvsp_tcp_create(struct kvsp *p, const struct kvsp_tcp_opt
 			rc = open_listener(tc, why, why_len);
 		}
 	}
+	if (rc == 0 && o->rdma_device)
+		rc = tcp_rdma_open(tc, o, why, why_len);
 	if (rc == 0) {
 		uint64_t q = tc->timeout_ns / 4;
 		struct itimerspec its = { .it_interval = { (time_t)(q / 1000000000), (long)(q % 1000000000) } };

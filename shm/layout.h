@@ -86,6 +86,8 @@ struct kvs_stats {
 	uint64_t peer_crc_errors;     /* chunks whose payload failed --tcp-checksum */
 	uint64_t tcp_bytes_tx, tcp_bytes_rx;
 	uint64_t peer_byes;           /* peers that said they are draining */
+	uint64_t rdma_reads;          /* chunks pulled by RDMA READ (landed or not) */
+	uint64_t rdma_bytes_rx;
 };
 
 /* The proxy is the counters' only writer, so a plain load and store (no
@@ -102,8 +104,10 @@ struct kvs_peer {
 	uint64_t instance;  /* the peer's */
 	uint64_t bytes_tx, bytes_rx;
 	uint64_t chunks_sunk; /* its chunks the fence kept out */
-	uint64_t rsvd;
+	uint32_t flags;     /* KVS_PEER_RDMA */
+	uint32_t rsvd;
 };
+#define KVS_PEER_RDMA 1u /* chunks from us to it go by its RDMA READ */
 #define KVS_MAX_PEERS 64
 
 struct kvs_ctrl {

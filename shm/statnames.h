@@ -33,7 +33,7 @@ static const struct kvs_stat_name kvs_stat_names[] = {
 	KVS_STAT(chunks_discarded), KVS_STAT(peer_sessions), KVS_STAT(peer_lost),
 	KVS_STAT(peer_auth_failed), KVS_STAT(peer_refused), KVS_STAT(peer_frames_refused),
 	KVS_STAT(peer_frames_ignored), KVS_STAT(peer_crc_errors), KVS_STAT(tcp_bytes_tx),
-	KVS_STAT(tcp_bytes_rx), KVS_STAT(peer_byes),
+	KVS_STAT(tcp_bytes_rx), KVS_STAT(peer_byes), KVS_STAT(rdma_reads), KVS_STAT(rdma_bytes_rx),
 };
 
 /* Returns the counter's offset in struct kvs_stats, or -1. */

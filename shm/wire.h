@@ -118,6 +118,8 @@ enum kvs_wire_type {
 	KVS_WIRE_BYE,       /* either way: no new rooms on this connection (drain) */
 	KVS_WIRE_JOIN,      /* dialer, first frame of each connection: which session, which stream */
 	KVS_WIRE_ENDED,     /* either way: after an abort, nothing of the room is in flight here */
+	KVS_WIRE_RDMA_HELLO, /* either way, once per session: my queue pair and pool, for RDMA READ */
+	KVS_WIRE_CHUNK_READ, /* sender -> receiver: pull this chunk from my pool; CHUNK_ACK when done */
 	KVS_WIRE_NTYPES,
 	/* QUIESCED (verbs: nothing of a room in flight any more) will take the
 	 * next number, with its body size; until then it is an unknown type. */
@@ -219,6 +221,30 @@ struct kvs_wire_bye {
 };
 static_assert(sizeof(struct kvs_wire_bye) == 8, "bye is 8 bytes");
 
+/* RDMA_HELLO: how to reach the speaker's queue pair for this session and
+ * read its pool (struct kvsp_verbs_ep on the wire). A proxy without RDMA
+ * ignores it, and chunks go on the sockets. */
+struct kvs_wire_rdma_hello {
+	uint32_t qpn, psn;
+	uint8_t gid[16];
+	uint64_t pool_addr, pool_len;
+	uint32_t rkey, mtu;
+};
+static_assert(sizeof(struct kvs_wire_rdma_hello) == 48, "rdma hello is 48 bytes");
+
+/* CHUNK_READ: a chunk to pull by RDMA READ from the sender's pool at
+ * offset (within the pool its RDMA_HELLO named). The sender's slot stays
+ * its transport's until the CHUNK_ACK that echoes xfer_ref, or until the
+ * session is lost and its queue pair is dead. */
+struct kvs_wire_chunk_read {
+	struct kvs_wire_room room;
+	uint32_t chunk;
+	uint32_t len;
+	uint64_t xfer_ref;
+	uint64_t offset;
+};
+static_assert(sizeof(struct kvs_wire_chunk_read) == 48, "chunk read is 48 bytes");
+
 /* Any body, for buffers that must hold the largest. */
 union kvs_wire_body {
 	struct kvs_wire_open open;
@@ -231,6 +257,8 @@ union kvs_wire_body {
 	struct kvs_wire_bye bye;
 	struct kvs_wire_join join;
 	struct kvs_wire_ended ended;
+	struct kvs_wire_rdma_hello rdma_hello;
+	struct kvs_wire_chunk_read chunk_read;
 	uint8_t bytes[48];
 };
 #define KVS_WIRE_BODY_MAX 48

@@ -24,13 +24,15 @@ struct decisive {
 	uint64_t discarded;
 };
 
-/* Across hosts: A's chunk is held at the sending proxy with its header
- * sent and its payload not (failpoint tcp.payload), so the receiving proxy
- * has posted a slot and is reading into it. The decode side aborts; B
- * drains the receiving pool and stamps every slot it gets; the payload is
- * let go. The late bytes must never land in a slot that is B's. pb must
- * run with --slots 16 (DECISIVE_SLOTS). */
-static inline struct decisive decisive_across(struct proxy *pa, struct proxy *pb)
+/* Across hosts: A's chunk is held in flight with the receiving proxy's
+ * slot posted for it: over tcp at the sending proxy with its header sent
+ * and its payload not (hold_fp tcp.payload on pa), over rdma at the
+ * receiving proxy with the READ not yet done (rdma.read on pb). The decode
+ * side aborts; B drains the receiving pool and stamps every slot it gets;
+ * the chunk is let go. The late bytes must never land in a slot that is
+ * B's. pb must run with --slots 16 (DECISIVE_SLOTS). */
+static inline struct decisive decisive_hold(struct proxy *pa, struct proxy *pb, struct proxy *hold_px,
+					    const char *hold_fp)
 {
 	struct decisive o = { 0 };
 	kvs_client *rx = connect_ok(pb), *tx = connect_ok(pa), *b = connect_ok(pb);
@@ -38,13 +40,13 @@ static inline struct decisive decisive_across(struct proxy *pa, struct proxy *pb
 	struct kvs_room_desc d;
 	cr_assert_eq(kvs_recv_open(rx, SLOT, A_RX, &rr, &d), 0);
 	cr_assert_eq(kvs_send_open(tx, &d, A_TX, &sr), 0);
-	uint64_t match = A_TX;
-	fp_set(pa, "tcp.payload", "pause", &match);
+	uint64_t match = hold_px == pb ? A_RX : A_TX; /* the room as the holding proxy names it */
+	fp_set(hold_px, hold_fp, "pause", &match);
 	struct kvs_lease a;
 	cr_assert_eq(kvs_acquire(tx, 1, &a), 0);
 	canary_fill(kvs_lease_ptr(tx, &a), A_TX, 0, SLOT);
 	cr_assert_eq(kvs_send(sr, &a, 0, SLOT), 0);
-	fp_wait(pa, "tcp.payload", 1);              /* the header is on its way */
+	fp_wait(hold_px, hold_fp, 1);               /* the chunk is in flight */
 	stat_wait(pb, "slots.recv_posted", 1, 1);   /* the receiver posted a slot for it */
 	o.victim = UINT32_MAX;
 	for (uint32_t i = 0; i < DECISIVE_SLOTS; i++)
@@ -58,9 +60,12 @@ static inline struct decisive decisive_across(struct proxy *pa, struct proxy *pb
 
 	struct kvs_lease bl[DECISIVE_SLOTS];
 	o.b_slots = xroom_drain_pool(b, bl, DECISIVE_SLOTS, B_OWNER, o.victim, &o.b_got_victim);
-	uint64_t rx_bytes = stat_get(pb, "tcp_bytes_rx");
-	fp_set(pa, "tcp.payload", "off", NULL);     /* the late payload goes */
-	stat_wait(pb, "tcp_bytes_rx", 1, rx_bytes + SLOT); /* and has been read */
+	/* The late bytes go, and have arrived: read off the socket, or READ. */
+	bool rdma = hold_px == pb;
+	const char *arrived = rdma ? "rdma_reads" : "tcp_bytes_rx";
+	uint64_t before = stat_get(pb, arrived);
+	fp_set(hold_px, hold_fp, "off", NULL);
+	stat_wait(pb, arrived, 1, before + (rdma ? 1 : SLOT));
 
 	o.rx_final = wait_event(rx).type;
 	o.tx_final = wait_event(tx).type;
@@ -80,6 +85,12 @@ static inline struct decisive decisive_across(struct proxy *pa, struct proxy *pb
 	kvs_close(tx);
 	kvs_close(b);
 	return o;
+}
+
+/* Over tcp: the payload held at the sending proxy. */
+static inline struct decisive decisive_across(struct proxy *pa, struct proxy *pb)
+{
+	return decisive_hold(pa, pb, pa, "tcp.payload");
 }
 
 #endif

@@ -82,8 +82,17 @@ static void spawn(struct proxy *px, const char *bin, const char *const *args, bo
 	argv[n++] = "--no-lock";
 	argv[n++] = "--ready-fd";
 	argv[n++] = "3";
-	for (; args && *args && n < 46; args++)
+	for (; args && *args && n < 40; args++)
 		argv[n++] = *args;
+	/* KVSTAGE_TEST_PROXY_ARGS: words every proxy gets too, so that one
+	 * suite runs again with another data path (tools/run-tests.sh runs
+	 * the tcp suites with --rdma-device rxe0 in the soft-RoCE guest). */
+	static char extra[256];
+	const char *e = getenv("KVSTAGE_TEST_PROXY_ARGS");
+	snprintf(extra, sizeof(extra), "%s", e ? e : "");
+	char *save = NULL;
+	for (char *w = strtok_r(extra, " ", &save); w && n < 46; w = strtok_r(NULL, " ", &save))
+		argv[n++] = w;
 	argv[n] = NULL;
 
 	pid_t pid = fork();

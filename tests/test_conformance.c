@@ -8,6 +8,12 @@
  *   tcp    two proxies on loopback; the receiving proxy posts a slot for
  *          each chunk (failpoint tcp.payload holds a payload after its
  *          header left)
+ *   verbs  the same two proxies with --rdma-device: the receiving proxy
+ *          pulls each chunk by RDMA READ (failpoint rdma.read holds a READ
+ *          there, its slot posted). Needs an RDMA device named by
+ *          $KVSTAGE_TEST_RDMA_DEVICE: tools/run-tests.sh runs this suite
+ *          again in the soft-RoCE guest with rxe0; elsewhere these cases
+ *          skip and say so
  *
  * Scenarios: bytes verified from 1 byte to many chunks; DESIGN's decisive
  * scenario; an abort at every phase from either side; the sending side's
@@ -31,24 +37,27 @@
 
 #define SECRET "kvstage-conformance-secret-0123456789"
 
-enum kind { X_LOCAL, X_TCP, X_NKINDS };
+enum kind { X_LOCAL, X_TCP, X_VERBS, X_NKINDS };
 
-static const char *const kind_name[X_NKINDS] = { "local", "tcp" };
+static const char *const kind_name[X_NKINDS] = { "local", "tcp", "verbs" };
 
 /* What a scenario needs to know of a transport. */
 struct xport {
 	bool two_proxies;    /* the halves are on two proxies */
-	const char *hold_fp; /* failpoint on the sending proxy that holds a chunk in flight */
+	const char *hold_fp; /* failpoint that holds a chunk in flight */
 	bool posts_slot;     /* the receiving proxy posts a slot before bytes arrive */
+	bool hold_at_rx;     /* hold_fp is the receiving proxy's (else the sending one's) */
 };
 
 static const struct xport xports[X_NKINDS] = {
-	[X_LOCAL] = { false, "local.quiesce", false },
-	[X_TCP] = { true, "tcp.payload", true },
+	[X_LOCAL] = { false, "local.quiesce", false, false },
+	[X_TCP] = { true, "tcp.payload", true, false },
+	[X_VERBS] = { true, "rdma.read", true, true },
 };
 
 static struct proxy p_rx = PROXY_INIT, p_tx = PROXY_INIT;
 static struct proxy *rxp, *txp; /* the same proxy for local */
+static enum kind cur_kind;
 
 static void setup(void)
 {
@@ -67,10 +76,19 @@ TestSuite(conformance, .init = setup, .fini = teardown, .timeout = 120);
 static const struct xport *path(enum kind k, const char *slots)
 {
 	cr_log_info("transport %s", kind_name[k]);
+	cur_kind = k;
+	const char *dev = getenv("KVSTAGE_TEST_RDMA_DEVICE");
+	if (k == X_VERBS && !(dev && *dev))
+		cr_skip_test("verbs: no RDMA device here ($KVSTAGE_TEST_RDMA_DEVICE unset); "
+			     "tools/run-tests.sh runs these cases on rxe0 in the soft-RoCE guest");
 	const char *args[] = { "--slots", slots, "--slot-size", "64K", "--listen", "127.0.0.1:0",
-			       "--peer-timeout", "5000", NULL };
+			       "--peer-timeout", "5000", NULL, NULL, NULL };
 	if (k == X_LOCAL)
 		args[4] = NULL;
+	if (k == X_VERBS) {
+		args[8] = "--rdma-device";
+		args[9] = dev;
+	}
 	proxy_start(&p_rx, NULL, args);
 	rxp = txp = &p_rx;
 	if (xports[k].two_proxies) {
@@ -84,28 +102,42 @@ static const struct xport *path(enum kind k, const char *slots)
  * more room goes through: the path still serves. */
 static void path_ends_clean(kvs_client *rx, kvs_client *tx)
 {
+	uint64_t reads = stat_get(rxp, "rdma_reads");
 	one_room(rx, tx, 0xC1EA);
+	if (cur_kind == X_VERBS) /* and it did not fall back to the sockets */
+		cr_assert_geq(stat_get(rxp, "rdma_reads"), reads + 3, "the room's 3 chunks came by READ");
 	kvs_close(tx);
 	kvs_close(rx);
 	wait_idle(rxp, 0);
 	wait_idle(txp, 0);
 }
 
+static struct proxy *holder(const struct xport *x)
+{
+	return x->hold_at_rx ? rxp : txp;
+}
+
+/* Holds the next chunk of the room whose user_data's low 16 bits are owner's. */
 static void hold(const struct xport *x, uint64_t owner)
 {
-	cr_assert_eq(kvs_admin_fp_set_mask(txp->admin, x->hold_fp, "pause", owner, 0xffff), 0);
+	cr_assert_eq(kvs_admin_fp_set_mask(holder(x)->admin, x->hold_fp, "pause", owner, 0xffff), 0);
+}
+
+static void let_go(const struct xport *x)
+{
+	fp_set(holder(x), x->hold_fp, "off", NULL);
 }
 
 /* The held chunk is in flight: inside the transport, and (where the
  * receiving proxy posts slots) its slot posted there. */
 static void wait_held(const struct xport *x, uint64_t posted_before)
 {
-	fp_wait(txp, x->hold_fp, 1);
+	fp_wait(holder(x), x->hold_fp, 1);
 	if (x->posts_slot)
 		stat_wait(rxp, "slots.recv_posted", 1, posted_before + 1);
 }
 
-static enum kind kinds[X_NKINDS] = { X_LOCAL, X_TCP };
+static enum kind kinds[X_NKINDS] = { X_LOCAL, X_TCP, X_VERBS };
 
 /* ------------------------------------------------------------- bytes */
 
@@ -151,7 +183,7 @@ ParameterizedTest(enum kind *k, conformance, decisive_late_bytes_never_land_in_a
 {
 	const struct xport *x = path(*k, "16");
 	if (x->posts_slot) {
-		struct decisive o = decisive_across(txp, rxp);
+		struct decisive o = decisive_hold(txp, rxp, holder(x), x->hold_fp);
 		cr_assert_eq(o.state_after_abort, KVS_SLOT_TOMBSTONE);
 		cr_assert(!o.b_got_victim, "B was given the slot the late payload still writes into");
 		cr_assert_eq(o.b_slots, DECISIVE_SLOTS - 1);
@@ -182,7 +214,7 @@ ParameterizedTest(enum kind *k, conformance, decisive_late_bytes_never_land_in_a
 	unsigned nb = xroom_drain_pool(b, bl, DECISIVE_SLOTS, B_OWNER, victim, &got_victim);
 	cr_assert(!got_victim, "B was given the slot still in flight");
 	cr_assert_eq(nb, DECISIVE_SLOTS - 1, "B gets every slot but the tombstone");
-	fp_set(txp, x->hold_fp, "off", NULL);
+	let_go(x);
 	cr_assert_eq(wait_event(rx).type, KVS_EV_ABORTED);
 	cr_assert_eq(wait_event(tx).type, KVS_EV_ABORTED);
 	for (unsigned i = 0; i < nb; i++) {
@@ -253,7 +285,7 @@ ParameterizedTest(struct abort_case *c, conformance, an_abort_at_every_phase_fro
 		sends = 1; /* two went; the third never will */
 	cr_assert_eq(kvs_abort(c->from_receiver ? r.rr : r.sr), 0);
 	if (held)
-		fp_set(txp, x->hold_fp, "off", NULL);
+		let_go(x);
 	struct kvs_event et = wait_event(tx), er = wait_event(rx);
 	cr_assert_eq(et.type, KVS_EV_ABORTED, "%s, abort %s from the %s: sender got %u (%s)",
 		     kind_name[c->kind], phase_name[c->phase], c->from_receiver ? "receiver" : "sender",
@@ -320,15 +352,17 @@ ParameterizedTest(enum kind *k, conformance, the_sending_side_dies_mid_transfer)
 	/* Local: the room's end waits for the transport to let go of the
 	 * dead client's chunk, as it must. */
 	if (!x->two_proxies)
-		fp_set(txp, x->hold_fp, "off", NULL);
+		let_go(x);
 	struct kvs_event e = wait_event(rx);
 	cr_assert(e.type == KVS_EV_ABORTED || e.type == KVS_EV_FAILED, "receiver got %u", e.type);
 	cr_assert_eq(kvs_room_close(r.rr), 0);
 	if (x->two_proxies) {
 		proxy_stop(&p_tx);
+		const char *dev = getenv("KVSTAGE_TEST_RDMA_DEVICE");
 		const char *args[] = { "--slots", "64", "--slot-size", "64K", "--listen",
-				       "127.0.0.1:0", NULL };
-		proxy_start(&p_tx, NULL, args);
+				       "127.0.0.1:0", cur_kind == X_VERBS ? "--rdma-device" : NULL,
+				       dev, NULL };
+		proxy_start(&p_tx, NULL, args); /* the sending host, back */
 	}
 	kvs_client *tx = connect_ok(txp);
 	path_ends_clean(rx, tx);

@@ -116,6 +116,7 @@ static void print_human(const struct kvs_ctrl *c, size_t len, const char *path, 
 	       S(peer_sessions), S(peer_lost), S(peer_auth_failed), S(peer_refused),
 	       S(peer_frames_refused), S(peer_frames_ignored), S(peer_crc_errors),
 	       S(chunks_discarded), S(tcp_bytes_tx), S(tcp_bytes_rx));
+	printf("rdma      reads %llu  rx %llu\n", S(rdma_reads), S(rdma_bytes_rx));
 	const struct kvs_peer *pt = NULL;
 	uint32_t np = peer_rows(c, len, &pt);
 	for (uint32_t i = 0; i < np; i++) {
@@ -125,9 +126,10 @@ static void print_human(const struct kvs_ctrl *c, size_t len, const char *path, 
 			continue;
 		char ep[sizeof(p->endpoint) + 1] = { 0 };
 		memcpy(ep, p->endpoint, sizeof(p->endpoint));
-		printf("peer      %s  %s  streams %llu  instance %016llx  tx %llu  rx %llu  sunk %llu\n",
+		printf("peer      %s  %s  streams %llu  instance %016llx  tx %llu  rx %llu  sunk %llu  "
+		       "chunks by %s\n",
 		       ep[0] ? ep : "(joining)", peer_state(st), P(streams), P(instance), P(bytes_tx),
-		       P(bytes_rx), P(chunks_sunk));
+		       P(bytes_rx), P(chunks_sunk), P(flags) & KVS_PEER_RDMA ? "rdma" : "tcp");
 	}
 	if (!slots)
 		return;
@@ -191,10 +193,11 @@ static void print_json(const struct kvs_ctrl *c, size_t len, const char *path, i
 	       S(tombstones_reaped), S(sleeps), S(log_suppressed));
 	printf(",\"tcp\":{\"peers\":%llu,\"lost\":%llu,\"auth_failed\":%llu,\"refused\":%llu,"
 	       "\"frames_refused\":%llu,\"frames_ignored\":%llu,\"crc_errors\":%llu,"
-	       "\"chunks_discarded\":%llu,\"bytes_tx\":%llu,\"bytes_rx\":%llu},\"peers\":[",
+	       "\"chunks_discarded\":%llu,\"bytes_tx\":%llu,\"bytes_rx\":%llu},"
+	       "\"rdma\":{\"reads\":%llu,\"bytes_rx\":%llu},\"peers\":[",
 	       S(peer_sessions), S(peer_lost), S(peer_auth_failed), S(peer_refused),
 	       S(peer_frames_refused), S(peer_frames_ignored), S(peer_crc_errors),
-	       S(chunks_discarded), S(tcp_bytes_tx), S(tcp_bytes_rx));
+	       S(chunks_discarded), S(tcp_bytes_tx), S(tcp_bytes_rx), S(rdma_reads), S(rdma_bytes_rx));
 	const struct kvs_peer *pt = NULL;
 	uint32_t np = peer_rows(c, len, &pt);
 	for (uint32_t i = 0, first = 1; i < np; i++) {
@@ -207,8 +210,9 @@ static void print_json(const struct kvs_ctrl *c, size_t len, const char *path, i
 		printf("%s{\"endpoint\":", first ? "" : ",");
 		kvs_json_string(stdout, ep);
 		printf(",\"state\":\"%s\",\"streams\":%llu,\"instance\":\"%016llx\",\"bytes_tx\":%llu,"
-		       "\"bytes_rx\":%llu,\"chunks_sunk\":%llu}",
-		       peer_state(st), P(streams), P(instance), P(bytes_tx), P(bytes_rx), P(chunks_sunk));
+		       "\"bytes_rx\":%llu,\"chunks_sunk\":%llu,\"rdma\":%s}",
+		       peer_state(st), P(streams), P(instance), P(bytes_tx), P(bytes_rx), P(chunks_sunk),
+		       P(flags) & KVS_PEER_RDMA ? "true" : "false");
 		first = 0;
 	}
 	printf("]");

@@ -28,6 +28,9 @@ tests/rxe/setup.sh
 RXE_WORKDIR="$PWD/build/rxe" tests/rxe/selftest.sh
 echo "== the verbs suite on rxe0 in that guest (on this host it skips: no RDMA device)"
 RXE_WORKDIR="$PWD/build/rxe" tests/rxe/run.sh --timeout 600 -- build/tests/test-verbs --jobs=1 --verbose
+echo "== the transport conformance suite in that guest, verbs included (two proxies, --rdma-device rxe0)"
+RXE_WORKDIR="$PWD/build/rxe" tests/rxe/run.sh --timeout 900 --env KVSTAGE_TEST_RDMA_DEVICE=rxe0 \
+  --env KVSTAGE_BUILD_DIR="$PWD/build" -- build/tests/test-conformance --jobs=1
 echo "== short fuzz pass (fuzz/run.sh: libFuzzer, clang, ASan+UBSan; see README for the long run)"
 FUZZ_RUNS=${FUZZ_RUNS:-100000} fuzz/run.sh
 echo "== all tests passed"
