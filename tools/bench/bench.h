@@ -23,7 +23,7 @@
 #define BENCH_MAX_PAIRS 64
 #define BENCH_WSET_DEFAULT (256ull << 20)
 
-enum bench_mode { MODE_LOCAL, MODE_LATENCY, MODE_IDLE, MODE_BASELINE, MODE_GPU, MODE_TCP };
+enum bench_mode { MODE_LOCAL, MODE_LATENCY, MODE_IDLE, MODE_BASELINE, MODE_GPU, MODE_TCP, MODE_VERBS };
 enum bench_payload { PAYLOAD_NONE, PAYLOAD_COPY, PAYLOAD_VERIFY, PAYLOAD_IN };
 enum bench_fmt { FMT_TABLE, FMT_JSON, FMT_CSV };
 
@@ -53,6 +53,8 @@ struct bench_opts {
 	bool no_pin;         /* leave CPU placement to the scheduler */
 	bool netns;          /* tcp: the two proxies in network namespaces joined by veth */
 	unsigned tcp_streams; /* tcp: --tcp-streams of the proxies, and of the raw baseline */
+	const char *rdma_device; /* verbs: the device both proxies and ib_read_bw use */
+	int rdma_gid_index;      /* verbs: -1: the proxies' and perftest's own choice */
 	int argc;
 	char **argv; /* as given, for --json */
 };
@@ -196,6 +198,11 @@ struct raw_tcp {
 };
 /* GB/s the receiver counted over r->sec, or < 0 on failure. */
 double baseline_raw_tcp(const struct raw_tcp *r);
+/* rdmabase.c: perftest's ib_read_bw between two processes on dev (gid_index
+ * < 0: its own choice), READs of chunk bytes for sec (whole seconds, at
+ * least 1): GB/s, or < 0 with why filled in. */
+double baseline_ib_read_bw(const char *dev, int gid_index, uint64_t chunk, double sec, char *why,
+			   size_t why_len);
 /* Moves the calling process into network namespace ns (/run/netns/NS); NULL or "": stays. Returns 0, or -errno. */
 int bench_enter_netns(const char *ns);
 /* Eventfd ping-pong between two processes that both block (placed like the
@@ -229,6 +236,7 @@ struct local_point {
 	/* tcp mode */
 	double proxy_rx_cpu;          /* the receiving side's proxy, % of one core; < 0: n/a */
 	double tcp1_gbps, tcpn_gbps;  /* raw TCP, one stream and --tcp-streams; < 0: failed */
+	double rdma_gbps;             /* verbs: ib_read_bw on the same device; < 0: failed */
 };
 
 struct latency_result {

@@ -29,7 +29,8 @@ int main(int argc, char **argv)
 	setvbuf(stdout, NULL, _IOLBF, 0);
 	switch (o.mode) {
 	case MODE_LOCAL: rc = run_local(&o); break;
-	case MODE_TCP: rc = run_tcp(&o); break;
+	case MODE_TCP:
+	case MODE_VERBS: rc = run_tcp(&o); break;
 	case MODE_LATENCY: rc = run_latency(&o); break;
 	case MODE_IDLE: rc = run_idle(&o); break;
 	case MODE_BASELINE: rc = run_baseline(&o); break;

@@ -42,6 +42,9 @@ static void usage(FILE *f)
 "             chunks/s, room latency and both proxies' CPU, against raw TCP\n"
 "             between the same two endpoints (one stream, and --tcp-streams\n"
 "             streams), measured in the same run\n"
+"  verbs      the tcp mode with --rdma-device on both proxies: chunks pulled\n"
+"             by RDMA READ; baseline: perftest's ib_read_bw between two\n"
+"             processes on the same device, in the same run\n"
 "  gpu        GPU memory into and out of slots (needs a CUDA build); it takes\n"
 "             its own options: kvstage-bench gpu --help\n"
 "\n"
@@ -61,6 +64,9 @@ static void usage(FILE *f)
 "                         joined by a veth pair (10.78.0.1 - 10.78.0.2) made\n"
 "                         for this run and removed after it; needs root and\n"
 "                         iproute2 (default: both on 127.0.0.1)\n"
+"      --rdma-device NAME verbs: the RDMA device (ibv_devices lists them)\n"
+"      --rdma-gid-index N verbs: its GID for the proxies and ib_read_bw\n"
+"                         (default: their own choice)\n"
 "\n"
 "Work:\n"
 "  -c, --chunk SIZE[,SIZE...]  chunk (slot) sizes, multiples of 4K, K/M/G\n"
@@ -115,7 +121,7 @@ static void usage(FILE *f)
 enum {
 	O_KVSTAGED = 256, O_SWEEP, O_ROOMBYTES, O_ROOMS, O_SENDERS, O_RECEIVERS, O_PAYLOAD,
 	O_WARMUP, O_BASESEC, O_WSET, O_SAMPLES, O_GAP, O_JSON, O_CSV, O_PLOT, O_PROGRESS,
-	O_NOPIN, O_PROXYARG, O_STREAMS, O_NETNS,
+	O_NOPIN, O_PROXYARG, O_STREAMS, O_NETNS, O_RDMA, O_GIDX,
 };
 
 static const struct option long_opts[] = {
@@ -143,6 +149,8 @@ static const struct option long_opts[] = {
 	{ "no-pin", no_argument, NULL, O_NOPIN },
 	{ "tcp-streams", required_argument, NULL, O_STREAMS },
 	{ "netns", no_argument, NULL, O_NETNS },
+	{ "rdma-device", required_argument, NULL, O_RDMA },
+	{ "rdma-gid-index", required_argument, NULL, O_GIDX },
 	{ "quiet", no_argument, NULL, 'q' },
 	{ "help", no_argument, NULL, 'h' },
 	{ "version", no_argument, NULL, 'V' },
@@ -234,7 +242,7 @@ static int parse_chunks(const char *arg, struct bench_opts *o)
 
 static const char *const mode_names[] = {
 	[MODE_LOCAL] = "local", [MODE_LATENCY] = "latency", [MODE_IDLE] = "idle",
-	[MODE_BASELINE] = "baseline", [MODE_GPU] = "gpu", [MODE_TCP] = "tcp",
+	[MODE_BASELINE] = "baseline", [MODE_GPU] = "gpu", [MODE_TCP] = "tcp", [MODE_VERBS] = "verbs",
 };
 
 bool bench_mode_is_gpu(int argc, char **argv)
@@ -274,6 +282,7 @@ int bench_opts_parse(int argc, char **argv, struct bench_opts *o)
 	o->samples = 200;
 	o->idle_gap_ms = 2;
 	o->tcp_streams = 2;
+	o->rdma_gid_index = -1;
 	o->argc = argc;
 	o->argv = argv;
 	int payload = -1, opt;
@@ -399,6 +408,16 @@ int bench_opts_parse(int argc, char **argv, struct bench_opts *o)
 		case O_NETNS:
 			o->netns = true;
 			break;
+		case O_RDMA:
+			if (!*optarg)
+				return bad("--rdma-device", optarg, "want a device name (ibv_devices)");
+			o->rdma_device = optarg;
+			break;
+		case O_GIDX:
+			if (bench_parse_uint(optarg, 0, 255, &u))
+				return bad("--rdma-gid-index", optarg, "want 0 to 255");
+			o->rdma_gid_index = (int)u;
+			break;
 		case 'q':
 			o->quiet = true;
 			break;
@@ -414,8 +433,8 @@ int bench_opts_parse(int argc, char **argv, struct bench_opts *o)
 		}
 	}
 	if (optind >= argc) {
-		fprintf(stderr, "kvstage-bench: no mode given (local, tcp, latency, idle, baseline "
-				"or gpu)\nTry 'kvstage-bench --help'.\n");
+		fprintf(stderr, "kvstage-bench: no mode given (local, tcp, verbs, latency, idle, "
+				"baseline or gpu)\nTry 'kvstage-bench --help'.\n");
 		return 2;
 	}
 	if (optind + 1 < argc) {
@@ -429,14 +448,30 @@ int bench_opts_parse(int argc, char **argv, struct bench_opts *o)
 		if (!strcmp(m, mode_names[k]))
 			break;
 	if (k == sizeof(mode_names) / sizeof(mode_names[0]))
-		return bad("mode", m, "want local, tcp, latency, idle, baseline or gpu");
+		return bad("mode", m, "want local, tcp, verbs, latency, idle, baseline or gpu");
 	o->mode = (enum bench_mode)k;
-	if (o->mode != MODE_TCP && (o->netns || streams_set)) {
+	bool two = o->mode == MODE_TCP || o->mode == MODE_VERBS;
+	if (o->mode != MODE_VERBS && (o->rdma_device || o->rdma_gid_index >= 0)) {
+		fprintf(stderr, "kvstage-bench: --rdma-device and --rdma-gid-index are for the verbs "
+				"mode\n");
+		return 2;
+	}
+	if (o->mode == MODE_VERBS && !o->rdma_device) {
+		fprintf(stderr, "kvstage-bench: the verbs mode needs --rdma-device NAME (ibv_devices "
+				"lists them)\n");
+		return 2;
+	}
+	if (o->mode == MODE_VERBS && o->netns) {
+		fprintf(stderr, "kvstage-bench: --netns is for the tcp mode (an RDMA device made in "
+				"another namespace may not reach this one)\n");
+		return 2;
+	}
+	if (!two && (o->netns || streams_set)) {
 		fprintf(stderr, "kvstage-bench: --%s is for the tcp mode\n",
 			o->netns ? "netns" : "tcp-streams");
 		return 2;
 	}
-	if (o->mode == MODE_TCP && o->socket) {
+	if (two && o->socket) {
 		fprintf(stderr, "kvstage-bench: the tcp mode starts both of its proxies; --socket "
 				"is for local, latency and idle\n");
 		return 2;
@@ -469,14 +504,14 @@ int bench_opts_parse(int argc, char **argv, struct bench_opts *o)
 		return 2;
 	}
 	o->payload = payload >= 0 ? (enum bench_payload)payload
-				  : o->mode == MODE_LATENCY || o->mode == MODE_TCP ? PAYLOAD_NONE
+				  : o->mode == MODE_LATENCY || two ? PAYLOAD_NONE
 										   : PAYLOAD_COPY;
 	if (o->mode == MODE_LATENCY && o->payload == PAYLOAD_IN)
 		return bad("--payload", "in", "latency mode takes none, copy or verify");
 	if (o->warmup < 0)
 		o->warmup = o->bytes ? 0 : fmin(0.5, o->duration / 10);
 	if (o->baseline_sec < 0) /* tcp: raw TCP on a VM moves a lot from run to run */
-		o->baseline_sec = o->mode == MODE_TCP ? fmax(0.1, fmin(1, o->duration / 2))
+		o->baseline_sec = two ? fmax(0.1, fmin(1, o->duration / 2))
 						      : fmax(0.05, fmin(0.5, o->duration / 4));
 	if (o->mode == MODE_LATENCY || o->mode == MODE_IDLE) {
 		if (o->nchunks > 1) {

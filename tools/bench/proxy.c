@@ -67,7 +67,7 @@ void pin_init(const struct bench_opts *o)
 		return;
 	/* tcp: two proxies, each on a CPU of its own, and two left for the
 	 * clients; with fewer, nobody is pinned. */
-	unsigned need = o->mode == MODE_TCP ? 4 : 2;
+	unsigned need = o->mode == MODE_TCP || o->mode == MODE_VERBS ? 4 : 2;
 	if (o->no_pin || CPU_COUNT(&g_pin.all) < (int)need)
 		return;
 	g_pin.spread = true;
@@ -78,7 +78,7 @@ void pin_init(const struct bench_opts *o)
 		}
 	g_pin.clients = g_pin.all;
 	CPU_CLR(g_pin.proxy_cpu, &g_pin.clients);
-	if (o->mode == MODE_TCP)
+	if (o->mode == MODE_TCP || o->mode == MODE_VERBS)
 		CPU_CLR(g_pin.proxy2_cpu, &g_pin.clients);
 	else
 		g_pin.proxy2_cpu = -1;

@@ -18,6 +18,7 @@ static const char *mode_word(enum bench_mode m)
 	case MODE_IDLE: return "idle";
 	case MODE_BASELINE: return "baseline";
 	case MODE_TCP: return "tcp";
+	case MODE_VERBS: return "verbs";
 	default: return "gpu";
 	}
 }

@@ -166,9 +166,20 @@ static int point(const struct bench_opts *o, const struct tcp_env *e, struct loc
 	snprintf(streams, sizeof(streams), "%u", o->tcp_streams);
 	snprintf(listen, sizeof(listen), "%s:0", e->b_ip);
 
+	bool verbs = o->mode == MODE_VERBS;
 	struct raw_tcp raw = { .chunk = chunk, .sec = o->baseline_sec, .streams = 1,
 			       .tx_ns = e->ns[0], .rx_ns = e->ns[1], .rx_ip = e->b_ip,
 			       .tx_cpu = g_pin.proxy_cpu, .rx_cpu = g_pin.proxy2_cpu };
+	pt->rdma_gbps = -1;
+	if (verbs) {
+		char why[320];
+		note(o, "baseline: ib_read_bw on %s, READs of %s (%.0f s)", o->rdma_device, cs,
+		     o->baseline_sec < 1 ? 1 : o->baseline_sec);
+		pt->rdma_gbps = baseline_ib_read_bw(o->rdma_device, o->rdma_gid_index, chunk,
+						    o->baseline_sec, why, sizeof(why));
+		if (pt->rdma_gbps <= 0)
+			note(o, "baseline: %s; its ratio is n/a", why);
+	}
 	note(o, "baseline: raw TCP %s, one stream, writes of %s (%.2f s)", listen, cs, o->baseline_sec);
 	pt->tcp1_gbps = baseline_raw_tcp(&raw);
 	pt->tcpn_gbps = pt->tcp1_gbps;
@@ -182,9 +193,20 @@ static int point(const struct bench_opts *o, const struct tcp_env *e, struct loc
 		note(o, "baseline: a raw TCP measurement failed; its ratio is n/a");
 
 	struct bench_proxy a, b;
+	char gid[16];
+	snprintf(gid, sizeof(gid), "%d", o->rdma_gid_index);
 	const char *b_args[] = { "--peer-secret-file", e->secret, "--tcp-streams", streams,
-				 "--listen", listen, NULL };
-	const char *a_args[] = { "--peer-secret-file", e->secret, "--tcp-streams", streams, NULL };
+				 "--listen", listen, NULL, NULL, NULL, NULL, NULL };
+	const char *a_args[] = { "--peer-secret-file", e->secret, "--tcp-streams", streams, NULL,
+				 NULL, NULL, NULL, NULL };
+	if (verbs) {
+		b_args[6] = a_args[4] = "--rdma-device";
+		b_args[7] = a_args[5] = o->rdma_device;
+		if (o->rdma_gid_index >= 0) {
+			b_args[8] = a_args[6] = "--rdma-gid-index";
+			b_args[9] = a_args[7] = gid;
+		}
+	}
 	if (proxy_start_ex(&b, o, chunk, slots, b_args, g_pin.proxy2_cpu, e->ns[1]) < 0)
 		return 1;
 	if (proxy_start_ex(&a, o, chunk, slots, a_args, g_pin.proxy_cpu, e->ns[0]) < 0) {
@@ -198,12 +220,14 @@ static int point(const struct bench_opts *o, const struct tcp_env *e, struct loc
 	     bench_payload_str(o->payload));
 	struct bench_ends ends = { b.sock, a.sock, b.pid, a.pid };
 	int rc = local_measure(o, &ends, chunk, pt);
-	/* Every room crossed the wire: A sent at least the window's bytes. */
-	uint64_t sent = stat_of(a.sock, "tcp_bytes_tx");
+	/* Every room crossed the wire (by READ in verbs mode): at least the
+	 * window's bytes went, or the figure is not this path's. */
+	uint64_t sent = verbs ? stat_of(b.sock, "rdma_bytes_rx") : stat_of(a.sock, "tcp_bytes_tx");
 	if (!rc && sent < pt->bytes) {
-		fprintf(stderr, "kvstage-bench: proxy A sent %llu bytes over tcp, fewer than the %llu "
-				"the receivers counted: the rooms did not cross\n",
-			(unsigned long long)sent, (unsigned long long)pt->bytes);
+		fprintf(stderr, "kvstage-bench: %llu bytes went %s, fewer than the %llu the receivers "
+				"counted: the rooms did not take this path\n",
+			(unsigned long long)sent, verbs ? "by RDMA READ" : "over tcp",
+			(unsigned long long)pt->bytes);
 		rc = 1;
 	}
 	proxy_stop(&a);
@@ -236,8 +260,10 @@ int run_tcp(const struct bench_opts *o)
 	if (local_interrupted())
 		rc = 130;
 	if (done)
-		report_tcp(o, pts, done, &info, o->netns ? "veth between two network namespaces"
-							 : "loopback");
+		report_tcp(o, pts, done, &info,
+			   o->mode == MODE_VERBS ? "RDMA READ on the device, control on loopback TCP"
+			   : o->netns		 ? "veth between two network namespaces"
+						 : "loopback");
 	free(pts);
 	return rc;
 }
