@@ -218,7 +218,8 @@ int main(int argc, char **argv)
 	static struct kvsp_conf_args conf; /* its strings are the options' values: kept */
 	if (find_config(argc, argv, &conf_path))
 		return 2;
-	char **args = argv;
+	static char **args; /* static: what it holds lives as long as the options do */
+	args = argv;
 	int nargs = argc;
 	if (conf_path) {
 		char why[512];
