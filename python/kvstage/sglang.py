@@ -1,0 +1,1621 @@
+"""SGLang PD-disaggregation transfer backend over kvstage (``--disaggregation-transfer-backend kvstage``).
+
+SGLang's interface, mirrored name for name and signature for signature, as read from
+sgl-project/sglang main (the stored copies this was written against):
+  python/sglang/srt/disaggregation/base/conn.py    @ 0094505da74125a31ceb354f37ae7a1b6a97d3f5
+      KVArgs, KVPoll, KVTransferMetric, BaseKVManager, BaseKVSender, BaseKVReceiver, BaseKVBootstrapServer
+  python/sglang/srt/disaggregation/utils.py        @ 0094505da74125a31ceb354f37ae7a1b6a97d3f5
+      TransferBackend, KVClassType, get_kv_class (the if/elif the shim wraps), DisaggregationMode
+  python/sglang/srt/disaggregation/common/conn.py  @ 0094505da74125a31ceb354f37ae7a1b6a97d3f5
+      the bootstrap server's HTTP routes and JSON (PUT/GET /route, /health, /register_dp_rank,
+      /query_dp_ranks), PrefillServerInfo, try_ensure_parallel_info, KVTransferError
+  python/sglang/srt/disaggregation/decode.py, prefill.py: stored copies whose commit the index did not name
+      (same period: init(prefill_dp_rank) + send_metadata; that decode.py also passes send_metadata a
+      spec_metadata= keyword, hence **_kw) - how the scheduler drives the classes: DecodePreallocQueue,
+      DecodeTransferQueue (it frees decode pages on Failed, then calls clear()), PrefillBootstrapQueue
+  python/sglang/srt/disaggregation/nixl/conn.py    @ 007ba532d3bee198c0fc40572df051fe423abac3 (a real backend's shape)
+
+How it moves bytes. The decode side opens one kvstage room per request (recv_open) when SGLang
+calls send_metadata, and sends the room's descriptor (128 bytes) to the prefill rank over a small
+TCP side channel; the prefill rank's address comes from the bootstrap server, which speaks
+SGLang's own HTTP routes. The prefill side copies its pages into leased slots (runs of
+contiguous pages merged into one copy) and sends each slot once it is full; the proxy moves the
+slots; the decode side, on RECV_DONE, copies them into its own pages and only then reports
+Success. Neither the proxy nor the side channel ever learns an engine page address or index:
+only the two managers, each about its own memory.
+
+Room layout (both sides compute it from the same numbers: page count, item lengths, whether
+there is aux, the state item counts):
+    for each KV buffer b, in kv_data_ptrs order:   npages * kv_item_lens[b] bytes; the request's
+                                                   j-th page at j * kv_item_lens[b]
+    for each aux buffer a, in aux_data_ptrs order:  aux_item_lens[a] bytes (the aux_index row)
+    for each state component c, each tensor t:      n_c * state_item_lens[c][t] bytes; the k-th
+                                                   state index's item at k * item_len
+Chunk i of the room is slot i (slot_size bytes; the last one the rest).
+
+Abort and page release. The only writer of a decode page is this module's copy-out, and it
+runs only for a RECV_DONE of a request that is not aborted; a queued copy-out is cancelled by
+the abort. So:
+  * abort() (or a timeout, or the prefill aborting) makes poll() say Failed at once; nothing
+    writes the request's decode pages after poll() has said Failed (SGLang frees them there).
+  * clear() returns once the room's final event (ABORTED, or a RECV_DONE that raced the abort,
+    or FAILED) has come and no copy-out of it can run; then .pages_released is True and the
+    room's slots are back in the pool. An engine that wants the strict rule frees the pages
+    only then. clear() waits at most clear_timeout seconds (then logs, keeps tracking the room
+    in the background; pages_released stays False).
+The transport itself (local hand-off, tcp between proxies) only ever writes slots; a slot still
+touched by a transport after its room ended is a tombstone in the proxy and never reaches an
+engine (kvstage's own guarantee, README.md).
+
+Memory. KV and state pages in host memory are copied by the CPU (ctypes/memoryview). KV on a
+CUDA device needs libkvstage_cuda (kvstage.cuda) and is refused with a clear error unless
+KVSTAGE_SGLANG_CUDA=1: that path is written but has never run on a GPU. Aux (SGLang's
+MetadataBuffers) is always host memory.
+
+Not supported (refused with a reason, never silently wrong): prefill and decode with different
+attention-TP sizes, prefill pipeline parallelism or context parallelism, layouts that differ
+between the two sides (item lengths), decode-context parallelism (dcp_size > 1).
+
+Settings (environment): KVSTAGE_SOCKET (the proxy; default /run/kvstage/kvstaged.sock),
+KVSTAGE_SGLANG_HOST (the address the prefill rank's side channel binds and advertises),
+KVSTAGE_SGLANG_CUDA=1, KVSTAGE_SGLANG_CLEAR_TIMEOUT (s, default 10), and SGLang's own
+SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT / SGLANG_DISAGGREGATION_WAITING_TIMEOUT (s, default 300).
+See python/SGLANG.md.
+"""
+from __future__ import annotations
+
+import base64
+import collections
+import ctypes
+import dataclasses
+import enum
+import errno as _errno
+import itertools
+import json
+import logging
+import os
+import queue
+import select
+import socket
+import struct
+import threading
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from abc import ABC, abstractmethod
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Dict, List, Optional
+
+import numpy as np
+
+from .client import Client, EventType
+from .errors import KvstageError, NotConnected, PoolExhausted, Timeout
+
+logger = logging.getLogger(__name__)
+
+# ---------------------------------------------------------------------------------------------
+# SGLang's base classes when SGLang is importable; otherwise stand-ins with the same names,
+# values and abstract methods (SGLang is not installable on the development machine).
+# ---------------------------------------------------------------------------------------------
+try:
+    from sglang.srt.disaggregation.base.conn import (  # type: ignore
+        BaseKVBootstrapServer, BaseKVManager, BaseKVReceiver, BaseKVSender, KVArgs, KVPoll)
+    try:
+        from sglang.srt.disaggregation.base.conn import KVTransferMetric  # type: ignore
+    except ImportError:  # older SGLang
+        KVTransferMetric = None
+    HAVE_SGLANG = True
+except Exception as _e:  # not installed, or it failed to import: run standalone
+    logger.debug("kvstage.sglang: SGLang not importable (%s); using stand-in base classes", _e)
+    HAVE_SGLANG = False
+
+    class KVArgs:
+        """Stand-in of sglang's KVArgs: a plain attribute bag the engine fills."""
+        engine_rank: int
+        kv_data_ptrs: List[int]
+        kv_data_lens: List[int]
+        kv_item_lens: List[int]
+        aux_data_ptrs: List[int]
+        aux_data_lens: List[int]
+        aux_item_lens: List[int]
+        state_types: List[str]
+        state_data_ptrs: List[List[int]]
+        state_data_lens: List[List[int]]
+        state_item_lens: List[List[int]]
+        ib_device: str
+        ib_traffic_class: str
+        gpu_id: int
+        kv_head_num: int
+        total_kv_head_num: int
+        page_size: int
+        system_dp_rank: int
+        pp_rank: int
+        prefill_start_layer: int
+        dcp_size: int = 1
+        dcp_rank: int = 0
+
+    class KVPoll:
+        """SGLang's KVPoll: plain ints (SGLang MIN-reduces them across ranks)."""
+        Failed = 0
+        Bootstrapping = 1
+        WaitingForInput = 2
+        Transferring = 3
+        Success = 4
+
+    class BaseKVManager(ABC):
+        @abstractmethod
+        def __init__(self, args, disaggregation_mode, server_args, is_mla_backend=False): ...
+
+        @abstractmethod
+        def register_to_bootstrap(self): ...
+
+    class BaseKVSender(ABC):
+        @abstractmethod
+        def __init__(self, mgr, bootstrap_addr, bootstrap_room, dest_tp_ranks, pp_rank,
+                     req_has_disagg_prefill_dp_rank=False): ...
+
+        @abstractmethod
+        def init(self, num_kv_indices, aux_index=None): ...
+
+        @abstractmethod
+        def send(self, kv_indices, state_indices=None, token_position_offset=0): ...
+
+        def pop_decode_prefix_len(self):
+            return 0
+
+        def should_send_kv_chunk(self, num_pages, last_chunk):
+            return num_pages > 0
+
+        @abstractmethod
+        def get_transfer_metric(self): ...
+
+        @abstractmethod
+        def poll(self): ...
+
+        @abstractmethod
+        def failure_exception(self): ...
+
+        def clear(self):
+            pass
+
+        def abort(self):
+            pass
+
+    class BaseKVReceiver(ABC):
+        @abstractmethod
+        def __init__(self, mgr, bootstrap_addr, bootstrap_room=None): ...
+
+        @abstractmethod
+        def init(self, prefill_dp_rank): ...
+
+        @abstractmethod
+        def send_metadata(self, kv_indices, aux_index=None, state_indices=None, decode_prefix_len=None): ...
+
+        @abstractmethod
+        def poll(self): ...
+
+        @abstractmethod
+        def failure_exception(self): ...
+
+        def clear(self):
+            pass
+
+        def abort(self):
+            pass
+
+    class BaseKVBootstrapServer(ABC):
+        @abstractmethod
+        def __init__(self, host, port): ...
+
+    KVTransferMetric = None
+
+if KVTransferMetric is None:
+    @dataclasses.dataclass
+    class KVTransferMetric:  # noqa: F811 - SGLang's shape
+        transfer_latency_s: Optional[float] = None
+        alloc_latency_s: Optional[float] = None
+        transfer_total_bytes: Optional[int] = None
+
+try:
+    from sglang.srt.disaggregation.utils import DisaggregationMode  # type: ignore
+except Exception:
+    class DisaggregationMode(enum.Enum):
+        NULL = "null"
+        PREFILL = "prefill"
+        DECODE = "decode"
+
+
+class KVTransferError(Exception):
+    """What failure_exception() raises: .bootstrap_room, .failure_reason (SGLang's attributes)."""
+
+    def __init__(self, bootstrap_room, failure_reason, is_from_another_rank=False):
+        super().__init__(failure_reason)
+        self.bootstrap_room = bootstrap_room
+        self.failure_reason = failure_reason
+        self.is_from_another_rank = is_from_another_rank
+
+    def __str__(self):
+        return f"KVTransferError(bootstrap_room={self.bootstrap_room}): {self.failure_reason}"
+
+
+def _env_float(name, default):
+    try:
+        return float(os.environ.get(name, default))
+    except ValueError:
+        raise ValueError(f"${name} must be a number of seconds, not {os.environ[name]!r}") from None
+
+
+def _mode(m):
+    """Returns 'prefill' or 'decode' for a DisaggregationMode (any enum with that value) or string."""
+    v = getattr(m, "value", m)
+    if v not in ("prefill", "decode"):
+        raise ValueError(f"unsupported DisaggregationMode: {m!r}")
+    return v
+
+
+# ---------------------------------------------------------------------------------------------
+# Layout: where each byte sits in the room, and the copies that put it there.
+# ---------------------------------------------------------------------------------------------
+
+def _runs(idx):
+    """Returns [(pos, first_index, length)] for the runs of consecutive values in idx."""
+    idx = np.asarray(idx, dtype=np.int64).reshape(-1)
+    if idx.size == 0:
+        return []
+    if int(idx.min()) < 0:
+        raise ValueError("negative page or state index")
+    brk = np.flatnonzero(np.diff(idx) != 1) + 1
+    starts = np.concatenate(([0], brk))
+    ends = np.concatenate((brk, [idx.size]))
+    return [(int(s), int(idx[s]), int(e - s)) for s, e in zip(starts, ends)]
+
+
+def _flat(x):
+    """Returns one state component's indices as a flat int64 array (None: none)."""
+    if x is None:
+        return np.zeros(0, dtype=np.int64)
+    if isinstance(x, (list, tuple)):
+        parts = [np.asarray(e, dtype=np.int64).reshape(-1) for e in x if e is not None]
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+    return np.asarray(x, dtype=np.int64).reshape(-1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Region:
+    """One engine buffer as KVArgs gives it: base address, length, item length, device or host."""
+    ptr: int
+    nbytes: int
+    item: int
+    device: bool
+
+
+class MemoryMap:
+    """A manager's own buffers: KV regions, aux regions, state components (lists of regions)."""
+
+    def __init__(self, args, kv_device):
+        kv_ptrs, kv_lens, kv_items = list(args.kv_data_ptrs), list(args.kv_data_lens), list(args.kv_item_lens)
+        if not (len(kv_ptrs) == len(kv_lens) == len(kv_items)):
+            raise ValueError("kv_data_ptrs, kv_data_lens and kv_item_lens differ in length")
+        self.kv = [Region(int(p), int(n), int(i), kv_device) for p, n, i in zip(kv_ptrs, kv_lens, kv_items)]
+        a_ptrs = list(getattr(args, "aux_data_ptrs", None) or [])
+        a_lens = list(getattr(args, "aux_data_lens", None) or [])
+        a_items = list(getattr(args, "aux_item_lens", None) or [])
+        if not (len(a_ptrs) == len(a_lens) == len(a_items)):
+            raise ValueError("aux_data_ptrs, aux_data_lens and aux_item_lens differ in length")
+        self.aux = [Region(int(p), int(n), int(i), False) for p, n, i in zip(a_ptrs, a_lens, a_items)]
+        s_ptrs = list(getattr(args, "state_data_ptrs", None) or [])
+        s_lens = list(getattr(args, "state_data_lens", None) or [])
+        s_items = list(getattr(args, "state_item_lens", None) or [])
+        if s_ptrs and not isinstance(s_ptrs[0], (list, tuple)):  # an older flat list: one component
+            s_ptrs, s_lens, s_items = [s_ptrs], [s_lens], [s_items]
+        self.state = [[Region(int(p), int(n), int(i), kv_device) for p, n, i in zip(ps, ls, its)]
+                      for ps, ls, its in zip(s_ptrs, s_lens, s_items)]
+        self.state_types = [getattr(t, "value", t) for t in (getattr(args, "state_types", None) or [])]
+
+    def fingerprint(self):
+        """The layout facts both sides must share (sent through the bootstrap server)."""
+        return {"kv_item_lens": [r.item for r in self.kv], "aux_item_lens": [r.item for r in self.aux],
+                "state_item_lens": [[r.item for r in comp] for comp in self.state],
+                "state_types": [str(t) for t in self.state_types]}
+
+    @staticmethod
+    def mismatch(mine, theirs):
+        """Returns why two fingerprints differ (None if they agree)."""
+        for key in ("kv_item_lens", "aux_item_lens", "state_item_lens"):
+            if mine.get(key) != theirs.get(key):
+                return f"{key} differ: this side {mine.get(key)}, the prefill side {theirs.get(key)}"
+        return None
+
+
+class RoomLayout:
+    """Offsets of a request's bytes in its room (see the module docstring); .nbytes in all."""
+
+    def __init__(self, mem, npages, has_aux, state_counts):
+        self.npages = int(npages)
+        self.has_aux = bool(has_aux)
+        self.state_counts = [int(n) for n in state_counts]
+        if len(self.state_counts) > len(mem.state):
+            raise ValueError(f"{len(self.state_counts)} state components, this side has {len(mem.state)}")
+        off = 0
+        self.kv_off = []
+        for r in mem.kv:
+            self.kv_off.append(off)
+            off += self.npages * r.item
+        self.aux_off = []
+        for r in (mem.aux if self.has_aux else []):
+            self.aux_off.append(off)
+            off += r.item
+        self.state_off = []
+        for comp, n in zip(mem.state, self.state_counts):
+            offs = []
+            for r in comp:
+                offs.append(off)
+                off += n * r.item
+            self.state_off.append(offs)
+        self.nbytes = off
+        self.mem = mem
+
+    def kv_extents(self, pages, first_pos):
+        """Returns [(room_off, addr, nbytes, device)] for pages at request positions first_pos..., buffer by buffer."""
+        out = []
+        runs = _runs(pages)
+        for b, r in enumerate(self.mem.kv):
+            for pos, page, n in runs:
+                if first_pos + pos + n > self.npages:
+                    raise ValueError(f"more pages than the {self.npages} the room was made for")
+                if (page + n) * r.item > r.nbytes:
+                    raise ValueError(f"page {page + n - 1} is past KV buffer {b} ({r.nbytes} bytes)")
+                out.append((self.kv_off[b] + (first_pos + pos) * r.item, r.ptr + page * r.item, n * r.item, r.device))
+        return out
+
+    def aux_extents(self, aux_index):
+        out = []
+        if not self.has_aux:
+            return out
+        for a, r in enumerate(self.mem.aux):
+            if (aux_index + 1) * r.item > r.nbytes or aux_index < 0:
+                raise ValueError(f"aux index {aux_index} is past aux buffer {a}")
+            out.append((self.aux_off[a], r.ptr + aux_index * r.item, r.item, False))
+        return out
+
+    def state_extents(self, state_indices):
+        out = []
+        for c, (comp, offs, n) in enumerate(zip(self.mem.state, self.state_off, self.state_counts)):
+            idx = _flat(state_indices[c]) if c < len(state_indices) else _flat(None)
+            if idx.size != n:
+                raise ValueError(f"state component {c}: {idx.size} indices here, {n} on the other side")
+            runs = _runs(idx)
+            for t, (r, base) in enumerate(zip(comp, offs)):
+                for pos, first, k in runs:
+                    if (first + k) * r.item > r.nbytes:
+                        raise ValueError(f"state index {first + k - 1} is past state buffer {c}.{t}")
+                    out.append((base + pos * r.item, r.ptr + first * r.item, k * r.item, r.device))
+        return out
+
+
+def state_counts_of(state_indices, ncomp):
+    """Returns the item count of each of ncomp state components in SGLang's state_indices."""
+    state_indices = list(state_indices or [])
+    return [int(_flat(state_indices[c]).size) if c < len(state_indices) else 0 for c in range(ncomp)]
+
+
+def _pieces(extents, slot_size):
+    """Yields (slot, slot_off, addr, nbytes, device) for extents cut at slot boundaries."""
+    for room_off, addr, n, dev in extents:
+        while n:
+            s, so = divmod(room_off, slot_size)
+            k = min(n, slot_size - so)
+            yield s, so, addr, k, dev
+            room_off += k
+            addr += k
+            n -= k
+
+
+def _host(addr, n):
+    """Returns a writable byte memoryview of n bytes of engine host memory at addr."""
+    return memoryview((ctypes.c_ubyte * n).from_address(addr)).cast("B")
+
+
+class CopyHandle:
+    """One copy-out job: done() once it ran (error: what it raised) or was cancelled; cancel() stops it if not started."""
+
+    def __init__(self, job):
+        self._job = job
+        self.state = "queued"  # queued, running, done, cancelled
+        self.error = None
+
+    def run(self):
+        if self.state != "queued":
+            return
+        self.state = "running"
+        try:
+            self._job()
+        except BaseException as e:  # reported through poll(), never lost
+            self.error = e
+        finally:
+            self._job = None
+            self.state = "done"
+
+    def done(self):
+        return self.state in ("done", "cancelled")
+
+    def cancel(self):
+        """Returns True if the job will never run (it had not started, or was cancelled before)."""
+        if self.state == "queued":
+            self.state = "cancelled"
+            self._job = None
+        return self.state == "cancelled"
+
+
+class CpuCopier:
+    """Copies between host memory and slots; runs each copy-out job at once (submit)."""
+    device = False
+
+    def copy_in(self, lease, view, off, src, n, device):
+        if device:
+            raise RuntimeError("device memory needs the CUDA copier (KVSTAGE_SGLANG_CUDA=1)")
+        view[off:off + n] = _host(src, n)
+
+    def copy_out(self, lease, view, off, dst, n, device):
+        if device:
+            raise RuntimeError("device memory needs the CUDA copier (KVSTAGE_SGLANG_CUDA=1)")
+        _host(dst, n)[:] = view[off:off + n]
+
+    def sync(self):
+        pass
+
+    def submit(self, job):
+        h = CopyHandle(job)
+        h.run()
+        return h
+
+
+class CudaCopier(CpuCopier):
+    """Device pieces through libkvstage_cuda on one stream (synchronised before a send or Success), host pieces by CPU.
+    UNTESTED on a GPU: the development machine has none (python/SGLANG.md)."""
+    device = True
+
+    def __init__(self, gpu_id=0, cuda_api=None, stream=None):
+        if cuda_api is None:
+            from . import cuda as cuda_api
+        if stream is None:
+            import torch
+            stream = torch.cuda.Stream(device=gpu_id)
+        self._api, self._stream = cuda_api, stream
+        self._queued = False
+
+    def copy_in(self, lease, view, off, src, n, device):
+        if not device:
+            return super().copy_in(lease, view, off, src, n, False)
+        self._api.copy_in_device(lease, src, n, slot_off=off, stream=self._stream.cuda_stream)
+        self._queued = True
+
+    def copy_out(self, lease, view, off, dst, n, device):
+        if not device:
+            return super().copy_out(lease, view, off, dst, n, False)
+        self._api.copy_out_device(lease, dst, n, slot_off=off, stream=self._stream.cuda_stream)
+        self._queued = True
+
+    def sync(self):
+        if self._queued:
+            self._stream.synchronize()
+            self._queued = False
+
+
+# ---------------------------------------------------------------------------------------------
+# The side channel: length-prefixed JSON over TCP, decode -> prefill rank only.
+# ---------------------------------------------------------------------------------------------
+_MAX_MSG = 1 << 20
+_HDR = struct.Struct("!I")
+
+
+def _frame(msg):
+    body = json.dumps(msg, separators=(",", ":")).encode()
+    if len(body) > _MAX_MSG:
+        raise ValueError("side-channel message too large")
+    return _HDR.pack(len(body)) + body
+
+
+def _recv_exact(sock, n):
+    buf = bytearray()
+    while len(buf) < n:
+        got = sock.recv(n - len(buf))
+        if not got:
+            return None
+        buf += got
+    return bytes(buf)
+
+
+class _Listener:
+    """The prefill rank's side channel: accepts connections, puts each message into inbox (a thread per connection)."""
+
+    def __init__(self, host, inbox):
+        self._inbox = inbox
+        fam = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._sock = socket.socket(fam, socket.SOCK_STREAM)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind((host, 0))
+        self._sock.listen(128)
+        self.port = self._sock.getsockname()[1]
+        self._closed = False
+        threading.Thread(target=self._accept, name="kvstage-sglang-listen", daemon=True).start()
+
+    def _accept(self):
+        while not self._closed:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), name="kvstage-sglang-conn", daemon=True).start()
+
+    def _serve(self, conn):
+        with conn:
+            while True:
+                try:
+                    hdr = _recv_exact(conn, _HDR.size)
+                    if hdr is None:
+                        return
+                    (n,) = _HDR.unpack(hdr)
+                    if n > _MAX_MSG:
+                        logger.warning("kvstage side channel: %d-byte message refused, connection dropped", n)
+                        return
+                    body = _recv_exact(conn, n)
+                    if body is None:
+                        return
+                    msg = json.loads(body)
+                    if not isinstance(msg, dict) or not isinstance(msg.get("room"), int):
+                        raise ValueError("not a kvstage message")
+                except (OSError, ValueError) as e:
+                    logger.warning("kvstage side channel: dropped a connection: %s", e)
+                    return
+                self._inbox.put(msg)
+
+    def close(self):
+        self._closed = True
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)  # wakes the accept() of the other thread; close() alone does not
+        except OSError:
+            pass
+        self._sock.close()
+
+
+def _http(method, url, body=None, timeout=5.0):
+    """Returns (status, parsed JSON or text) of one HTTP request; (None, reason) if it could not be made."""
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method=method,
+                                 headers={"Content-Type": "application/json"} if data else {})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            raw, status = resp.read(), resp.status
+    except urllib.error.HTTPError as e:
+        raw, status = e.read(), e.code
+    except (OSError, ValueError) as e:
+        return None, str(e)
+    try:
+        return status, json.loads(raw)
+    except ValueError:
+        return status, raw.decode(errors="replace")
+
+
+def _url_host(host):
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+# ---------------------------------------------------------------------------------------------
+# Bootstrap server: SGLang's CommonKVBootstrapServer routes, on the stdlib.
+# ---------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class PrefillServerInfo:
+    """What the decode side learns about a prefill server (SGLang's field names, plus the kvstage layout)."""
+    attn_tp_size: int
+    attn_cp_size: int
+    dp_size: int
+    pp_size: int
+    page_size: Optional[int]
+    kv_cache_dtype: Optional[str]
+    follow_bootstrap_room: bool
+    enable_dsa_cache_layer_split: bool = False
+    prefill_http_port: Optional[int] = None
+    kvstage_layout: Optional[dict] = None
+
+
+class KvstageKVBootstrapServer(BaseKVBootstrapServer):
+    """The prefill server's registry: its ranks PUT /route, decode ranks GET /route (SGLang's API). .port, close()."""
+
+    def __init__(self, host: str, port: int):
+        self.host, self.lock = host, threading.Lock()
+        self.ranks: Dict[tuple, dict] = {}  # (dp, cp, tp, pp) -> rank info
+        self.info: Optional[dict] = None
+        self.expected = None
+        self.room_to_dp_rank: Dict[int, dict] = {}
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, fmt, *a):
+                logger.debug("kvstage bootstrap: " + fmt, *a)
+
+            def _reply(self, status, obj):
+                body = (json.dumps(obj) if not isinstance(obj, str) else obj).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json" if not isinstance(obj, str) else "text/plain")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def _body(self):
+                n = int(self.headers.get("Content-Length") or 0)
+                if n > _MAX_MSG:
+                    raise ValueError("body too large")
+                return json.loads(self.rfile.read(n) or b"null")
+
+            def do_GET(self):
+                u = urllib.parse.urlsplit(self.path)
+                if u.path == "/health":
+                    return self._reply(200, "OK")
+                if u.path != "/route":
+                    return self._reply(404, "not found")
+                q = {k: v[0] for k, v in urllib.parse.parse_qs(u.query).items()}
+                try:
+                    key = tuple(int(q[k]) for k in ("prefill_dp_rank", "prefill_cp_rank", "target_tp_rank", "target_pp_rank"))
+                except (KeyError, ValueError):
+                    return self._reply(400, "Missing inputs for bootstrap server.")
+                with server.lock:
+                    if not server._ready():
+                        return self._reply(503, f"Prefill server not fully registered yet ({len(server.ranks)} workers registered).")
+                    if key == (-1, -1, -1, -1):
+                        return self._reply(200, dict(server.info))
+                    info = server.ranks.get(key)
+                if info is None:
+                    return self._reply(404, f"Bootstrap info not found for dp_rank={key[0]} cp_rank={key[1]} tp_rank={key[2]} pp_rank={key[3]}")
+                return self._reply(200, info)
+
+            def do_PUT(self):
+                if urllib.parse.urlsplit(self.path).path != "/route":
+                    return self._reply(404, "not found")
+                try:
+                    server._register(self._body())
+                except (KeyError, TypeError, ValueError) as e:
+                    return self._reply(400, f"bad registration: {e}")
+                return self._reply(200, "OK")
+
+            def do_POST(self):
+                path = urllib.parse.urlsplit(self.path).path
+                try:
+                    data = self._body()
+                    if path == "/register_dp_rank":
+                        with server.lock:
+                            server.room_to_dp_rank[int(data["bootstrap_room"])] = {
+                                "dp_rank": int(data["dp_rank"]), "timestamp": time.time()}
+                        return self._reply(200, "OK")
+                    if path == "/query_dp_ranks":
+                        with server.lock:
+                            out = {str(int(r)): server.room_to_dp_rank[int(r)]["dp_rank"]
+                                   for r in data["bootstrap_rooms"] if int(r) in server.room_to_dp_rank}
+                        return self._reply(200, out)
+                except (KeyError, TypeError, ValueError) as e:
+                    return self._reply(400, f"bad request: {e}")
+                return self._reply(404, "not found")
+
+        self._httpd = ThreadingHTTPServer((host, port), Handler)
+        self._httpd.daemon_threads = True
+        self.port = self._httpd.server_address[1]
+        self.thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.05},
+                                       name="kvstage-sglang-bootstrap", daemon=True)
+        self.thread.start()
+
+    def _ready(self):
+        return self.expected is not None and len(self.ranks) >= self.expected
+
+    def _register(self, d):
+        dp_group = d["attn_dp_rank"] if int(d.get("system_dp_size", 1)) == 1 else d["system_dp_rank"]
+        key = (int(dp_group), int(d["attn_cp_rank"]), int(d["attn_tp_rank"]), int(d["pp_rank"]))
+        with self.lock:
+            if self.info is None:
+                dp = int(d["attn_dp_size"]) if int(d.get("system_dp_size", 1)) == 1 else int(d["system_dp_size"])
+                self.info = dataclasses.asdict(PrefillServerInfo(
+                    attn_tp_size=int(d["attn_tp_size"]), attn_cp_size=int(d["attn_cp_size"]), dp_size=dp,
+                    pp_size=int(d["pp_size"]), page_size=d.get("page_size"), kv_cache_dtype=d.get("kv_cache_dtype"),
+                    follow_bootstrap_room=d.get("load_balance_method", "follow_bootstrap_room") == "follow_bootstrap_room",
+                    enable_dsa_cache_layer_split=bool(d.get("enable_dsa_cache_layer_split", False)),
+                    prefill_http_port=d.get("prefill_http_port"), kvstage_layout=d.get("kvstage_layout")))
+                self.expected = dp * int(d["attn_cp_size"]) * int(d["attn_tp_size"]) * int(d["pp_size"])
+            self.ranks[key] = {"rank_ip": str(d["rank_ip"]), "rank_port": int(d["rank_port"]), "kvstage": True}
+
+    def close(self):
+        """Stops serving."""
+        self._httpd.shutdown()
+        self._httpd.server_close()
+
+    def poll(self):
+        return None
+
+
+# ---------------------------------------------------------------------------------------------
+# The manager: one kvstage connection per engine rank; every sender/receiver polls through it.
+# ---------------------------------------------------------------------------------------------
+
+def _parallel(server_args, args):
+    """Returns (attn_tp_size, attn_tp_rank, attn_dp_size, attn_dp_rank), from SGLang's runtime when it has one."""
+    try:
+        from sglang.srt.runtime_context import get_parallel  # type: ignore
+        from sglang.srt.layers.dp_attention import get_attention_dp_rank, get_attention_dp_size  # type: ignore
+        p = get_parallel()
+        return p.attn_tp_size, p.attn_tp_rank, get_attention_dp_size(), get_attention_dp_rank()
+    except Exception:
+        pass
+    try:
+        from sglang.srt.layers.dp_attention import (  # type: ignore
+            get_attention_dp_rank, get_attention_dp_size, get_attention_tp_rank, get_attention_tp_size)
+        return get_attention_tp_size(), get_attention_tp_rank(), get_attention_dp_size(), get_attention_dp_rank()
+    except Exception:
+        pass
+    tp = int(getattr(server_args, "tp_size", 1) or 1)
+    dp = int(getattr(server_args, "dp_size", 1) or 1)
+    attn_dp = dp if getattr(server_args, "enable_dp_attention", False) else 1
+    attn_tp = max(tp // attn_dp, 1)
+    rank = int(getattr(args, "engine_rank", 0) or 0)
+    return attn_tp, rank % attn_tp, attn_dp, (rank // attn_tp) if attn_dp > 1 else 0
+
+
+def _local_host(server_args):
+    h = os.environ.get("KVSTAGE_SGLANG_HOST")
+    if h:
+        return h
+    try:
+        from sglang.srt.utils.network import get_local_ip_auto  # type: ignore
+        return get_local_ip_auto()
+    except Exception:
+        pass
+    h = getattr(server_args, "host", None)
+    if h and h not in ("0.0.0.0", "::"):
+        return h
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+class KvstageKVManager(BaseKVManager):
+    """One engine rank's side: its kvstage connection, its buffers (KVArgs), the bootstrap registration (prefill)
+    or the prefill lookups (decode). Attributes the scheduler and tests may set: bootstrap_timeout, waiting_timeout,
+    clear_timeout (seconds; each request copies them at creation), copier (CpuCopier or CudaCopier)."""
+
+    def __init__(self, args: KVArgs, disaggregation_mode, server_args, is_mla_backend: Optional[bool] = False):
+        self.kv_args = args
+        self.server_args = server_args
+        self.disaggregation_mode = disaggregation_mode
+        self.mode = _mode(disaggregation_mode)
+        self.is_mla_backend = bool(is_mla_backend)
+        if int(getattr(args, "dcp_size", 1) or 1) > 1:
+            raise RuntimeError("kvstage backend: decode-context parallelism (dcp_size > 1) is not supported")
+        kv_device = self._kv_on_device(server_args)
+        self.mem = MemoryMap(args, kv_device)
+        if kv_device:
+            if os.environ.get("KVSTAGE_SGLANG_CUDA") != "1":
+                raise RuntimeError(
+                    f"kvstage backend: the KV cache is on device {getattr(server_args, 'device', 'cuda')!r}; the CUDA "
+                    "path (libkvstage_cuda) is written but untested (no GPU on the development machine). "
+                    "Set KVSTAGE_SGLANG_CUDA=1 to use it anyway, or run the KV cache in host memory.")
+            self.copier = CudaCopier(int(getattr(args, "gpu_id", 0) or 0))
+        else:
+            self.copier = CpuCopier()
+        self.bootstrap_timeout = _env_float("SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT", 300)
+        self.waiting_timeout = _env_float("SGLANG_DISAGGREGATION_WAITING_TIMEOUT", 300)
+        self.clear_timeout = _env_float("KVSTAGE_SGLANG_CLEAR_TIMEOUT", 10)
+        self.socket_path = getattr(server_args, "kvstage_socket", None) or os.environ.get("KVSTAGE_SOCKET")
+        (self.attn_tp_size, self.attn_tp_rank, self.attn_dp_size, self.attn_dp_rank) = _parallel(server_args, args)
+        self.attn_cp_size, self.attn_cp_rank = 1, 0
+        self.pp_size = int(getattr(server_args, "pp_size", 1) or 1)
+        self.pp_rank = int(getattr(args, "pp_rank", 0) or 0)
+        self.system_dp_size = 1 if getattr(server_args, "enable_dp_attention", False) else int(getattr(server_args, "dp_size", 1) or 1)
+        self.system_dp_rank = int(getattr(args, "system_dp_rank", 0) or 0)
+        self.bootstrap_host = getattr(server_args, "host", "127.0.0.1")
+        self.bootstrap_port = getattr(server_args, "disaggregation_bootstrap_port", 8998)
+        self._client = None
+        self._uids = itertools.count(1)
+        self._objs: Dict[int, object] = {}  # room user_data -> sender/receiver (kept until the room's final event)
+        self.closed = False
+        self.enable_staging = False
+        if self.mode == "prefill":
+            self._inbox = queue.SimpleQueue()
+            self.local_ip = _local_host(server_args)
+            self._listener = _Listener(self.local_ip, self._inbox)
+            self.rank_port = self._listener.port
+            self.senders: Dict[int, "KvstageKVSender"] = {}
+            self.pending_meta: Dict[int, tuple] = {}   # bootstrap_room -> (meta, arrival time)
+            self.tombstones: Dict[int, float] = {}     # bootstrap_room -> when it was aborted
+            self.register_to_bootstrap()
+        else:
+            self.prefill_info_table: Dict[str, PrefillServerInfo] = {}
+            self.connection_pool: Dict[str, dict] = {}
+            self._peers: Dict[str, socket.socket] = {}
+            self._dead_until: Dict[str, float] = {}
+        self.client()  # connect now: a missing proxy is a start-up error, not a per-request one
+
+    @staticmethod
+    def _kv_on_device(server_args):
+        mem = os.environ.get("KVSTAGE_SGLANG_KV_MEMORY", "auto")
+        if mem == "auto":
+            mem = str(getattr(server_args, "device", "cuda") or "cuda")
+        if mem == "cpu":
+            return False
+        if mem.startswith("cuda"):
+            return True
+        raise RuntimeError(f"kvstage backend: KV cache on device {mem!r} is not supported (cpu or cuda)")
+
+    # -- the connection -------------------------------------------------------------------
+    def client(self):
+        """Returns the kvstage Client, connecting if needed; raises KvstageError."""
+        if self.closed:
+            raise KvstageError(-_errno.EBADF, None, "the kvstage manager is closed")
+        if self._client is None:
+            self._client = Client(self.socket_path)
+        return self._client
+
+    def _broken(self, exc):
+        """The connection is gone or out of step: every open request fails (nothing of theirs can land), reconnect later."""
+        logger.error("kvstage backend: connection to kvstaged lost (%s); failing %d requests", exc, len(self._objs))
+        objs, self._objs = list(self._objs.values()), {}
+        for o in objs:
+            o._lost(f"connection to kvstaged lost: {exc}")
+        c, self._client = self._client, None
+        try:
+            c.close()
+        except Exception:
+            pass
+
+    def _register_obj(self, obj):
+        uid = next(self._uids)
+        self._objs[uid] = obj
+        return uid
+
+    def _dispatch(self, evs):
+        for ev in evs:
+            obj = self._objs.get(ev.user_data)
+            if obj is not None:
+                obj._on_event(ev)
+
+    def pump(self):
+        """Takes the side channel's messages and the proxy's events, and hands each to its request (never blocks)."""
+        if self.mode == "prefill":
+            self._drain_inbox()
+        if self._client is None:
+            return
+        try:
+            while True:
+                evs = self._client.poll(128)
+                self._dispatch(evs)
+                if len(evs) < 128:
+                    break
+        except (NotConnected, Timeout) as e:
+            self._broken(e)
+
+    def wait_until(self, pred, timeout):
+        """Pumps, blocking on the proxy's events, until pred() or timeout seconds; returns pred()."""
+        deadline = time.monotonic() + timeout
+        while True:
+            self.pump()
+            if pred():
+                return True
+            left = deadline - time.monotonic()
+            if left <= 0 or self._client is None:
+                return pred()
+            try:
+                self._dispatch(self._client.wait(min(left, 0.05)))
+            except (NotConnected, Timeout) as e:
+                self._broken(e)
+
+    def close(self):
+        """Fails what is left, closes the connection (the proxy reclaims everything) and the side channel."""
+        if self.closed:
+            return
+        for o in list(self._objs.values()):
+            o._lost("the kvstage manager closed")
+        self._objs.clear()
+        if self._client is not None:
+            try:
+                self._client.close()
+            except Exception:
+                pass
+            self._client = None
+        self.closed = True
+        if self.mode == "prefill":
+            self._listener.close()
+        else:
+            for s in self._peers.values():
+                s.close()
+            self._peers.clear()
+
+    # -- prefill side ---------------------------------------------------------------------
+    def register_to_bootstrap(self):
+        """Registers this prefill rank (its side-channel address and layout) with the bootstrap server (PUT /route)."""
+        dist = getattr(self.server_args, "dist_init_addr", None)
+        if dist:
+            host = dist.rsplit(":", 1)[0].strip("[]")
+        else:
+            host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(self.bootstrap_host, self.bootstrap_host)
+        url = f"http://{_url_host(host)}:{self.bootstrap_port}/route"
+        payload = {
+            "attn_tp_size": self.attn_tp_size, "attn_tp_rank": self.attn_tp_rank,
+            "attn_cp_size": self.attn_cp_size, "attn_cp_rank": self.attn_cp_rank,
+            "attn_dp_size": self.attn_dp_size, "attn_dp_rank": self.attn_dp_rank,
+            "pp_size": self.pp_size, "pp_rank": self.pp_rank,
+            "system_dp_size": self.system_dp_size, "system_dp_rank": self.system_dp_rank,
+            "rank_ip": self.local_ip, "rank_port": self.rank_port,
+            "page_size": getattr(self.kv_args, "page_size", None),
+            "kv_cache_dtype": getattr(self.server_args, "kv_cache_dtype", None),
+            "load_balance_method": getattr(self.server_args, "load_balance_method", "follow_bootstrap_room"),
+            "prefill_http_port": getattr(self.server_args, "port", None),
+            "kvstage_layout": self.mem.fingerprint(),
+        }
+        delay = 0.5
+        for attempt in range(6):
+            status, text = _http("PUT", url, payload)
+            if status == 200:
+                return
+            logger.warning("kvstage backend: registering with the bootstrap server %s failed (%s: %s), attempt %d",
+                           url, status, text, attempt + 1)
+            time.sleep(delay)
+            delay = min(delay * 2, 8)
+        logger.error("kvstage backend: this prefill rank could not register with the bootstrap server at %s", url)
+
+    def _drain_inbox(self):
+        now = time.monotonic()
+        while True:
+            try:
+                msg = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            room = msg["room"]
+            kind = msg.get("t")
+            if kind == "meta":
+                s = self.senders.get(room)
+                if room in self.tombstones or (s is not None and s._meta is None and s._status == KVPoll.Failed):
+                    self._reject(msg, "the prefill side already aborted this request")
+                elif s is not None and s._meta is None:
+                    s._adopt(msg)
+                elif s is not None or room in self.pending_meta:
+                    self._reject(msg, "a second transfer request for a room in use")
+                else:
+                    self.pending_meta[room] = (msg, now)
+            elif kind == "abort":
+                s = self.senders.get(room)
+                pending = self.pending_meta.pop(room, None)
+                if pending is not None:
+                    self._reject(pending[0], "aborted by the decode side")
+                if s is None:
+                    self.tombstones[room] = now
+                elif s._status != KVPoll.Success:  # a transfer that completed stays complete
+                    s._fail("aborted by the decode side")
+        for room, (msg, t) in list(self.pending_meta.items()):  # decode asked, this rank never had the request
+            if now - t > self.bootstrap_timeout:
+                del self.pending_meta[room]
+                self._reject(msg, "no such request on this prefill rank before the bootstrap timeout")
+        for room, t in list(self.tombstones.items()):
+            if now - t > self.bootstrap_timeout:
+                del self.tombstones[room]
+
+    def _reject(self, msg, why):
+        """Aborts the decode room a message names (so the decode side fails at once, not at its timeout)."""
+        logger.info("kvstage backend: refusing the transfer of bootstrap_room %s: %s", msg.get("room"), why)
+        desc = msg.get("desc")
+        if not desc:
+            return
+        try:
+            r = self.client().send_open(base64.b64decode(desc), user_data=0)
+            r.abort()
+            r.close()
+        except (KvstageError, ValueError) as e:
+            logger.debug("kvstage backend: the refused room was gone already: %s", e)
+
+    # -- decode side ----------------------------------------------------------------------
+    def try_ensure_parallel_info(self, bootstrap_addr: str) -> bool:
+        """One non-blocking attempt to fetch and cache the prefill server's info; True once it is known."""
+        if bootstrap_addr in self.prefill_info_table:
+            return True
+        status, data = _http("GET", f"http://{bootstrap_addr}/route?prefill_dp_rank=-1&prefill_cp_rank=-1"
+                                    f"&target_tp_rank=-1&target_pp_rank=-1")
+        if status != 200 or not isinstance(data, dict):
+            logger.debug("kvstage backend: prefill info from %s not available yet: %s %s", bootstrap_addr, status, data)
+            return False
+        fields = {f.name for f in dataclasses.fields(PrefillServerInfo)}
+        info = PrefillServerInfo(**{k: v for k, v in data.items() if k in fields})
+        ps = getattr(self.kv_args, "page_size", None)
+        if info.page_size is not None and ps is not None and int(info.page_size) != int(ps):
+            raise RuntimeError(f"Page size mismatch: prefill server has page_size={info.page_size}, but decode "
+                               f"server has page_size={ps}. Both servers must use the same --page-size value.")
+        self.prefill_info_table[bootstrap_addr] = info
+        return True
+
+    def rank_endpoint(self, bootstrap_addr, dp_rank, tp_rank):
+        """Returns 'host:port' of a prefill rank's side channel (cached), or None."""
+        key = f"{bootstrap_addr}_{dp_rank}_0_{tp_rank}"
+        hit = self.connection_pool.get(key)
+        if hit is None:
+            status, data = _http("GET", f"http://{bootstrap_addr}/route?prefill_dp_rank={dp_rank}&prefill_cp_rank=0"
+                                        f"&target_tp_rank={tp_rank}&target_pp_rank=0")
+            if status != 200 or not isinstance(data, dict) or not data.get("kvstage"):
+                logger.error("kvstage backend: no kvstage prefill rank dp=%s tp=%s at %s: %s %s",
+                             dp_rank, tp_rank, bootstrap_addr, status, data)
+                return None
+            hit = self.connection_pool[key] = data
+        return f"{_url_host(hit['rank_ip'])}:{hit['rank_port']}"
+
+    def send_to(self, endpoint, msg):
+        """Sends one message to a prefill rank (one cached connection each, reconnected once); raises OSError.
+        After a failure the endpoint is given up on for 5 s, so a dead rank costs one connect timeout, not one per request."""
+        data = _frame(msg)
+        if time.monotonic() < self._dead_until.get(endpoint, 0):
+            raise OSError(_errno.EHOSTUNREACH, f"{endpoint} failed moments ago")
+        for attempt in (0, 1):
+            s = self._peers.get(endpoint)
+            if s is not None and select.select([s], [], [], 0)[0]:  # the rank never writes: readable means it hung up
+                self._peers.pop(endpoint, None)
+                s.close()
+                s = None
+            try:
+                if s is None:
+                    host, port = endpoint.rsplit(":", 1)
+                    s = socket.create_connection((host.strip("[]"), int(port)), timeout=5)
+                    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                    self._peers[endpoint] = s
+                s.sendall(data)
+                return
+            except OSError:
+                self._peers.pop(endpoint, None)
+                if s is not None:
+                    s.close()
+                if attempt or s is None:  # a fresh connection failed: no second try
+                    self._dead_until[endpoint] = time.monotonic() + 5
+                    raise
+
+
+# ---------------------------------------------------------------------------------------------
+# Prefill: the sender.
+# ---------------------------------------------------------------------------------------------
+
+class KvstageKVSender(BaseKVSender):
+    """Prefill side of one request: copies its pages into slots of the decode side's room."""
+
+    def __init__(self, mgr: KvstageKVManager, bootstrap_addr: str, bootstrap_room: int, dest_tp_ranks: List[int],
+                 pp_rank: int, req_has_disagg_prefill_dp_rank: bool = False, **_kw):
+        self.kv_mgr = mgr
+        self.bootstrap_server_url = bootstrap_addr
+        self.bootstrap_room = bootstrap_room
+        self.aux_index = None
+        self.num_kv_indices = None
+        self.curr_idx = 0
+        self.conclude_state = None
+        self.bootstrap_timeout = mgr.bootstrap_timeout
+        self._status = KVPoll.Bootstrapping
+        self._reason = None
+        self._created = time.monotonic()
+        self._meta = None
+        self._room = None
+        self._uid = None
+        self._final = None
+        self._layout = None
+        self._raw = collections.deque()   # (pages, first_pos, last, state_indices) waiting for the room/layout
+        self._extents = collections.deque()
+        self._leases = {}                 # chunk -> Lease being filled
+        self._views = {}
+        self._written = None
+        self._unsent = []                 # chunks full but not yet taken (ring full)
+        self._in_flight = {}              # (slot, epoch) -> Lease sent, until the room ends (a REJECTED one comes back)
+        self._sent_chunks = 0
+        self._last_queued = False
+        self._t_first = self._t_done = None
+        if bootstrap_room in mgr.senders:
+            self._fail(f"a second sender for bootstrap_room {bootstrap_room} on this rank")
+            return
+        mgr.senders[bootstrap_room] = self
+        if bootstrap_room in mgr.tombstones:
+            self._fail("aborted by the decode side before the prefill side had the request")
+            return
+        if (mgr.server_args is not None and int(getattr(mgr.server_args, "dp_size", 1) or 1) > 1
+                and not req_has_disagg_prefill_dp_rank
+                and getattr(mgr.server_args, "load_balance_method", "follow_bootstrap_room") != "follow_bootstrap_room"):
+            _http("POST", f"http://{bootstrap_addr}/register_dp_rank",
+                  {"bootstrap_room": bootstrap_room, "dp_rank": mgr.attn_dp_rank})
+        pending = mgr.pending_meta.pop(bootstrap_room, None)
+        if pending is not None:
+            self._adopt(pending[0])
+
+    # SGLang's calls ------------------------------------------------------------------------
+    def init(self, num_kv_indices: int, aux_index: Optional[int] = None):
+        """Sets the request's page count and aux row (after WaitingForInput)."""
+        self.num_kv_indices = int(num_kv_indices)
+        self.aux_index = aux_index
+        self._make_layout()
+
+    def pop_decode_prefix_len(self) -> int:
+        return int(self._meta.get("prefix_len", 0)) if self._meta else 0
+
+    def should_send_kv_chunk(self, num_pages: int, last_chunk: bool) -> bool:
+        return num_pages > 0 or last_chunk  # the last chunk carries aux and state even without pages
+
+    def send(self, kv_indices, state_indices=None, token_position_offset: int = 0):
+        """Queues one chunk of page indices (the last one also aux and state) and copies what it can now; never blocks."""
+        if self._status == KVPoll.Failed:
+            return
+        if self.num_kv_indices is None:
+            return self._fail("send() before init()")
+        if self._last_queued:
+            logger.warning("kvstage backend: bootstrap_room %s: send() after the last chunk ignored", self.bootstrap_room)
+            return
+        pages = np.asarray(kv_indices, dtype=np.int64).reshape(-1)
+        first = self.curr_idx
+        self.curr_idx += int(pages.size)
+        last = self.curr_idx >= self.num_kv_indices
+        if self.curr_idx > self.num_kv_indices:
+            return self._fail(f"{self.curr_idx} pages sent, init() said {self.num_kv_indices}")
+        if self._t_first is None:
+            self._t_first = time.monotonic()
+        self._last_queued = last
+        self._raw.append((pages, first, last, state_indices))
+        if self._status == KVPoll.WaitingForInput:
+            self._status = KVPoll.Transferring
+        self._progress()
+
+    def poll(self) -> int:
+        self.kv_mgr.pump()
+        if self._status == KVPoll.Bootstrapping and time.monotonic() - self._created > self.bootstrap_timeout:
+            self._fail(f"Request {self.bootstrap_room} timed out after {self.bootstrap_timeout:.1f}s in KVPoll.Bootstrapping")
+        elif self._status in (KVPoll.WaitingForInput, KVPoll.Transferring):
+            self._progress()
+        return self._status
+
+    def failure_exception(self):
+        raise KVTransferError(self.bootstrap_room, self._reason or "unknown failure")
+
+    def get_transfer_metric(self):
+        lat = (self._t_done - self._t_first) if (self._t_done and self._t_first) else None
+        return KVTransferMetric(transfer_latency_s=lat, transfer_total_bytes=self._layout.nbytes if self._layout else None)
+
+    def abort(self):
+        self._fail("Aborted by AbortReq.")
+
+    def clear(self):
+        """Forgets the request (its pages are the engine's again); an unfinished room is aborted."""
+        mgr = self.kv_mgr
+        if mgr.senders.get(self.bootstrap_room) is self:
+            del mgr.senders[self.bootstrap_room]
+            if self._status != KVPoll.Success:
+                mgr.tombstones[self.bootstrap_room] = time.monotonic()
+        if self._status not in (KVPoll.Success, KVPoll.Failed):
+            self._fail("cleared before it finished")
+        self._close_room()
+
+    # inner workings -------------------------------------------------------------------------
+    def _adopt(self, meta):
+        self._meta = meta
+        if self._status == KVPoll.Failed:
+            return self.kv_mgr._reject(meta, "the prefill side already aborted this request")
+        mine = self.kv_mgr.mem.fingerprint()
+        why = MemoryMap.mismatch(mine, meta.get("layout", {}))
+        if why:
+            return self._fail(f"layout mismatch with the decode side: {why}", reject=True)
+        if meta.get("desc"):
+            try:
+                c = self.kv_mgr.client()
+                self._uid = self.kv_mgr._register_obj(self)
+                self._room = c.send_open(base64.b64decode(meta["desc"]), user_data=self._uid)
+            except KvstageError as e:
+                return self._fail(f"could not open the decode side's room: {e}")
+            if self._room.nbytes != int(meta["nbytes"]):
+                return self._fail(f"the room has {self._room.nbytes} bytes, the request {meta['nbytes']}")
+            self._written = [0] * self._room.chunks
+        self._status = KVPoll.WaitingForInput
+        self._make_layout()
+
+    def _make_layout(self):
+        if self._meta is None or self.num_kv_indices is None or self._layout is not None or self._status == KVPoll.Failed:
+            return
+        m = self._meta
+        if int(m["npages"]) != self.num_kv_indices:
+            return self._fail(f"the decode side expects {m['npages']} pages, this side has {self.num_kv_indices}")
+        if bool(m["aux"]) != (self.aux_index is not None and bool(self.kv_mgr.mem.aux)):
+            return self._fail("one side sends aux and the other does not")
+        try:
+            self._layout = RoomLayout(self.kv_mgr.mem, self.num_kv_indices, m["aux"], m["state_counts"])
+        except ValueError as e:
+            return self._fail(str(e))
+        if self._layout.nbytes != int(m["nbytes"]):
+            return self._fail(f"layout of {self._layout.nbytes} bytes, the decode side made {m['nbytes']}")
+
+    def _progress(self):
+        """Copies queued chunks into slots and hands full slots to the room, as far as the pool allows."""
+        if self._status == KVPoll.Failed or self._layout is None:
+            return
+        try:
+            while self._raw:
+                pages, first, last, state_indices = self._raw.popleft()
+                self._extents.extend(self._layout.kv_extents(pages, first))
+                if last:
+                    if self.aux_index is not None:
+                        self._extents.extend(self._layout.aux_extents(int(self.aux_index)))
+                    self._extents.extend(self._layout.state_extents(list(state_indices or [])))
+                    self._extents.append(None)  # end marker
+        except ValueError as e:
+            return self._fail(f"bad indices: {e}")
+        if self._room is None:  # a room of 0 bytes: nothing to move
+            if self._extents and self._extents[-1] is None:
+                self._extents.clear()
+                self._status, self._t_done = KVPoll.Success, time.monotonic()
+            return
+        c = self.kv_mgr.client()
+        ss = c.slot_size
+        cp = self.kv_mgr.copier
+        copied = False
+        try:
+            while self._extents:
+                head = self._extents[0]
+                if head is None:
+                    self._extents.popleft()
+                    break
+                room_off, addr, n, dev = head
+                s, so = divmod(room_off, ss)
+                k = min(n, ss - so)
+                lease = self._leases.get(s)
+                if lease is None:
+                    try:
+                        (lease,) = c.acquire(1)
+                    except PoolExhausted:
+                        break  # retried at the next poll
+                    self._leases[s] = lease
+                view = self._views.get(s)
+                if view is None:
+                    view = self._views[s] = lease.view()
+                cp.copy_in(lease, view, so, addr, k, dev)
+                copied = True
+                if k == n:
+                    self._extents.popleft()
+                else:
+                    self._extents[0] = (room_off + k, addr + k, n - k, dev)
+                self._written[s] += k
+                if self._written[s] == self._room.chunk_len(s):
+                    self._unsent.append(s)
+            if copied:
+                cp.sync()
+            while self._unsent:
+                s = self._unsent[0]
+                self._views.pop(s, None)
+                lease = self._leases[s]
+                self._room.send(lease, s * ss, self._room.chunk_len(s))
+                self._in_flight[lease.key] = lease
+                del self._leases[s]
+                self._unsent.pop(0)
+                self._sent_chunks += 1
+        except (NotConnected, Timeout) as e:
+            self.kv_mgr._broken(e)
+        except KvstageError as e:
+            if e.errno == _errno.EAGAIN:
+                return  # ring full: the next poll sends
+            self._fail(f"sending a chunk failed: {e}")
+        except (BufferError, RuntimeError, ValueError) as e:
+            self._fail(f"copying pages failed: {e}")
+
+    def _on_event(self, ev):
+        if ev.type == EventType.REJECTED:
+            back = self._in_flight.pop(tuple(ev.lease), None)  # the client gave it back to us: release it
+            if back is not None:
+                try:
+                    self.kv_mgr.client().release(back)
+                except KvstageError:
+                    pass
+            return self._fail(f"the proxy refused a chunk: {ev.error}")
+        self._final = ev
+        self._in_flight.clear()
+        if ev.type == EventType.SEND_DONE:
+            if self._status != KVPoll.Failed:
+                self._status, self._t_done = KVPoll.Success, time.monotonic()
+                self.conclude_state = KVPoll.Success
+        elif self._status != KVPoll.Failed:
+            why = "aborted by the decode side, the proxy or a timeout" if ev.type == EventType.ABORTED else f"failed: {ev.error}"
+            self._fail(f"the room was {why}")
+        self._close_room()
+
+    def _fail(self, reason, reject=False):
+        if self._status == KVPoll.Failed:
+            return
+        logger.debug("kvstage backend: prefill bootstrap_room %s failed: %s", self.bootstrap_room, reason)
+        self._status, self._reason, self.conclude_state = KVPoll.Failed, reason, KVPoll.Failed
+        self._raw.clear()
+        self._extents.clear()
+        self._unsent.clear()
+        self._views.clear()
+        c = self.kv_mgr._client
+        for lease in self._leases.values():
+            try:
+                c.release(lease)
+            except Exception:
+                pass
+        self._leases.clear()
+        if self._room is not None and self._final is None:
+            try:
+                self._room.abort()
+            except KvstageError:
+                pass
+        elif self._room is None and self._meta is not None and (reject or self._meta.get("desc")):
+            self.kv_mgr._reject(self._meta, reason)
+
+    def _lost(self, reason):
+        self._final = self._final or "lost"
+        self._room = None
+        self._fail(reason)
+
+    def _close_room(self):
+        if self._room is not None and self._final is not None:
+            try:
+                self._room.close()
+            except Exception:
+                pass
+            self._room = None
+            self.kv_mgr._objs.pop(self._uid, None)
+        elif self._room is not None:
+            # unfinished: closing aborts it; keep listening for its final event, then forget it
+            try:
+                self._room.close()
+            except Exception:
+                pass
+
+    def __repr__(self):
+        return f"<KvstageKVSender room={self.bootstrap_room} status={self._status} {self._reason or ''}>"
+
+
+# ---------------------------------------------------------------------------------------------
+# Decode: the receiver.
+# ---------------------------------------------------------------------------------------------
+
+class KvstageKVReceiver(BaseKVReceiver):
+    """Decode side of one request: opens its room, tells the prefill rank, copies the room into its pages."""
+
+    def __init__(self, mgr: KvstageKVManager, bootstrap_addr: str, bootstrap_room: Optional[int] = None, **_kw):
+        self.kv_mgr = mgr
+        self.bootstrap_addr = bootstrap_addr
+        self.bootstrap_room = bootstrap_room
+        self.conclude_state = None
+        self.require_staging = False
+        self.waiting_timeout = mgr.waiting_timeout
+        self.clear_timeout = mgr.clear_timeout
+        self.init_time = None
+        self._status = KVPoll.Bootstrapping
+        self._reason = None
+        self._aborted = False
+        self._endpoint = None
+        self._meta = None
+        self._meta_sent = False
+        self._room = None
+        self._uid = None
+        self._final = None
+        self._layout = None
+        self._extents = None
+        self._job = None
+        self._pending_open = None
+        self._cleared = False
+
+    # SGLang's calls ------------------------------------------------------------------------
+    def init(self, prefill_dp_rank: int):
+        """Finds the prefill rank (through the bootstrap server) and checks both sides agree on the layout."""
+        if self._status != KVPoll.Bootstrapping:
+            return
+        mgr = self.kv_mgr
+        try:
+            known = mgr.try_ensure_parallel_info(self.bootstrap_addr)
+        except RuntimeError as e:
+            return self._fail(str(e))
+        info = mgr.prefill_info_table.get(self.bootstrap_addr) if known else None
+        if info is None:
+            return self._fail(f"Prefill server with bootstrap_addr: {self.bootstrap_addr} is unknown or down")
+        if int(info.attn_tp_size) != mgr.attn_tp_size:
+            return self._fail(f"prefill attn_tp_size {info.attn_tp_size} differs from this side's {mgr.attn_tp_size}: "
+                              "not supported by the kvstage backend")
+        if int(info.pp_size) != 1 or int(info.attn_cp_size) != 1:
+            return self._fail("prefill pipeline or context parallelism is not supported by the kvstage backend")
+        why = MemoryMap.mismatch(mgr.mem.fingerprint(), info.kvstage_layout or {})
+        if why:
+            return self._fail(f"layout mismatch with the prefill side: {why}")
+        self.prefill_dp_rank = prefill_dp_rank
+        self._endpoint = mgr.rank_endpoint(self.bootstrap_addr, prefill_dp_rank, int(mgr.kv_args.engine_rank) % mgr.attn_tp_size)
+        if self._endpoint is None:
+            return self._fail(f"Could not fetch bootstrap info for prefill_dp_rank {prefill_dp_rank} from {self.bootstrap_addr}")
+        self.init_time = time.monotonic()
+        self._status = KVPoll.WaitingForInput
+
+    def send_metadata(self, kv_indices, aux_index: Optional[int] = None, state_indices: Optional[List] = None,
+                      decode_prefix_len: Optional[int] = None, **_kw):
+        """Opens the request's room and tells the prefill rank its descriptor (pages stay on this side)."""
+        if self._status != KVPoll.WaitingForInput:
+            if self._status != KVPoll.Failed:
+                self._fail(f"send_metadata() in state {self._status}, not WaitingForInput")
+            return
+        mgr = self.kv_mgr
+        pages = np.asarray(kv_indices, dtype=np.int64).reshape(-1)
+        has_aux = aux_index is not None and bool(mgr.mem.aux)
+        counts = state_counts_of(state_indices, len(mgr.mem.state))
+        try:
+            self._layout = RoomLayout(mgr.mem, pages.size, has_aux, counts)
+            self._extents = (self._layout.kv_extents(pages, 0)
+                             + (self._layout.aux_extents(int(aux_index)) if has_aux else [])
+                             + self._layout.state_extents(list(state_indices or [])))
+        except ValueError as e:
+            return self._fail(f"bad indices: {e}")
+        self._meta = {"t": "meta", "room": int(self.bootstrap_room), "npages": int(pages.size), "aux": has_aux,
+                      "state_counts": counts, "nbytes": self._layout.nbytes, "prefix_len": int(decode_prefix_len or 0),
+                      "layout": mgr.mem.fingerprint(), "from": f"{socket.gethostname()}:{os.getpid()}"}
+        self._status = KVPoll.Transferring
+        self._open_and_tell()
+
+    def poll(self) -> int:
+        self.kv_mgr.pump()
+        if self._status == KVPoll.Transferring and self._pending_open:
+            self._open_and_tell()
+        if self._job is not None:
+            self._check_job()
+        if (self._status in (KVPoll.WaitingForInput, KVPoll.Transferring) and self.init_time is not None
+                and time.monotonic() - self.init_time > self.waiting_timeout):
+            self._fail(f"Request {self.bootstrap_room} timed out after {self.waiting_timeout:.1f}s in "
+                       f"KVPoll.{'WaitingForInput' if self._status == KVPoll.WaitingForInput else 'Transferring'}")
+        if self._status == KVPoll.Failed and self._job is not None and not self._job.done():
+            return KVPoll.Transferring  # a copy-out already running must finish before Failed lets the pages go
+        return self._status
+
+    def failure_exception(self):
+        raise KVTransferError(self.bootstrap_room, self._reason or "unknown failure")
+
+    def abort(self):
+        self._fail("Aborted by AbortReq.")
+
+    @property
+    def pages_released(self):
+        """True once nothing of this request can write its decode pages any more and its room is closed:
+        the room's final event came (or there was no room) and no copy-out of it can run."""
+        return (self._status in (KVPoll.Success, KVPoll.Failed) and (self._uid is None or self._final is not None)
+                and (self._job is None or self._job.done()))
+
+    def clear(self):
+        """Waits (clear_timeout at most) until pages_released, then forgets the request. See the module docstring."""
+        self._cleared = True
+        if self._status not in (KVPoll.Success, KVPoll.Failed):
+            self._fail("cleared before it finished")
+        if not self.kv_mgr.wait_until(lambda: self.pages_released, self.clear_timeout):
+            logger.error("kvstage backend: bootstrap_room %s: the room's final event did not come within %.1fs; "
+                         "it stays tracked, its pages are not released", self.bootstrap_room, self.clear_timeout)
+            return
+        self._close_room()
+
+    # inner workings -------------------------------------------------------------------------
+    def _open_and_tell(self):
+        mgr = self.kv_mgr
+        self._pending_open = False
+        if self._layout.nbytes == 0:
+            desc = None
+            self._status = KVPoll.Success  # nothing to move
+            self.conclude_state = KVPoll.Success
+        else:
+            try:
+                c = mgr.client()
+                self._uid = mgr._register_obj(self)
+                self._room, desc = c.recv_open(self._layout.nbytes, user_data=self._uid)
+            except KvstageError as e:
+                mgr._objs.pop(self._uid, None)
+                self._uid = None
+                if e.errno in (_errno.EMFILE, _errno.ENFILE, _errno.EAGAIN):
+                    self._pending_open = True  # no room handle free yet: the next poll tries again
+                    return
+                return self._fail(f"could not open a room: {e}")
+        msg = dict(self._meta, desc=base64.b64encode(desc).decode() if desc else None)
+        try:
+            mgr.send_to(self._endpoint, msg)
+            self._meta_sent = True
+        except OSError as e:
+            self._fail(f"could not reach the prefill rank at {self._endpoint}: {e}")
+
+    def _copy_out_job(self):
+        room, extents, copier = self._room, self._extents, self.kv_mgr.copier
+        ss = self.kv_mgr.client().slot_size
+
+        def job():
+            by_slot = collections.defaultdict(list)
+            for p in _pieces(extents, ss):
+                by_slot[p[0]].append(p)
+            for s in sorted(by_slot):
+                lease = room.lease(s)
+                view = lease.view()
+                for _, so, addr, n, dev in by_slot[s]:
+                    copier.copy_out(lease, view, so, addr, n, dev)
+                del view
+            copier.sync()
+        job.bootstrap_room = self.bootstrap_room
+        return job
+
+    def _check_job(self):
+        j = self._job
+        if j is None or not j.done():
+            return
+        self._job = None
+        if j.error is not None:
+            self._fail(f"copying the room into the decode pages failed: {j.error!r}")
+        elif j.state == "done" and self._status != KVPoll.Failed:
+            self._status = KVPoll.Success
+            self.conclude_state = KVPoll.Success
+        self._close_room()
+
+    def _on_event(self, ev):
+        if ev.type == EventType.REJECTED:
+            return
+        self._final = ev
+        if ev.type == EventType.RECV_DONE and not self._aborted:
+            self._job = self.kv_mgr.copier.submit(self._copy_out_job())
+            return self._check_job()
+        if ev.type != EventType.RECV_DONE and not self._aborted:
+            why = "aborted by the prefill side, the proxy or a timeout" if ev.type == EventType.ABORTED else f"failed: {ev.error}"
+            self._fail(f"the room was {why}")
+        if self._job is None:
+            self._close_room()
+
+    def _fail(self, reason):
+        if self._status == KVPoll.Failed:
+            return
+        logger.debug("kvstage backend: decode bootstrap_room %s failed: %s", self.bootstrap_room, reason)
+        self._status, self._reason, self.conclude_state = KVPoll.Failed, reason, KVPoll.Failed
+        self._aborted = True
+        self._pending_open = False
+        if self._job is not None and self._job.cancel():
+            self._job = None
+        if self._room is not None and self._final is None:
+            try:
+                self._room.abort()
+            except KvstageError:
+                pass
+        if self._endpoint is not None and self._final is None:
+            try:  # the room has not ended: the prefill side learns now, even before it has opened the room
+                self.kv_mgr.send_to(self._endpoint, {"t": "abort", "room": int(self.bootstrap_room)})
+            except OSError:
+                pass
+
+    def _lost(self, reason):
+        self._final = self._final or "lost"
+        if self._job is not None and self._job.cancel():
+            self._job = None
+        self._room = None
+        self._fail(reason)
+
+    def _close_room(self):
+        if self._room is not None and self._final is not None and (self._job is None or self._job.done()):
+            try:
+                self._room.close()
+            except Exception:
+                pass
+            self._room = None
+            self.kv_mgr._objs.pop(self._uid, None)
+
+    def __repr__(self):
+        return f"<KvstageKVReceiver room={self.bootstrap_room} status={self._status} {self._reason or ''}>"
+
+
+# ---------------------------------------------------------------------------------------------
+# For the shim: SGLang's KVClassType -> our classes.
+# ---------------------------------------------------------------------------------------------
+CLASSES = {
+    "KVARGS": KVArgs,
+    "MANAGER": KvstageKVManager,
+    "SENDER": KvstageKVSender,
+    "RECEIVER": KvstageKVReceiver,
+    "BOOTSTRAP_SERVER": KvstageKVBootstrapServer,
+}
+
+
+def kv_class(class_type):
+    """Returns the class for an SGLang KVClassType (member or its name/value), or None (as SGLang's mapping.get)."""
+    name = getattr(class_type, "name", None) or str(class_type).upper()
+    return CLASSES.get(name)
+
+
+__all__ = ["KvstageKVManager", "KvstageKVSender", "KvstageKVReceiver", "KvstageKVBootstrapServer", "KVArgs", "KVPoll",
+           "KVTransferError", "KVTransferMetric", "PrefillServerInfo", "RoomLayout", "MemoryMap", "CpuCopier",
+           "CudaCopier", "CopyHandle", "kv_class", "HAVE_SGLANG", "DisaggregationMode"]

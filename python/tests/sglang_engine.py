@@ -1,0 +1,376 @@
+"""Test helpers for the SGLang backend: KV caches as torch CPU tensors, and prefill/decode loops that drive
+kvstage.sglang the way SGLang's scheduler does (PrefillBootstrapQueue / inflight queue on one side,
+DecodePreallocQueue / DecodeTransferQueue on the other). Importable by spawned children (no pytest here)."""
+import random
+import time
+import traceback
+import types
+import zlib
+
+import torch
+
+from kvstage import sglang as ks
+from kvstage.sglang import KVPoll
+
+STATE = {KVPoll.Failed: "Failed", KVPoll.Bootstrapping: "Bootstrapping", KVPoll.WaitingForInput: "WaitingForInput",
+         KVPoll.Transferring: "Transferring", KVPoll.Success: "Success"}
+
+
+def nbytes(t):
+    """Bytes of tensor t (torch 1.13 has no Tensor.nbytes)."""
+    return t.numel() * t.element_size()
+
+
+def server_args(socket_path, bootstrap_port, **kw):
+    """Returns a stand-in of SGLang's ServerArgs with the fields the backend reads."""
+    d = dict(host="127.0.0.1", disaggregation_bootstrap_port=bootstrap_port, dist_init_addr=None, kv_cache_dtype="auto",
+             load_balance_method="follow_bootstrap_room", dp_size=1, tp_size=1, pp_size=1, enable_dp_attention=False,
+             device="cpu", port=None, kvstage_socket=socket_path)
+    d.update(kw)
+    return types.SimpleNamespace(**d)
+
+
+class KVCache:
+    """A paged KV pool (K and V per layer), SGLang-style metadata (aux) buffers and one mamba-like state component,
+    all torch CPU tensors; .kv_args() describes them as SGLang's KVArgs does."""
+
+    def __init__(self, pool_pages, layers=3, page_size=4, heads=2, head_dim=12, aux_rows=64, state_rows=64):
+        self.pool_pages, self.page_size = pool_pages, page_size
+        tokens = pool_pages * page_size
+        self.kv = [torch.zeros((tokens, heads, head_dim), dtype=torch.float16) for _ in range(2 * layers)]
+        self.aux = [torch.zeros((aux_rows, 16), dtype=torch.int32), torch.zeros((aux_rows, 16), dtype=torch.int32),
+                    torch.zeros((aux_rows, 24), dtype=torch.float16), torch.zeros((aux_rows, 8), dtype=torch.int64)]
+        self.state = [[torch.zeros((state_rows, 3, 8), dtype=torch.float32), torch.zeros((state_rows, 20), dtype=torch.uint8)]]
+
+    def item(self, t):
+        return nbytes(t[0]) * self.page_size
+
+    def kv_args(self, engine_rank=0):
+        a = ks.KVArgs()
+        a.engine_rank, a.gpu_id, a.page_size, a.pp_rank, a.system_dp_rank = engine_rank, 0, self.page_size, 0, 0
+        a.kv_data_ptrs = [t.data_ptr() for t in self.kv]
+        a.kv_data_lens = [nbytes(t) for t in self.kv]
+        a.kv_item_lens = [self.item(t) for t in self.kv]
+        a.aux_data_ptrs = [t.data_ptr() for t in self.aux]
+        a.aux_data_lens = [nbytes(t) for t in self.aux]
+        a.aux_item_lens = [nbytes(t[0]) for t in self.aux]
+        a.state_types = ["mamba"]
+        a.state_data_ptrs = [[t.data_ptr() for t in comp] for comp in self.state]
+        a.state_data_lens = [[nbytes(t) for t in comp] for comp in self.state]
+        a.state_item_lens = [[nbytes(t[0]) for t in comp] for comp in self.state]
+        return a
+
+    # byte views: [pages, page bytes] / [rows, row bytes]
+    def kv_u8(self, b):
+        return self.kv[b].view(torch.uint8).view(self.pool_pages, -1)
+
+    def aux_u8(self, a):
+        return self.aux[a].view(torch.uint8).view(self.aux[a].shape[0], -1)
+
+    def state_u8(self, t):
+        comp = self.state[0][t]
+        return comp.view(torch.uint8).reshape(comp.shape[0], -1)
+
+    @staticmethod
+    def content(room, what, shape):
+        g = torch.Generator().manual_seed((room * 1000003 + zlib.crc32(what.encode())) % (2**63))
+        return torch.randint(0, 256, shape, generator=g, dtype=torch.uint8)
+
+    def expected(self, room, npages):
+        """Returns what request `room` holds: ([kv per buffer], [aux per buffer], [state per tensor])."""
+        kv = [self.content(room, f"kv{b}", (npages, self.kv_u8(b).shape[1])) for b in range(len(self.kv))]
+        aux = [self.content(room, f"aux{a}", (self.aux_u8(a).shape[1],)) for a in range(len(self.aux))]
+        st = [self.content(room, f"st{t}", (1, self.state_u8(t).shape[1])) for t in range(len(self.state[0]))]
+        return kv, aux, st
+
+    def fill(self, room, pages, aux_row, state_row):
+        """The prefill's forward: writes request `room`'s bytes into its pages, aux row and state row."""
+        kv, aux, st = self.expected(room, len(pages))
+        idx = torch.tensor(list(pages), dtype=torch.long)
+        for b, c in enumerate(kv):
+            if len(pages):
+                self.kv_u8(b)[idx] = c
+        for a, c in enumerate(aux):
+            self.aux_u8(a)[aux_row] = c
+        for t, c in enumerate(st):
+            self.state_u8(t)[state_row] = c[0]
+
+    def holds(self, room, pages, aux_row, state_row):
+        """Returns None if pages/rows hold exactly request `room`'s bytes, else what differs."""
+        kv, aux, st = self.expected(room, len(pages))
+        idx = torch.tensor(list(pages), dtype=torch.long)
+        for b, c in enumerate(kv):
+            if len(pages) and not torch.equal(self.kv_u8(b)[idx], c):
+                return f"kv buffer {b} differs"
+        for a, c in enumerate(aux):
+            if not torch.equal(self.aux_u8(a)[aux_row], c):
+                return f"aux buffer {a} differs"
+        for t, c in enumerate(st):
+            if not torch.equal(self.state_u8(t)[state_row], c[0]):
+                return f"state tensor {t} differs"
+        return None
+
+    def mark(self, pages, aux_row, state_row, byte):
+        idx = torch.tensor(list(pages), dtype=torch.long)
+        for b in range(len(self.kv)):
+            if len(pages):
+                self.kv_u8(b)[idx] = byte
+        for a in range(len(self.aux)):
+            self.aux_u8(a)[aux_row] = byte
+        for t in range(len(self.state[0])):
+            self.state_u8(t)[state_row] = byte
+
+    def marked(self, pages, aux_row, state_row, byte):
+        idx = torch.tensor(list(pages), dtype=torch.long)
+        ok = all(bool((self.kv_u8(b)[idx] == byte).all()) for b in range(len(self.kv))) if len(pages) else True
+        ok = ok and all(bool((self.aux_u8(a)[aux_row] == byte).all()) for a in range(len(self.aux)))
+        return ok and all(bool((self.state_u8(t)[state_row] == byte).all()) for t in range(len(self.state[0])))
+
+
+class Pool:
+    """Free lists of pages and rows (the engine's allocators)."""
+
+    def __init__(self, n, rng):
+        self.free = list(range(n))
+        rng.shuffle(self.free)
+        self.rng = rng
+
+    def alloc(self, n, contiguous=False):
+        if n > len(self.free):
+            return None
+        if contiguous:
+            s = sorted(self.free)
+            for i in range(len(s) - n + 1):
+                if s[i + n - 1] - s[i] == n - 1:
+                    run = s[i:i + n]
+                    for p in run:
+                        self.free.remove(p)
+                    return run
+        out, self.free = self.free[:n], self.free[n:]
+        return out
+
+    def give_back(self, items):
+        self.free.extend(items)
+        self.rng.shuffle(self.free)
+
+
+def make_requests(n, seed, plans):
+    """Returns n request specs (dicts): bootstrap room, page count, page layout, chunking, plan."""
+    rng = random.Random(seed)
+    reqs = []
+    for k in range(n):
+        npages = rng.choice([1, 2, 3, 7, 12, 20, 33])
+        cuts = sorted(rng.sample(range(1, npages), min(rng.choice([0, 1, 2, 3]), npages - 1))) if npages > 1 else []
+        chunks = [b - a for a, b in zip([0] + cuts, cuts + [npages])]
+        plan = plans[k] if k < len(plans) else None
+        if plan in (("decode", "mid"), ("prefill", "Transferring"), ("timeout", "stall")):
+            npages, chunks = 33, [24, 9]  # the first chunk fills whole slots: some are in flight when it stops
+        reqs.append(dict(k=k, room=rng.getrandbits(62) | 1, npages=npages, chunks=chunks,
+                         contiguous=rng.random() < 0.4, plan=plan))
+    return reqs
+
+
+# --------------------------------------------------------------------------------------------
+# Prefill: PrefillBootstrapQueue -> forward -> send_kv_chunk -> inflight queue.
+# --------------------------------------------------------------------------------------------
+
+def run_prefill(mgr, cache, reqs, flags, acks, bootstrap_addr, deadline_s=40):
+    """Drives one sender per request until every request ended; returns {k: result dict}."""
+    rng = random.Random(7)
+    pages, rows = Pool(cache.pool_pages, rng), Pool(cache.aux[0].shape[0], rng)
+    live, out = {}, {}
+    for r in reqs:
+        if r["plan"] == ("timeout", "decode-waiting"):
+            out[r["k"]] = dict(outcome="absent", states=[])
+            continue  # this request never reaches the prefill server
+        s = ks.KvstageKVSender(mgr, bootstrap_addr, r["room"], [0], 0)
+        if r["plan"] in (("timeout", "prefill-bootstrap"), ("decode", "Bootstrapping")):
+            s.bootstrap_timeout = 1.0
+        st = dict(req=r, s=s, states=[], phase="bootstrap", pages=None, next_chunk=0, sent=0)
+        live[r["k"]] = st
+        if r["plan"] == ("prefill", "Bootstrapping"):
+            st["states"].append("Bootstrapping")
+            s.abort()
+    deadline = time.monotonic() + deadline_s
+    while live:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"prefill: requests never ended: {[(k, v['s']) for k, v in live.items()]}")
+        for k, st in list(live.items()):
+            r, s = st["req"], st["s"]
+            p = s.poll()
+            if not st["states"] or st["states"][-1] != STATE[p]:
+                st["states"].append(STATE[p])
+            if p == KVPoll.WaitingForInput and st["phase"] == "bootstrap":
+                if r["plan"] == ("prefill", "WaitingForInput"):
+                    s.abort()
+                    continue
+                got = pages.alloc(r["npages"], r["contiguous"])
+                row = rows.alloc(1)
+                if got is None or row is None:
+                    continue  # engine memory full: try again later
+                st["pages"], st["row"] = got, row[0]
+                cache.fill(r["room"], got, st["row"], st["row"])
+                s.init(r["npages"] - s.pop_decode_prefix_len() // cache.page_size, st["row"])
+                st["phase"] = "send"
+            elif st["phase"] == "send" and p in (KVPoll.WaitingForInput, KVPoll.Transferring):
+                if r["plan"] == ("timeout", "stall") and st["next_chunk"] == 1:
+                    continue  # the forward hangs after one chunk
+                if r["plan"] == ("decode", "mid") and st["next_chunk"] == 1 and not acks[k]:
+                    continue  # hold the rest until the decode side has aborted
+                i = st["next_chunk"]
+                n = r["chunks"][i]
+                last = i == len(r["chunks"]) - 1
+                chunk = st["pages"][st["sent"]:st["sent"] + n]
+                if s.should_send_kv_chunk(len(chunk), last):
+                    s.send(chunk, [[st["row"]]] if last else None)
+                st["sent"] += n
+                st["next_chunk"] += 1
+                if i == 0:
+                    flags[k] = 1
+                if last:
+                    st["phase"] = "inflight"
+                if i == 0 and r["plan"] == ("prefill", "Transferring") and not last:
+                    s.abort()
+            elif p == KVPoll.Success:
+                if r["plan"] == ("prefill", "Success") and "aborted" not in st:
+                    st["aborted"] = True
+                    s.abort()
+                    continue
+                out[k] = dict(outcome="Success", states=st["states"], metric=s.get_transfer_metric().transfer_total_bytes)
+            elif p == KVPoll.Failed:
+                try:
+                    s.failure_exception()
+                except ks.KVTransferError as e:
+                    reason = e.failure_reason
+                out[k] = dict(outcome="Success+aborted" if "aborted" in st else "Failed", reason=reason, states=st["states"])
+            if k in out:
+                s.clear()
+                if st["pages"] is not None:
+                    pages.give_back(st["pages"])
+                    rows.give_back([st["row"]])
+                del live[k]
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Decode: DecodePreallocQueue (handshake, prealloc, send_metadata) -> DecodeTransferQueue.
+# --------------------------------------------------------------------------------------------
+
+def run_decode(mgr, cache, reqs, flags, acks, bootstrap_addr, concurrency=16, deadline_s=40):
+    """Drives one receiver per request (at most `concurrency` at once); returns ({k: result}, marker problems)."""
+    rng = random.Random(11)
+    pages, rows = Pool(cache.pool_pages, rng), Pool(cache.aux[0].shape[0], rng)
+    waiting = [r for r in reqs if r["plan"] != ("timeout", "prefill-bootstrap")]
+    out = {r["k"]: dict(outcome="absent", states=[]) for r in reqs if r["plan"] == ("timeout", "prefill-bootstrap")}
+    live, quarantine, n_marked = {}, [], 0
+    deadline = time.monotonic() + deadline_s
+    while not mgr.try_ensure_parallel_info(bootstrap_addr):
+        if time.monotonic() > deadline:
+            raise AssertionError("decode: the bootstrap server never answered")
+    while live or waiting:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"decode: requests never ended: {[(k, v['rv']) for k, v in live.items()]}")
+        while waiting and len(live) < concurrency:
+            r = waiting.pop(0)
+            rv = ks.KvstageKVReceiver(mgr, bootstrap_addr, r["room"])
+            st = live[r["k"]] = dict(req=r, rv=rv, states=[], pages=None)
+            if r["plan"] in (("timeout", "decode-waiting"), ("timeout", "stall")):
+                rv.waiting_timeout = 1.0
+            if r["plan"] == ("decode", "Bootstrapping"):
+                st["states"].append("Bootstrapping")
+                rv.abort()
+            else:
+                rv.init(0)
+        for k, st in list(live.items()):
+            r, rv = st["req"], st["rv"]
+            p = rv.poll()
+            if not st["states"] or st["states"][-1] != STATE[p]:
+                st["states"].append(STATE[p])
+            if p == KVPoll.WaitingForInput and st["pages"] is None:
+                if r["plan"] == ("decode", "WaitingForInput"):
+                    rv.abort()
+                    continue
+                got = pages.alloc(r["npages"])
+                row = rows.alloc(1)
+                if got is None or row is None:
+                    if got:
+                        pages.give_back(got)
+                    continue
+                st["pages"], st["row"] = got, row[0]
+                rv.send_metadata(got, st["row"], [[st["row"]]])
+                if r["plan"] == ("decode", "Transferring"):
+                    assert rv.poll() in (KVPoll.Transferring, KVPoll.Success)
+                    st["states"].append("Transferring")
+                    rv.abort()
+            elif p == KVPoll.Transferring and r["plan"] == ("decode", "mid") and flags[k] and not acks[k]:
+                rv.abort()  # the first chunk is in the room, the rest is held back by the prefill side
+                acks[k] = 1
+            elif p == KVPoll.Success:
+                if "verified" not in st:
+                    st["verified"] = cache.holds(r["room"], st["pages"], st["row"], st["row"])
+                if r["plan"] == ("decode", "Success") and "aborted" not in st:
+                    st["aborted"] = True
+                    rv.abort()
+                    continue
+                out[k] = dict(outcome="Success", states=st["states"], wrong=st["verified"])
+            elif p == KVPoll.Failed:
+                try:
+                    rv.failure_exception()
+                except ks.KVTransferError as e:
+                    reason = e.failure_reason
+                out[k] = dict(outcome="Success+aborted" if "aborted" in st else "Failed", reason=reason,
+                              states=st["states"], wrong=st.get("verified"))
+            if k in out:
+                rv.clear()
+                if st["pages"] is not None:
+                    if out[k]["outcome"] == "Success":
+                        pages.give_back(st["pages"])
+                        rows.give_back([st["row"]])
+                    else:
+                        # the abort rule: once clear() returned, nothing writes these pages; mark them and keep them
+                        assert rv.pages_released, rv
+                        n_marked += 1
+                        byte = 0x5A ^ (n_marked & 0x7F)
+                        cache.mark(st["pages"], st["row"], st["row"], byte)
+                        quarantine.append((k, st["pages"], st["row"], byte))
+                del live[k]
+    # every other request is done: the marked pages of aborted ones must be untouched
+    bad = [k for k, pg, row, byte in quarantine if not cache.marked(pg, row, row, byte)]
+    return out, bad, len(quarantine)
+
+
+def _serve(role, conn, socket_path, reqs, flags, acks, cache_pages, extra):
+    """Child process body: makes the engine's manager (the prefill also its bootstrap server), runs its loop."""
+    mgr = server = None
+    try:
+        cache = KVCache(cache_pages)
+        if role == "prefill":
+            server = ks.KvstageKVBootstrapServer("127.0.0.1", 0)
+            addr = f"127.0.0.1:{server.port}"
+            mgr = ks.KvstageKVManager(cache.kv_args(), ks.DisaggregationMode.PREFILL, server_args(socket_path, server.port))
+            conn.send(("ready", addr))
+            result = run_prefill(mgr, cache, reqs, flags, acks, addr)
+        else:
+            addr = extra["bootstrap_addr"]
+            mgr = ks.KvstageKVManager(cache.kv_args(), ks.DisaggregationMode.DECODE, server_args(socket_path, 0))
+            conn.send(("ready", addr))
+            result = run_decode(mgr, cache, reqs, flags, acks, addr)
+        mgr.close()
+        mgr = None
+        conn.send(("result", result))
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+    finally:
+        if mgr is not None:
+            mgr.close()
+        if server is not None:
+            server.close()
+        conn.close()
+
+
+def prefill_main(conn, socket_path, reqs, flags, acks, cache_pages):
+    _serve("prefill", conn, socket_path, reqs, flags, acks, cache_pages, {})
+
+
+def decode_main(conn, socket_path, reqs, flags, acks, cache_pages, bootstrap_addr):
+    _serve("decode", conn, socket_path, reqs, flags, acks, cache_pages, {"bootstrap_addr": bootstrap_addr})

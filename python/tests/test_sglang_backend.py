@@ -1,0 +1,527 @@
+"""kvstage.sglang piece by piece: the room layout, the bootstrap server's routes, transfers of every shape in one
+process, decode prefixes, refusals (layout, topology, unknown prefill), pool pressure, clear() after an abort,
+the CUDA copier's calls (against a stand-in device), a proxy that dies, and rooms across two proxies (tcp)."""
+import inspect
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+import types
+from pathlib import Path
+
+import pytest
+
+import kvstage
+from kvstage import sglang as ks
+from kvstage.sglang import KVPoll
+from conftest import Proxy, kvstaged_path
+from sglang_common import (NEED_TORCH, Pair, adopted, assert_pool_free, engines, kv_proxy,  # noqa: F401 (fixtures)
+                           sender_done, start, stat)
+
+
+# ---------------------------------------------------------------------------------------------- layout (no proxy)
+def test_runs():
+    assert ks._runs([5, 6, 7, 10, 11, 3]) == [(0, 5, 3), (3, 10, 2), (5, 3, 1)]
+    assert ks._runs([]) == [] and ks._runs([4]) == [(0, 4, 1)]
+    assert ks._runs([2, 1, 0]) == [(0, 2, 1), (1, 1, 1), (2, 0, 1)]
+    with pytest.raises(ValueError):
+        ks._runs([1, -1])
+
+
+def _mem(kv=((0x10000, 1000, 100), (0x20000, 600, 60)), aux=((0x30000, 160, 16), (0x40000, 80, 8)),
+         state=(((0x50000, 120, 12), (0x60000, 40, 4)),)):
+    a = types.SimpleNamespace(
+        kv_data_ptrs=[p for p, _, _ in kv], kv_data_lens=[n for _, n, _ in kv], kv_item_lens=[i for _, _, i in kv],
+        aux_data_ptrs=[p for p, _, _ in aux], aux_data_lens=[n for _, n, _ in aux], aux_item_lens=[i for _, _, i in aux],
+        state_data_ptrs=[[p for p, _, _ in c] for c in state], state_data_lens=[[n for _, n, _ in c] for c in state],
+        state_item_lens=[[i for _, _, i in c] for c in state], state_types=["mamba"])
+    return ks.MemoryMap(a, kv_device=False)
+
+
+def test_layout_offsets_and_extents():
+    mem = _mem()
+    lay = ks.RoomLayout(mem, npages=3, has_aux=True, state_counts=[2])
+    assert lay.kv_off == [0, 300] and lay.aux_off == [480, 496] and lay.state_off == [[504, 528]]
+    assert lay.nbytes == 536
+    # pages 4,5 (one run) then 9: one copy per run and buffer, buffer by buffer
+    assert lay.kv_extents([4, 5, 9], 0) == [(0, 0x10000 + 400, 200, False), (200, 0x10000 + 900, 100, False),
+                                            (300, 0x20000 + 240, 120, False), (420, 0x20000 + 540, 60, False)]
+    assert lay.kv_extents([7], 2) == [(200, 0x10000 + 700, 100, False), (420, 0x20000 + 420, 60, False)]
+    assert lay.aux_extents(3) == [(480, 0x30000 + 48, 16, False), (496, 0x40000 + 24, 8, False)]
+    assert lay.state_extents([[6, 7]]) == [(504, 0x50000 + 72, 24, False), (528, 0x60000 + 24, 8, False)]
+    for bad in (lambda: lay.kv_extents([10], 0),         # past the 1000-byte buffer
+                lambda: lay.kv_extents([1, 2], 2),       # more pages than the room holds
+                lambda: lay.aux_extents(10),
+                lambda: lay.state_extents([[1]]),        # 1 state index where the room has 2
+                lambda: lay.state_extents([[9, 10]])):   # past the state buffer
+        with pytest.raises(ValueError):
+            bad()
+    assert ks.RoomLayout(mem, 0, False, [0]).nbytes == 0
+    assert list(ks._pieces([(4090, 0x1000, 20, False)], 4096)) == [(0, 4090, 0x1000, 6, False), (1, 0, 0x1006, 14, False)]
+    assert ks.state_counts_of([[[3]], None], 2) == [1, 0] and ks.state_counts_of(None, 1) == [0]
+
+
+def test_fingerprint_mismatch():
+    a, b = _mem().fingerprint(), _mem(kv=((0x10000, 1000, 100), (0x20000, 600, 64))).fingerprint()
+    assert ks.MemoryMap.mismatch(a, a) is None
+    assert "kv_item_lens" in ks.MemoryMap.mismatch(a, b)
+
+
+def test_kv_class_mapping():
+    import enum
+
+    class KVClassType(enum.Enum):  # SGLang's names
+        KVARGS = "kvargs"
+        MANAGER = "manager"
+        SENDER = "sender"
+        RECEIVER = "receiver"
+        BOOTSTRAP_SERVER = "bootstrap_server"
+    assert ks.kv_class(KVClassType.MANAGER) is ks.KvstageKVManager
+    assert ks.kv_class(KVClassType.SENDER) is ks.KvstageKVSender
+    assert ks.kv_class(KVClassType.RECEIVER) is ks.KvstageKVReceiver
+    assert ks.kv_class(KVClassType.BOOTSTRAP_SERVER) is ks.KvstageKVBootstrapServer
+    assert ks.kv_class(KVClassType.KVARGS) is ks.KVArgs
+    assert (KVPoll.Failed, KVPoll.Bootstrapping, KVPoll.WaitingForInput, KVPoll.Transferring, KVPoll.Success) == (0, 1, 2, 3, 4)
+    for cls, base in ((ks.KvstageKVManager, ks.BaseKVManager), (ks.KvstageKVSender, ks.BaseKVSender),
+                      (ks.KvstageKVReceiver, ks.BaseKVReceiver), (ks.KvstageKVBootstrapServer, ks.BaseKVBootstrapServer)):
+        assert issubclass(cls, base) and not getattr(cls, "__abstractmethods__", None), cls
+    # SGLang's call signatures, parameter for parameter
+    assert list(inspect.signature(ks.KvstageKVManager).parameters)[:4] == ["args", "disaggregation_mode", "server_args",
+                                                                            "is_mla_backend"]
+    assert list(inspect.signature(ks.KvstageKVSender).parameters)[:6] == [
+        "mgr", "bootstrap_addr", "bootstrap_room", "dest_tp_ranks", "pp_rank", "req_has_disagg_prefill_dp_rank"]
+    assert list(inspect.signature(ks.KvstageKVReceiver).parameters)[:3] == ["mgr", "bootstrap_addr", "bootstrap_room"]
+    assert list(inspect.signature(ks.KvstageKVSender.send).parameters) == ["self", "kv_indices", "state_indices",
+                                                                           "token_position_offset"]
+    assert list(inspect.signature(ks.KvstageKVSender.init).parameters) == ["self", "num_kv_indices", "aux_index"]
+    assert list(inspect.signature(ks.KvstageKVReceiver.init).parameters) == ["self", "prefill_dp_rank"]
+    assert list(inspect.signature(ks.KvstageKVReceiver.send_metadata).parameters)[:5] == [
+        "self", "kv_indices", "aux_index", "state_indices", "decode_prefix_len"]
+    assert list(inspect.signature(ks.KvstageKVBootstrapServer).parameters) == ["host", "port"]
+
+
+# ------------------------------------------------------------------------------------- bootstrap server (HTTP only)
+def test_bootstrap_server_routes():
+    srv = ks.KvstageKVBootstrapServer("127.0.0.1", 0)
+    base = f"http://127.0.0.1:{srv.port}"
+    try:
+        assert ks._http("GET", base + "/health") == (200, "OK")
+        q = "/route?prefill_dp_rank=-1&prefill_cp_rank=-1&target_tp_rank=-1&target_pp_rank=-1"
+        assert ks._http("GET", base + q)[0] == 503  # nobody registered yet
+        assert ks._http("GET", base + "/route?prefill_dp_rank=0")[0] == 400
+        reg = dict(attn_tp_size=2, attn_tp_rank=0, attn_cp_size=1, attn_cp_rank=0, attn_dp_size=1, attn_dp_rank=0,
+                   pp_size=1, pp_rank=0, system_dp_size=1, system_dp_rank=0, rank_ip="10.1.2.3", rank_port=4567,
+                   page_size=4, kv_cache_dtype="auto", load_balance_method="round_robin",
+                   kvstage_layout={"kv_item_lens": [1]})
+        assert ks._http("PUT", base + "/route", reg)[0] == 200
+        assert ks._http("GET", base + q)[0] == 503  # 1 of 2 TP ranks
+        assert ks._http("PUT", base + "/route", dict(reg, attn_tp_rank=1, rank_port=4568))[0] == 200
+        st, info = ks._http("GET", base + q)
+        assert st == 200 and info["attn_tp_size"] == 2 and info["dp_size"] == 1 and info["page_size"] == 4
+        assert info["follow_bootstrap_room"] is False and info["kvstage_layout"] == {"kv_item_lens": [1]}
+        st, rank = ks._http("GET", base + "/route?prefill_dp_rank=0&prefill_cp_rank=0&target_tp_rank=1&target_pp_rank=0")
+        assert st == 200 and (rank["rank_ip"], rank["rank_port"], rank["kvstage"]) == ("10.1.2.3", 4568, True)
+        assert ks._http("GET", base + "/route?prefill_dp_rank=3&prefill_cp_rank=0&target_tp_rank=0&target_pp_rank=0")[0] == 404
+        assert ks._http("PUT", base + "/route", {"rank_ip": "x"})[0] == 400
+        assert ks._http("POST", base + "/register_dp_rank", {"bootstrap_room": 77, "dp_rank": 1})[0] == 200
+        assert ks._http("POST", base + "/query_dp_ranks", {"bootstrap_rooms": [77, 78]}) == (200, {"77": 1})
+    finally:
+        srv.close()
+
+
+# ------------------------------------------------------------------------------------------ transfers in one process
+@NEED_TORCH
+@pytest.mark.parametrize("ppages,dpages,chunks", [
+    ([7], [3], ()),                                              # one page
+    (list(range(10, 30)), list(range(40, 60)), (5, 5, 5)),       # contiguous runs on both sides, 4 chunks
+    ([9, 2, 33, 34, 35, 1, 60, 61], [8, 7, 6, 5, 4, 3, 2, 1], (1, 2)),  # scattered, reversed
+    (list(range(0, 62, 2)), list(range(1, 63, 2)), (10,)),      # 31 pages, every one its own run
+], ids=["one-page", "contiguous", "scattered", "strided"])
+def test_transfer_shapes(engines, ppages, dpages, chunks):
+    pc, dc, P, D, addr = engines
+    s, r = start(engines, 4242, ppages, dpages, 9, chunks=chunks, prow=3)
+    assert D.wait_until(lambda: r.poll() == KVPoll.Success, 10), r
+    sender_done(s)
+    got = [dc.kv_u8(b)[dpages] for b in range(len(dc.kv))]
+    want = [pc.kv_u8(b)[ppages] for b in range(len(pc.kv))]
+    assert all(bool((g == w).all()) for g, w in zip(got, want))
+    assert dc.holds(4242, dpages, 9, 9) is None  # kv, aux and state rows, byte for byte
+    lay = r._layout
+    assert s.get_transfer_metric().transfer_total_bytes == lay.nbytes > 0
+    r.clear()
+    s.clear()
+    assert r.pages_released and not D._objs and not P._objs and not P.senders
+
+
+@NEED_TORCH
+@pytest.mark.parametrize("prefix_pages", [2, 5])
+def test_decode_prefix(engines, prefix_pages):
+    """The decode side already has the first pages (its radix cache): it asks only for the rest."""
+    pc, dc, P, D, addr = engines
+    ppages, dpages = [11, 12, 13, 14, 15], [20, 21, 22, 23, 24]
+    page = pc.page_size
+    s = ks.KvstageKVSender(P, addr, 99, [0], 0)
+    r = ks.KvstageKVReceiver(D, addr, 99)
+    r.init(0)
+    r.send_metadata(dpages[prefix_pages:], 4, [[4]], decode_prefix_len=prefix_pages * page)
+    adopted(s)
+    assert s.pop_decode_prefix_len() == prefix_pages * page
+    pc.fill(99, ppages, 2, 2)
+    rest = ppages[s.pop_decode_prefix_len() // page:]
+    s.init(len(rest), 2)
+    assert s.should_send_kv_chunk(len(rest), True)
+    s.send(rest, [[2]])  # all prefix: a last chunk of 0 pages that carries aux and state
+    assert D.wait_until(lambda: r.poll() == KVPoll.Success, 10), r
+    for b in range(len(dc.kv)):
+        assert bool((dc.kv_u8(b)[dpages[prefix_pages:]] == pc.kv_u8(b)[rest]).all())
+        assert bool((dc.kv_u8(b)[dpages[:prefix_pages]] == 0).all())  # the prefix pages are left alone
+    assert bool((dc.aux_u8(0)[4] == pc.aux_u8(0)[2]).all()) and bool((dc.state_u8(1)[4] == pc.state_u8(1)[2]).all())
+    r.clear()
+    sender_done(s)
+    s.clear()
+
+
+@NEED_TORCH
+def test_layout_mismatch_is_refused(kv_proxy):
+    import sglang_engine as E
+    pair = Pair(kv_proxy.socket, decode_cache=E.KVCache(64, head_dim=8))  # 128-byte pages against 192
+    try:
+        pc, dc, P, D, addr = pair
+        s = ks.KvstageKVSender(P, addr, 5, [0], 0)
+        r = ks.KvstageKVReceiver(D, addr, 5)
+        r.init(0)
+        assert r.poll() == KVPoll.Failed
+        with pytest.raises(ks.KVTransferError, match="layout mismatch.*kv_item_lens"):
+            r.failure_exception()
+        r.clear()
+        s.abort()
+        assert s.poll() == KVPoll.Failed
+        s.clear()
+    finally:
+        pair.close()
+    assert_pool_free(kv_proxy.socket)
+
+
+@NEED_TORCH
+def test_topology_and_unknown_prefill_are_refused(engines):
+    pc, dc, P, D, addr = engines
+    D.attn_tp_size = 2  # this decode rank thinks attention TP is 2, the prefill server registered 1
+    r = ks.KvstageKVReceiver(D, addr, 6)
+    r.init(0)
+    assert r.poll() == KVPoll.Failed and "attn_tp_size" in r._reason
+    r.clear()
+    D.attn_tp_size = 1
+    import socket
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{free.getsockname()[1]}"
+    assert not D.try_ensure_parallel_info(dead)
+    r = ks.KvstageKVReceiver(D, dead, 7)
+    r.init(0)
+    assert r.poll() == KVPoll.Failed
+    with pytest.raises(ks.KVTransferError, match="unknown or down"):
+        r.failure_exception()
+    r.clear()
+
+
+@NEED_TORCH
+def test_unreachable_prefill_rank(engines):
+    """The bootstrap server names a rank whose side channel is gone: the request fails with the reason, its
+    room is aborted, and the next one to that rank fails at once instead of waiting out a connect timeout."""
+    import socket
+    pc, dc, P, D, addr = engines
+    srv = ks.KvstageKVBootstrapServer("127.0.0.1", 0)
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    reg = dict(attn_tp_size=1, attn_tp_rank=0, attn_cp_size=1, attn_cp_rank=0, attn_dp_size=1, attn_dp_rank=0,
+               pp_size=1, pp_rank=0, system_dp_size=1, system_dp_rank=0, rank_ip="127.0.0.1", rank_port=port,
+               page_size=dc.page_size, kv_cache_dtype="auto", kvstage_layout=D.mem.fingerprint())
+    try:
+        assert ks._http("PUT", f"http://127.0.0.1:{srv.port}/route", reg)[0] == 200
+        gone = f"127.0.0.1:{srv.port}"
+        for k in (1, 2):
+            r = ks.KvstageKVReceiver(D, gone, 40 + k)
+            r.init(0)
+            assert r.poll() == KVPoll.WaitingForInput
+            t0 = time.monotonic()
+            r.send_metadata([1, 2], 3, [[3]])
+            assert r.poll() == KVPoll.Failed and "could not reach the prefill rank" in r._reason, r
+            if k == 2:
+                assert "failed moments ago" in r._reason and time.monotonic() - t0 < 1
+            r.clear()
+            assert r.pages_released
+    finally:
+        srv.close()
+
+
+@NEED_TORCH
+def test_device_memory_needs_the_flag(kv_proxy, monkeypatch):
+    import sglang_engine as E
+    monkeypatch.delenv("KVSTAGE_SGLANG_CUDA", raising=False)
+    cache = E.KVCache(8)
+    with pytest.raises(RuntimeError, match="untested"):
+        ks.KvstageKVManager(cache.kv_args(), ks.DisaggregationMode.DECODE, E.server_args(kv_proxy.socket, 0, device="cuda"))
+    with pytest.raises(RuntimeError, match="not supported"):
+        ks.KvstageKVManager(cache.kv_args(), ks.DisaggregationMode.DECODE, E.server_args(kv_proxy.socket, 0, device="npu"))
+
+
+# ------------------------------------------------------------------------------------------ pressure, aborts, clear
+@NEED_TORCH
+def test_pool_pressure_waits_then_completes(engines, kv_proxy):
+    """With the pool held by someone else the sender keeps its chunks and waits (no failure, no blocking);
+    once slots come back it finishes, byte for byte."""
+    pc, dc, P, D, addr = engines
+    hog = kvstage.Client(kv_proxy.socket)
+    held = hog.acquire(hog.slot_count - 2)
+    ppages, dpages = list(range(0, 60)), list(range(60, 0, -1))[:60]
+    s, r = start(engines, 31337, ppages, dpages, 1, chunks=(20, 20))  # ~22 slots, 2 free
+    for _ in range(20):
+        assert s.poll() == KVPoll.Transferring and r.poll() == KVPoll.Transferring
+    assert stat(kv_proxy.socket)["slots"]["free"] == 0
+    for lease in held:
+        hog.release(lease)
+    hog.close()
+    assert D.wait_until(lambda: s.poll() == KVPoll.Success and r.poll() == KVPoll.Success, 10), (s, r)
+    assert dc.holds(31337, dpages, 1, 1) is None
+    r.clear()
+    s.clear()
+
+
+def _ctl(socket_path, *args):
+    exe = Path(kvstaged_path()).resolve().parent.parent / "tools" / "kvstage-ctl"
+    out = subprocess.run([str(exe), "-s", socket_path, "-t", "10000", *args], capture_output=True, text=True, timeout=20)
+    assert out.returncode == 0, out.stderr
+
+
+@NEED_TORCH
+@pytest.mark.parametrize("side", ["decode", "prefill"])
+def test_clear_waits_for_the_aborted_room(side):
+    """An abort while a chunk is held in flight (failpoint local.quiesce): Failed at once on the aborting side;
+    the room's ABORTED cannot come before the chunk quiesces, so clear() waits, gives up at clear_timeout with
+    pages_released still False and keeps tracking the room; once the chunk is let go, ABORTED comes, the room is
+    closed in the background and pages_released turns True. Nothing reaches the decode pages."""
+    px = Proxy(["--slots", "256", "--slot-size", "4096", "--failpoints"])
+    pair = None
+    try:
+        pair = Pair(px.socket)
+        pc, dc, P, D, addr = pair
+        ppages, dpages = list(range(0, 40)), list(range(20, 60))
+        s = ks.KvstageKVSender(P, addr, 8, [0], 0)
+        r = ks.KvstageKVReceiver(D, addr, 8)
+        r.init(0)
+        r.send_metadata(dpages, 2, [[2]])
+        adopted(s)
+        _ctl(px.socket, "set", "local.quiesce", "pause", "--match", str(r._uid))
+        pc.fill(8, ppages, 2, 2)
+        s.init(len(ppages), 2)
+        s.send(ppages[:30])  # several slots complete and sent; the rest waits for the last chunk
+        assert s._sent_chunks > 0
+        _ctl(px.socket, "wait", "local.quiesce", "1")  # one hand-off is held in flight
+        (r if side == "decode" else s).abort()
+        assert (r if side == "decode" else s).poll() == KVPoll.Failed
+        if side == "prefill":
+            s.clear()
+            assert r.poll() == KVPoll.Transferring  # the decode side hears only once the room has ended
+            assert not D.wait_until(lambda: r.poll() == KVPoll.Failed, 0.2)
+            _ctl(px.socket, "set", "local.quiesce", "off")
+            assert D.wait_until(lambda: r.poll() == KVPoll.Failed, 10)
+            assert "aborted by the prefill side" in r._reason
+            r.clear()
+            assert r.pages_released and r._final.type == kvstage.EventType.ABORTED and not D._objs
+        else:
+            _decode_abort_then_clear(px, P, D, s, r)
+        assert bool((dc.kv_u8(0)[dpages] == 0).all())  # nothing of it reached the decode pages
+    finally:
+        if pair is not None:
+            pair.close()
+            assert_pool_free(px.socket)
+        px.stop()
+        shutil.rmtree(px.dir, ignore_errors=True)
+
+
+def _decode_abort_then_clear(px, P, D, s, r):
+    r.clear_timeout = 0.3
+    t0 = time.monotonic()
+    r.clear()
+    assert time.monotonic() - t0 >= 0.3  # it waited for the room's end
+    assert not r.pages_released and r._final is None and D._objs  # gave up waiting, still tracked
+    _ctl(px.socket, "set", "local.quiesce", "off")
+    assert D.wait_until(lambda: r.pages_released, 10)
+    assert r._final.type == kvstage.EventType.ABORTED and not D._objs and r.poll() == KVPoll.Failed
+    assert P.wait_until(lambda: s.poll() == KVPoll.Failed, 10)
+    s.clear()
+
+
+@NEED_TORCH
+def test_second_request_for_a_room_is_refused(engines):
+    """A forged or repeated transfer request for a bootstrap room already in use gets its room aborted."""
+    pc, dc, P, D, addr = engines
+    s, r = start(engines, 321, [1, 2, 3, 4], [5, 6, 7, 8], 1)
+    r2 = ks.KvstageKVReceiver(D, addr, 321)  # same bootstrap_room, another decode request
+    r2.init(0)
+    r2.send_metadata([9, 10], 2, [[2]])
+    assert D.wait_until(lambda: s.poll() == KVPoll.Success and r.poll() == KVPoll.Success
+                        and r2.poll() == KVPoll.Failed, 10), (s, r, r2)
+    assert dc.holds(321, [5, 6, 7, 8], 1, 1) is None
+    for x in (r, r2, s):
+        x.clear()
+
+
+# ----------------------------------------------------------------------------------------------------- CUDA copier
+class _FakeStream:
+    cuda_stream = 0x5151
+
+    def __init__(self):
+        self.syncs = 0
+
+    def synchronize(self):
+        self.syncs += 1
+
+
+class _FakeCuda:
+    """Stands in for kvstage.cuda on host memory: 'device' pointers are host addresses."""
+
+    def __init__(self):
+        self.calls = []
+
+    def copy_in_device(self, lease, dev_ptr, nbytes, slot_off=0, stream=None, done=None):
+        self.calls.append(("in", nbytes, stream))
+        lease.view()[slot_off:slot_off + nbytes] = ks._host(dev_ptr, nbytes)
+
+    def copy_out_device(self, lease, dev_ptr, nbytes, slot_off=0, stream=None, done=None):
+        self.calls.append(("out", nbytes, stream))
+        ks._host(dev_ptr, nbytes)[:] = lease.view()[slot_off:slot_off + nbytes]
+
+
+def test_fake_cuda_matches_kvstage_cuda():
+    for name in ("copy_in_device", "copy_out_device"):
+        assert (list(inspect.signature(getattr(kvstage.cuda, name)).parameters)
+                == list(inspect.signature(getattr(_FakeCuda, name)).parameters)[1:])
+
+
+@NEED_TORCH
+def test_cuda_copier_calls(engines):
+    """The CUDA path's plan (which copies, which offsets, a sync before every send and before Success), run
+    against a stand-in device on host memory: the bytes must come out as the CPU path's."""
+    pc, dc, P, D, addr = engines
+    fake, ps, ds = _FakeCuda(), _FakeStream(), _FakeStream()
+    P.copier, D.copier = ks.CudaCopier(cuda_api=fake, stream=ps), ks.CudaCopier(cuda_api=fake, stream=ds)
+    P.mem, D.mem = ks.MemoryMap(pc.kv_args(), kv_device=True), ks.MemoryMap(dc.kv_args(), kv_device=True)
+    ppages, dpages = [3, 4, 5, 20, 21, 9], [40, 41, 42, 43, 1, 2]
+    s, r = start(engines, 777, ppages, dpages, 6, chunks=(2,))
+    assert D.wait_until(lambda: r.poll() == KVPoll.Success, 10), r
+    assert dc.holds(777, dpages, 6, 6) is None
+    ins = [c for c in fake.calls if c[0] == "in"]
+    outs = [c for c in fake.calls if c[0] == "out"]
+    kv_state = sum(n for _, n, _ in ins)
+    assert kv_state == r._layout.nbytes - sum(x.item for x in P.mem.aux)  # aux is host memory: the CPU copies it
+    assert sum(n for _, n, _ in outs) == kv_state and all(st == 0x5151 for _, _, st in fake.calls)
+    assert ps.syncs >= 1 and ds.syncs == 1
+    r.clear()
+    sender_done(s)
+    s.clear()
+
+
+# ----------------------------------------------------------------------------------------------- a proxy that dies
+@NEED_TORCH
+def test_proxy_killed_mid_transfer():
+    px = Proxy(["--slots", "256", "--slot-size", "4096"])
+    pair = None
+    try:
+        pair = Pair(px.socket)
+        pc, dc, P, D, addr = pair
+        s = ks.KvstageKVSender(P, addr, 1, [0], 0)
+        r = ks.KvstageKVReceiver(D, addr, 1)
+        r.init(0)
+        r.send_metadata(list(range(30)), 1, [[1]])
+        adopted(s)
+        pc.fill(1, list(range(30)), 1, 1)
+        s.init(30, 1)
+        s.send(list(range(20)))
+        px.proc.send_signal(signal.SIGKILL)
+        px.proc.wait()
+        assert D.wait_until(lambda: r.poll() == KVPoll.Failed, 10) and P.wait_until(lambda: s.poll() == KVPoll.Failed, 10)
+        assert "connection to kvstaged lost" in r._reason and "connection to kvstaged lost" in s._reason
+        s.send(list(range(20, 30)), [[1]])  # the scheduler may still send: ignored
+        r.clear()
+        s.clear()
+        assert r.pages_released
+        r2 = ks.KvstageKVReceiver(D, addr, 2)  # a new request: no proxy to reconnect to
+        r2.init(0)
+        r2.send_metadata([1], 2, [[2]])
+        assert r2.poll() == KVPoll.Failed and "could not open a room" in r2._reason
+        r2.clear()
+        assert bool((dc.kv_u8(0)[list(range(30))] == 0).all())
+    finally:
+        if pair is not None:
+            pair.close()
+        px.stop()
+        shutil.rmtree(px.dir, ignore_errors=True)
+
+
+# ------------------------------------------------------------------------------------- across two proxies over tcp
+@NEED_TORCH
+def test_across_two_proxies_over_tcp():
+    """Prefill on proxy A, decode on proxy B (it listens); descriptors name B, A dials it. The backend is
+    unchanged: each manager talks only to its own proxy."""
+    d = tempfile.mkdtemp(prefix="kvs-secret-")
+    secret = os.path.join(d, "peer.secret")
+    with open(secret, "wb") as f:
+        f.write(os.urandom(32))
+    os.chmod(secret, 0o600)
+    args = ["--slots", "256", "--slot-size", "4096", "--peer-secret-file", secret]
+    pa = pb = pair = None
+    try:
+        pa = Proxy(args)
+        pb = Proxy(args + ["--listen", "127.0.0.1:0"])
+        import sglang_engine as E
+        pc, dc = E.KVCache(64), E.KVCache(64)
+        server = ks.KvstageKVBootstrapServer("127.0.0.1", 0)
+        addr = f"127.0.0.1:{server.port}"
+        pair = types.SimpleNamespace(pc=pc, dc=dc, addr=addr, server=server,
+                                     P=ks.KvstageKVManager(pc.kv_args(), ks.DisaggregationMode.PREFILL, E.server_args(pa.socket, server.port)),
+                                     D=ks.KvstageKVManager(dc.kv_args(), ks.DisaggregationMode.DECODE, E.server_args(pb.socket, 0)))
+        P, D = pair.P, pair.D
+        assert D.try_ensure_parallel_info(addr)
+        eng = (pc, dc, P, D, addr)
+        done = []
+        for k, (pp, dp) in enumerate([([1, 2, 3], [7, 8, 9]), (list(range(10, 40)), list(range(30, 60))),
+                                      ([5], [4])]):
+            s, r = start(eng, 500 + k, pp, dp, k, chunks=(10,))
+            done.append((s, r, pp, dp, k))
+        # and one the decode side aborts with chunks on the wire
+        s_ab = ks.KvstageKVSender(P, addr, 600, [0], 0)
+        r_ab = ks.KvstageKVReceiver(D, addr, 600)
+        r_ab.init(0)
+        r_ab.send_metadata(list(range(0, 30)), 9, [[9]])
+        adopted(s_ab)
+        pc.fill(600, list(range(30, 60)), 9, 9)
+        s_ab.init(30, 9)
+        s_ab.send(list(range(30, 50)))
+        r_ab.abort()
+        for s, r, pp, dp, k in done:
+            assert D.wait_until(lambda: r.poll() == KVPoll.Success, 20), r
+            assert P.wait_until(lambda: s.poll() == KVPoll.Success, 20), s
+            assert dc.holds(500 + k, dp, k, k) is None
+            r.clear()
+            s.clear()
+        r_ab.clear()
+        assert r_ab.pages_released
+        assert P.wait_until(lambda: s_ab.poll() == KVPoll.Failed, 20)
+        s_ab.clear()
+        tcp = stat(pa.socket).get("tcp")  # (a kvstage-stat older than the tcp counters has none)
+        assert tcp is None or (tcp["peers"] == 1 and tcp["bytes_tx"] > 0)
+    finally:
+        if pair is not None:
+            pair.P.close()
+            pair.D.close()
+            pair.server.close()
+        for px in (pa, pb):
+            if px is not None:
+                assert_pool_free(px.socket)
+                px.stop()
+                shutil.rmtree(px.dir, ignore_errors=True)
+        shutil.rmtree(d, ignore_errors=True)
