@@ -161,7 +161,7 @@ static int on_ack(struct tcp *tc, struct tcp_sess *s, const struct kvs_wire_chun
 {
 	uint64_t ref = le64toh(b->xfer_ref);
 	uint32_t slot = (uint32_t)ref, epoch = (uint32_t)(ref >> 32);
-	if (slot >= kvsp_slot_count(tc->p) || !tc->rwait[slot]) {
+	if (!tc->rwait || slot >= kvsp_slot_count(tc->p) || !tc->rwait[slot]) {
 		KVS_STAT_ADD(tc->st->peer_frames_ignored, 1);
 		return 0;
 	}

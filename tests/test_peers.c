@@ -17,6 +17,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <infiniband/verbs.h>
 #include <sodium.h>
 
 #include "canary.h"
@@ -343,6 +344,40 @@ Test(peers, forged_and_stale_tokens_change_nothing)
 	cr_assert_eq(stat_get(&pb, "chunks_discarded"), disc + 1);
 	cr_assert_eq(stat_get(&pb, "rooms_aborted"), 0, "the real room was not touched");
 	close(h.fd);
+	real_room_arrives();
+}
+
+/* RDMA frames to a proxy with no --rdma-device: the HELLO is ignored and
+ * counted, a CHUNK_READ is answered "not supported" (the sender then sends
+ * by TCP), an ack for a read we never asked for is ignored, and a second
+ * HELLO on the session drops the connection. The real room is untouched. */
+Test(peers, rdma_frames_to_a_proxy_without_a_device)
+{
+	open_room();
+	struct hpeer h;
+	hp_join(&h, &good);
+	uint64_t ignored = stat_get(&pb, "peer_frames_ignored");
+	struct kvs_wire_rdma_hello hello = { .qpn = htole32(0x11), .psn = htole32(0x22),
+					     .pool_addr = htole64(0x7f0000000000ull),
+					     .pool_len = htole64(64 * SLOT), .rkey = htole32(0x33),
+					     .mtu = htole32(IBV_MTU_1024) };
+	hp_send(&h, KVS_WIRE_RDMA_HELLO, &hello, 0, NULL);
+	struct kvs_wire_chunk_read rd = { .room = room_name(), .chunk = 0, .len = htole32(SLOT),
+					  .xfer_ref = htole64(0xabcdef), .offset = 0 };
+	hp_send(&h, KVS_WIRE_CHUNK_READ, &rd, 0, NULL);
+	struct kvsp_frame f = hp_recv(&h);
+	cr_assert_eq(f.type, KVS_WIRE_CHUNK_ACK, "got frame type %u", f.type);
+	cr_assert_eq((int32_t)le32toh((uint32_t)f.body.chunk_ack.status), -EOPNOTSUPP);
+	cr_assert_eq(le64toh(f.body.chunk_ack.xfer_ref), 0xabcdef, "the ack names the sender's transfer");
+	struct kvs_wire_chunk_ack forged = { .room = room_name(), .xfer_ref = htole64(3) };
+	hp_send(&h, KVS_WIRE_CHUNK_ACK, &forged, 0, NULL);
+	hp_in_sync(&h);
+	cr_assert_eq(stat_get(&pb, "peer_frames_ignored"), ignored + 2, "the HELLO and the ack");
+	cr_assert_eq(stat_get(&pb, "slots.recv_posted"), 0, "no slot was posted for the READ");
+	hp_send(&h, KVS_WIRE_RDMA_HELLO, &hello, 0, NULL); /* twice: out of protocol */
+	wait_closed(h.fd);
+	close(h.fd);
+	cr_assert_eq(stat_get(&pb, "rooms_aborted"), 0, "the real room was not touched");
 	real_room_arrives();
 }
 
