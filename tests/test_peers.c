@@ -159,7 +159,8 @@ static size_t hp_send(struct hpeer *h, uint16_t type, const void *body, uint32_t
 	return (size_t)n;
 }
 
-/* The next frame from the proxy that is not a PING (answered). */
+/* The next frame from the proxy that is not a PING (answered) nor an
+ * RDMA_HELLO (a proxy with a device says it to every peer; we have none). */
 static struct kvsp_frame hp_recv(struct hpeer *h)
 {
 	struct kvsp_frame f;
@@ -174,6 +175,8 @@ static struct kvsp_frame hp_recv(struct hpeer *h)
 			hp_send(h, KVS_WIRE_PONG, &f.body.ping, 0, NULL);
 			continue;
 		}
+		if (rc == 1 && f.type == KVS_WIRE_RDMA_HELLO)
+			continue;
 		if (rc == 1)
 			return f;
 	}
@@ -351,8 +354,16 @@ Test(peers, forged_and_stale_tokens_change_nothing)
  * counted, a CHUNK_READ is answered "not supported" (the sender then sends
  * by TCP), an ack for a read we never asked for is ignored, and a second
  * HELLO on the session drops the connection. The real room is untouched. */
+static bool proxies_have_rdma(void)
+{
+	const char *e = getenv("KVSTAGE_TEST_PROXY_ARGS");
+	return e && strstr(e, "--rdma-device");
+}
+
 Test(peers, rdma_frames_to_a_proxy_without_a_device)
 {
+	if (proxies_have_rdma())
+		cr_skip_test("the proxies have an RDMA device here: see rdma_frames_to_a_proxy_with_one");
 	open_room();
 	struct hpeer h;
 	hp_join(&h, &good);
@@ -377,6 +388,45 @@ Test(peers, rdma_frames_to_a_proxy_without_a_device)
 	hp_send(&h, KVS_WIRE_RDMA_HELLO, &hello, 0, NULL); /* twice: out of protocol */
 	wait_closed(h.fd);
 	close(h.fd);
+	cr_assert_eq(stat_get(&pb, "rooms_aborted"), 0, "the real room was not touched");
+	real_room_arrives();
+}
+
+/* Hostile RDMA frames to a proxy with a device (run in the soft-RoCE
+ * guest, where tools/run-tests.sh gives every proxy --rdma-device rxe0): a
+ * CHUNK_READ past the pool the peer's HELLO named drops the connection;
+ * a READ towards a queue pair that answers nothing (the HELLO named none
+ * of ours) fails, the session is lost only once that READ has completed,
+ * and the slot posted for it comes back. The real room arrives. */
+Test(peers, rdma_frames_to_a_proxy_with_a_device)
+{
+	if (!proxies_have_rdma())
+		cr_skip_test("no RDMA device for the proxies here: tools/run-tests.sh runs this in the "
+			     "soft-RoCE guest (KVSTAGE_TEST_PROXY_ARGS=--rdma-device rxe0)");
+	open_room();
+	struct kvs_wire_rdma_hello hello = { .qpn = htole32(0x7777), .psn = htole32(0x22),
+					     .pool_addr = htole64(0x7f0000000000ull),
+					     .pool_len = htole64(64 * SLOT), .rkey = htole32(0x33),
+					     .mtu = htole32(IBV_MTU_1024) };
+	uint64_t lost = stat_get(&pb, "peer_lost");
+	struct hpeer h;
+	hp_join(&h, &good);
+	hp_send(&h, KVS_WIRE_RDMA_HELLO, &hello, 0, NULL);
+	struct kvs_wire_chunk_read rd = { .room = room_name(), .chunk = 0, .len = htole32(SLOT),
+					  .xfer_ref = htole64(1), .offset = htole64(64 * SLOT) };
+	hp_send(&h, KVS_WIRE_CHUNK_READ, &rd, 0, NULL); /* one byte past the pool */
+	wait_closed(h.fd);
+	close(h.fd);
+	stat_wait(&pb, "peer_lost", 1, lost + 1);
+
+	hp_join(&h, &good);
+	hp_send(&h, KVS_WIRE_RDMA_HELLO, &hello, 0, NULL);
+	rd.offset = 0;
+	hp_send(&h, KVS_WIRE_CHUNK_READ, &rd, 0, NULL); /* in range, to nobody */
+	stat_wait(&pb, "peer_lost", 1, lost + 2);        /* the READ failed: the queue pair is dead */
+	wait_closed(h.fd);
+	close(h.fd);
+	cr_assert_eq(stat_get(&pb, "slots.recv_posted"), 0, "the slot posted for it came back");
 	cr_assert_eq(stat_get(&pb, "rooms_aborted"), 0, "the real room was not touched");
 	real_room_arrives();
 }
