@@ -93,12 +93,32 @@ Test(tcp, rooms_of_one_byte_to_many_chunks_arrive_byte_for_byte)
 
 /* ------------------------------------------------ the decisive scenario */
 
+/* The suite runs twice: over the sockets, and (in the soft-RoCE guest, with
+ * KVSTAGE_TEST_PROXY_ARGS=--rdma-device rxe0) with chunks pulled by RDMA
+ * READ. A chunk is held in flight by tcp.payload on the sending proxy over
+ * the sockets, by rdma.read on the receiving proxy over RDMA. */
+static bool by_rdma(void)
+{
+	const char *e = getenv("KVSTAGE_TEST_PROXY_ARGS");
+	return e && strstr(e, "--rdma-device");
+}
+
+static const char *hold_fp(void)
+{
+	return by_rdma() ? "rdma.read" : "tcp.payload";
+}
+
+static struct proxy *hold_px(struct proxy *from, struct proxy *to)
+{
+	return by_rdma() ? to : from;
+}
+
 static struct decisive decisive_loopback(const char *rx_bin)
 {
 	proxy_start(&pb, rx_bin, (const char *[]){ "--slots", "16", "--slot-size", "64K", "--listen",
 						   "127.0.0.1:0", "--tcp-streams", "1", NULL });
 	LISTEN(&pa);
-	return decisive_across(&pa, &pb);
+	return decisive_hold(&pa, &pb, hold_px(&pa, &pb), hold_fp());
 }
 
 Test(tcp, decisive_late_payload_never_lands_in_a_reused_slot)
@@ -120,6 +140,8 @@ Test(tcp, decisive_late_payload_never_lands_in_a_reused_slot)
  * while the payload still comes (kvstaged-vulnerable). */
 Test(tcp, decisive_vulnerable_receiver_is_caught_corrupting)
 {
+	if (by_rdma())
+		cr_skip_test("the vulnerable receiver is a socket reader: RDMA's red half is not built");
 	struct decisive o = decisive_loopback(proxy_vulnerable_bin());
 	cr_assert_neq(o.state_after_abort, KVS_SLOT_TOMBSTONE, "the vulnerable receiver frees at once");
 	cr_assert(o.b_got_victim, "B is given the slot the late payload writes into");
@@ -153,9 +175,11 @@ static void wave(unsigned nP, unsigned nD)
 		tx[i] = connect_ok(P[i]);
 	for (unsigned i = 0; i < nD; i++)
 		rx[i] = connect_ok(D[i]);
-	for (unsigned i = 0; i < nP; i++) {
-		int rc = kvs_admin_fp_set_mask(P[i]->admin, "tcp.payload", "pause", VICTIM_BIT,
-					       VICTIM_BIT); /* victims' payloads only */
+	struct proxy **H = by_rdma() ? D : P; /* where chunks are held: see hold_px */
+	unsigned nH = by_rdma() ? nD : nP;
+	for (unsigned i = 0; i < nH; i++) {
+		int rc = kvs_admin_fp_set_mask(H[i]->admin, hold_fp(), "pause", VICTIM_BIT,
+					       VICTIM_BIT); /* victims' chunks only */
 		cr_assert_eq(rc, 0);
 	}
 	static struct xroom x[WAVE_ROOMS];
@@ -166,12 +190,12 @@ static void wave(unsigned nP, unsigned nD)
 	}
 	for (unsigned i = 0; i < WAVE_ROOMS; i++)
 		xroom_send(&x[i], tx[i % nP]);
-	for (unsigned i = 0; i < nP; i++)
-		fp_wait(P[i], "tcp.payload", 1); /* a victim's payload is held on every sender */
+	for (unsigned i = 0; i < nH; i++)
+		fp_wait(H[i], hold_fp(), 1); /* a victim's chunk is held on every holding proxy */
 	for (unsigned i = 0; i < WAVE_ROOMS; i += 3)
 		cr_assert_eq(kvs_abort(i % 2 ? x[i].sr : x[i].rr), 0);
-	for (unsigned i = 0; i < nP; i++)
-		fp_set(P[i], "tcp.payload", "off", NULL);
+	for (unsigned i = 0; i < nH; i++)
+		fp_set(H[i], hold_fp(), "off", NULL);
 
 	uint32_t rxf[WAVE_ROOMS] = { 0 }, txf[WAVE_ROOMS] = { 0 };
 	kvs_client *cl[4];
@@ -239,10 +263,11 @@ static void held_room(struct xroom *x, struct proxy *from, kvs_client *tx, struc
 		      kvs_client *rx, uint64_t owner)
 {
 	uint64_t posted = stat_get(to, "slots.recv_posted");
-	cr_assert_eq(kvs_admin_fp_set_mask(from->admin, "tcp.payload", "pause", owner, 0xffff), 0);
+	struct proxy *h = hold_px(from, to);
+	cr_assert_eq(kvs_admin_fp_set_mask(h->admin, hold_fp(), "pause", owner, 0xffff), 0);
 	xroom_open(x, rx, tx, SLOT, owner);
 	xroom_send(x, tx);
-	fp_wait(from, "tcp.payload", 1);
+	fp_wait(h, hold_fp(), 1);
 	stat_wait(to, "slots.recv_posted", 1, posted + 1);
 }
 
@@ -279,7 +304,8 @@ Test(tcp, a_receiver_proxy_killed_mid_transfer_fails_the_senders_rooms)
 	struct kvs_event e = wait_event(tx);
 	cr_assert_eq(e.type, KVS_EV_FAILED, "the sender's room fails, got %u", e.type);
 	cr_assert_eq(kvs_room_close(x.sr), 0);
-	fp_set(&pa, "tcp.payload", "off", NULL);
+	if (!by_rdma()) /* over RDMA the hold was on the proxy that died */
+		fp_set(&pa, "tcp.payload", "off", NULL);
 	wait_idle(&pa, 1); /* its slot was released with the session */
 	one_room(rx2, tx, 0x56);
 	kvs_close(tx);
@@ -332,10 +358,18 @@ Test(tcp, a_draining_proxy_tells_its_peers_and_exits_quiesced)
 	stat_wait(&pa, "peer_byes", 1, 1);
 	kvs_room *s2;
 	cr_assert_eq(kvs_send_open(tx, &d2, 0x63, &s2), -ESHUTDOWN, "a draining peer takes no new room");
+	/* Over RDMA, A's slot is B's to READ until B's ack: A's room can end
+	 * only once B's held READ has gone. Over the sockets it ends at B's
+	 * abort, its payload still held here. */
+	if (by_rdma()) {
+		stat_wait(&pb, "rooms_aborted", 1, 1); /* B's grace is over: it aborted */
+		fp_set(&pb, hold_fp(), "off", NULL);
+	}
 	struct kvs_event e = wait_event(tx); /* the grace ended: B aborted the held room */
 	cr_assert_eq(e.type, KVS_EV_ABORTED, "got %u", e.type);
 	cr_assert_eq(e.status, -ESHUTDOWN, "%s", kvs_strerror(e.status));
-	fp_set(&pa, "tcp.payload", "off", NULL); /* the held payload leaves; both sides quiesce */
+	if (!by_rdma())
+		fp_set(&pa, hold_fp(), "off", NULL); /* the held payload leaves; both sides quiesce */
 	int st;
 	cr_assert_eq(reap(pb.pid, &st), pb.pid, "the draining proxy did not exit");
 	pb.pid = 0;

@@ -31,6 +31,9 @@ RXE_WORKDIR="$PWD/build/rxe" tests/rxe/run.sh --timeout 600 -- build/tests/test-
 echo "== the transport conformance suite in that guest, verbs included (two proxies, --rdma-device rxe0)"
 RXE_WORKDIR="$PWD/build/rxe" tests/rxe/run.sh --timeout 900 --env KVSTAGE_TEST_RDMA_DEVICE=rxe0 \
   --env KVSTAGE_BUILD_DIR="$PWD/build" -- build/tests/test-conformance --jobs=1
+echo "== the tcp suite again with chunks by RDMA READ (every proxy --rdma-device rxe0) in that guest"
+RXE_WORKDIR="$PWD/build/rxe" tests/rxe/run.sh --timeout 900 --env "KVSTAGE_TEST_PROXY_ARGS=--rdma-device rxe0" \
+  --env KVSTAGE_BUILD_DIR="$PWD/build" -- build/tests/test-tcp --jobs=1
 echo "== hostile peers against proxies with --rdma-device rxe0 in that guest"
 RXE_WORKDIR="$PWD/build/rxe" tests/rxe/run.sh --timeout 600 --env "KVSTAGE_TEST_PROXY_ARGS=--rdma-device rxe0" \
   --env KVSTAGE_BUILD_DIR="$PWD/build" -- build/tests/test-peers --jobs=1
