@@ -462,6 +462,50 @@ Test(tools, stat_watch_follows_a_proxy_that_dies_and_comes_back)
 	cr_assert_eq(waitpid(watcher, NULL, WNOHANG), 0, "the watcher exited");
 }
 
+/* --watch shows rates from its second sample on: rooms done in between
+ * show as rooms/s above zero (and an abort as aborts/s). */
+Test(tools, stat_watch_shows_rates)
+{
+	proxy_start(&px, NULL, small);
+	watcher_start((const char *[]){ build_path("tools/kvstage-stat"), "--watch", "50", "-s",
+					px.sock, NULL });
+	char line[4096];
+	size_t at = read_line(0, ": serving", line, sizeof(line));
+	at = read_line(at, "rates     rooms/s", line, sizeof(line)); /* the second sample */
+	kvs_client *rx = connect_ok(&px), *tx = connect_ok(&px);
+	for (unsigned i = 0; i < 3; i++) {
+		kvs_room *rr, *sr;
+		struct kvs_room_desc d;
+		struct kvs_lease l;
+		cr_assert_eq(kvs_recv_open(rx, 4096, i, &rr, &d), 0);
+		cr_assert_eq(kvs_send_open(tx, &d, i, &sr), 0);
+		cr_assert_eq(kvs_acquire(tx, 1, &l), 0);
+		cr_assert_eq(kvs_send(sr, &l, 0, 4096), 0);
+		cr_assert_eq(wait_event(tx).type, KVS_EV_SEND_DONE);
+		cr_assert_eq(wait_event(rx).type, KVS_EV_RECV_DONE);
+		kvs_room_close(sr);
+		kvs_room_close(rr);
+	}
+	kvs_room *rr;
+	struct kvs_room_desc d;
+	cr_assert_eq(kvs_recv_open(rx, 4096, 9, &rr, &d), 0);
+	cr_assert_eq(kvs_abort(rr), 0);
+	cr_assert_eq(wait_event(rx).type, KVS_EV_ABORTED);
+	kvs_room_close(rr);
+	/* Samples since: one of them saw the rooms, one the abort. */
+	bool rooms = false, aborts = false;
+	for (unsigned n = 0; n < 200 && !(rooms && aborts); n++) {
+		at = read_line(at, "rates     rooms/s", line, sizeof(line));
+		double r, a;
+		cr_assert_eq(sscanf(line, "rates     rooms/s %lf  aborts/s %lf", &r, &a), 2, "%s", line);
+		rooms |= r > 0;
+		aborts |= a > 0;
+	}
+	cr_assert(rooms && aborts, "no sample showed the rooms (%d) or the abort (%d)", rooms, aborts);
+	kvs_close(tx);
+	kvs_close(rx);
+}
+
 /* The same in --json: a sample without a proxy is an object that says so. */
 Test(tools, stat_watch_json_says_down)
 {

@@ -3,6 +3,7 @@
 #include <errno.h>
 #include <getopt.h>
 #include <limits.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -28,7 +29,9 @@ static void usage(FILE *f)
 "\n"
 "  -s, --socket PATH   proxy socket (default $KVSTAGE_SOCKET, else " KVS_DEFAULT_SOCKET ")\n"
 "  -j, --json          one JSON object per sample (one line each)\n"
-"  -w, --watch MS      sample every MS milliseconds (1 to 2147483647) until\n"
+"  -w, --watch MS      sample every MS milliseconds (1 to 2147483647), with\n"
+"                      rates since the previous sample (rooms/s, aborts/s,\n"
+"                      GB/s) from the second one on, until\n"
 "                      interrupted; each sample asks the proxy anew, so a proxy\n"
 "                      that is down gets one line saying why, and one that\n"
 "                      comes back (a new instance) is shown again\n"
@@ -81,8 +84,35 @@ static const char *state_word(const struct kvs_stats *st)
 	return S(draining) ? "draining" : "serving";
 }
 
+/* --watch: rates over the time since the previous sample of the same
+ * proxy instance (none on the first sample, nor across a restart). */
+enum { R_ROOMS, R_ABORTS, R_FAILS, R_CHUNKS, R_BYTES, R_TCP_TX, R_TCP_RX, R_RDMA_RX, R_N };
+struct rates {
+	bool have;
+	double per_s[R_N];
+};
+
+static void rates_take(const struct kvs_ctrl *c, struct rates *r)
+{
+	static uint64_t inst, prev[R_N];
+	static struct timespec prev_t;
+	const struct kvs_stats *st = &c->stats;
+	uint64_t now[R_N] = { S(rooms_done), S(rooms_aborted), S(rooms_failed) + S(rooms_timed_out),
+			      S(chunks_moved), S(bytes_moved), S(tcp_bytes_tx), S(tcp_bytes_rx),
+			      S(rdma_bytes_rx) };
+	struct timespec t;
+	clock_gettime(CLOCK_MONOTONIC, &t);
+	double dt = (double)(t.tv_sec - prev_t.tv_sec) + (double)(t.tv_nsec - prev_t.tv_nsec) / 1e9;
+	r->have = inst == c->instance && dt > 0;
+	for (int i = 0; i < R_N && r->have; i++)
+		r->per_s[i] = now[i] >= prev[i] ? (double)(now[i] - prev[i]) / dt : 0;
+	inst = c->instance;
+	prev_t = t;
+	memcpy(prev, now, sizeof(prev));
+}
+
 static void print_human(const struct kvs_ctrl *c, size_t len, const char *path, int slots,
-			int restarted)
+			int restarted, const struct rates *r)
 {
 	const struct kvs_stats *st = &c->stats;
 	printf("kvstaged %s: %s  pid %d  instance %016llx  uptime %.1f s%s\n", path,
@@ -117,6 +147,12 @@ static void print_human(const struct kvs_ctrl *c, size_t len, const char *path, 
 	       S(peer_frames_refused), S(peer_frames_ignored), S(peer_crc_errors),
 	       S(chunks_discarded), S(tcp_bytes_tx), S(tcp_bytes_rx));
 	printf("rdma      reads %llu  rx %llu\n", S(rdma_reads), S(rdma_bytes_rx));
+	if (r && r->have)
+		printf("rates     rooms/s %.1f  aborts/s %.1f  failures/s %.1f  chunks/s %.0f  GB/s %.3f"
+		       "  tcp tx %.3f rx %.3f GB/s  rdma rx %.3f GB/s\n",
+		       r->per_s[R_ROOMS], r->per_s[R_ABORTS], r->per_s[R_FAILS], r->per_s[R_CHUNKS],
+		       r->per_s[R_BYTES] / 1e9, r->per_s[R_TCP_TX] / 1e9, r->per_s[R_TCP_RX] / 1e9,
+		       r->per_s[R_RDMA_RX] / 1e9);
 	const struct kvs_peer *pt = NULL;
 	uint32_t np = peer_rows(c, len, &pt);
 	for (uint32_t i = 0; i < np; i++) {
@@ -152,7 +188,8 @@ static void json_key(const char *key)
 	putchar(':');
 }
 
-static void print_json(const struct kvs_ctrl *c, size_t len, const char *path, int slots)
+static void print_json(const struct kvs_ctrl *c, size_t len, const char *path, int slots,
+		       const struct rates *r)
 {
 	const struct kvs_stats *st = &c->stats;
 	char inst[24];
@@ -165,6 +202,14 @@ static void print_json(const struct kvs_ctrl *c, size_t len, const char *path, i
 	json_key("instance");
 	kvs_json_string(stdout, inst);
 	printf(",\"uptime_s\":%.3f,", uptime_s(c));
+	if (r && r->have)
+		printf("\"rates\":{\"rooms_per_s\":%.3f,\"aborts_per_s\":%.3f,\"failures_per_s\":%.3f,"
+		       "\"chunks_per_s\":%.3f,\"bytes_per_s\":%.0f,\"tcp_tx_bytes_per_s\":%.0f,"
+		       "\"tcp_rx_bytes_per_s\":%.0f,\"rdma_rx_bytes_per_s\":%.0f},",
+		       r->per_s[R_ROOMS], r->per_s[R_ABORTS], r->per_s[R_FAILS], r->per_s[R_CHUNKS],
+		       r->per_s[R_BYTES], r->per_s[R_TCP_TX], r->per_s[R_TCP_RX], r->per_s[R_RDMA_RX]);
+	else if (r)
+		printf("\"rates\":null,");
 	printf("\"slot_count\":%u,\"slot_size\":%llu,\"pool_size\":%llu,\"hugepages\":%s,"
 	       "\"locked\":%s,\"failpoints\":%s,\"slot_metadata_bytes\":%zu,\"slots\":{",
 	       c->slot_count, (unsigned long long)c->slot_size, (unsigned long long)c->pool_size,
@@ -334,11 +379,14 @@ int main(int argc, char **argv)
 		if (rc < 0) {
 			print_down(path, json, rc == -2, why);
 		} else {
+			struct rates r;
+			rates_take(c, &r);
 			if (json)
-				print_json(c, len, path, slots);
+				print_json(c, len, path, slots, watch ? &r : NULL);
 			else
 				print_human(c, len, path, slots,
-					    last_instance && c->instance != last_instance);
+					    last_instance && c->instance != last_instance,
+					    watch ? &r : NULL);
 			last_instance = c->instance;
 			munmap((void *)c, len);
 		}
