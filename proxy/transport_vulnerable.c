@@ -123,7 +123,8 @@ struct kvsp_transport *kvsp_vulnerable_create(struct kvsp *p)
  * aborted while a chunk's payload is still being read into the slot
  * posted for it, it tells the core the write is over (the slot is freed
  * and can be leased at once) and goes on reading the payload into that
- * slot's memory.
+ * slot's memory. Over RDMA the same: a READ not yet done (held by the
+ * rdma.read failpoint) is reported over, and still goes into the slot.
  */
 #include "tcp.h"
 
@@ -140,6 +141,16 @@ static void vuln_tcp_cancel(struct kvsp_transport *t, uint32_t room, uint32_t ge
 		    c->rx_x->room_gen == gen) {
 			kvsp_chunk_discard(t->p, c->rx_x, -ECANCELED); /* the lie */
 			c->rx_x = &nothing; /* rx_dst still points into the slot */
+		}
+	}
+	for (unsigned si = 0; si < TCP_MAX_SESS; si++) {
+		struct tcp_sess *s = &tc->sess[si];
+		if (s->state == TCP_S_FREE)
+			continue;
+		for (uint32_t slot = s->held_head; slot != TCP_NONE; slot = tc->rread[slot].next) {
+			struct kvsp_xfer *x = kvsp_xfer_of(t->p, slot);
+			if (x->dir == KVSP_XFER_RECV && x->room == room && x->room_gen == gen)
+				kvsp_chunk_discard(t->p, x, -ECANCELED); /* the lie: the READ still comes */
 		}
 	}
 	tcp_cancel(t, room, gen, status);

@@ -140,8 +140,6 @@ Test(tcp, decisive_late_payload_never_lands_in_a_reused_slot)
  * while the payload still comes (kvstaged-vulnerable). */
 Test(tcp, decisive_vulnerable_receiver_is_caught_corrupting)
 {
-	if (by_rdma())
-		cr_skip_test("the vulnerable receiver is a socket reader: RDMA's red half is not built");
 	struct decisive o = decisive_loopback(proxy_vulnerable_bin());
 	cr_assert_neq(o.state_after_abort, KVS_SLOT_TOMBSTONE, "the vulnerable receiver frees at once");
 	cr_assert(o.b_got_victim, "B is given the slot the late payload writes into");
