@@ -14,6 +14,7 @@
 #include "config_file.h"
 #include "kvstage.h"
 #include "log.h"
+#include "notify.h"
 #include "parse.h"
 #include "peer_auth.h"
 #include "proxy.h"
@@ -467,6 +468,8 @@ int main(int argc, char **argv)
 		 cfg.socket_path, cfg.slot_count, kvs_format_size(cfg.slot_size, slot, sizeof(slot)),
 		 kvs_format_size(p.pool_size, pool, sizeof(pool)), p.huge ? "yes" : "no",
 		 p.locked ? "" : "not ", cfg.failpoints ? ", failpoints on" : "");
+	kvsp_notify("READY=1\nSTATUS=serving %s: %u slots x %s", cfg.socket_path, cfg.slot_count,
+		    slot);
 	if (ready_fd >= 0) {
 		if (write(ready_fd, "ready\n", 6) != 6)
 			LOG_WARN("--ready-fd: %s", strerror(errno));

@@ -21,6 +21,7 @@
 #include <rte_pause.h>
 
 #include "log.h"
+#include "notify.h"
 #include "proxy.h"
 
 #define TICK_NS 1000000ull
@@ -266,6 +267,8 @@ static bool shutdown_step(struct kvsp *p, int *exit_code)
 		/* The socket stays: new clients are refused (-ESHUTDOWN), while
 		 * kvstage-stat and the admin path still reach us. */
 		drain_report(p, "draining: no new clients or rooms");
+		kvsp_notify("STOPPING=1\nSTATUS=draining: %u rooms active, %llu clients attached",
+			    p->rooms_active, (unsigned long long)p->stats->clients);
 		for (unsigned k = 0; k < p->nxports; k++)
 			if (p->xports[k]->ops->drain)
 				p->xports[k]->ops->drain(p->xports[k]);

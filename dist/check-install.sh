@@ -1,0 +1,214 @@
+#!/bin/sh
+# SPDX-License-Identifier: MIT
+# meson install, checked: installs BUILD_DIR into a scratch DESTDIR, then
+#  - every file meson says it installs is there, and the usual places hold
+#    kvstaged, the tools, libkvstage.so.0 (its SONAME, and exactly the
+#    kvs_* functions of the installed kvstage.h exported, all at KVSTAGE_0),
+#    libkvstage.a, libkvstage.pc, kvstage.h, the man pages, the systemd
+#    unit (ExecStart naming the installed kvstaged), sysusers.d, tmpfiles.d
+#    and the example config; no installed program or library keeps a path
+#    into the build tree;
+#  - a program (check-install.c) built with nothing but the installed
+#    pkg-config file and header (-std=c11 -pedantic -Werror), linked to the
+#    installed libkvstage.so.0, runs against the installed kvstaged: one
+#    room, one chunk, every byte checked; then kvstaged drains on SIGTERM
+#    and exits 0.
+# Usage: check-install.sh BUILD_DIR (built: meson test builds first; this
+# installs with --no-rebuild). Exit 0: all passed; 1: says what failed.
+set -u
+
+build=${1:?usage: check-install.sh BUILD_DIR}
+build=$(cd "$build" && pwd) || exit 1
+src=${KVSTAGE_SOURCE_DIR:-$(cd "$(dirname "$0")/.." && pwd)}
+failed=0
+
+fail() {
+	echo "FAIL: $*" >&2
+	failed=1
+}
+
+# The build's compiler and sanitizers (meson passes them), else cc, none.
+cc=${KVSTAGE_CC:-cc}
+san=${KVSTAGE_SANITIZE:-none}
+sanflags=
+[ "$san" != none ] && sanflags="-fsanitize=$san"
+for t in meson python3 readelf nm pkg-config "$cc"; do
+	command -v $t >/dev/null 2>&1 || { echo "FAIL: $t not found (the install check needs it)" >&2; exit 1; }
+done
+
+tmp=$(mktemp -d /tmp/kvstage-install.XXXXXX) || exit 1
+pid=
+cleanup() {
+	[ -n "$pid" ] && kill -9 "$pid" 2>/dev/null
+	rm -rf "$tmp"
+}
+trap cleanup EXIT
+# Running, not exited (an exited child stays a zombie until waited for).
+alive() {
+	[ -r "/proc/$1/status" ] && ! grep -q '^State:[[:space:]]*Z' "/proc/$1/status" 2>/dev/null
+}
+dest=$tmp/dest
+
+if ! out=$(meson install -C "$build" --destdir "$dest" --no-rebuild --quiet 2>&1); then
+	printf 'FAIL: meson install -C %s --destdir %s:\n%s\n' "$build" "$dest" "$out" >&2
+	exit 1
+fi
+
+# Where things go, from the build's own options.
+eval "$(meson introspect --buildoptions "$build" | python3 -c '
+import json, sys
+opts = {o["name"]: o["value"] for o in json.load(sys.stdin)}
+for k in ("prefix", "bindir", "libdir", "includedir", "mandir", "datadir"):
+    v = opts[k]
+    if k != "prefix" and not v.startswith("/"):
+        v = opts["prefix"].rstrip("/") + "/" + v
+    print("%s=%s" % (k, v))
+')"
+[ -n "${prefix:-}" ] && [ -n "${libdir:-}" ] || { echo "FAIL: no install dirs from meson introspect" >&2; exit 1; }
+
+# Every file meson installs (the list it would install) is in DESTDIR.
+missing=$(meson introspect --installed "$build" | python3 -c '
+import json, os, sys
+dest = sys.argv[1]
+for src, dst in sorted(json.load(sys.stdin).items()):
+    if not os.path.lexists(dest + dst):
+        print(dst)
+' "$dest")
+[ -n "$missing" ] && fail "meson introspect --installed lists files DESTDIR lacks:
+$missing"
+
+D=$dest
+# Programs.
+for p in kvstaged kvstage-stat kvstage-ctl kvstage-demo kvstage-bench; do
+	[ -x "$D$bindir/$p" ] || fail "no program $bindir/$p"
+done
+# The library: name, SONAME, the link for -lkvstage, the static archive.
+so=$D$libdir/libkvstage.so.0
+if [ ! -e "$so" ]; then
+	fail "no $libdir/libkvstage.so.0"
+else
+	soname=$(readelf -d "$so" | sed -n 's/.*(SONAME).*\[\(.*\)\]/\1/p')
+	[ "$soname" = libkvstage.so.0 ] || fail "$libdir/libkvstage.so.0: SONAME '$soname', want libkvstage.so.0"
+	[ -e "$D$libdir/libkvstage.so" ] || fail "no $libdir/libkvstage.so (for -lkvstage)"
+	# Exported: exactly the functions the installed header declares, versioned.
+	nm -D --defined-only "$so" | awk '$2 ~ /^[TWiDB]$/ { print $3 }' | sort >"$tmp/exported"
+	# A declaration starts its line with its type; comments start with " *".
+	sed -n 's/^[a-z][^(]*[ *]\(kvs_[a-z0-9_]*\)(.*/\1@@KVSTAGE_0/p' "$D$includedir/kvstage.h" 2>/dev/null |
+		sort -u >"$tmp/declared"
+	if [ ! -s "$tmp/declared" ]; then
+		fail "no kvs_* functions read from $includedir/kvstage.h"
+	elif ! cmp -s "$tmp/exported" "$tmp/declared"; then
+		fail "libkvstage.so.0 exports other symbols than kvstage.h declares (< exported, > declared):
+$(diff "$tmp/exported" "$tmp/declared" | grep '^[<>]')"
+	fi
+fi
+[ -e "$D$libdir/libkvstage.a" ] || fail "no $libdir/libkvstage.a"
+pc=$D$libdir/pkgconfig/libkvstage.pc
+[ -f "$pc" ] || fail "no $libdir/pkgconfig/libkvstage.pc"
+[ -f "$D$includedir/kvstage.h" ] || fail "no $includedir/kvstage.h"
+# Man pages (built by scdoc: without it none are installed, which fails here).
+for m in man8/kvstaged.8 man1/kvstage-stat.1 man1/kvstage-ctl.1 man1/kvstage-bench.1 man3/kvstage.3; do
+	[ -f "$D$mandir/$m" ] || fail "no man page $mandir/$m$(command -v scdoc >/dev/null || echo ' (scdoc is missing: apt install scdoc)')"
+done
+# systemd: the unit wherever dist/meson.build put it, naming our kvstaged.
+unit=$(meson introspect --installed "$build" | python3 -c '
+import json, sys
+print("".join(d for d in json.load(sys.stdin).values() if d.endswith("/kvstaged.service")))')
+case $unit in
+*/lib/systemd/system/kvstaged.service) ;;
+*) fail "the unit is installed as '$unit', not in a lib/systemd/system" ;;
+esac
+if [ -f "$D$unit" ]; then
+	grep -q "^ExecStart=$bindir/kvstaged " "$D$unit" ||
+		fail "$unit: ExecStart does not name $bindir/kvstaged: $(grep '^ExecStart=' "$D$unit")"
+else
+	fail "no unit $unit"
+fi
+for f in "$prefix/lib/sysusers.d/kvstaged.conf" "$prefix/lib/tmpfiles.d/kvstaged.conf" \
+	"$datadir/doc/kvstage/kvstaged.conf.example"; do
+	[ -f "$D$f" ] || fail "no $f"
+done
+# Nothing installed may still look for libraries in the build tree.
+for f in "$D$bindir"/kvstage* "$D$libdir"/libkvstage*.so.*; do
+	[ -f "$f" ] || continue
+	rp=$(readelf -d "$f" | grep -E '\((RPATH|RUNPATH)\)' || true)
+	case $rp in
+	*"$build"* | *"$src"*) fail "${f#"$D"} keeps a path into the tree: $rp" ;;
+	esac
+done
+
+# --- a program built from the installed files alone --------------------------
+# PKG_CONFIG_LIBDIR: only the DESTDIR's .pc files; PKG_CONFIG_SYSROOT_DIR:
+# its -I and -L paths resolved inside DESTDIR.
+if [ -f "$pc" ]; then
+	if ! flags=$(PKG_CONFIG_LIBDIR=$D$libdir/pkgconfig PKG_CONFIG_SYSROOT_DIR=$D \
+		pkg-config --cflags --libs libkvstage 2>&1); then
+		fail "pkg-config --cflags --libs libkvstage (in DESTDIR): $flags"
+	else
+		case $flags in
+		*"-I$D$includedir"*"-L$D$libdir"* | *"-L$D$libdir"*"-I$D$includedir"*) ;;
+		*) fail "pkg-config gives '$flags', not DESTDIR's include and lib dirs" ;;
+		esac
+		# shellcheck disable=SC2086 # the flags are words
+		if ! out=$("$cc" -std=c11 -pedantic -Wall -Wextra -Werror $sanflags -o "$tmp/check-install" \
+			"$src/dist/check-install.c" $flags 2>&1); then
+			fail "cc check-install.c \$(pkg-config --cflags --libs libkvstage):
+$out"
+		fi
+	fi
+fi
+if [ -x "$tmp/check-install" ]; then
+	readelf -d "$tmp/check-install" | grep -q 'NEEDED.*\[libkvstage\.so\.0\]' ||
+		fail "check-install is not linked to libkvstage.so.0"
+	resolved=$(LD_LIBRARY_PATH=$D$libdir ldd "$tmp/check-install" | sed -n 's/.*libkvstage\.so\.0 => \([^ ]*\).*/\1/p')
+	[ "$resolved" = "$so" ] || fail "check-install finds libkvstage.so.0 at '$resolved', not $so"
+
+	sock=$tmp/kvs.sock
+	# Not under this shell's service manager, if any: the test is the only listener.
+	env -u NOTIFY_SOCKET "$D$bindir/kvstaged" --socket "$sock" --slots 4 --slot-size 64K --no-lock \
+		--ready-fd 1 >"$tmp/ready" 2>"$tmp/kvstaged.log" </dev/null &
+	pid=$!
+	n=0
+	until grep -q '^ready$' "$tmp/ready" 2>/dev/null; do
+		if ! alive "$pid" || [ $n -ge 200 ]; then
+			fail "the installed kvstaged did not start:
+$(cat "$tmp/kvstaged.log")"
+			break
+		fi
+		n=$((n + 1))
+		sleep 0.1
+	done
+	if [ $failed -eq 0 ]; then
+		if out=$(LD_LIBRARY_PATH=$D$libdir "$tmp/check-install" "$sock" 2>&1); then
+			echo "ok: $out"
+		else
+			fail "check-install against the installed kvstaged: $out
+kvstaged's log:
+$(cat "$tmp/kvstaged.log")"
+		fi
+		out=$("$D$bindir/kvstage-stat" --socket "$sock" 2>&1) ||
+			fail "the installed kvstage-stat: $out"
+	fi
+	if alive "$pid"; then
+		kill -TERM "$pid"
+		n=0
+		while alive "$pid" && [ $n -lt 200 ]; do # a drain that hangs is killed after 20 s
+			n=$((n + 1))
+			sleep 0.1
+		done
+		kill -9 "$pid" 2>/dev/null
+		wait "$pid"
+		rc=$?
+		pid=
+		[ $rc -eq 0 ] || fail "the installed kvstaged exited $rc after SIGTERM:
+$(cat "$tmp/kvstaged.log")"
+	fi
+fi
+
+if [ $failed -ne 0 ]; then
+	echo "installed tree (DESTDIR $dest, kept no longer):" >&2
+	(cd "$dest" && find . -type f -o -type l | sort) >&2
+	exit 1
+fi
+echo "ok: meson install: programs, libkvstage.so.0 (SONAME, exports), .a, .pc, header, man pages, systemd files"
+exit 0
