@@ -1,0 +1,1555 @@
+"""vLLM KV connector over kvstage: ``kv_connector="KvstageConnector"``, ``kv_connector_module_path="kvstage.vllm"``.
+
+vLLM's interface, mirrored name for name and signature for signature, as read from vllm-project/vllm
+(the stored copies this was written against):
+  vllm/distributed/kv_transfer/kv_connector/v1/base.py             @ 003df2961dd8830c317a61f9745ccd557da9fa06
+      KVConnectorBase_V1 (__init__(vllm_config, role, kv_cache_config), the worker-side and scheduler-side
+      methods, has_pending_push_work), KVConnectorRole, KVConnectorMetadata, SupportsHMA
+  vllm/distributed/kv_transfer/kv_connector/factory.py             @ a4cd9d0d28bdb41db8dfe0acdafac2bf2f608630
+      (and the older 007c643b4abb7a79e69ef2b343b3dc80eb643c0d): an unregistered kv_connector is loaded with
+      importlib.import_module(kv_connector_module_path) and getattr(module, kv_connector); the class is called
+      (config, role, kv_cache_config) when its __init__ takes kv_cache_config, else (config, role); with the
+      hybrid KV cache manager on, a class that is not SupportsHMA is refused
+  vllm/distributed/kv_transfer/kv_connector/v1/nixl/connector.py   @ 01e4fce07423dafcc832600ba05159fb28dc1126
+  vllm/distributed/kv_transfer/kv_connector/v1/nixl/scheduler.py   @ 053da34be7ea27d508324a9a286be9907e27b8a6
+  vllm/distributed/kv_transfer/kv_connector/v1/nixl/push_scheduler.py @ 0316d25ab5286b130d7663b57959cc8a740b3864
+      a real connector's shape and its kv_transfer_params: do_remote_decode on the prefill request,
+      request_finished -> (delay, {do_remote_prefill, remote_engine_id, remote_request_id, remote_host,
+      remote_port, tp_size, ...}) that the router hands to the decode instance
+  vllm/distributed/kv_transfer/kv_connector/v1/example_connector.py @ 00231834dc62bb1127ec5c8f2e6762c87d2f477e
+      how build_connector_meta reads SchedulerOutput (scheduled_new_reqs[].block_ids, scheduled_cached_reqs)
+  vllm/config/kv_transfer.py                                       @ 007c643b4abb7a79e69ef2b343b3dc80eb643c0d
+      KVTransferConfig: kv_connector, kv_role, engine_id, kv_ip, kv_port, kv_connector_extra_config,
+      kv_connector_module_path
+  vllm/v1/core/sched/scheduler.py                                  @ 00024d314514900f361ad072af6931e403b7f589
+      how the scheduler drives a connector: update_state_after_alloc(request, get_blocks(id), n_external);
+      _connector_finished -> request_finished(request, block_ids[0]) or request_finished_all_groups;
+      finish_requests delays the blocks of a WAITING_FOR_REMOTE_KVS request until finished_recving names it;
+      _update_from_kv_xfer_finished frees on finished_sending, and on finished_recving of a finished request;
+      _update_waiting_for_remote_kv (num_computed_tokens = all blocks, minus the last token)
+
+How a request moves (python/VLLM.md has the picture):
+  prefill  The router sends the request with kv_transfer_params {"do_remote_decode": True}. In the forward
+           that completes its prompt, save_kv_layer copies each layer's part of the request's blocks into
+           leased kvstage slots (wait_for_save copies whatever layer was not announced). request_finished
+           answers (True, params): the blocks stay the request's until get_finished reports it in
+           finished_sending, which it does once every byte is in slots - not when the decode side has
+           read them, nor at a timeout. The slots (not the blocks) wait for the decode side.
+  decode   The router passes the prefill's params on. get_num_new_matched_tokens says (n, True): an async
+           load; update_state_after_alloc gives the blocks to fill. The worker opens a kvstage room for the
+           request and sends its descriptor (128 bytes, base64) to the prefill worker over a TCP side channel
+           (remote_host:remote_port + tp_rank, from the params); the prefill worker opens the room's sending
+           half and hands it the staged slots. On RECV_DONE the worker copies the room into the blocks and
+           only then reports the request in finished_recving.
+  Why a side channel: a kvstage descriptor is made by the receiver (kvs_recv_open), and the decode
+  instance hears of the request only from the prefill's response, so the descriptor cannot ride in that
+  response; the response carries where the prefill worker listens instead.
+
+Room layout (both sides compute it from their registered KV caches and the block count; a fingerprint of
+it travels with the descriptor and the prefill worker refuses a room whose layout differs):
+    for each layer, in register_kv_caches order, for each of its parts (K then V for a (2, num_blocks, ...)
+    cache; the whole block for a (num_blocks, ...) cache):  num_blocks * block_bytes; the request's j-th
+    block at j * block_bytes.
+Chunk i of the room is slot i; the last one may be short.
+
+Aborts and when blocks are free again:
+  * prefill blocks: freed at finished_sending, which comes only once no copy into slots can read them
+    (all copies done, or the queued ones cancelled). A request aborted on the prefill side after its copy
+    began is delayed the same way; its slots are released.
+  * decode blocks: the only writer is the copy-out, which runs only for a RECV_DONE of a load that is not
+    aborted; an abort cancels a queued copy-out. An aborted load is reported in finished_recving (so vLLM
+    frees the blocks) only after the room's final event came and no copy-out of it can run.
+  * a load that fails (the prefill side refused it, its slots expired, a timeout, the proxy) is reported
+    in finished_recving with its blocks in get_block_ids_with_load_errors (vLLM recomputes or fails it,
+    by kv_load_failure_policy).
+  * staged slots no decode side asks for are released after the stage timeout; a decode request aborted
+    before its load started tells the prefill worker to release them at once.
+
+Memory: KV caches in host memory are copied by the CPU; on a CUDA device the copies go through
+libkvstage_cuda (kvstage.cuda), refused unless KVSTAGE_VLLM_CUDA=1: that path is written, never run on a GPU.
+
+Settings: kv_connector_extra_config keys kvstage_socket ($KVSTAGE_SOCKET), kvstage_host ($KVSTAGE_VLLM_HOST,
+else kv_ip), kvstage_port (else kv_port), kvstage_stage_timeout, kvstage_load_timeout (s, default 120);
+per request, kv_transfer_params may carry kvstage_stage_timeout (prefill) and kvstage_load_timeout (decode).
+
+Not supported (refused with a reason): more than one KV cache group (hybrid models), prefill and decode
+with different TP sizes or block sizes or cache layouts, pipeline parallelism.
+"""
+from __future__ import annotations
+
+import base64
+import collections
+import dataclasses
+import errno as _errno
+import inspect
+import itertools
+import json
+import logging
+import os
+import select
+import socket
+import threading
+import time
+from abc import ABC, abstractmethod
+from typing import Optional
+
+from .client import Client, EventType
+from .errors import Again, KvstageError, NotConnected, PoolExhausted, Timeout
+# Shared with the SGLang backend (unchanged there): runs of consecutive blocks, cutting extents at slot
+# boundaries, the host/CUDA copiers and copy-out handles, and the side channel's framing.
+from .sglang import _HDR, _MAX_MSG, CpuCopier, CudaCopier, _frame, _pieces, _recv_exact, _runs
+
+logger = logging.getLogger(__name__)
+
+# ---------------------------------------------------------------------------------------------
+# vLLM's base classes when vLLM is importable; otherwise stand-ins with the same names and abstract
+# methods (vLLM is not installable on the development machine).
+# ---------------------------------------------------------------------------------------------
+SupportsHMA = None
+try:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # type: ignore
+        KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole)
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA  # type: ignore
+    except ImportError:  # older vLLM
+        SupportsHMA = None
+    HAVE_VLLM = True
+except Exception as _e:  # not installed, or it failed to import: run standalone
+    logger.debug("kvstage.vllm: vLLM not importable (%s); using stand-in base classes", _e)
+    HAVE_VLLM = False
+    import enum
+
+    class KVConnectorRole(enum.Enum):
+        SCHEDULER = 0
+        WORKER = 1
+
+    class KVConnectorMetadata(ABC):  # noqa: B024
+        """Scheduler connector -> worker connector, once per step."""
+
+    class KVConnectorBase_V1(ABC):
+        """Stand-in of vLLM's KVConnectorBase_V1: the bookkeeping of its __init__ and metadata binding."""
+
+        def __init__(self, vllm_config, role, kv_cache_config=None):
+            self._connector_metadata = None
+            self._vllm_config = vllm_config
+            if getattr(vllm_config, "kv_transfer_config", None) is None:
+                raise ValueError("kv_transfer_config must be set for KVConnectorBase_V1")
+            self._kv_transfer_config = vllm_config.kv_transfer_config
+            self._kv_cache_config = kv_cache_config
+            self._role = role
+
+        @property
+        def role(self):
+            return self._role
+
+        def bind_connector_metadata(self, connector_metadata):
+            self._connector_metadata = connector_metadata
+
+        def clear_connector_metadata(self):
+            self._connector_metadata = None
+
+        def _get_connector_metadata(self):
+            assert self._connector_metadata is not None
+            return self._connector_metadata
+
+        def has_connector_metadata(self):
+            return self._connector_metadata is not None
+
+        def register_kv_caches(self, kv_caches):
+            return
+
+        @abstractmethod
+        def start_load_kv(self, forward_context, **kwargs): ...
+
+        @abstractmethod
+        def wait_for_layer_load(self, layer_name): ...
+
+        @abstractmethod
+        def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs): ...
+
+        @abstractmethod
+        def wait_for_save(self): ...
+
+        def get_finished(self, finished_req_ids):
+            return None, None
+
+        def get_block_ids_with_load_errors(self):
+            return set()
+
+        def shutdown(self):
+            return None
+
+        @abstractmethod
+        def get_num_new_matched_tokens(self, request, num_computed_tokens): ...
+
+        @abstractmethod
+        def update_state_after_alloc(self, request, blocks, num_external_tokens): ...
+
+        @abstractmethod
+        def build_connector_meta(self, scheduler_output): ...
+
+        def update_connector_output(self, connector_output):
+            return
+
+        def request_finished(self, request, block_ids):
+            return False, None
+
+        def has_pending_push_work(self):
+            return False
+
+        @classmethod
+        def get_required_kvcache_layout(cls, vllm_config):
+            return None
+
+if SupportsHMA is None:
+    class SupportsHMA(ABC):  # noqa: F811 - vLLM's shape
+        @abstractmethod
+        def request_finished_all_groups(self, request, block_ids): ...
+
+STAGE_TIMEOUT_S = 120.0
+LOAD_TIMEOUT_S = 120.0
+_HANDOFF = ("FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED")  # RequestStatus names that hand the KV to decode
+
+
+def _cdiv(a, b):
+    return -(-a // b)
+
+
+def _status(s):
+    return getattr(s, "name", str(s))
+
+
+def _group0(ids):
+    """Returns the first KV cache group's block ids of a vLLM block-id value (tuple of lists, or a flat list)."""
+    if ids is None:
+        return None
+    ids = list(ids)
+    if ids and isinstance(ids[0], (list, tuple)):
+        return list(ids[0])
+    return ids
+
+
+def _unhashed(blocks):
+    """Returns the block ids of a KVCacheBlocks that hold no cached content (the ones a load fills)."""
+    f = getattr(blocks, "get_unhashed_block_ids", None)
+    if f is not None:
+        return list(f())
+    f = getattr(blocks, "get_unhashed_block_ids_all_groups", None)
+    if f is not None:
+        return _group0(f()) or []
+    return _group0(blocks.get_block_ids()) or []
+
+
+def _float(v, what):
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        raise ValueError(f"{what} must be a number of seconds, not {v!r}") from None
+    if not f > 0:
+        raise ValueError(f"{what} must be > 0, not {v!r}")
+    return f
+
+
+# ---------------------------------------------------------------------------------------------
+# Layout: where each byte of a request sits in its room.
+# ---------------------------------------------------------------------------------------------
+
+def _dense(sizes, strides):
+    """True if a tensor of these sizes/strides (elements) covers one gap-free span of memory."""
+    expect = 1
+    for st, sz in sorted((st, sz) for sz, st in zip(sizes, strides) if sz != 1):
+        if st != expect:
+            return False
+        expect *= sz
+    return True
+
+
+@dataclasses.dataclass(frozen=True)
+class KVRegion:
+    """One part of a layer's paged cache: block b at ptr + b * stride, item bytes long."""
+    layer: int
+    ptr: int
+    stride: int
+    item: int
+    nblocks: int
+    device: bool
+
+
+class VllmLayout:
+    """The registered KV caches as regions (layer order, K before V), the room offsets of a request's blocks."""
+
+    def __init__(self, kv_caches, num_blocks=None):
+        self.layer_names = list(kv_caches)
+        self.index = {n: i for i, n in enumerate(self.layer_names)}
+        self.regions, fp = [], []
+        for li, name in enumerate(self.layer_names):
+            t = kv_caches[name]
+            kv_first = t.dim() >= 3 and t.shape[0] == 2 and (num_blocks is None or t.shape[1] == num_blocks)
+            if not kv_first and num_blocks is not None and t.shape[0] != num_blocks:
+                raise ValueError(f"layer {name}: KV cache of shape {tuple(t.shape)} has no dimension of "
+                                 f"{num_blocks} blocks first")
+            parts = [t[0], t[1]] if kv_first else [t]  # (2, num_blocks, ...): K and V apart; (num_blocks, ...)
+            elt = t.element_size()
+            for p in parts:
+                sub = p[0]
+                if not _dense(tuple(sub.shape), tuple(sub.stride())):
+                    raise ValueError(f"layer {name}: a block of its KV cache is not one span of memory "
+                                     f"(shape {tuple(t.shape)}, stride {tuple(t.stride())})")
+                item = sub.numel() * elt
+                stride = p.stride(0) * elt
+                if stride < item:
+                    raise ValueError(f"layer {name}: blocks overlap (stride {stride} < {item} bytes)")
+                self.regions.append(KVRegion(li, int(p.data_ptr()), stride, item, int(p.shape[0]),
+                                             bool(getattr(t, "is_cuda", False))))
+                order = sorted(range(sub.dim()), key=lambda d: -sub.stride(d))
+                fp.append([item, str(t.dtype), list(sub.shape), order])
+        self.device = any(r.device for r in self.regions)
+        self._fp = {"regions": fp, "layers": len(self.layer_names)}
+        self._off = list(itertools.accumulate([0] + [r.item for r in self.regions]))
+
+    def fingerprint(self):
+        """The layout facts both sides must share (JSON-native)."""
+        return json.loads(json.dumps(self._fp))
+
+    def nbytes(self, nblocks):
+        """Bytes of a room for nblocks blocks."""
+        return self._off[-1] * nblocks
+
+    def extents(self, nblocks, blocks, first_pos=0, layer=None):
+        """Returns [(room_off, addr, nbytes, device)] for blocks at request positions first_pos... (one layer,
+        or all), a run of consecutive blocks one extent; raises ValueError for a block outside a cache."""
+        out = []
+        blocks = list(blocks)
+        if first_pos + len(blocks) > nblocks:
+            raise ValueError(f"{first_pos + len(blocks)} blocks for a room of {nblocks}")
+        for k, r in enumerate(self.regions):
+            if layer is not None and r.layer != layer:
+                continue
+            runs = _runs(blocks) if r.stride == r.item else [(i, int(b), 1) for i, b in enumerate(blocks)]
+            base = self._off[k] * nblocks
+            for pos, blk, n in runs:
+                if blk + n > r.nblocks:
+                    raise ValueError(f"block {blk + n - 1} is past the cache of layer {r.layer} ({r.nblocks} blocks)")
+                out.append((base + (first_pos + pos) * r.item, r.ptr + blk * r.stride, n * r.item, r.device))
+        return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Scheduler -> worker metadata.
+# ---------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class SaveSpec:
+    """Prefill: copy these blocks (the request's first num_blocks, in order) into slots in this forward."""
+    req_id: str
+    block_ids: tuple
+    num_tokens: int
+    stage_timeout: float
+
+
+@dataclasses.dataclass
+class RecvSpec:
+    """Decode: load the prefill request's room into local_block_ids (request positions skip...)."""
+    req_id: str
+    remote_request_id: str
+    remote_host: str
+    remote_port: int
+    num_blocks: int
+    local_block_ids: tuple
+    skip: int
+    load_timeout: float
+    error: Optional[str] = None  # set: fail the load at once (the scheduler found it unusable)
+
+
+@dataclasses.dataclass
+class KvstageConnectorMetadata(KVConnectorMetadata):
+    reqs_to_save: dict = dataclasses.field(default_factory=dict)     # P: req_id -> SaveSpec
+    reqs_finished: dict = dataclasses.field(default_factory=dict)    # P: req_id -> (handoff, delayed)
+    reqs_to_unstage: set = dataclasses.field(default_factory=set)    # P: staged before a preemption: invalid
+    reqs_to_recv: dict = dataclasses.field(default_factory=dict)     # D: req_id -> RecvSpec
+    reqs_to_abort: set = dataclasses.field(default_factory=set)      # D: loads the scheduler gave up on
+    reqs_to_drop: list = dataclasses.field(default_factory=list)     # D: (host, port, remote_request_id) never loaded
+
+
+# ---------------------------------------------------------------------------------------------
+# Settings.
+# ---------------------------------------------------------------------------------------------
+
+class _Settings:
+    def __init__(self, vllm_config, kv_cache_config):
+        kt = vllm_config.kv_transfer_config
+        extra = dict(getattr(kt, "kv_connector_extra_config", None) or {})
+        self.extra = extra
+        self.engine_id = str(getattr(kt, "engine_id", None) or "")
+        role = getattr(kt, "kv_role", None) or "kv_both"
+        self.producer = role in ("kv_producer", "kv_both")
+        self.consumer = role in ("kv_consumer", "kv_both")
+        self.block_size = int(vllm_config.cache_config.block_size)
+        pc = getattr(vllm_config, "parallel_config", None)
+        self.tp_size = int(getattr(pc, "tensor_parallel_size", 1) or 1)
+        if int(getattr(pc, "pipeline_parallel_size", 1) or 1) > 1:
+            raise NotImplementedError("kvstage connector: pipeline parallelism is not supported")
+        dp = 0
+        for name in ("data_parallel_index", "data_parallel_rank"):
+            v = getattr(pc, name, None)
+            if isinstance(v, int):
+                dp = v
+                break
+        self.dp_rank = dp
+        self.socket_path = extra.get("kvstage_socket") or os.environ.get("KVSTAGE_SOCKET")
+        self.host = str(extra.get("kvstage_host") or os.environ.get("KVSTAGE_VLLM_HOST")
+                        or getattr(kt, "kv_ip", None) or "127.0.0.1")
+        self.base_port = int(extra.get("kvstage_port", getattr(kt, "kv_port", 14579))) + dp * self.tp_size
+        self.stage_timeout = _float(extra.get("kvstage_stage_timeout", STAGE_TIMEOUT_S), "kvstage_stage_timeout")
+        self.load_timeout = _float(extra.get("kvstage_load_timeout", LOAD_TIMEOUT_S), "kvstage_load_timeout")
+        self.num_blocks = getattr(kv_cache_config, "num_blocks", None)
+        groups = getattr(kv_cache_config, "kv_cache_groups", None)
+        if groups is not None and len(groups) > 1:
+            raise NotImplementedError(f"kvstage connector: {len(groups)} KV cache groups (a hybrid model): only one "
+                                      "is supported")
+
+    def tp_rank(self):
+        try:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank  # type: ignore
+            return int(get_tensor_model_parallel_rank())
+        except Exception:
+            return int(self.extra.get("kvstage_tp_rank", 0))
+
+
+# ---------------------------------------------------------------------------------------------
+# Scheduler side.
+# ---------------------------------------------------------------------------------------------
+
+class _PReq:
+    __slots__ = ("request", "blocks", "saved")
+
+    def __init__(self, request, blocks):
+        self.request, self.blocks, self.saved = request, list(blocks or []), False
+
+
+class _SchedulerSide:
+    def __init__(self, s: _Settings):
+        self.s = s
+        self._p = {}              # prefill requests being computed: req_id -> _PReq
+        self._p_delayed = {}      # prefill requests whose blocks wait for finished_sending: req_id -> handoff
+        self._d_loading = set()   # decode requests whose load the worker has not reported yet
+        self._warned = set()
+        self._reset()
+
+    def _reset(self):
+        self._saves, self._finished, self._unstage = {}, {}, set()
+        self._recv, self._aborts, self._drops = {}, set(), []
+
+    @staticmethod
+    def _num_prompt(request):
+        n = getattr(request, "num_prompt_tokens", None)
+        return int(n) if n is not None else len(request.prompt_token_ids or [])
+
+    def _remote(self, request):
+        """Returns the prefill side's kvstage params of a decode request, or (None, why) when unusable."""
+        p = request.kv_transfer_params or {}
+        kv = p.get("kvstage")
+        if not self.s.consumer:
+            return None, "this instance's kv_role does not consume KV"
+        if not isinstance(kv, dict):
+            return None, "kv_transfer_params come from another connector (no 'kvstage')"
+        for k in ("remote_request_id", "remote_host", "remote_port"):
+            if p.get(k) is None:
+                return None, f"kv_transfer_params lack {k}"
+        if int(kv.get("block_size", -1)) != self.s.block_size:
+            return None, f"prefill block size {kv.get('block_size')}, this side {self.s.block_size}"
+        if int(p.get("tp_size", 1)) != self.s.tp_size:
+            return None, f"prefill TP size {p.get('tp_size')}, this side {self.s.tp_size}"
+        n = self._num_prompt(request)
+        if int(kv.get("num_tokens", -1)) != n or int(kv.get("num_blocks", -1)) != _cdiv(n, self.s.block_size):
+            return None, f"the prefill side staged {kv.get('num_tokens')} tokens, this prompt has {n}"
+        return kv, None
+
+    def _warn(self, request, why):
+        if request.request_id not in self._warned:
+            self._warned.add(request.request_id)
+            logger.warning("kvstage connector: request %s: no remote KV load: %s", request.request_id, why)
+
+    def _drop(self, request):
+        p = request.kv_transfer_params or {}
+        if isinstance(p.get("kvstage"), dict) and p.get("remote_request_id") and p.get("remote_host"):
+            self._drops.append((str(p["remote_host"]), int(p["remote_port"]), str(p["remote_request_id"])))
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        p = request.kv_transfer_params
+        if p and p.get("do_remote_prefill"):
+            kv, why = self._remote(request)
+            if kv is None:
+                self._warn(request, why)
+                return 0, False
+            count = self._num_prompt(request) - num_computed_tokens
+            if count > 0:
+                return count, True
+        return 0, False
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens):
+        p = request.kv_transfer_params
+        if not p:
+            return
+        rid = request.request_id
+        if p.get("do_remote_decode") and self.s.producer and rid not in self._p:
+            self._p[rid] = _PReq(request, _group0(blocks.get_block_ids()) if blocks is not None else [])
+        if p.get("do_remote_prefill"):
+            p["do_remote_prefill"] = False  # one load per request (also after a preemption)
+            kv, why = self._remote(request)
+            if kv is None or num_external_tokens <= 0:
+                self._drop(request)  # the prefill side can release its slots now
+                return
+            local = _unhashed(blocks)
+            skip = int(kv["num_blocks"]) - len(local)
+            err = None if 0 <= skip else f"{len(local)} blocks to fill, the prefill side staged {kv['num_blocks']}"
+            timeout = _float(p.get("kvstage_load_timeout", self.s.load_timeout), "kvstage_load_timeout")
+            self._recv[rid] = RecvSpec(rid, str(p["remote_request_id"]), str(p["remote_host"]), int(p["remote_port"]),
+                                       int(kv["num_blocks"]), tuple(local), max(skip, 0), timeout, err)
+            self._d_loading.add(rid)
+
+    def _maybe_save(self, st, computed, scheduled):
+        if st.saved:
+            return
+        n = self._num_prompt(st.request)
+        if computed + scheduled < n:
+            return
+        nb = _cdiv(n, self.s.block_size)
+        if len(st.blocks) < nb:
+            logger.error("kvstage connector: request %s has %d blocks for %d tokens; not staged",
+                         st.request.request_id, len(st.blocks), n)
+            return
+        p = st.request.kv_transfer_params or {}
+        timeout = _float(p.get("kvstage_stage_timeout", self.s.stage_timeout), "kvstage_stage_timeout")
+        st.saved = True
+        self._saves[st.request.request_id] = SaveSpec(st.request.request_id, tuple(st.blocks[:nb]), n, timeout)
+
+    def build_connector_meta(self, scheduler_output):
+        so = scheduler_output
+        nsched = getattr(so, "num_scheduled_tokens", None) or {}
+        preempted = set(getattr(so, "preempted_req_ids", None) or ())
+        for rid in preempted & set(self._p):
+            self._restage(rid, [])
+        for new in getattr(so, "scheduled_new_reqs", None) or ():
+            st = self._p.get(new.req_id)
+            if st is not None:
+                st.blocks = _group0(new.block_ids) or []
+                self._maybe_save(st, int(new.num_computed_tokens), int(nsched.get(new.req_id, 0)))
+        cached = getattr(so, "scheduled_cached_reqs", None)
+        if cached is not None:
+            resumed_ids = set(getattr(cached, "resumed_req_ids", None) or ())
+            resumed_flags = getattr(cached, "resumed_from_preemption", None)
+            for i, rid in enumerate(cached.req_ids):
+                st = self._p.get(rid)
+                if st is None:
+                    continue
+                resumed = rid in resumed_ids or bool(resumed_flags[i] if resumed_flags else False)
+                nb = _group0(cached.new_block_ids[i]) if cached.new_block_ids else None
+                if resumed:
+                    self._restage(rid, nb or [])
+                elif nb:
+                    st.blocks.extend(nb)
+                self._maybe_save(st, int(cached.num_computed_tokens[i]), int(nsched.get(rid, 0)))
+        meta = KvstageConnectorMetadata(self._saves, self._finished, self._unstage, self._recv, self._aborts,
+                                        self._drops)
+        self._reset()
+        return meta
+
+    def _restage(self, rid, blocks):
+        """A preempted prefill request: its blocks were freed; what was staged from them is void."""
+        st = self._p[rid]
+        st.blocks = list(blocks)
+        if st.saved:
+            st.saved = False
+            self._saves.pop(rid, None)
+            self._unstage.add(rid)
+
+    def request_finished(self, request, block_ids):
+        rid = request.request_id
+        p = request.kv_transfer_params or {}
+        if rid in self._d_loading:
+            # A load in flight: its blocks are given back when the worker reports it in finished_recving,
+            # once the room's final event came and no copy-out can run (vLLM delays them too).
+            self._d_loading.discard(rid)
+            self._aborts.add(rid)
+            return True, None
+        if p.get("do_remote_prefill"):  # aborted before it was ever scheduled
+            p["do_remote_prefill"] = False
+            self._drop(request)
+            return False, None
+        st = self._p.pop(rid, None)
+        if not p.get("do_remote_decode") or st is None or not st.saved:
+            return False, None  # nothing of ours reads its blocks
+        handoff = _status(request.status) in _HANDOFF
+        self._finished[rid] = (handoff, True)
+        self._p_delayed[rid] = handoff
+        if not handoff:
+            return True, None  # aborted while its copy may run: free once it cannot read the blocks any more
+        nb = _cdiv(self._num_prompt(request), self.s.block_size)
+        return True, dict(do_remote_prefill=True, do_remote_decode=False, remote_engine_id=self.s.engine_id,
+                          remote_request_id=rid, remote_host=self.s.host, remote_port=self.s.base_port,
+                          tp_size=self.s.tp_size,
+                          kvstage=dict(version=1, num_blocks=nb, num_tokens=self._num_prompt(request),
+                                       block_size=self.s.block_size))
+
+    def update_connector_output(self, connector_output):
+        for rid in getattr(connector_output, "finished_sending", None) or ():
+            self._p_delayed.pop(rid, None)
+        for rid in getattr(connector_output, "finished_recving", None) or ():
+            self._d_loading.discard(rid)
+
+    def has_pending_push_work(self):
+        return bool(self._p_delayed)
+
+
+# ---------------------------------------------------------------------------------------------
+# The side channel: length-prefixed JSON over TCP, decode worker -> prefill worker only.
+# ---------------------------------------------------------------------------------------------
+
+class _SideListener:
+    """The prefill worker's side channel: every message goes to deliver(msg) (a thread per connection)."""
+
+    def __init__(self, host, port, deliver):
+        self._deliver = deliver
+        fam = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._sock = socket.socket(fam, socket.SOCK_STREAM)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind((host.strip("[]"), port))
+        self._sock.listen(128)
+        self.port = self._sock.getsockname()[1]
+        self._closed = False
+        threading.Thread(target=self._accept, name="kvstage-vllm-listen", daemon=True).start()
+
+    def _accept(self):
+        while not self._closed:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), name="kvstage-vllm-conn", daemon=True).start()
+
+    def _serve(self, conn):
+        with conn:
+            while not self._closed:
+                try:
+                    hdr = _recv_exact(conn, _HDR.size)
+                    if hdr is None:
+                        return
+                    (n,) = _HDR.unpack(hdr)
+                    if n > _MAX_MSG:
+                        raise ValueError(f"{n}-byte message")
+                    body = _recv_exact(conn, n)
+                    if body is None:
+                        return
+                    msg = json.loads(body)
+                    if not isinstance(msg, dict) or msg.get("t") not in ("pull", "drop") or not isinstance(msg.get("req"), str):
+                        raise ValueError("not a kvstage message")
+                except (OSError, ValueError) as e:
+                    logger.warning("kvstage side channel: dropped a connection: %s", e)
+                    return
+                self._deliver(msg)
+
+    def close(self):
+        self._closed = True
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._sock.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# The worker's agent: one thread owning the kvstage connection (a Client is not thread-safe).
+# ---------------------------------------------------------------------------------------------
+
+class _Stage:
+    """Prefill side of one request: its blocks copied into slots, waiting for (then handed to) the room."""
+
+    def __init__(self, spec, layout, ss):
+        self.req = spec.req_id
+        self.blocks = list(spec.block_ids)
+        self.nblocks = len(self.blocks)
+        self.nbytes = layout.nbytes(self.nblocks)
+        self.chunks = _cdiv(self.nbytes, ss)
+        self.ss = ss
+        self.deadline = time.monotonic() + spec.stage_timeout
+        self.posted, self.pieces, self.sealed = set(), collections.deque(), False
+        self.leases, self.views, self.jobs = None, {}, []
+        self.written, self.full, self.sent = [0] * self.chunks, set(), set()
+        self.room = self.uid = self.final = None
+        self.handoff, self.delayed, self.finish_known, self.reported = None, False, False, False
+        self.state, self.why = "staging", None  # staging -> ready -> sending -> done; or failed
+        self.starved = False
+
+    def chunk_len(self, s):
+        return min(self.ss, self.nbytes - s * self.ss)
+
+    @property
+    def copied(self):
+        return self.sealed and not self.pieces and not self.jobs and len(self.full) == self.chunks
+
+    @property
+    def terminal(self):
+        return self.state in ("done", "failed")
+
+
+class _Load:
+    """Decode side of one request: its room, then the copy-out into the request's blocks."""
+
+    def __init__(self, spec, layout, tp_rank):
+        self.spec = spec
+        self.req = spec.req_id
+        self.nbytes = layout.nbytes(spec.num_blocks)
+        self.endpoint = (spec.remote_host, spec.remote_port + tp_rank)
+        self.deadline = time.monotonic() + spec.load_timeout
+        self.room = self.uid = self.final = self.job = None
+        self.state = "opening"  # opening -> open -> copying -> done; or failed
+        self.aborted = self.failed = self.reported = False
+        self.why = None
+
+
+class _Agent:
+    """A worker rank's kvstage side on its own thread: the connection, the prefill stages, the decode loads, the
+    prefill's side-channel listener. The worker thread posts commands; results come back through take_finished().
+    Test hooks: .copier (submit(job) -> CopyHandle, optional pump()), .hold_send(req_id, chunk) -> bool."""
+
+    IDLE_S, BUSY_S = 0.05, 0.002
+
+    def __init__(self, socket_path, layout, copier, tp_rank, listen, stage_timeout):
+        self.socket_path, self.layout, self.copier, self.tp_rank = socket_path, layout, copier, tp_rank
+        self.stage_timeout = stage_timeout
+        self.hold_send = None
+        self._lock = threading.Lock()
+        self._cmds, self._inbox = collections.deque(), collections.deque()
+        self._finished_sending, self._finished_recving, self._load_errors = set(), set(), set()
+        self._stages, self._loads, self._by_uid = {}, {}, {}
+        self._pending_pulls = collections.deque()
+        self.ended = collections.OrderedDict()  # req_id -> why its stage or load ended (the last 4096)
+        self._uids = itertools.count(1)
+        self._peers, self._dead_until = {}, {}
+        self._client = None
+        self._stop = False
+        self._r, self._w = os.pipe()
+        os.set_blocking(self._r, False)
+        os.set_blocking(self._w, False)
+        self._started = threading.Event()
+        self._start_error = None
+        self._listener = None
+        try:
+            if listen is not None:
+                self._listener = _SideListener(listen[0], listen[1], self._on_msg)
+            self._thread = threading.Thread(target=self._main, name="kvstage-vllm-agent", daemon=True)
+            self._thread.start()
+            self._started.wait()
+        except BaseException:
+            self._close_fds()
+            raise
+        if self._start_error is not None:
+            self._close_fds()
+            raise self._start_error
+
+    # -- the worker thread's side ------------------------------------------------------------
+    @property
+    def listen_port(self):
+        return self._listener.port if self._listener is not None else None
+
+    def post(self, fn, *args):
+        with self._lock:
+            self._cmds.append((fn, args))
+        self.wake()
+
+    def wake(self):
+        try:
+            os.write(self._w, b"x")
+        except OSError:
+            pass
+
+    def _on_msg(self, msg):
+        with self._lock:
+            self._inbox.append(msg)
+        self.wake()
+
+    def take_finished(self):
+        """Returns (finished_sending, finished_recving, the failed loads' block ids) since the last call, at once:
+        a failed load's blocks are reported in the same step as the load."""
+        with self._lock:
+            out = self._finished_sending, self._finished_recving, self._load_errors
+            self._finished_sending, self._finished_recving, self._load_errors = set(), set(), set()
+        return out
+
+    def stage_state(self, req_id):
+        """The prefill stage's state (staging, ready, sending, done, failed) or None, and why (tests, logs)."""
+        st = self._stages.get(req_id)
+        return (st.state, st.why) if st is not None else (None, self.ended.get(req_id))
+
+    def load_state(self, req_id):
+        ld = self._loads.get(req_id)
+        return (ld.state, ld.why) if ld is not None else (None, self.ended.get(req_id))
+
+    def close(self, timeout=10):
+        self._stop = True
+        self.wake()
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            logger.error("kvstage connector: the agent thread did not stop within %ss", timeout)
+            return
+        self._close_fds()
+
+    def _close_fds(self):
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+        for fd in (self._r, self._w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self._r = self._w = -1
+
+    # -- the agent thread ----------------------------------------------------------------------
+    def _main(self):
+        try:
+            self._client = Client(self.socket_path)
+        except Exception as e:
+            self._start_error = e
+            self._started.set()
+            return
+        self._started.set()
+        while not self._stop:
+            try:
+                busy = self._step()
+            except (NotConnected, Timeout) as e:
+                self._broken(e)
+                busy = False
+            except Exception:  # never let the thread die: every request would hang
+                logger.exception("kvstage connector: agent step failed")
+                busy = False
+            self._sleep(self.BUSY_S if busy else self.IDLE_S)
+        self._teardown()
+
+    def _sleep(self, timeout):
+        fds = [self._r]
+        if self._client is not None:
+            try:
+                fds.append(self._client.fileno())
+            except KvstageError:
+                pass
+        try:
+            select.select(fds, [], [], timeout)
+        except (OSError, ValueError):
+            time.sleep(timeout)
+        try:
+            while os.read(self._r, 4096):
+                pass
+        except OSError:
+            pass
+
+    def _c(self):
+        if self._client is None:
+            self._client = Client(self.socket_path)
+        return self._client
+
+    def _step(self):
+        with self._lock:
+            cmds, self._cmds = self._cmds, collections.deque()
+            msgs, self._inbox = self._inbox, collections.deque()
+        for fn, args in cmds:
+            self._guarded(fn, *args)
+        for m in msgs:
+            self._guarded(self._on_side_msg, m)
+        for _ in range(len(self._pending_pulls)):
+            self._guarded(self._pull, *self._pending_pulls.popleft())
+        self._pump()
+        pump = getattr(self.copier, "pump", None)
+        if pump is not None:
+            pump()
+        busy = bool(self._pending_pulls)
+        for st in list(self._stages.values()):
+            self._guarded(self._stage_progress, st, fail=self._stage_fail)
+            busy = busy or st.starved or (st.state == "staging" and bool(st.pieces))
+        for ld in list(self._loads.values()):
+            self._guarded(self._load_progress, ld, fail=self._load_fail)
+            busy = busy or ld.state == "opening" or ld.job is not None
+        self._timeouts()
+        return busy
+
+    def _guarded(self, fn, *args, fail=None):
+        """Runs fn(*args); a lost connection fails everything, any other error only this command (and with fail,
+        the stage or load it was about: fail(obj, why))."""
+        try:
+            fn(*args)
+        except (NotConnected, Timeout) as e:
+            self._broken(e)
+        except Exception as e:
+            logger.exception("kvstage connector: %s failed", getattr(fn, "__name__", fn))
+            if fail is not None:
+                try:
+                    fail(args[0], f"internal error: {e!r}")
+                except Exception:
+                    logger.exception("kvstage connector: failing after an internal error")
+
+    def _pump(self):
+        if self._client is None:
+            return
+        while True:
+            evs = self._client.poll(128)
+            for ev in evs:
+                obj = self._by_uid.get(ev.user_data)
+                if isinstance(obj, _Stage):
+                    self._stage_event(obj, ev)
+                elif isinstance(obj, _Load):
+                    self._load_event(obj, ev)
+            if len(evs) < 128:
+                return
+
+    def _end(self, req, why):
+        self.ended[req] = why
+        while len(self.ended) > 4096:
+            self.ended.popitem(last=False)
+
+    def _broken(self, exc):
+        """The connection is gone or out of step: nothing of it can move or land any more; fail everything."""
+        logger.error("kvstage connector: connection to kvstaged lost (%s)", exc)
+        for st in list(self._stages.values()):
+            for h in st.jobs:
+                h.cancel()
+            st.jobs, st.views, st.leases, st.room = [], {}, None, None
+            st.final = st.final or "lost"
+            self._stage_fail(st, f"connection to kvstaged lost: {exc}")
+        for ld in list(self._loads.values()):
+            if ld.job is not None:
+                ld.job.cancel()
+                ld.job = None
+            ld.room, ld.final = None, ld.final or "lost"
+            self._load_fail(ld, f"connection to kvstaged lost: {exc}")
+        self._by_uid.clear()
+        c, self._client = self._client, None
+        try:
+            c.close()
+        except Exception:
+            pass
+
+    def _teardown(self):
+        for st in list(self._stages.values()):
+            for h in st.jobs:
+                h.cancel()
+            st.jobs, st.views = [], {}
+        for ld in list(self._loads.values()):
+            if ld.job is not None:
+                ld.job.cancel()
+        self._stages.clear()
+        self._loads.clear()
+        if self._client is not None:
+            try:
+                self._client.close()  # the proxy aborts our rooms and frees our slots
+            except Exception:
+                logger.exception("kvstage connector: closing the connection")
+            self._client = None
+        for s in self._peers.values():
+            s.close()
+        self._peers.clear()
+
+    # -- prefill: stages -----------------------------------------------------------------------
+    def cmd_stage(self, spec):
+        if spec.req_id in self._stages:
+            old = self._stages.pop(spec.req_id)  # a restage after a preemption
+            self._stage_fail(old, "staged again")
+        try:
+            c = self._c()
+        except KvstageError as e:  # no proxy: nothing is staged (the blocks are freed when the request ends)
+            logger.error("kvstage connector: cannot stage %s: %s", spec.req_id, e)
+            return self._end(spec.req_id, f"no connection to kvstaged: {e}")
+        st = _Stage(spec, self.layout, c.slot_size)
+        self._stages[st.req] = st
+        if st.chunks > c.slot_count:
+            self._stage_fail(st, f"{st.nbytes} bytes do not fit the pool ({c.slot_count} slots)")
+
+    def cmd_unstage(self, req):
+        st = self._stages.pop(req, None)
+        if st is not None:
+            self._stage_fail(st, "preempted: its blocks were freed")
+            self._end(req, "preempted")
+
+    def _post_layer(self, st, li):
+        if li in st.posted:
+            return
+        st.posted.add(li)
+        st.pieces.extend(_pieces(self.layout.extents(st.nblocks, st.blocks, 0, layer=li), st.ss))
+
+    def cmd_layer(self, li, reqs, event=None):
+        if event is not None:
+            getattr(self.copier, "after", lambda ev: None)(event)
+        for req in reqs:
+            st = self._stages.get(req)
+            if st is not None and st.state == "staging" and not st.sealed:
+                self._post_layer(st, li)
+
+    def cmd_seal(self, reqs, event=None):
+        if event is not None:
+            getattr(self.copier, "after", lambda ev: None)(event)
+        for req in reqs:
+            st = self._stages.get(req)
+            if st is not None and st.state == "staging" and not st.sealed:
+                for li in range(len(self.layout.layer_names)):
+                    self._post_layer(st, li)  # layers the forward did not announce: the forward is over
+                st.sealed = True
+
+    def cmd_finished(self, req, handoff, delayed):
+        st = self._stages.get(req)
+        if st is None:
+            if delayed:
+                with self._lock:
+                    self._finished_sending.add(req)
+            return
+        st.finish_known, st.handoff, st.delayed = True, handoff, delayed
+        if not handoff:
+            self._stage_fail(st, "the request ended without a hand-off")
+        self._stage_report(st)
+
+    def _stage_progress(self, st):
+        if st.terminal:
+            return self._stage_report(st)
+        c = self._c()
+        st.starved = False
+        if st.pieces and st.leases is None:
+            try:
+                st.leases = c.acquire(st.chunks)  # all or none: a half-staged request never holds slots
+            except PoolExhausted:
+                st.starved = True
+                return
+        if st.pieces:
+            batch = []
+            while st.pieces:
+                s, so, addr, n, dev = st.pieces.popleft()
+                view = st.views.get(s)
+                if view is None:
+                    view = st.views[s] = st.leases[s].view()
+                batch.append((s, st.leases[s], view, so, addr, n, dev))
+            st.jobs.append(self.copier.submit(self._stage_job(st, batch)))
+        for h in list(st.jobs):
+            if h.done():
+                st.jobs.remove(h)
+                if h.error is not None:
+                    return self._stage_fail(st, f"copying blocks into slots failed: {h.error!r}")
+        if st.room is not None and st.final is None:
+            self._stage_send(st)
+        self._stage_report(st)  # before the state says so: whoever sees "ready" knows the report is out
+        if st.state == "staging" and st.copied:
+            st.state = "ready"
+        if st.state == "ready" and len(st.sent) == st.chunks:
+            st.state = "sending"
+
+    def _stage_job(self, st, batch):
+        copier = self.copier
+
+        def job():
+            for s, lease, view, so, addr, n, dev in batch:
+                copier.copy_in(lease, view, so, addr, n, dev)
+            copier.sync()
+            for s, _, _, _, _, n, _ in batch:
+                st.written[s] += n
+                if st.written[s] == st.chunk_len(s):
+                    st.full.add(s)
+        job.req_id, job.kind = st.req, "stage"
+        return job
+
+    def _stage_send(self, st):
+        for s in sorted(st.full - st.sent):
+            hold = self.hold_send
+            if hold is not None and hold(st.req, s):
+                return
+            st.views.pop(s, None)
+            try:
+                st.room.send(st.leases[s], s * st.ss, st.chunk_len(s))
+            except Again:
+                return  # ring full: the next step sends
+            except (NotConnected, Timeout):
+                raise
+            except KvstageError as e:
+                return self._stage_fail(st, f"sending a chunk failed: {e}")
+            st.sent.add(s)
+
+    def _stage_report(self, st):
+        """finished_sending once the request's blocks cannot be read by a copy any more."""
+        if st.finish_known and st.delayed and not st.reported and not st.jobs and (st.copied or st.terminal):
+            st.reported = True
+            with self._lock:
+                self._finished_sending.add(st.req)
+        if (st.terminal and st.final is not None and (st.reported or (st.finish_known and not st.delayed))
+                and self._stages.get(st.req) is st):
+            del self._stages[st.req]
+
+    def _stage_fail(self, st, why):
+        if st.terminal:
+            return
+        logger.debug("kvstage connector: stage of %s failed: %s", st.req, why)
+        st.state, st.why = "failed", why
+        self._end(st.req, why)
+        for h in st.jobs:
+            h.cancel()  # queued copies never run; a copy runs only on this thread, so none is running
+        st.jobs = []
+        try:
+            self.copier.sync()
+        except Exception:
+            pass
+        st.views.clear()
+        st.pieces.clear()
+        if st.leases is not None and self._client is not None:
+            for s, lease in enumerate(st.leases):
+                if s not in st.sent:
+                    try:
+                        self._client.release(lease)
+                    except KvstageError:
+                        pass
+        st.leases = None
+        if st.room is not None and st.final is None:
+            try:
+                st.room.abort()  # its final event closes it
+            except KvstageError:
+                pass
+        if st.room is None:
+            st.final = st.final or "no room"
+        self._stage_report(st)
+
+    def _stage_event(self, st, ev):
+        if ev.type == EventType.REJECTED:
+            lease = next((l for l in (st.leases or ()) if (l.slot, l.epoch) == tuple(ev.lease)), None)
+            if lease is not None and self._client is not None:
+                st.sent.discard(st.leases.index(lease))
+            return self._stage_fail(st, f"the proxy refused a chunk: {ev.error}")
+        st.final = ev
+        if ev.type == EventType.SEND_DONE and not st.terminal:
+            st.state = "done"
+            self._end(st.req, "sent")
+        elif not st.terminal:
+            why = "aborted by the decode side, the proxy or a timeout" if ev.type == EventType.ABORTED else f"failed: {ev.error}"
+            self._stage_fail(st, f"the room was {why}")
+        try:
+            st.room.close()
+        except Exception:
+            pass
+        st.room = None
+        self._by_uid.pop(st.uid, None)
+        st.leases = None
+        self._stage_report(st)
+
+    def _on_side_msg(self, msg):
+        if msg["t"] == "drop":
+            st = self._stages.get(msg["req"])
+            if st is not None and st.room is None:
+                self._stage_fail(st, "released: the decode side will not load it")
+            return
+        self._pull(msg)
+
+    def _reject(self, msg, why):
+        logger.info("kvstage connector: refusing the load of %s: %s", msg.get("req"), why)
+        try:
+            r = self._c().send_open(base64.b64decode(msg["desc"]), user_data=0)
+            r.abort()
+            r.close()
+        except (KvstageError, ValueError, KeyError, TypeError) as e:
+            logger.debug("kvstage connector: the refused room was gone already: %s", e)
+
+    def _pull(self, msg):
+        st = self._stages.get(msg["req"])
+        if st is None:
+            return self._reject(msg, f"no staged KV here ({self.ended.get(msg['req'], 'unknown request')})")
+        if st.terminal:
+            return self._reject(msg, st.why or st.state)
+        if st.room is not None:
+            return self._reject(msg, "a second load of the same request")
+        if msg.get("layout") != self.layout.fingerprint():
+            return self._reject(msg, f"cache layouts differ: decode {msg.get('layout')}, prefill {self.layout.fingerprint()}")
+        if msg.get("nbytes") != st.nbytes:
+            return self._reject(msg, f"the decode side expects {msg.get('nbytes')} bytes, {st.nbytes} staged")
+        try:
+            uid = next(self._uids)
+            room = self._c().send_open(base64.b64decode(msg["desc"]), user_data=uid)
+        except (NotConnected, Timeout):
+            raise
+        except KvstageError as e:
+            if e.errno in (_errno.EMFILE, _errno.ENFILE, _errno.EAGAIN):
+                self._pending_pulls.append((msg,))
+                return
+            return self._stage_fail(st, f"could not open the decode side's room: {e}")
+        except (ValueError, TypeError) as e:
+            return self._reject(msg, f"bad descriptor: {e}")
+        if room.nbytes != st.nbytes:
+            room.abort()
+            room.close()
+            return self._stage_fail(st, f"the room has {room.nbytes} bytes, {st.nbytes} staged")
+        st.room, st.uid = room, uid
+        self._by_uid[uid] = st
+
+    # -- decode: loads -------------------------------------------------------------------------
+    def cmd_recv(self, spec):
+        if spec.req_id in self._loads:
+            return
+        ld = _Load(spec, self.layout, self.tp_rank)
+        self._loads[ld.req] = ld
+        if spec.error:
+            return self._load_fail(ld, spec.error)
+        if spec.skip + len(spec.local_block_ids) != spec.num_blocks:
+            return self._load_fail(ld, f"{len(spec.local_block_ids)} blocks after {spec.skip} cached, the room has "
+                                       f"{spec.num_blocks}")
+        self._load_open(ld)
+
+    def _load_open(self, ld):
+        try:
+            uid = next(self._uids)
+            self._by_uid[uid] = ld
+            ld.uid = uid
+            ld.room, desc = self._c().recv_open(ld.nbytes, user_data=uid)
+        except KvstageError as e:
+            self._by_uid.pop(ld.uid, None)
+            ld.uid = None
+            if e.errno in (_errno.EMFILE, _errno.ENFILE, _errno.EAGAIN):
+                return  # no room handle free yet: the next step tries again
+            if isinstance(e, (NotConnected, Timeout)):
+                raise
+            return self._load_fail(ld, f"could not open a room: {e}")
+        ld.state = "open"
+        msg = {"t": "pull", "req": ld.spec.remote_request_id, "desc": base64.b64encode(desc).decode(),
+               "nbytes": ld.nbytes, "layout": self.layout.fingerprint(), "tp_rank": self.tp_rank}
+        try:
+            self._send_msg(ld.endpoint, msg)
+        except OSError as e:
+            self._load_fail(ld, f"could not reach the prefill worker at {ld.endpoint[0]}:{ld.endpoint[1]}: {e}")
+
+    def cmd_abort(self, req):
+        ld = self._loads.get(req)
+        if ld is None or ld.reported:
+            return  # never had it, or already reported: the scheduler has its blocks already
+        ld.aborted = True
+        if ld.job is not None and ld.job.cancel():
+            ld.job = None
+        if ld.room is not None and ld.final is None:
+            try:
+                ld.room.abort()
+            except KvstageError:
+                pass
+        if ld.room is None:
+            ld.final = ld.final or "no room"
+        ld.state = ld.state if ld.state == "done" else "failed"
+        ld.why = ld.why or "aborted"
+        self._load_report(ld)
+
+    def cmd_drop(self, host, port, remote_req):
+        try:
+            self._send_msg((host, port + self.tp_rank), {"t": "drop", "req": remote_req})
+        except OSError as e:
+            logger.debug("kvstage connector: could not tell %s:%s to release %s: %s", host, port, remote_req, e)
+
+    def _load_event(self, ld, ev):
+        if ev.type == EventType.REJECTED:
+            return
+        ld.final = ev
+        if ev.type == EventType.RECV_DONE and not ld.aborted and not ld.failed:
+            ld.state = "copying"
+            ld.job = self.copier.submit(self._copy_out_job(ld))
+            return self._load_progress(ld)
+        if ev.type != EventType.RECV_DONE and not ld.aborted and not ld.failed:
+            why = "aborted by the prefill side, the proxy or a timeout" if ev.type == EventType.ABORTED else f"failed: {ev.error}"
+            self._load_fail(ld, f"the room was {why}")
+        self._load_report(ld)
+
+    def _copy_out_job(self, ld):
+        room, copier, ss = ld.room, self.copier, self._c().slot_size
+        extents = self.layout.extents(ld.spec.num_blocks, ld.spec.local_block_ids, ld.spec.skip)
+
+        def job():
+            by_slot = collections.defaultdict(list)
+            for p in _pieces(extents, ss):
+                by_slot[p[0]].append(p)
+            for s in sorted(by_slot):
+                lease = room.lease(s)
+                view = lease.view()
+                for _, so, addr, n, dev in by_slot[s]:
+                    copier.copy_out(lease, view, so, addr, n, dev)
+                del view
+            copier.sync()
+        job.req_id, job.kind = ld.req, "load"
+        return job
+
+    def _load_progress(self, ld):
+        if ld.state == "opening" and not ld.failed and not ld.aborted:
+            self._load_open(ld)
+        j = ld.job
+        if j is not None and j.done():
+            ld.job = None
+            if j.error is not None:
+                self._load_fail(ld, f"copying the room into the blocks failed: {j.error!r}")
+            elif j.state == "done" and not ld.aborted and not ld.failed:
+                ld.state = "done"
+                self._end(ld.req, "loaded")
+            self._load_report(ld)
+
+    def _load_fail(self, ld, why):
+        if ld.failed or ld.aborted or ld.reported:
+            return
+        logger.info("kvstage connector: load of %s failed: %s", ld.req, why)
+        ld.failed, ld.state, ld.why = True, "failed", why
+        if ld.job is not None and ld.job.cancel():
+            ld.job = None
+        if ld.room is not None and ld.final is None:
+            try:
+                ld.room.abort()
+            except KvstageError:
+                pass
+        if ld.room is None:
+            ld.final = ld.final or "no room"
+        self._load_report(ld)
+
+    def _load_report(self, ld):
+        """finished_recving once nothing of this load can write its blocks: final event in, no copy-out can run."""
+        if ld.reported or ld.final is None or (ld.job is not None and not ld.job.done()):
+            return
+        if ld.state not in ("done", "failed"):
+            return
+        ld.reported = True
+        self._end(ld.req, ld.why or ld.state)
+        with self._lock:
+            self._finished_recving.add(ld.req)
+            if ld.failed and not ld.aborted:
+                self._load_errors.update(ld.spec.local_block_ids)
+        if ld.room is not None:
+            try:
+                ld.room.close()
+            except Exception:
+                pass
+            ld.room = None
+        self._by_uid.pop(ld.uid, None)
+        if self._loads.get(ld.req) is ld:
+            del self._loads[ld.req]
+
+    def _timeouts(self):
+        now = time.monotonic()
+        for st in list(self._stages.values()):
+            if not st.terminal and st.room is None and now > st.deadline:
+                self._stage_fail(st, "expired: no decode side loaded it within the stage timeout")
+        for ld in list(self._loads.values()):
+            if ld.state in ("opening", "open") and not ld.aborted and not ld.failed and now > ld.deadline:
+                self._load_fail(ld, f"timed out after {ld.spec.load_timeout:.1f}s")
+
+    # -- the side channel's sending end ----------------------------------------------------------
+    def _send_msg(self, endpoint, msg):
+        """Sends one message to a prefill worker (one cached connection each, reconnected once); raises OSError."""
+        data = _frame(msg)
+        if time.monotonic() < self._dead_until.get(endpoint, 0):
+            raise OSError(_errno.EHOSTUNREACH, f"{endpoint[0]}:{endpoint[1]} failed moments ago")
+        for attempt in (0, 1):
+            s = self._peers.get(endpoint)
+            if s is not None and select.select([s], [], [], 0)[0]:  # the listener never writes: it hung up
+                self._peers.pop(endpoint, None)
+                s.close()
+                s = None
+            try:
+                if s is None:
+                    s = socket.create_connection((endpoint[0].strip("[]"), endpoint[1]), timeout=5)
+                    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                    self._peers[endpoint] = s
+                s.sendall(data)
+                return
+            except OSError:
+                self._peers.pop(endpoint, None)
+                if s is not None:
+                    s.close()
+                if attempt or s is None:
+                    self._dead_until[endpoint] = time.monotonic() + 5
+                    raise
+
+
+class _CudaCopier(CudaCopier):
+    """libkvstage_cuda on one stream, ordered after the forward's stream (UNTESTED on a GPU: python/VLLM.md)."""
+
+    def after(self, event):
+        self._stream.wait_event(event)
+
+
+# ---------------------------------------------------------------------------------------------
+# Worker side.
+# ---------------------------------------------------------------------------------------------
+
+class _WorkerSide:
+    def __init__(self, s: _Settings, agent_class):
+        self.s = s
+        self.agent_class = agent_class
+        self.layout = None
+        self.agent = None
+        self.tp_rank = s.tp_rank()
+        self._load_errors = set()
+
+    def register_kv_caches(self, kv_caches):
+        if self.agent is not None:
+            raise RuntimeError("kvstage connector: register_kv_caches called twice")
+        self.layout = VllmLayout(kv_caches, self.s.num_blocks)
+        if self.layout.device:
+            if os.environ.get("KVSTAGE_VLLM_CUDA") != "1":
+                raise RuntimeError(
+                    "kvstage connector: the KV cache is on a CUDA device; the CUDA path (libkvstage_cuda) is written "
+                    "but untested (no GPU on the development machine). Set KVSTAGE_VLLM_CUDA=1 to use it anyway.")
+            gpu = next(t for t in kv_caches.values() if getattr(t, "is_cuda", False)).device.index or 0
+            copier = _CudaCopier(gpu)  # a torch stream on that device
+        else:
+            copier = CpuCopier()
+        listen = (self.s.host, self.s.base_port + self.tp_rank) if self.s.producer else None
+        self.agent = self.agent_class(self.s.socket_path, self.layout, copier, self.tp_rank, listen,
+                                      self.s.stage_timeout)
+
+    def _event(self):
+        if not self.layout.device:
+            return None
+        import torch
+        ev = torch.cuda.Event()
+        ev.record()
+        return ev
+
+    def start_load_kv(self, meta):
+        a = self.agent
+        if a is None or meta is None:
+            return
+        for rid in meta.reqs_to_unstage:
+            a.post(a.cmd_unstage, rid)
+        for spec in meta.reqs_to_save.values():
+            a.post(a.cmd_stage, spec)
+        for rid, (handoff, delayed) in meta.reqs_finished.items():
+            a.post(a.cmd_finished, rid, handoff, delayed)
+        for spec in meta.reqs_to_recv.values():
+            a.post(a.cmd_recv, spec)
+        for rid in meta.reqs_to_abort:
+            a.post(a.cmd_abort, rid)
+        for host, port, remote in meta.reqs_to_drop:
+            a.post(a.cmd_drop, host, port, remote)
+
+    def save_kv_layer(self, meta, layer_name):
+        if self.agent is None or meta is None or not meta.reqs_to_save:
+            return
+        li = self.layout.index.get(layer_name)
+        if li is not None:
+            self.agent.post(self.agent.cmd_layer, li, tuple(meta.reqs_to_save), self._event())
+
+    def wait_for_save(self, meta):
+        if self.agent is not None and meta is not None and meta.reqs_to_save:
+            self.agent.post(self.agent.cmd_seal, tuple(meta.reqs_to_save), self._event())
+
+    def get_finished(self):
+        if self.agent is None:
+            return None, None
+        fs, fr, errs = self.agent.take_finished()
+        self._load_errors |= errs  # vLLM asks for them right after, in the same step
+        return (fs or None), (fr or None)
+
+    def get_block_ids_with_load_errors(self):
+        errs, self._load_errors = self._load_errors, set()
+        return errs
+
+    def shutdown(self):
+        if self.agent is not None:
+            self.agent.close()
+            self.agent = None
+
+
+# ---------------------------------------------------------------------------------------------
+# The connector vLLM loads.
+# ---------------------------------------------------------------------------------------------
+
+def _is_scheduler(role):
+    return getattr(role, "name", str(role)).upper().endswith("SCHEDULER")
+
+
+class KvstageConnector(KVConnectorBase_V1, SupportsHMA):
+    """vLLM KV connector moving KV between prefill and decode instances through kvstage (module docstring)."""
+
+    agent_class = _Agent  # tests swap in a subclass
+
+    def __init__(self, vllm_config, role, kv_cache_config=None):
+        if "kv_cache_config" in inspect.signature(KVConnectorBase_V1.__init__).parameters:
+            super().__init__(vllm_config, role, kv_cache_config)
+        else:  # an older vLLM: __init__(vllm_config, role)
+            super().__init__(vllm_config, role)
+        self._settings = _Settings(vllm_config, kv_cache_config)
+        if _is_scheduler(role):
+            self.connector_scheduler, self.connector_worker = _SchedulerSide(self._settings), None
+        else:
+            self.connector_scheduler, self.connector_worker = None, _WorkerSide(self._settings, self.agent_class)
+
+    # ============================== worker side ==============================
+    def register_kv_caches(self, kv_caches):
+        assert self.connector_worker is not None
+        self.connector_worker.register_kv_caches(kv_caches)
+
+    def _meta(self):
+        m = self._connector_metadata
+        return m if isinstance(m, KvstageConnectorMetadata) else None
+
+    def start_load_kv(self, forward_context, **kwargs):
+        """Hands this step's work to the agent: stages to make, loads to start, aborts, releases. Loads run
+        between steps (the requests they fill are not in the batch), so nothing here blocks."""
+        assert self.connector_worker is not None
+        self.connector_worker.start_load_kv(self._meta())
+
+    def wait_for_layer_load(self, layer_name):
+        """Nothing to wait for: a load fills blocks of requests that wait outside the batch (async load)."""
+        return
+
+    def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs):
+        """Starts copying this layer's part of every request staged in this forward into its slots."""
+        assert self.connector_worker is not None
+        self.connector_worker.save_kv_layer(self._meta(), layer_name)
+
+    def wait_for_save(self):
+        """Seals this forward's stages (layers not announced are copied now). Does not block: the blocks stay the
+        request's (request_finished delays them) until get_finished reports the copy done."""
+        assert self.connector_worker is not None
+        self.connector_worker.wait_for_save(self._meta())
+
+    def get_finished(self, finished_req_ids):
+        """Returns (finished_sending, finished_recving): prefill requests whose blocks no copy reads any more,
+        decode requests whose load ended (filled, failed - see get_block_ids_with_load_errors - or aborted)."""
+        assert self.connector_worker is not None
+        return self.connector_worker.get_finished()
+
+    def get_block_ids_with_load_errors(self):
+        return self.connector_worker.get_block_ids_with_load_errors() if self.connector_worker else set()
+
+    def shutdown(self):
+        if self.connector_worker is not None:
+            self.connector_worker.shutdown()
+
+    # ============================== scheduler side ==============================
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        assert self.connector_scheduler is not None
+        return self.connector_scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens):
+        assert self.connector_scheduler is not None
+        return self.connector_scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output):
+        assert self.connector_scheduler is not None
+        return self.connector_scheduler.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output):
+        assert self.connector_scheduler is not None
+        self.connector_scheduler.update_connector_output(connector_output)
+
+    def request_finished(self, request, block_ids):
+        assert self.connector_scheduler is not None
+        return self.connector_scheduler.request_finished(request, block_ids)
+
+    def request_finished_all_groups(self, request, block_ids):
+        if len(block_ids) != 1:
+            raise NotImplementedError("kvstage connector: one KV cache group only")
+        return self.request_finished(request, block_ids[0])
+
+    def has_pending_push_work(self):
+        return self.connector_scheduler is not None and self.connector_scheduler.has_pending_push_work()
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config):
+        return None  # any layout: both sides' layouts are compared instead
+
+
+__all__ = ["KvstageConnector", "KvstageConnectorMetadata", "SaveSpec", "RecvSpec", "VllmLayout", "KVRegion",
+           "KVConnectorBase_V1", "KVConnectorMetadata", "KVConnectorRole", "SupportsHMA", "HAVE_VLLM",
+           "STAGE_TIMEOUT_S", "LOAD_TIMEOUT_S"]

@@ -1,0 +1,666 @@
+"""Test helpers for the vLLM connector: a small stand-in of a vLLM engine that drives kvstage.vllm.KvstageConnector
+the way vLLM v1 does (vllm/v1/core/sched/scheduler.py and the model runner's KV-connector context, at the commits
+named in kvstage/vllm.py). One Engine is one vLLM instance with one worker, as vLLM's UniProcExecutor runs it:
+a scheduler-role connector and a worker-role connector, real torch CPU KV caches in vLLM's paged layout
+(per layer (2, num_blocks, block_size, heads, head_dim): K and V), a block pool that hands a freed block out
+again first, chunked prefill, async loads (WAITING_FOR_REMOTE_KVS), delayed frees.
+
+A step is what EngineCore.step does: schedule (get_num_new_matched_tokens, allocate, update_state_after_alloc,
+build_connector_meta), execute (bind_connector_metadata, start_load_kv, per layer wait_for_layer_load -> the
+layer writes its KV -> save_kv_layer, wait_for_save, get_finished(finished_req_ids),
+get_block_ids_with_load_errors, clear_connector_metadata), update_from_output (finish requests: request_finished
+and free or delay; update_connector_output; finished_sending frees; finished_recving readies a waiting request
+or frees a finished one). The "model" writes, at every position, bytes that depend only on (request seed,
+layer, K/V, position), so a decode engine can check what it received. Importable by spawned children."""
+import dataclasses
+import enum
+import threading
+import time
+import traceback
+import types
+import uuid
+
+import torch
+
+from kvstage import vllm as kv
+from kvstage.sglang import CopyHandle, CpuCopier
+
+LAYERS, BLOCK_SIZE, HEADS, HEAD_DIM = 3, 4, 2, 16
+LAYER_NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+MAX_POS = 256  # positions of the model's content (a fixed shape: the same seed gives the same bytes everywhere)
+
+
+class RequestStatus(enum.IntEnum):
+    """vLLM's names (the connector only reads .name)."""
+    WAITING = 1
+    WAITING_FOR_REMOTE_KVS = 2
+    RUNNING = 3
+    FINISHED_STOPPED = 10
+    FINISHED_LENGTH_CAPPED = 11
+    FINISHED_ABORTED = 12
+    FINISHED_ERROR = 13
+
+    @staticmethod
+    def is_finished(s):
+        return s >= RequestStatus.FINISHED_STOPPED
+
+
+class Request:
+    """The fields of vllm.v1.request.Request the connector and this engine use."""
+
+    def __init__(self, request_id, num_prompt, params, seed, max_tokens=1, prefix_blocks=0):
+        self.request_id = request_id
+        self.prompt_token_ids = [(seed + i) % 50000 for i in range(num_prompt)]
+        self.num_prompt_tokens = num_prompt
+        self.kv_transfer_params = params
+        self.seed = seed
+        self.max_tokens = max_tokens
+        self.prefix_blocks = prefix_blocks  # blocks this engine already holds (its prefix cache), decode side
+        self.num_computed_tokens = 0
+        self.status = RequestStatus.WAITING
+        self.output = []
+        self.blocks = []
+        self.load_done = False
+
+    @property
+    def num_tokens(self):
+        return self.num_prompt_tokens + len(self.output)
+
+    def is_finished(self):
+        return RequestStatus.is_finished(self.status)
+
+
+class KVCacheBlocks:
+    def __init__(self, ids, unhashed):
+        self.ids, self.unhashed = list(ids), list(unhashed)
+
+    def get_block_ids(self):
+        return (list(self.ids),)
+
+    def get_unhashed_block_ids(self):
+        return list(self.unhashed)
+
+
+@dataclasses.dataclass
+class NewRequestData:
+    req_id: str
+    prompt_token_ids: list
+    block_ids: tuple
+    num_computed_tokens: int
+
+
+@dataclasses.dataclass
+class CachedRequestData:
+    req_ids: list = dataclasses.field(default_factory=list)
+    resumed_req_ids: set = dataclasses.field(default_factory=set)
+    new_block_ids: list = dataclasses.field(default_factory=list)
+    num_computed_tokens: list = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class SchedulerOutput:
+    scheduled_new_reqs: list = dataclasses.field(default_factory=list)
+    scheduled_cached_reqs: CachedRequestData = dataclasses.field(default_factory=CachedRequestData)
+    num_scheduled_tokens: dict = dataclasses.field(default_factory=dict)
+    total_num_scheduled_tokens: int = 0
+    finished_req_ids: set = dataclasses.field(default_factory=set)
+    preempted_req_ids: set = dataclasses.field(default_factory=set)
+    kv_connector_metadata: object = None
+
+
+@dataclasses.dataclass
+class KVConnectorOutput:
+    finished_sending: set
+    finished_recving: set
+    invalid_block_ids: set
+
+
+def vllm_config(socket_path, port, role="kv_both", tp=1, extra=None):
+    """A stand-in of VllmConfig with the fields the connector reads (KVTransferConfig's names)."""
+    ex = {"kvstage_socket": socket_path, "kvstage_host": "127.0.0.1", "kvstage_port": port}
+    ex.update(extra or {})
+    kt = types.SimpleNamespace(
+        kv_connector="KvstageConnector", kv_connector_module_path="kvstage.vllm", kv_role=role,
+        engine_id=str(uuid.uuid4()), kv_ip="127.0.0.1", kv_port=14579, kv_buffer_device="cpu",
+        kv_connector_extra_config=ex, is_kv_producer=role in ("kv_producer", "kv_both"),
+        is_kv_consumer=role in ("kv_consumer", "kv_both"))
+    kt.get_from_extra_config = lambda key, default: kt.kv_connector_extra_config.get(key, default)
+    return types.SimpleNamespace(
+        kv_transfer_config=kt, cache_config=types.SimpleNamespace(block_size=BLOCK_SIZE),
+        parallel_config=types.SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=1, data_parallel_rank=0),
+        scheduler_config=types.SimpleNamespace(disable_hybrid_kv_cache_manager=True),
+        model_config=types.SimpleNamespace(use_mla=False))
+
+
+def kv_cache_config(num_blocks):
+    return types.SimpleNamespace(num_blocks=num_blocks, kv_cache_groups=[
+        types.SimpleNamespace(kv_cache_spec=types.SimpleNamespace(block_size=BLOCK_SIZE))])
+
+
+def cdiv(a, b):
+    return -(-a // b)
+
+
+class GatedCopier(CpuCopier):
+    """Copies as CpuCopier, but a copy job of a held request waits (queued, as behind a busy copy stream) until
+    the test releases it; the agent thread runs released jobs in pump(). Thread-safe."""
+
+    def __init__(self, hold=None):
+        self._lock = threading.Lock()
+        self.handles = []
+        self.hold = set(hold or ())  # (req_id, kind) or (req_id, None): held
+
+    def _held(self, h):
+        return (h.req_id, h.kind) in self.hold or (h.req_id, None) in self.hold
+
+    def submit(self, job):
+        h = CopyHandle(job)
+        h.req_id, h.kind = job.req_id, job.kind
+        with self._lock:
+            self.handles.append(h)
+            held = self._held(h)
+        if not held:
+            h.run()
+        return h
+
+    def pump(self):
+        with self._lock:
+            run = [h for h in self.handles if h.state == "queued" and not self._held(h)]
+        for h in run:
+            h.run()
+
+    def release(self, req_id, kind=None):
+        """Lets req_id's jobs (of kind, or all) run at the agent's next pump."""
+        with self._lock:
+            self.hold = {(r, k) for r, k in self.hold if not (r == req_id and (kind is None or k in (kind, None)))}
+
+    def of(self, req_id, kind=None):
+        with self._lock:
+            return [h for h in self.handles if h.req_id == req_id and (kind is None or h.kind == kind)]
+
+    def queued(self, req_id, kind=None):
+        return [h for h in self.of(req_id, kind) if h.state == "queued"]
+
+
+class Engine:
+    """One vLLM instance (scheduler + one worker) around a KvstageConnector. .log records (step, what, req_id)."""
+
+    def __init__(self, socket_path, port, num_blocks, role="kv_both", connector_cls=kv.KvstageConnector,
+                 chunk=8, budget=48, extra=None, max_running=64, head_dim=HEAD_DIM):
+        self.head_dim = head_dim
+        self.cfg = vllm_config(socket_path, port, role, extra=extra)
+        self.num_blocks = num_blocks
+        kvcc = kv_cache_config(num_blocks)
+        self.sched = connector_cls(self.cfg, kv.KVConnectorRole.SCHEDULER, kvcc)
+        self.worker = connector_cls(self.cfg, kv.KVConnectorRole.WORKER, kvcc)
+        self.kv = {n: torch.zeros((2, num_blocks, BLOCK_SIZE, HEADS, head_dim), dtype=torch.float16)
+                   for n in LAYER_NAMES}
+        self.worker.register_kv_caches(self.kv)
+        self.agent = self.worker.connector_worker.agent
+        self.free = list(range(num_blocks - 1, -1, -1))  # pop() takes the end: a freed block is handed out first
+        self.chunk, self.budget, self.max_running = chunk, budget, max_running
+        self.requests, self.waiting, self.running = {}, [], []
+        self.finished_req_ids, self.finished_recving_kv, self.failed_loads = set(), set(), set()
+        self.delayed = set()
+        self.done = {}            # req_id -> (status name, params) at request_finished
+        self.done_req = {}        # req_id -> the Request
+        self.freed = {}           # req_id -> (step, how): "at-finish", "finished_sending", "finished_recving"
+        self.loaded = {}          # req_id -> None (exact) or what differs, checked when the load is reported
+        self.double = []          # reports for requests whose blocks were already freed (a connector bug)
+        self.on_free = None       # hook(request, how) -> True: keep the blocks out of the pool (quarantine)
+        self.step_no = 0
+        self.log = []
+        self._content = {}
+
+    # -- the model -------------------------------------------------------------------------------
+    def content(self, r):
+        """(layers, 2, positions, heads, head_dim) int16: what the model writes for r at each position."""
+        c = self._content.get(r.seed)
+        if c is None:
+            g = torch.Generator().manual_seed(r.seed)
+            c = self._content[r.seed] = torch.randint(-32768, 32767, (LAYERS, 2, MAX_POS, HEADS, self.head_dim),
+                                                      dtype=torch.int16, generator=g)
+        assert r.num_tokens <= MAX_POS, r.num_tokens
+        return c
+
+    def _where(self, blocks, c0, n):
+        pos = torch.arange(c0, c0 + n)
+        return torch.tensor(blocks, dtype=torch.long)[pos // BLOCK_SIZE], pos % BLOCK_SIZE
+
+    def write(self, r, li, c0, n, blocks=None):
+        b, o = self._where(blocks if blocks is not None else r.blocks, c0, n)
+        self.kv[LAYER_NAMES[li]].view(torch.int16)[:, b, o] = self.content(r)[li][:, c0:c0 + n]
+
+    def holds(self, r, n=None, blocks=None):
+        """None if blocks hold r's KV at positions < n (default: its prompt), else what differs."""
+        n = r.num_prompt_tokens if n is None else n
+        b, o = self._where(blocks if blocks is not None else r.blocks, 0, n)
+        for li in range(LAYERS):
+            got = self.kv[LAYER_NAMES[li]].view(torch.int16)[:, b, o]
+            if not torch.equal(got, self.content(r)[li][:, :n]):
+                bad = (got != self.content(r)[li][:, :n]).reshape(2, n, -1).any(-1).any(0).nonzero().flatten().tolist()
+                return f"layer {li}: positions {bad[:8]}{'...' if len(bad) > 8 else ''} differ"
+        return None
+
+    def mark(self, blocks, value):
+        idx = torch.tensor(blocks, dtype=torch.long)
+        for n in LAYER_NAMES:
+            self.kv[n].view(torch.int16)[:, idx] = value
+
+    def marked(self, blocks, value):
+        idx = torch.tensor(blocks, dtype=torch.long)
+        return all(bool((self.kv[n].view(torch.int16)[:, idx] == value).all()) for n in LAYER_NAMES)
+
+    # -- requests --------------------------------------------------------------------------------
+    def add(self, r):
+        if r.prefix_blocks:  # the decode side's own prefix cache already has the first blocks
+            r.blocks = self._alloc(r.prefix_blocks)
+            for li in range(LAYERS):
+                self.write(r, li, 0, r.prefix_blocks * BLOCK_SIZE)
+        self.requests[r.request_id] = r
+        self.waiting.append(r)
+        self.log.append((self.step_no, "add", r.request_id))
+
+    def abort(self, req_id):
+        r = self.requests.get(req_id)
+        if r is not None and not r.is_finished():
+            self._finish(r, RequestStatus.FINISHED_ABORTED)
+
+    def _alloc(self, n):
+        if n > len(self.free):
+            return None
+        return [self.free.pop() for _ in range(n)]
+
+    def _finish(self, r, status):
+        if r in self.running:
+            self.running.remove(r)
+        if r in self.waiting:
+            self.waiting.remove(r)
+        delay = False
+        if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS:  # vLLM's own rule (finish_requests)
+            delay = r.request_id not in self.finished_recving_kv
+            self.finished_recving_kv.discard(r.request_id)
+            self.failed_loads.discard(r.request_id)
+        r.status = status
+        d2, params = self.sched.request_finished(r, list(r.blocks))
+        self.finished_req_ids.add(r.request_id)
+        self.done[r.request_id] = (status.name, params)
+        self.done_req[r.request_id] = r
+        self.log.append((self.step_no, "finished", r.request_id))
+        if delay or d2:
+            self.delayed.add(r.request_id)
+        else:
+            self._free(r, "at-finish")
+        return params
+
+    def _free(self, r, how):
+        self.delayed.discard(r.request_id)
+        del self.requests[r.request_id]
+        self.freed[r.request_id] = (self.step_no, how)
+        self.log.append((self.step_no, f"freed:{how}", r.request_id))
+        keep = self.on_free is not None and self.on_free(r, how)
+        if not keep:
+            self.free.extend(reversed(r.blocks))
+
+    # -- one step ----------------------------------------------------------------------------------
+    def schedule(self):
+        so = SchedulerOutput()
+        budget = self.budget
+        self.scheduled = []
+        for r in list(self.running):
+            prefill = r.num_computed_tokens < r.num_prompt_tokens
+            n = min(self.chunk, r.num_prompt_tokens - r.num_computed_tokens) if prefill else 1
+            if n > budget:
+                continue
+            need = cdiv(r.num_computed_tokens + n, BLOCK_SIZE) - len(r.blocks)
+            new = self._alloc(max(need, 0))
+            if new is None:
+                continue
+            r.blocks += new
+            cr = so.scheduled_cached_reqs
+            cr.req_ids.append(r.request_id)
+            cr.new_block_ids.append((new,) if new else None)
+            cr.num_computed_tokens.append(r.num_computed_tokens)
+            so.num_scheduled_tokens[r.request_id] = n
+            self.scheduled.append((r, n))
+            budget -= n
+        for r in list(self.waiting):
+            if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                if r.request_id not in self.finished_recving_kv:
+                    continue
+                self.finished_recving_kv.discard(r.request_id)
+                if r.request_id in self.failed_loads:  # kv_load_failure_policy "fail"
+                    self.failed_loads.discard(r.request_id)
+                    self.loaded[r.request_id] = "load failed"
+                    r.status = RequestStatus.WAITING  # the load is over (reported): nothing writes its blocks
+                    self._finish(r, RequestStatus.FINISHED_ERROR)
+                    continue
+                self.loaded[r.request_id] = self.holds(r)
+                r.load_done = True
+                n = min(len(r.blocks) * BLOCK_SIZE, r.num_tokens)  # _update_waiting_for_remote_kv
+                r.num_computed_tokens = n - 1 if n == r.num_tokens else n
+                r.status = RequestStatus.WAITING
+            if len(self.running) >= self.max_running or budget <= 0:
+                break
+            local = r.num_computed_tokens if r.load_done else r.prefix_blocks * BLOCK_SIZE
+            ext, load_async = self.sched.get_num_new_matched_tokens(r, local)
+            if load_async:
+                need = cdiv(local + ext, BLOCK_SIZE) - len(r.blocks)
+                new = self._alloc(need)
+                if new is None:
+                    continue
+                r.blocks += new
+                self.sched.update_state_after_alloc(r, KVCacheBlocks(r.blocks, new), ext)
+                r.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+                r.num_computed_tokens = local
+                continue
+            n = min(self.chunk, r.num_tokens - local, budget)
+            need = cdiv(local + n, BLOCK_SIZE) - len(r.blocks)
+            new = self._alloc(max(need, 0))
+            if new is None:
+                continue
+            r.blocks += new
+            self.sched.update_state_after_alloc(r, KVCacheBlocks(r.blocks, new), 0)
+            r.num_computed_tokens = local
+            r.status = RequestStatus.RUNNING
+            self.waiting.remove(r)
+            self.running.append(r)
+            so.scheduled_new_reqs.append(NewRequestData(r.request_id, r.prompt_token_ids, (list(r.blocks),), local))
+            so.num_scheduled_tokens[r.request_id] = n
+            self.scheduled.append((r, n))
+            budget -= n
+        so.total_num_scheduled_tokens = sum(so.num_scheduled_tokens.values())
+        so.finished_req_ids, self.finished_req_ids = self.finished_req_ids, set()
+        so.kv_connector_metadata = self.sched.build_connector_meta(so)
+        return so
+
+    def execute(self, so):
+        w = self.worker
+        w.bind_connector_metadata(so.kv_connector_metadata)
+        w.start_load_kv(None)
+        if self.scheduled:
+            for li, name in enumerate(LAYER_NAMES):
+                w.wait_for_layer_load(name)
+                for r, n in self.scheduled:  # this layer's attention writes the new tokens' KV
+                    self.write(r, li, r.num_computed_tokens, n)
+                w.save_kv_layer(name, self.kv[name], None)
+        w.wait_for_save()
+        fs, fr = w.get_finished(so.finished_req_ids)
+        errs = w.get_block_ids_with_load_errors()
+        w.clear_connector_metadata()
+        return KVConnectorOutput(set(fs or ()), set(fr or ()), set(errs or ()))
+
+    def update(self, so, out):
+        for r, n in self.scheduled:
+            r.num_computed_tokens += n
+            if r.num_computed_tokens >= r.num_tokens:
+                r.output.append(len(r.output))
+                if len(r.output) >= r.max_tokens:
+                    self._finish(r, RequestStatus.FINISHED_LENGTH_CAPPED)
+        self.sched.update_connector_output(out)
+        for rid in sorted(out.finished_recving):
+            r = self.requests.get(rid)
+            self.log.append((self.step_no, "finished_recving", rid))
+            if r is None:
+                self.double.append(("finished_recving", rid))
+            elif r.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                self.finished_recving_kv.add(rid)
+                if set(r.blocks) & out.invalid_block_ids:
+                    self.failed_loads.add(rid)
+            else:
+                self._free(r, "finished_recving")
+        for rid in sorted(out.finished_sending):
+            r = self.requests.get(rid)
+            self.log.append((self.step_no, "finished_sending", rid))
+            if r is None:
+                self.double.append(("finished_sending", rid))
+            else:
+                self._free(r, "finished_sending")
+        return out
+
+    def step(self):
+        so = self.schedule()
+        out = self.update(so, self.execute(so))
+        self.step_no += 1
+        return so, out
+
+    def idle(self):
+        """True if nothing was scheduled last step (a caller polling for progress paces itself then)."""
+        return not self.scheduled
+
+    def step_until(self, pred, timeout=10, what="condition"):
+        deadline = time.monotonic() + timeout
+        while not pred():
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{what} not reached within {timeout}s")
+            self.step()
+            if self.idle():
+                time.sleep(0.001)  # pacing an idle poll loop, not an ordering device
+
+    def close(self):
+        self.worker.shutdown()
+        self.sched.shutdown()
+
+
+def wait_for(pred, timeout=10, what="condition"):
+    """Waits for a condition another thread makes true (the agent's); returns it."""
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} not reached within {timeout}s")
+        time.sleep(0.001)  # a condition wait on the agent thread's progress, not an ordering device
+    return True
+
+
+class PD:
+    """A prefill and a decode engine in this process on one proxy (each its own connection), and the router:
+    route() hands every prefill response with params to the decode engine, as vLLM's disaggregated proxy does."""
+
+    def __init__(self, socket_path, p_kw=None, d_kw=None, p_cls=kv.KvstageConnector, d_cls=kv.KvstageConnector):
+        self.P = self.D = None
+        self.P = Engine(socket_path, free_port(), connector_cls=p_cls, role="kv_producer", **dict(dict(num_blocks=128), **(p_kw or {})))
+        self.D = Engine(socket_path, free_port(), connector_cls=d_cls, role="kv_consumer", **dict(dict(num_blocks=128), **(d_kw or {})))
+        self.routed = set()
+
+    def add(self, k, n, seed=None, extra=None, max_tokens=1):
+        r = Request(f"p{k}", n, prefill_params(extra), seed if seed is not None else 1000 + k, max_tokens=max_tokens)
+        self.P.add(r)
+        return r
+
+    def route(self, prefix=None, d_extra=None):
+        """Forwards every finished prefill request with params not forwarded yet; returns the decode requests."""
+        out = []
+        for rid, (status, params) in list(self.P.done.items()):
+            if rid in self.routed or params is None:
+                continue
+            self.routed.add(rid)
+            k = int(rid[1:])
+            src = self.P.done_req[rid]
+            params = dict(params, **(d_extra or {}))
+            r = Request(f"d{k}", src.num_prompt_tokens, params, src.seed, max_tokens=2,
+                        prefix_blocks=(prefix or {}).get(k, 0))
+            self.D.add(r)
+            out.append(r)
+        return out
+
+    def run(self, until, timeout=20, what="condition", **route_kw):
+        deadline = time.monotonic() + timeout
+        while not until():
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{what} not reached within {timeout}s: P {sorted(self.P.requests)}, "
+                                     f"D {sorted(self.D.requests)}")
+            self.P.step()
+            self.route(**route_kw)
+            self.D.step()
+            if self.P.idle() and self.D.idle():
+                time.sleep(0.001)  # pacing an idle poll loop
+
+    def close(self):
+        for e in (self.P, self.D):
+            if e is not None:
+                e.close()
+
+
+def free_port():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def prefill_params(extra=None):
+    """What vLLM's disaggregated proxy sends the prefill instance (toy_proxy_server's shape)."""
+    p = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None, "remote_block_ids": None,
+         "remote_host": None, "remote_port": None}
+    p.update(extra or {})
+    return p
+
+
+# ------------------------------------------------------------------------------------------------
+# Separate processes: a prefill engine, a decode engine, the test as the router between them.
+# ------------------------------------------------------------------------------------------------
+MARK = 0x5A5A  # int16 pattern an aborted decode request's blocks get once given back
+
+
+def _prefill(conn, socket_path, port, plans, flags, acks):
+    eng = Engine(socket_path, port, num_blocks=192, role="kv_producer")
+    agent = eng.agent
+    pid = {}  # request id -> k
+    gate = GatedCopier(hold={(f"p{k}", "stage") for k, plan in plans.items() if plan == "p-abort-staging"})
+    agent.copier = gate
+
+    def hold_send(req, chunk):
+        k = pid.get(req)
+        plan = plans.get(k)
+        if plan in ("d-mid", "d-timeout") and chunk >= 1:
+            flags[k] = 1  # the first chunk is in the room
+            return not acks[k]
+        return False
+    agent.hold_send = hold_send
+    conn.send(("ready", None))
+    told, expired_told, stopping, staged_at_free = set(), set(), False, {}
+    while True:
+        while conn.poll(0):
+            msg = conn.recv()
+            if msg[0] == "add":
+                _, k, n, seed, extra = msg
+                r = Request(f"p{k}", n, prefill_params(extra), seed, max_tokens=64 if plans[k] == "p-abort-staging" else 1)
+                pid[r.request_id] = k
+                eng.add(r)
+            elif msg[0] == "stop":
+                stopping = True
+        for rid, r in list(eng.requests.items()):
+            k = pid[rid]
+            if plans[k] == "p-abort-prefill" and 0 < r.num_computed_tokens < r.num_prompt_tokens and not r.is_finished():
+                eng.abort(rid)
+            elif (plans[k] == "p-abort-staging" and r.status == RequestStatus.RUNNING and r.output
+                  and gate.queued(rid, "stage")):
+                eng.abort(rid)  # its copies into slots wait behind the gate
+        eng.step()
+        for rid in eng.freed:
+            if rid not in staged_at_free:
+                staged_at_free[rid] = (eng.freed[rid][1], agent.stage_state(rid))
+        for rid, (status, params) in eng.done.items():
+            if rid not in told:
+                told.add(rid)
+                conn.send(("finished", pid[rid], status, params))
+        for rid, k in pid.items():
+            if plans[k] in ("never-decoded", "late-pull") and k not in expired_told:
+                state, why = agent.stage_state(rid)
+                if why and "expired" in str(why):
+                    expired_told.add(k)
+                    conn.send(("expired", k, why))
+        if stopping and not eng.requests:
+            break
+        if eng.idle():
+            time.sleep(0.001)  # pacing an idle poll loop
+    summary = dict(double=eng.double, freed=dict(eng.freed), staged_at_free=staged_at_free,
+                   ended={rid: agent.ended.get(rid) for rid in pid},
+                   gate=[(h.req_id, h.kind, h.state) for h in gate.handles if (h.req_id, h.kind) in
+                         {(f"p{k}", "stage") for k, p in plans.items() if p == "p-abort-staging"}],
+                   free_blocks=len(eng.free), num_blocks=eng.num_blocks)
+    eng.close()
+    conn.send(("summary", summary))
+
+
+def _decode(conn, socket_path, port, plans, flags, acks):
+    eng = Engine(socket_path, port, num_blocks=256, role="kv_consumer")
+    agent = eng.agent
+    did, quarantine, results = {}, [], {}
+
+    def on_free(r, how):
+        k = did[r.request_id]
+        status, _ = eng.done[r.request_id]
+        wrong = eng.loaded.get(r.request_id, "never loaded")
+        if status == "FINISHED_ABORTED":
+            eng.mark(r.blocks, MARK)  # the blocks are the engine's again; it writes them; nothing else may
+            quarantine.append((k, list(r.blocks)))
+            outcome = "ok+aborted" if r.load_done else "aborted"
+        elif status == "FINISHED_ERROR":
+            outcome = "load-failed"
+        else:
+            outcome = "ok"
+        results[k] = dict(outcome=outcome, wrong=wrong if r.load_done else None, how=how,
+                          why=agent.ended.get(r.request_id))
+        conn.send(("result", k, results[k]))
+        return status == "FINISHED_ABORTED"
+    eng.on_free = on_free
+    conn.send(("ready", None))
+    stopping = False
+    while True:
+        while conn.poll(0):
+            msg = conn.recv()
+            if msg[0] == "add":
+                _, k, n, seed, params = msg
+                plan = plans[k]
+                r = Request(f"d{k}", n, dict(params), seed, max_tokens=2,
+                            prefix_blocks=(n // BLOCK_SIZE) // 2 if plan == "prefix" else 0)
+                if plan == "d-timeout":
+                    r.kv_transfer_params["kvstage_load_timeout"] = 1.0
+                did[r.request_id] = k
+                eng.add(r)
+                if plan == "d-abort-waiting":
+                    eng.abort(r.request_id)
+            elif msg[0] == "stop":
+                stopping = True
+        for rid, r in list(eng.requests.items()):
+            k = did[rid]
+            if r.is_finished():
+                continue
+            if plans[k] == "d-mid" and r.status == RequestStatus.WAITING_FOR_REMOTE_KVS and flags[k] and not acks[k]:
+                eng.abort(rid)  # the first chunk is in the room, the rest held back by the prefill side
+                acks[k] = 1
+            elif plans[k] == "d-after" and r.load_done and r.output:
+                eng.abort(rid)
+        eng.step()
+        for rid, k in did.items():
+            if plans[k] == "d-timeout" and not acks[k] and rid in eng.loaded:
+                acks[k] = 1  # the load gave up: let the prefill side's held chunks go
+        if stopping and not eng.requests:
+            break
+        if eng.idle():
+            time.sleep(0.001)  # pacing an idle poll loop
+    bad = [k for k, blocks in quarantine if not eng.marked(blocks, MARK)]
+    summary = dict(double=eng.double, bad_markers=bad, n_marked=len(quarantine), results=results,
+                   free_blocks=len(eng.free) + sum(len(b) for _, b in quarantine), num_blocks=eng.num_blocks)
+    eng.close()
+    conn.send(("summary", summary))
+
+
+def _serve(fn, conn, *args):
+    import logging
+    logging.basicConfig(level=logging.INFO, format=f"%(relativeCreated)6d {fn.__name__[1:]} %(threadName)s %(message)s")
+    try:
+        fn(conn, *args)
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+    finally:
+        conn.close()
+
+
+def prefill_main(conn, socket_path, port, plans, flags, acks):
+    _serve(_prefill, conn, socket_path, port, plans, flags, acks)
+
+
+def decode_main(conn, socket_path, port, plans, flags, acks):
+    _serve(_decode, conn, socket_path, port, plans, flags, acks)
