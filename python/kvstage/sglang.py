@@ -527,19 +527,24 @@ def _recv_exact(sock, n):
     return bytes(buf)
 
 
-class _Listener:
-    """The prefill rank's side channel: accepts connections, puts each message into inbox (a thread per connection)."""
+class FrameListener:
+    """A side channel's listening end: accepts connections on (host, port) and hands every
+    length-prefixed JSON message that valid(msg) accepts to deliver(msg), a thread per
+    connection; anything else drops that connection (logged). Shared by the SGLang backend
+    and the vLLM connector."""
 
-    def __init__(self, host, inbox):
-        self._inbox = inbox
+    def __init__(self, host, port, deliver, valid, name):
+        self._deliver = deliver
+        self._valid = valid
         fam = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._sock = socket.socket(fam, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._sock.bind((host, 0))
+        self._sock.bind((host.strip("[]"), port))
         self._sock.listen(128)
         self.port = self._sock.getsockname()[1]
         self._closed = False
-        threading.Thread(target=self._accept, name="kvstage-sglang-listen", daemon=True).start()
+        self._name = name
+        threading.Thread(target=self._accept, name=f"kvstage-{name}-listen", daemon=True).start()
 
     def _accept(self):
         while not self._closed:
@@ -547,29 +552,29 @@ class _Listener:
                 conn, _ = self._sock.accept()
             except OSError:
                 return
-            threading.Thread(target=self._serve, args=(conn,), name="kvstage-sglang-conn", daemon=True).start()
+            threading.Thread(target=self._serve, args=(conn,), name=f"kvstage-{self._name}-conn",
+                             daemon=True).start()
 
     def _serve(self, conn):
         with conn:
-            while True:
+            while not self._closed:
                 try:
                     hdr = _recv_exact(conn, _HDR.size)
                     if hdr is None:
                         return
                     (n,) = _HDR.unpack(hdr)
                     if n > _MAX_MSG:
-                        logger.warning("kvstage side channel: %d-byte message refused, connection dropped", n)
-                        return
+                        raise ValueError(f"{n}-byte message")
                     body = _recv_exact(conn, n)
                     if body is None:
                         return
                     msg = json.loads(body)
-                    if not isinstance(msg, dict) or not isinstance(msg.get("room"), int):
+                    if not isinstance(msg, dict) or not self._valid(msg):
                         raise ValueError("not a kvstage message")
                 except (OSError, ValueError) as e:
                     logger.warning("kvstage side channel: dropped a connection: %s", e)
                     return
-                self._inbox.put(msg)
+                self._deliver(msg)
 
     def close(self):
         self._closed = True
@@ -823,7 +828,8 @@ class KvstageKVManager(BaseKVManager):
         if self.mode == "prefill":
             self._inbox = queue.SimpleQueue()
             self.local_ip = _local_host(server_args)
-            self._listener = _Listener(self.local_ip, self._inbox)
+            self._listener = FrameListener(self.local_ip, 0, self._inbox.put,
+                                           lambda m: isinstance(m.get("room"), int), "sglang")
             self.rank_port = self._listener.port
             self.senders: Dict[int, "KvstageKVSender"] = {}
             self.pending_meta: Dict[int, tuple] = {}   # bootstrap_room -> (meta, arrival time)

@@ -97,7 +97,7 @@ from .client import Client, EventType
 from .errors import Again, KvstageError, NotConnected, PoolExhausted, Timeout
 # Shared with the SGLang backend (unchanged there): runs of consecutive blocks, cutting extents at slot
 # boundaries, the host/CUDA copiers and copy-out handles, and the side channel's framing.
-from .sglang import _HDR, _MAX_MSG, CpuCopier, CudaCopier, _frame, _pieces, _recv_exact, _runs
+from .sglang import CpuCopier, CudaCopier, FrameListener, _frame, _pieces, _runs
 
 logger = logging.getLogger(__name__)
 
@@ -602,61 +602,7 @@ class _SchedulerSide:
         return bool(self._p_delayed)
 
 
-# ---------------------------------------------------------------------------------------------
-# The side channel: length-prefixed JSON over TCP, decode worker -> prefill worker only.
-# ---------------------------------------------------------------------------------------------
-
-class _SideListener:
-    """The prefill worker's side channel: every message goes to deliver(msg) (a thread per connection)."""
-
-    def __init__(self, host, port, deliver):
-        self._deliver = deliver
-        fam = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self._sock = socket.socket(fam, socket.SOCK_STREAM)
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._sock.bind((host.strip("[]"), port))
-        self._sock.listen(128)
-        self.port = self._sock.getsockname()[1]
-        self._closed = False
-        threading.Thread(target=self._accept, name="kvstage-vllm-listen", daemon=True).start()
-
-    def _accept(self):
-        while not self._closed:
-            try:
-                conn, _ = self._sock.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(conn,), name="kvstage-vllm-conn", daemon=True).start()
-
-    def _serve(self, conn):
-        with conn:
-            while not self._closed:
-                try:
-                    hdr = _recv_exact(conn, _HDR.size)
-                    if hdr is None:
-                        return
-                    (n,) = _HDR.unpack(hdr)
-                    if n > _MAX_MSG:
-                        raise ValueError(f"{n}-byte message")
-                    body = _recv_exact(conn, n)
-                    if body is None:
-                        return
-                    msg = json.loads(body)
-                    if not isinstance(msg, dict) or msg.get("t") not in ("pull", "drop") or not isinstance(msg.get("req"), str):
-                        raise ValueError("not a kvstage message")
-                except (OSError, ValueError) as e:
-                    logger.warning("kvstage side channel: dropped a connection: %s", e)
-                    return
-                self._deliver(msg)
-
-    def close(self):
-        self._closed = True
-        try:
-            self._sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self._sock.close()
-
+# The side channel (decode worker -> prefill worker only) is sglang.py's FrameListener.
 
 # ---------------------------------------------------------------------------------------------
 # The worker's agent: one thread owning the kvstage connection (a Client is not thread-safe).
@@ -737,7 +683,9 @@ class _Agent:
         self._listener = None
         try:
             if listen is not None:
-                self._listener = _SideListener(listen[0], listen[1], self._on_msg)
+                self._listener = FrameListener(
+                    listen[0], listen[1], self._on_msg,
+                    lambda m: m.get("t") in ("pull", "drop") and isinstance(m.get("req"), str), "vllm")
             self._thread = threading.Thread(target=self._main, name="kvstage-vllm-agent", daemon=True)
             self._thread.start()
             self._started.wait()
