@@ -2,9 +2,11 @@
 #include "log.h"
 
 #include <stdarg.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <time.h>
 
 #include "layout.h"
@@ -12,16 +14,38 @@
 int kvsp_log_level = KVSP_LOG_INFO;
 
 static const char *const names[] = { "error", "warn", "info", "debug" };
+static const int syslog_prio[] = { 3, 4, 6, 7 }; /* LOG_ERR, LOG_WARNING, LOG_INFO, LOG_DEBUG */
+
+/* True when stderr is systemd's journal stream: $JOURNAL_STREAM names its
+ * device and inode (systemd.exec(5)). The journal then reads a "<N>"
+ * priority prefix and stamps the time itself. */
+static bool to_journal(void)
+{
+	static int known = -1;
+	if (known < 0) {
+		unsigned long long dev, ino;
+		const char *e = getenv("JOURNAL_STREAM");
+		struct stat st;
+		known = e && sscanf(e, "%llu:%llu", &dev, &ino) == 2 && fstat(2, &st) == 0 &&
+			(unsigned long long)st.st_dev == dev && (unsigned long long)st.st_ino == ino;
+	}
+	return known;
+}
 
 static void vlog(int lvl, const char *suffix, const char *fmt, va_list ap)
 {
 	char buf[640];
-	struct timespec ts;
-	struct tm tm;
-	clock_gettime(CLOCK_REALTIME, &ts);
-	gmtime_r(&ts.tv_sec, &tm);
-	int n = snprintf(buf, sizeof(buf), "%02d:%02d:%02d.%06ld kvstaged %s: ", tm.tm_hour,
-			 tm.tm_min, tm.tm_sec, ts.tv_nsec / 1000, names[lvl]);
+	int n;
+	if (to_journal()) {
+		n = snprintf(buf, sizeof(buf), "<%d>%s: ", syslog_prio[lvl], names[lvl]);
+	} else {
+		struct timespec ts;
+		struct tm tm;
+		clock_gettime(CLOCK_REALTIME, &ts);
+		gmtime_r(&ts.tv_sec, &tm);
+		n = snprintf(buf, sizeof(buf), "%02d:%02d:%02d.%06ld kvstaged %s: ", tm.tm_hour,
+			     tm.tm_min, tm.tm_sec, ts.tv_nsec / 1000, names[lvl]);
+	}
 	vsnprintf(buf + n, sizeof(buf) - (size_t)n - 128, fmt, ap);
 	size_t len = strlen(buf);
 	snprintf(buf + len, sizeof(buf) - len, "%s\n", suffix);

@@ -243,3 +243,47 @@ Test(cli, config_file_sets_options_and_the_command_line_wins)
 	unlink(good);
 	rmdir(dir);
 }
+
+/* Under systemd (stderr is the journal stream $JOURNAL_STREAM names) each
+ * line starts with its syslog priority and carries no time of its own;
+ * anywhere else it is stamped. */
+Test(cli, log_lines_carry_a_syslog_priority_on_the_journal_stream)
+{
+	char dir[] = "/tmp/kvstage-journal.XXXXXX", logf[96], sock[96], script[512];
+	cr_assert_not_null(mkdtemp(dir));
+	snprintf(logf, sizeof(logf), "%s/stderr", dir);
+	snprintf(sock, sizeof(sock), "%s/kvs.sock", dir);
+	/* A start that fails after the log is up (no RDMA device has that
+	 * name anywhere): lines, an error among them, then exit 1. */
+	static const char tail[] = "--slots 1 --slot-size 4K --rdma-device no-such-rdma-device";
+	snprintf(script, sizeof(script),
+		 "exec 2>%s; KVSTAGE_PEER_SECRET=kvstage-journal-test-secret-0123 "
+		 "JOURNAL_STREAM=$(stat -c %%d:%%i %s) exec %s --socket %s %s",
+		 logf, logf, build_path("proxy/kvstaged"), sock, tail);
+	int rc = RUN("/bin/sh", "-c", script);
+	cr_assert_eq(rc, 1, "kvstaged with an RDMA device that does not exist: exit %d", rc);
+	FILE *f = fopen(logf, "r");
+	cr_assert_not_null(f);
+	char line[512];
+	unsigned lines = 0;
+	while (fgets(line, sizeof(line), f)) {
+		lines++;
+		cr_assert(line[0] == '<' && line[2] == '>' && strchr("3467", line[1]),
+			  "no priority prefix: %s", line);
+		cr_assert(!strstr(line, " kvstaged "), "a stamped line on the journal: %s", line);
+	}
+	fclose(f);
+	cr_assert_gt(lines, 0, "kvstaged logged nothing");
+	/* The same start with no journal: stamped lines. */
+	snprintf(script, sizeof(script),
+		 "exec 2>%s; KVSTAGE_PEER_SECRET=kvstage-journal-test-secret-0123 exec %s --socket %s %s",
+		 logf, build_path("proxy/kvstaged"), sock, tail);
+	RUN("/bin/sh", "-c", script);
+	f = fopen(logf, "r");
+	cr_assert_not_null(f);
+	cr_assert_not_null(fgets(line, sizeof(line), f));
+	fclose(f);
+	cr_assert(line[0] != '<' && strstr(line, " kvstaged "), "%s", line);
+	unlink(logf);
+	rmdir(dir);
+}
