@@ -412,6 +412,21 @@ def _pieces(extents, slot_size):
             n -= k
 
 
+def copy_room_out(room, extents, copier, slot_size):
+    """Copies a received room into the engine's memory: each of its slots once, every extent piece
+    that lies in it, then waits for the copies (copier.sync). Raises what the copier or the room raises."""
+    by_slot = collections.defaultdict(list)
+    for p in _pieces(extents, slot_size):
+        by_slot[p[0]].append(p)
+    for s in sorted(by_slot):
+        lease = room.lease(s)
+        view = lease.view()
+        for _, so, addr, n, dev in by_slot[s]:
+            copier.copy_out(lease, view, so, addr, n, dev)
+        del view
+    copier.sync()
+
+
 def _host(addr, n):
     """Returns a writable byte memoryview of n bytes of engine host memory at addr."""
     return memoryview((ctypes.c_ubyte * n).from_address(addr)).cast("B")
@@ -1526,16 +1541,7 @@ class KvstageKVReceiver(BaseKVReceiver):
         ss = self.kv_mgr.client().slot_size
 
         def job():
-            by_slot = collections.defaultdict(list)
-            for p in _pieces(extents, ss):
-                by_slot[p[0]].append(p)
-            for s in sorted(by_slot):
-                lease = room.lease(s)
-                view = lease.view()
-                for _, so, addr, n, dev in by_slot[s]:
-                    copier.copy_out(lease, view, so, addr, n, dev)
-                del view
-            copier.sync()
+            copy_room_out(room, extents, copier, ss)
         job.bootstrap_room = self.bootstrap_room
         return job
 

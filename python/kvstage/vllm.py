@@ -97,7 +97,7 @@ from .client import Client, EventType
 from .errors import Again, KvstageError, NotConnected, PoolExhausted, Timeout
 # Shared with the SGLang backend (unchanged there): runs of consecutive blocks, cutting extents at slot
 # boundaries, the host/CUDA copiers and copy-out handles, and the side channel's framing.
-from .sglang import CpuCopier, CudaCopier, FrameListener, _frame, _pieces, _runs
+from .sglang import CpuCopier, CudaCopier, FrameListener, _frame, _pieces, _runs, copy_room_out
 
 logger = logging.getLogger(__name__)
 
@@ -1169,15 +1169,7 @@ class _Agent:
         if ld is None or ld.reported:
             return  # never had it, or already reported: the scheduler has its blocks already
         ld.aborted = True
-        if ld.job is not None and ld.job.cancel():
-            ld.job = None
-        if ld.room is not None and ld.final is None:
-            try:
-                ld.room.abort()
-            except KvstageError:
-                pass
-        if ld.room is None:
-            ld.final = ld.final or "no room"
+        self._stop_load(ld)
         ld.state = ld.state if ld.state == "done" else "failed"
         ld.why = ld.why or "aborted"
         self._load_report(ld)
@@ -1201,21 +1193,24 @@ class _Agent:
             self._load_fail(ld, f"the room was {why}")
         self._load_report(ld)
 
+    def _stop_load(self, ld):
+        """Stops a load: its copy-out job if not started, its room aborted (its final still to come)."""
+        if ld.job is not None and ld.job.cancel():
+            ld.job = None
+        if ld.room is not None and ld.final is None:
+            try:
+                ld.room.abort()
+            except KvstageError:
+                pass
+        if ld.room is None:
+            ld.final = ld.final or "no room"
+
     def _copy_out_job(self, ld):
         room, copier, ss = ld.room, self.copier, self._c().slot_size
         extents = self.layout.extents(ld.spec.num_blocks, ld.spec.local_block_ids, ld.spec.skip)
 
         def job():
-            by_slot = collections.defaultdict(list)
-            for p in _pieces(extents, ss):
-                by_slot[p[0]].append(p)
-            for s in sorted(by_slot):
-                lease = room.lease(s)
-                view = lease.view()
-                for _, so, addr, n, dev in by_slot[s]:
-                    copier.copy_out(lease, view, so, addr, n, dev)
-                del view
-            copier.sync()
+            copy_room_out(room, extents, copier, ss)
         job.req_id, job.kind = ld.req, "load"
         return job
 
@@ -1237,15 +1232,7 @@ class _Agent:
             return
         logger.info("kvstage connector: load of %s failed: %s", ld.req, why)
         ld.failed, ld.state, ld.why = True, "failed", why
-        if ld.job is not None and ld.job.cancel():
-            ld.job = None
-        if ld.room is not None and ld.final is None:
-            try:
-                ld.room.abort()
-            except KvstageError:
-                pass
-        if ld.room is None:
-            ld.final = ld.final or "no room"
+        self._stop_load(ld)
         self._load_report(ld)
 
     def _load_report(self, ld):
