@@ -111,6 +111,7 @@ struct tcp_sess {
 	uint32_t id; /* the core's peer: index | generation << 8 */
 	uint8_t state;
 	bool dialer, bye;
+	bool counted; /* in peer_sessions: it came up */
 	struct tcp_ep ep;    /* dialer: whom we dial */
 	uint64_t instance;   /* the peer's, once authenticated */
 	uint64_t sid;        /* the dialer's random name for the session */
@@ -133,8 +134,7 @@ struct tcp_sess {
 	uint32_t held_head, held_tail; /* receiving: READs the rdma.read failpoint holds (tests) */
 	struct kvs_wire_chunk_ack nacks[TCP_RDMA_WINDOW]; /* CHUNK_READs refused, acks owed */
 	unsigned nack_head, nnacks;
-	bool dying;                  /* lost: its sockets are closed, its READs still flushing */
-	int lost_status;
+	int lost_status;             /* DYING: why it was lost */
 };
 
 /* Receiving side: a READ we posted into our slot, or its ack still owed. */
@@ -174,6 +174,7 @@ struct tcp {
 	struct kvsp_verbs *verbs; /* --rdma-device; NULL: chunks only by TCP */
 	struct tcp_rread *rread;  /* by our slot index */
 	uint8_t *rwait;           /* by our slot index: sent by CHUNK_READ, waiting for CHUNK_ACK */
+	unsigned nheld;           /* READs held by rdma.read, every session: 0 on any real run */
 	struct kvs_stats *st;
 	struct kvs_peer *peers; /* published, one row per session index */
 };

@@ -112,6 +112,8 @@ void tcp_rdma_sess_free(struct tcp *tc, struct tcp_sess *s)
 	}
 	s->reads_inflight = 0;
 	s->ack_head = s->ack_tail = TCP_NONE;
+	for (uint32_t slot = s->held_head; slot != TCP_NONE; slot = tc->rread[slot].next)
+		tc->nheld--;
 	s->held_head = s->held_tail = TCP_NONE;
 	s->nnacks = 0;
 }
@@ -260,6 +262,7 @@ static int on_read(struct tcp *tc, struct tcp_sess *s, const struct kvs_wire_chu
 	if (kvsp_xport_fp(tc->p, KVSP_FP_RDMA_READ, i) == KVSP_FP_HOLD) {
 		/* Test barrier: the slot is posted, the READ waits (as a slow one would). */
 		list_add(tc, &s->held_head, &s->held_tail, x->slot);
+		tc->nheld++;
 		return 0;
 	}
 	post(tc, s, x->slot);
@@ -321,6 +324,8 @@ int tcp_rdma_on_frame(struct tcp *tc, struct tcp_sess *s, const struct kvsp_fram
 static int release_held(struct tcp *tc)
 {
 	int err, busy = KVSP_IDLE;
+	if (!tc->nheld)
+		return busy; /* every real run: nothing held, nothing to look at */
 	bool paused = kvsp_xport_fp_action(tc->p, KVSP_FP_RDMA_READ, &err) == KVS_FP_PAUSE;
 	for (unsigned i = 0; i < TCP_MAX_SESS; i++) {
 		struct tcp_sess *s = &tc->sess[i];
@@ -330,6 +335,7 @@ static int release_held(struct tcp *tc)
 		while (s->held_head != TCP_NONE) {
 			uint32_t slot = s->held_head;
 			s->held_head = tc->rread[slot].next;
+			tc->nheld--;
 			if (dying) {
 				s->reads_out--;
 				kvsp_chunk_discard(tc->p, kvsp_xfer_of(tc->p, slot), -ECONNRESET);

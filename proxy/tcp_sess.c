@@ -58,6 +58,7 @@ static void sess_up(struct tcp *tc, struct tcp_sess *s)
 	s->state = TCP_S_UP;
 	s->owe_bye = tc->draining;
 	KVS_STAT_ADD(tc->st->peer_sessions, 1);
+	s->counted = true;
 	memcpy(s->pub->endpoint, s->ep.text, sizeof(s->pub->endpoint));
 	PEER_SET(s->pub->streams, s->nstreams);
 	PEER_SET(s->pub->instance, s->instance);
@@ -77,8 +78,9 @@ static void sess_free(struct tcp *tc, struct tcp_sess *s)
 		tc->rooms[i].on_owe = false;
 	s->owe_head = s->owe_tail = TCP_NONE;
 	tcp_rdma_sess_free(tc, s);
-	if (s->state == TCP_S_UP || s->state == TCP_S_DYING)
+	if (s->counted)
 		KVS_STAT_SUB(tc->st->peer_sessions, 1);
+	s->counted = false;
 	s->state = TCP_S_FREE;
 	PEER_SET(s->pub->state, KVS_PEER_FREE);
 }
@@ -97,8 +99,6 @@ void tcp_sess_lost(struct tcp *tc, struct tcp_sess *s, int status)
 	for (unsigned i = 0; i < tc->conns_hi; i++)
 		if (tc->conn[i].state != TCP_C_FREE && tc->conn[i].sess == s)
 			tcp_conn_close(tc, &tc->conn[i]);
-	if (s->state != TCP_S_UP)
-		KVS_STAT_ADD(tc->st->peer_sessions, 1); /* sess_free takes it back */
 	s->state = TCP_S_DYING;
 	s->lost_status = status;
 	PEER_SET(s->pub->state, KVS_PEER_FREE);
