@@ -727,8 +727,9 @@ class _Agent:
 
     def stage_state(self, req_id):
         """The prefill stage's state (staging, ready, sending, done, failed) or None, and why (tests, logs)."""
-        st = self._stages.get(req_id)
-        return (st.state, st.why) if st is not None else (None, self.ended.get(req_id))
+        with self._lock:
+            st = self._stages.get(req_id)
+            return (st.state, st.why) if st is not None else (None, self.ended.get(req_id))
 
     def load_state(self, req_id):
         ld = self._loads.get(req_id)
@@ -1021,7 +1022,9 @@ class _Agent:
         """finished_sending once the request's blocks cannot be read by a copy any more."""
         if st.finish_known and st.delayed and not st.reported and not st.jobs and (st.copied or st.terminal):
             st.reported = True
-            with self._lock:
+            with self._lock:  # one step for a reader: the report is out only once the state says so
+                if st.state == "staging" and st.copied:
+                    st.state = "ready"
                 self._finished_sending.add(st.req)
         if (st.terminal and st.final is not None and (st.reported or (st.finish_known and not st.delayed))
                 and self._stages.get(st.req) is st):
