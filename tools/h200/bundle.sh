@@ -9,7 +9,7 @@
 #
 #   tools/h200/bundle.sh            # here, once per change
 #   then, with the device tool:     run(command="tools/h200/run.sh",
-#                                       carry=["build-h200/bundle"], timeout_s=420)
+#                                       carry=["build-h200/bundle"], timeout_s=540)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 B=build-h200
@@ -20,7 +20,7 @@ if [ ! -f "$B/build.ninja" ]; then
   meson setup "$B" --buildtype=release -Dcuda=enabled -Dtests=true > build-setup.log 2>&1 \
     || { cat build-setup.log; exit 1; }
 fi
-ninja -C "$B" proxy/kvstaged tools/bench/kvstage-bench tests/test-cuda
+ninja -C "$B" proxy/kvstaged tools/bench/kvstage-bench tests/test-cuda shm/libkvstage.so.0.1.0 shm/libkvstage_cuda.so.0.1.0
 
 rm -rf "$OUTB"
 mkdir -p "$OUTB/proxy" "$OUTB/tools/bench" "$OUTB/tests" "$OUTB/lib"
@@ -29,6 +29,8 @@ mkdir -p "$OUTB/proxy" "$OUTB/tools/bench" "$OUTB/tests" "$OUTB/lib"
 cp "$B/proxy/kvstaged" "$OUTB/proxy/"
 cp "$B/tools/bench/kvstage-bench" "$OUTB/tools/bench/"
 cp "$B/tests/test-cuda" "$OUTB/tests/"
+# The binding's libraries, for py_gpu_check.py (python/ travels with the tree).
+cp -L "$B/shm/libkvstage.so.0" "$B/shm/libkvstage_cuda.so.0" "$OUTB/lib/"
 bins=("$OUTB/proxy/kvstaged" "$OUTB/tools/bench/kvstage-bench" "$OUTB/tests/test-cuda")
 
 # Every library ldd resolves, but glibc's own (the machine's must be used)
@@ -65,4 +67,4 @@ if [ "$mb" -gt "$LIMIT_MB" ]; then
   echo "bundle: ${mb} MiB is over ${LIMIT_MB} MiB: the device tool would refuse it" >&2
   exit 1
 fi
-echo "bundle ready: run(command=\"tools/h200/run.sh\", carry=[\"$OUTB\"], timeout_s=420)"
+echo "bundle ready: run(command=\"tools/h200/run.sh\", carry=[\"$OUTB\"], timeout_s=540)"
