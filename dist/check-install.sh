@@ -8,11 +8,14 @@
 #    unit (ExecStart naming the installed kvstaged), sysusers.d, tmpfiles.d
 #    and the example config; no installed program or library keeps a path
 #    into the build tree;
+#  - the Python package (every module of python/kvstage) under the
+#    interpreter's directory for the prefix;
 #  - a program (check-install.c) built with nothing but the installed
 #    pkg-config file and header (-std=c11 -pedantic -Werror), linked to the
 #    installed libkvstage.so.0, runs against the installed kvstaged: one
 #    room, one chunk, every byte checked; then kvstaged drains on SIGTERM
-#    and exits 0.
+#    and exits 0; before that, the installed Python package (loading the
+#    installed libkvstage.so.0 through the loader) moves a room through it.
 # Usage: check-install.sh BUILD_DIR (built: meson test builds first; this
 # installs with --no-rebuild). Exit 0: all passed; 1: says what failed.
 set -u
@@ -124,6 +127,18 @@ if [ -f "$D$unit" ]; then
 else
 	fail "no unit $unit"
 fi
+# The Python package: every module of the source's python/kvstage.
+pydir=$(meson introspect --installed "$build" | python3 -c '
+import json, sys
+d = [v for v in json.load(sys.stdin).values() if v.endswith("/kvstage/__init__.py")]
+print(d[0][:-len("/kvstage/__init__.py")] if d else "")')
+if [ -z "$pydir" ]; then
+	fail "the Python package (kvstage/__init__.py) is not installed"
+else
+	for m in "$src"/python/kvstage/*.py; do
+		[ -f "$D$pydir/kvstage/${m##*/}" ] || fail "python/kvstage/${m##*/} is not installed (list it in python/meson.build)"
+	done
+fi
 for f in "$prefix/lib/sysusers.d/kvstaged.conf" "$prefix/lib/tmpfiles.d/kvstaged.conf" \
 	"$datadir/doc/kvstage/kvstaged.conf.example"; do
 	[ -f "$D$f" ] || fail "no $f"
@@ -189,6 +204,32 @@ $(cat "$tmp/kvstaged.log")"
 		out=$("$D$bindir/kvstage-stat" --socket "$sock" 2>&1) ||
 			fail "the installed kvstage-stat: $out"
 	fi
+	# The installed Python package, on the installed libkvstage (found by
+	# the loader, as on a host where the prefix is in ld.so.conf).
+	if [ $failed -eq 0 ] && [ -n "$pydir" ]; then
+		if out=$(cd "$tmp" && env -u KVSTAGE_LIB PYTHONPATH="$D$pydir" LD_LIBRARY_PATH="$D$libdir" \
+			python3 -c '
+import sys, kvstage
+from kvstage import _lib
+assert kvstage.__file__.startswith(sys.argv[2]), kvstage.__file__
+import kvstage.sglang, kvstage.vllm
+with kvstage.Client(sys.argv[1]) as tx, kvstage.Client(sys.argv[1]) as rx:
+    rroom, desc = rx.recv_open(5000)
+    sroom = tx.send_open(desc)
+    (lease,) = tx.acquire(1)
+    lease.view()[:5000] = bytes(k % 251 for k in range(5000))
+    sroom.send(lease, 0, 5000)
+    for c in (tx, rx):
+        while not any(e.final and e.status == 0 for e in c.wait(10)):
+            pass
+    assert bytes(rroom.lease(0).view()[:5000]) == bytes(k % 251 for k in range(5000))
+print("python: kvstage from", kvstage.__file__.replace(sys.argv[2], ""), "moved 5000 bytes, every one right")
+' "$sock" "$D" 2>&1); then
+			echo "ok: $out"
+		else
+			fail "the installed Python package against the installed kvstaged: $out"
+		fi
+	fi
 	if alive "$pid"; then
 		kill -TERM "$pid"
 		n=0
@@ -210,5 +251,5 @@ if [ $failed -ne 0 ]; then
 	(cd "$dest" && find . -type f -o -type l | sort) >&2
 	exit 1
 fi
-echo "ok: meson install: programs, libkvstage.so.0 (SONAME, exports), .a, .pc, header, man pages, systemd files"
+echo "ok: meson install: programs, libkvstage.so.0 (SONAME, exports), .a, .pc, header, man pages, systemd files, the Python package"
 exit 0

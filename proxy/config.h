@@ -50,6 +50,7 @@ struct kvsp_config {
 	uint64_t room_timeout_ns; /* 0: rooms never time out */
 	uint64_t shutdown_grace_ns;
 	uint64_t spin_ns;         /* busy-poll this long after the last work, then sleep */
+	const char *metrics_listen; /* "HOST:PORT" or "PORT"; NULL: no metrics server */
 	/* The transport for rooms with both halves here. NULL: the local
 	 * hand-off, or with failpoints its gated twin. Test builds set theirs. */
 	struct kvsp_transport *(*local_create)(struct kvsp *p);

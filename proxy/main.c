@@ -14,6 +14,7 @@
 #include "config_file.h"
 #include "kvstage.h"
 #include "log.h"
+#include "metrics.h"
 #include "notify.h"
 #include "parse.h"
 #include "peer_auth.h"
@@ -85,6 +86,9 @@ static void usage(FILE *f)
 "                           only. Needs the peer secret (control stays on TCP)\n"
 "      --rdma-gid-index N   the GID to use (default: the first RoCE v2 one,\n"
 "                           IPv4-mapped first)\n"
+"      --metrics-listen [HOST:]PORT  serve Prometheus metrics over HTTP at\n"
+"                           GET /metrics (HOST numeric; default 127.0.0.1;\n"
+"                           port 0: any free one, logged); default: off\n"
 "      --failpoints         accept failpoint control from kvstage-ctl (tests)\n"
 "      --ready-fd FD        write \"ready\\n\" to FD once serving, then close it\n"
 "                           (0, 1 and 2 are written to but kept open)\n"
@@ -133,7 +137,7 @@ static int bad(const char *opt, const char *val, const char *why)
 enum {
 	O_HUGE = 256, O_NOLOCK, O_UID, O_GID, O_ROOMS, O_CROOMS, O_CLIENTS, O_RING, O_TIMEOUT,
 	O_GRACE, O_SPIN, O_FP, O_READY, O_SMODE, O_SGROUP, O_LISTEN, O_ADVERTISE, O_SECRET,
-	O_STREAMS, O_PTIMEOUT, O_CSUM, O_RDMA, O_GIDX,
+	O_STREAMS, O_PTIMEOUT, O_CSUM, O_RDMA, O_GIDX, O_METRICS,
 };
 
 /* The --config FILE argument, if any, before anything is parsed: the
@@ -188,6 +192,7 @@ int main(int argc, char **argv)
 		{ "tcp-checksum", no_argument, NULL, O_CSUM },
 		{ "rdma-device", required_argument, NULL, O_RDMA },
 		{ "rdma-gid-index", required_argument, NULL, O_GIDX },
+		{ "metrics-listen", required_argument, NULL, O_METRICS },
 		{ "ready-fd", required_argument, NULL, O_READY },
 		{ "log-level", required_argument, NULL, 'l' },
 		{ "help", no_argument, NULL, 'h' },
@@ -376,6 +381,14 @@ int main(int argc, char **argv)
 				return bad("--rdma-gid-index", optarg, "want 0 to 255");
 			cfg.tcp.rdma_gid_index = (int)v;
 			break;
+		case O_METRICS: {
+			struct tcp_ep ep;
+			if (kvsp_metrics_parse(optarg, &ep) < 0)
+				return bad("--metrics-listen", optarg,
+					   "want PORT, IPV4:PORT or [IPV6]:PORT, numeric");
+			cfg.metrics_listen = optarg;
+			break;
+		}
 		case O_READY:
 			if (kvs_parse_uint(optarg, INT_MAX, &v) || fcntl((int)v, F_GETFD) < 0)
 				return bad("--ready-fd", optarg, "not an open file descriptor");

@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include "log.h"
+#include "metrics.h"
 #include "proxy.h"
 
 extern struct kvsp *kvsp_signalled;
@@ -96,11 +97,17 @@ int kvsp_init(struct kvsp *p, const struct kvsp_config *cfg)
 	if (rc < 0)
 		return rc;
 	p->now_ns = kvsp_now_ns();
-	return transports_create(p); /* last: they may watch fds in the loop */
+	p->room_hist.upper_ns = kvsp_hist_room_ns;
+	p->chunk_hist.upper_ns = kvsp_hist_chunk_ns;
+	rc = transports_create(p); /* they may watch fds in the loop */
+	if (rc == 0 && cfg->metrics_listen)
+		rc = kvsp_metrics_start(p); /* last: it reads everything above */
+	return rc;
 }
 
 void kvsp_fini(struct kvsp *p)
 {
+	kvsp_metrics_stop(p); /* first: it reads what the rest frees */
 	for (unsigned i = 0; p->clients && i < p->cfg.max_clients; i++)
 		if (p->clients[i])
 			kvsp_client_destroy(p, p->clients[i]);

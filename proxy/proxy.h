@@ -11,6 +11,7 @@
 #include "clients.h"
 #include "config.h"
 #include "failpoint.h"
+#include "hist.h"
 #include "layout.h"
 #include "log.h"
 #include "loop.h"
@@ -25,6 +26,7 @@
 
 struct kvsp_admin;
 struct kvsp_pending;
+struct kvsp_metrics;
 
 struct kvsp {
 	struct kvsp_config cfg;
@@ -77,6 +79,9 @@ struct kvsp {
 	struct kvsp_rl rl_refused, rl_timeout, rl_died, rl_full;
 	uint64_t instance;
 	uint64_t spin_ns;     /* the adaptive spin budget, from cfg.spin_ns up */
+	/* what the metrics thread reads besides the published counters */
+	struct kvsp_hist room_hist, chunk_hist;
+	struct kvsp_metrics *metrics; /* NULL: no --metrics-listen */
 };
 
 uint64_t kvsp_now_ns(void);

@@ -220,6 +220,7 @@ void kvsp_room_recv_complete(struct kvsp *p, uint32_t i)
 	r->final_type = KVS_EV_RECV_DONE;
 	p->rooms_active--;
 	KVS_STAT_ADD(p->stats->rooms_done, 1);
+	kvsp_hist_add(&p->room_hist, p->now_ns - r->opened_ns);
 	note(p, i, KVSP_NOTE_DONE, 0);
 	post_final(p, &r->send.client, KVS_EV_SEND_DONE, 0, r->bytes, NONE, 0);
 	post_final(p, &r->recv.client, KVS_EV_RECV_DONE, 0, r->bytes, r->recv.chunk0,
@@ -235,6 +236,7 @@ void kvsp_room_send_complete(struct kvsp *p, uint32_t i)
 	r->final_type = KVS_EV_SEND_DONE;
 	p->rooms_active--;
 	KVS_STAT_ADD(p->stats->rooms_done, 1);
+	kvsp_hist_add(&p->room_hist, p->now_ns - r->opened_ns);
 	post_final(p, &r->send.client, KVS_EV_SEND_DONE, 0, r->bytes, NONE, 0);
 	room_maybe_free(p, i);
 }
@@ -331,6 +333,7 @@ static struct kvsp_room *room_start(struct kvsp *p, uint32_t i, uint64_t bytes,
 					   .chunk0 = NONE };
 	r->send = (struct kvsp_send_half){ .inflight_head = NONE };
 	r->xport = t;
+	r->opened_ns = p->now_ns;
 	return r;
 }
 

@@ -68,6 +68,7 @@ struct kvsp_room {
 	struct kvsp_recv_half recv;
 	struct kvsp_send_half send;
 	uint64_t progress_ns;
+	uint64_t opened_ns; /* for the room duration histogram */
 	uint32_t lru_prev, lru_next; /* open rooms, oldest progress first */
 	uint32_t next_free;
 	struct kvsp_transport *xport;

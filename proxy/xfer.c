@@ -74,7 +74,8 @@ void kvsp_xfer_send(struct kvsp *p, uint32_t owner, uint32_t i, const struct kvs
 	struct kvsp_xfer *x = &p->xfers[l->slot];
 	*x = (struct kvsp_xfer){ .slot = l->slot, .epoch = l->epoch, .room = i, .room_gen = r->gen,
 				 .chunk = chunk, .len = (uint32_t)kvsp_chunk_len(p, r, chunk),
-				 .dir = KVSP_XFER_SEND, .xport = t->idx, .peer = r->peer };
+				 .dir = KVSP_XFER_SEND, .xport = t->idx, .peer = r->peer,
+				 .sent_ns = p->now_ns };
 	int rc = t->ops->submit(t, x);
 	if (rc < 0)
 		kvsp_xfer_quiesced(p, x, rc); /* refused before touching: fail the room */
@@ -98,6 +99,7 @@ void kvsp_xfer_quiesced(struct kvsp *p, struct kvsp_xfer *x, int status)
 	if (x->dir != KVSP_XFER_SEND)
 		return;
 	uint32_t i = x->room, slot = x->slot, len = x->len;
+	uint64_t sent_ns = x->sent_ns;
 	struct kvsp_room *r = &p->rooms[i];
 	if (send_quiesce(p, x) == KVS_SLOT_INFLIGHT)
 		/* Still the room's (not aborted): its bytes left, or never
@@ -106,8 +108,10 @@ void kvsp_xfer_quiesced(struct kvsp *p, struct kvsp_xfer *x, int status)
 	if (status) {
 		kvsp_room_abort(p, i, status, KVS_EV_FAILED, false);
 	} else if (r->state == KVSP_ROOM_OPEN) {
-		if (r->far)
-			count_moved(p, len); /* local rooms count their landings */
+		if (r->far) { /* local rooms count their landings */
+			count_moved(p, len);
+			kvsp_hist_add(&p->chunk_hist, p->now_ns - sent_ns);
+		}
 		if (r->far_done && !r->send.inflight)
 			kvsp_room_send_complete(p, i);
 	}
@@ -119,6 +123,7 @@ void kvsp_xfer_handoff(struct kvsp *p, struct kvsp_xfer *x, int status)
 	if (x->dir != KVSP_XFER_SEND)
 		return;
 	uint32_t i = x->room, gen = x->room_gen, slot = x->slot, epoch = x->epoch, chunk = x->chunk;
+	uint64_t sent_ns = x->sent_ns;
 	struct kvsp_room *r = &p->rooms[i];
 	int st = send_quiesce(p, x);
 	/* The fence (invariant 5), the receiving phase: the chunk lands only
@@ -128,6 +133,7 @@ void kvsp_xfer_handoff(struct kvsp *p, struct kvsp_xfer *x, int status)
 		     r->gen == gen && r->state == KVSP_ROOM_OPEN && r->recv.client.cid;
 	if (lands) {
 		kvsp_slot_handoff(&p->slots, slot, r->recv.client.cid);
+		kvsp_hist_add(&p->chunk_hist, p->now_ns - sent_ns);
 		placed(p, i, slot, chunk);
 	} else if (st == KVS_SLOT_INFLIGHT) {
 		/* Not tombstoned, yet not landing: the transport failed it. */

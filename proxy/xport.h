@@ -51,6 +51,7 @@ struct kvsp_xfer {
 	uint8_t xport;           /* the transport's index in the registry */
 	uint32_t peer;           /* the transport's name for the far proxy; 0: none */
 	uint64_t tref;           /* the transport's own reference, for it alone */
+	uint64_t sent_ns;        /* the loop pass that took it: for the chunk latency histogram */
 };
 
 /* What the core tells a transport about a room it carries. */

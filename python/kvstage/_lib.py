@@ -8,8 +8,10 @@ from pathlib import Path
 KVS_ROOM_DESC_SIZE = 128
 KVS_DEFAULT_SOCKET = "/run/kvstage/kvstaged.sock"
 
-# The build tree next to the package: python/../build/shm.
-_BUILD_SHM = Path(__file__).resolve().parent.parent.parent / "build" / "shm"
+# The build tree next to the package (python/../build/shm), when the package
+# is the source tree's; an installed one loads the installed library.
+_SRC = Path(__file__).resolve().parent.parent.parent
+_BUILD_SHM = _SRC / "build" / "shm" if (_SRC / "python" / "kvstage").is_dir() and (_SRC / "meson.build").is_file() else None
 
 
 class kvs_lease(ctypes.Structure):
@@ -38,7 +40,7 @@ def _candidates(env, name):
     """Returns the paths to try for library `name` (libNAME.so.0), in order."""
     if os.environ.get(env):
         return [os.environ[env]]
-    out = [str(_BUILD_SHM / f"lib{name}.so.0")]
+    out = [str(_BUILD_SHM / f"lib{name}.so.0")] if _BUILD_SHM else []
     found = ctypes.util.find_library(name)
     if found:
         out.append(found)

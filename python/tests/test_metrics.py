@@ -1,0 +1,225 @@
+"""kvstaged --metrics-listen: the page against promtool, and a real Prometheus server scraping a proxy."""
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+
+import pytest
+
+import kvstage
+from conftest import SLOT_SIZE, Proxy, next_event
+
+PROMTOOL, PROMETHEUS = shutil.which("promtool"), shutil.which("prometheus")
+need_prometheus = pytest.mark.skipif(
+    not (PROMTOOL and PROMETHEUS),
+    reason="Debian's prometheus package (promtool, prometheus) is not installed: tools/setup.sh installs it")
+
+
+def metrics_url(px):
+    """Returns the URL kvstaged logged for its metrics page."""
+    m = re.search(r"metrics: serving (http://\S+/metrics)", px.log_text())
+    assert m, "kvstaged did not log where it serves metrics"
+    return m.group(1)
+
+
+def scrape(url):
+    with urllib.request.urlopen(url, timeout=10) as r:
+        assert r.status == 200
+        assert r.headers["Content-Type"].startswith("text/plain; version=0.0.4")
+        return r.read().decode()
+
+
+def samples(page):
+    """Returns {'name{labels}': float} of every sample line."""
+    out = {}
+    for line in page.splitlines():
+        if line and not line.startswith("#"):
+            key, value = line.rsplit(" ", 1)
+            out[key] = float(value)
+    return out
+
+
+def workload(px, rooms, aborts, chunks=3):
+    """Moves rooms rooms of chunks chunks each, then aborts aborts rooms after one chunk."""
+    with kvstage.Client(px.socket) as tx, kvstage.Client(px.socket) as rx:
+        for k in range(rooms + aborts):
+            rroom, desc = rx.recv_open(chunks * SLOT_SIZE, user_data=k)
+            sroom = tx.send_open(desc)
+            for i, lease in enumerate(tx.acquire(1 if k >= rooms else chunks)):
+                lease.view()[:8] = k.to_bytes(8, "little")
+                sroom.send(lease, i * SLOT_SIZE, SLOT_SIZE)
+            if k >= rooms:
+                sroom.abort()
+            sev, rev = next_event(tx), next_event(rx)
+            assert {sev.type, rev.type} <= {kvstage.EventType.SEND_DONE, kvstage.EventType.RECV_DONE,
+                                            kvstage.EventType.ABORTED}
+            rroom.close()
+            sroom.close()
+
+
+@pytest.fixture
+def mproxy(request):
+    px = Proxy(["--metrics-listen", "0"])
+    request.node._kvstaged = px
+    yield px
+    assert px.stop() == 0
+    shutil.rmtree(px.dir, ignore_errors=True)
+
+
+def test_page_counts_a_known_workload(mproxy):
+    workload(mproxy, rooms=5, aborts=2)
+    s = samples(scrape(metrics_url(mproxy)))
+    assert s["kvstage_rooms_done_total"] == 5
+    assert s["kvstage_rooms_aborted_total"] == 2
+    assert s["kvstage_chunks_moved_total"] == 5 * 3 + 2  # an aborted room's first chunk landed too
+    assert s["kvstage_bytes_moved_total"] == (5 * 3 + 2) * SLOT_SIZE
+    assert s["kvstage_room_duration_seconds_count"] == 5
+    assert s['kvstage_room_duration_seconds_bucket{le="+Inf"}'] == 5
+    assert s["kvstage_chunk_latency_seconds_count"] == 5 * 3 + 2
+    assert s["kvstage_clients"] == 0 and s["kvstage_clients_attached_total"] == 2
+    assert s['kvstage_slots{state="free"}'] == s["kvstage_pool_slots"] == 64
+    assert s["kvstage_rooms_open"] == 0
+    buckets = [v for k, v in s.items() if k.startswith("kvstage_room_duration_seconds_bucket")]
+    assert buckets == sorted(buckets)  # cumulative
+
+
+@need_prometheus
+def test_promtool_accepts_the_page(mproxy):
+    workload(mproxy, rooms=2, aborts=1)
+    page = scrape(metrics_url(mproxy))
+    r = subprocess.run([PROMTOOL, "check", "metrics"], input=page, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and not r.stdout.strip() and not r.stderr.strip(), r.stdout + r.stderr
+
+
+def test_only_get_of_metrics(mproxy):
+    url = metrics_url(mproxy)
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(url.replace("/metrics", "/nothing"), timeout=10)
+    assert e.value.code == 404
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(urllib.request.Request(url, data=b"x" * 100000, method="POST"), timeout=10)
+    assert e.value.code == 405 and e.value.headers["Allow"] == "GET, HEAD"
+    # A hostile client: junk, then half a request left hanging. The page is still served.
+    u = urllib.parse.urlsplit(url)
+    with socket.create_connection((u.hostname, u.port)) as s:
+        s.sendall(b"\x00\xff garbage\r\n\r\n")
+        got = s.recv(4096)
+        assert got == b"" or got.startswith(b"HTTP/1.1 400")  # libmicrohttpd hangs up, or says 400
+    hanging = socket.create_connection((u.hostname, u.port))
+    hanging.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")
+    assert "kvstage_rooms_done_total 0" in scrape(url)
+    hanging.close()
+
+
+def test_connections_past_the_limit_are_refused_and_the_proxy_still_works(mproxy):
+    u = urllib.parse.urlsplit(metrics_url(mproxy))
+    idle = [socket.create_connection((u.hostname, u.port)) for _ in range(8)]  # the per-address limit
+    extra = socket.create_connection((u.hostname, u.port))
+    extra.settimeout(10)
+    extra.sendall(b"GET /metrics HTTP/1.0\r\n\r\n")
+    try:
+        assert extra.recv(4096) == b""  # closed without an answer...
+    except ConnectionResetError:
+        pass  # ...or reset
+    extra.close()
+    for _ in range(200):  # a flood of them is not a flood of log lines
+        with socket.create_connection((u.hostname, u.port)):
+            pass
+    workload(mproxy, rooms=1, aborts=0)  # the loop never waited on the server
+    for s in idle:
+        s.close()
+    s = samples(scrape(metrics_url(mproxy)))
+    assert s["kvstage_rooms_done_total"] == 1
+    assert mproxy.log_text().count("connection limit") <= 10
+
+
+@pytest.mark.parametrize("value", ["", "x", "65536", "1.2.3.4", "localhost:9", "127.0.0.1:", "[::1]"])
+def test_bad_addresses_are_refused_at_start(value, tmp_path):
+    from conftest import kvstaged_path
+    r = subprocess.run([kvstaged_path(), "--socket", str(tmp_path / "s"), "--metrics-listen", value],
+                       capture_output=True, text=True, timeout=30, stdin=subprocess.DEVNULL)
+    assert r.returncode == 2
+    assert f"invalid --metrics-listen '{value}'" in r.stderr
+
+
+def test_a_port_in_use_stops_the_start(tmp_path):
+    from conftest import kvstaged_path
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        r = subprocess.run([kvstaged_path(), "--socket", str(tmp_path / "s"), "--slots", "4", "--slot-size", "64K",
+                            "--metrics-listen", str(port)],
+                           capture_output=True, text=True, timeout=30, stdin=subprocess.DEVNULL)
+    assert r.returncode == 1
+    assert f"metrics: cannot serve on 127.0.0.1:{port}" in r.stderr
+    assert not os.path.exists(tmp_path / "s")  # it never served
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@need_prometheus
+def test_a_prometheus_server_scrapes_the_proxy(mproxy):
+    """A real Prometheus scrapes every 200 ms; its query API must return the workload's counts."""
+    target = urllib.parse.urlsplit(metrics_url(mproxy)).netloc
+    d = tempfile.mkdtemp(prefix="kvs-prom-")
+    conf = os.path.join(d, "prometheus.yml")
+    with open(conf, "w") as f:
+        f.write("global:\n  scrape_interval: 200ms\n  scrape_timeout: 150ms\n"
+                f"scrape_configs:\n  - job_name: kvstaged\n    static_configs:\n      - targets: ['{target}']\n")
+    port = free_port()
+    log = open(os.path.join(d, "prometheus.log"), "wb")
+    prom = subprocess.Popen([PROMETHEUS, f"--config.file={conf}", f"--storage.tsdb.path={d}/data",
+                             f"--web.listen-address=127.0.0.1:{port}"],
+                            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+
+    def query(q):
+        url = f"http://127.0.0.1:{port}/api/v1/query?" + urllib.parse.urlencode({"query": q})
+        try:
+            with urllib.request.urlopen(url, timeout=5) as r:
+                body = json.load(r)
+        except (urllib.error.URLError, ConnectionError):
+            return None
+        assert body["status"] == "success", body
+        res = body["data"]["result"]
+        return float(res[0]["value"][1]) if res else None
+
+    def until(q, want, limit=60):
+        """Polls Prometheus (an outside process on its own clock) until q == want; fails after limit s."""
+        deadline, got = time.monotonic() + limit, None
+        while time.monotonic() < deadline:
+            assert prom.poll() is None, f"prometheus exited {prom.returncode}"
+            got = query(q)
+            if got == want:
+                return
+            time.sleep(0.2)
+        log.flush()
+        pytest.fail(f"{q}: {got}, not {want}, after {limit} s\n" + open(log.name, errors="replace").read()[-3000:])
+
+    try:
+        until('up{job="kvstaged"}', 1.0)
+        until("kvstage_rooms_done_total", 0.0)
+        workload(mproxy, rooms=7, aborts=3)
+        until("kvstage_rooms_done_total", 7.0)
+        until("kvstage_rooms_aborted_total", 3.0)
+        until("kvstage_room_duration_seconds_count", 7.0)
+        until("kvstage_bytes_moved_total", float((7 * 3 + 3) * SLOT_SIZE))
+        until('kvstage_slots{state="free"}', 64.0)
+        q = query("histogram_quantile(0.5, kvstage_room_duration_seconds_bucket)")
+        assert q is not None and 0 < q < 120
+    finally:
+        prom.terminate()
+        prom.wait(30)
+        log.close()
+        shutil.rmtree(d, ignore_errors=True)
