@@ -3,7 +3,9 @@
  * Client registry: each client's region (rings, reply and request areas),
  * its room handles, the events we post to it, and its end. A client's
  * death aborts every room it is in and frees every slot it holds; what a
- * transport still pins becomes a tombstone.
+ * transport still pins becomes a tombstone. Each client also has a row in
+ * the control segment's clients table (kvstage-stat --top): stored to
+ * here, never read back.
  */
 #include <errno.h>
 #include <fcntl.h>
@@ -11,6 +13,8 @@
 #include <string.h>
 #include <sys/eventfd.h>
 #include <sys/mman.h>
+#include <sys/socket.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <rte_atomic.h>
@@ -19,6 +23,54 @@
 #include "proxy.h"
 
 #define BURST 32
+
+/* ------------------------------------------------------ published row */
+
+#define PUB(f, v) __atomic_store_n(&(f), (v), __ATOMIC_RELAXED)
+
+/* Adds v to the proxy's own count and stores the sum in the row. */
+#define TALLY(c, f, v) PUB((c)->pub->f, (c)->tally.f += (v))
+
+static void row_open(struct kvsp_client *c, int sock)
+{
+	struct kvs_client_row *r = c->pub;
+	struct ucred cr = { .pid = c->pid, .uid = (uid_t)-1, .gid = (gid_t)-1 };
+	socklen_t cl = sizeof(cr);
+	if (getsockopt(sock, SOL_SOCKET, SO_PEERCRED, &cr, &cl) < 0)
+		cr.uid = (uid_t)-1, cr.gid = (gid_t)-1;
+	struct timespec ts;
+	clock_gettime(CLOCK_REALTIME, &ts);
+	/* The id goes first (0) and last (this client's): a reader that sees
+	 * the same id on both sides of its copy has this client's values. */
+	PUB(r->id, 0);
+	__atomic_thread_fence(__ATOMIC_RELEASE);
+	PUB(r->pid, (int32_t)c->pid);
+	PUB(r->uid, (uint32_t)cr.uid);
+	PUB(r->gid, (uint32_t)cr.gid);
+	PUB(r->since_ns, (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec);
+	PUB(r->ops, 0);
+	PUB(r->rejects, 0);
+	PUB(r->rooms, 0);
+	PUB(r->rooms_done, 0);
+	PUB(r->rooms_aborted, 0);
+	PUB(r->rooms_failed, 0);
+	PUB(r->chunks_sent, 0);
+	PUB(r->bytes_sent, 0);
+	PUB(r->chunks_recv, 0);
+	PUB(r->bytes_recv, 0);
+	__atomic_store_n(&r->id, c->id, __ATOMIC_RELEASE);
+}
+
+static void publish_rooms(struct kvsp_client *c)
+{
+	if (c->tally.rooms != c->finals_owed)
+		PUB(c->pub->rooms, c->tally.rooms = c->finals_owed);
+}
+
+static void count_refusal(struct kvsp_client *c)
+{
+	TALLY(c, rejects, 1);
+}
 
 static int region_create(struct kvsp *p, struct kvsp_client *c)
 {
@@ -93,6 +145,8 @@ struct kvsp_client *kvsp_client_new(struct kvsp *p, int sock, pid_t pid)
 	c->id = p->next_cid;
 	c->idx = (uint16_t)idx;
 	c->pid = pid;
+	c->pub = &kvsp_client_rows(p)[idx];
+	row_open(c, sock);
 	p->clients[idx] = c;
 	if (idx >= p->clients_hi)
 		p->clients_hi = idx + 1;
@@ -139,6 +193,10 @@ void kvsp_client_destroy(struct kvsp *p, struct kvsp_client *c)
 	p->clients[c->idx] = NULL;
 	while (p->clients_hi && !p->clients[p->clients_hi - 1])
 		p->clients_hi--;
+	/* Gone from the table before the count says so (the fence orders
+	 * the two stores): whoever sees the count drop finds no row for it. */
+	__atomic_store_n(&c->pub->id, 0, __ATOMIC_RELAXED);
+	__atomic_thread_fence(__ATOMIC_RELEASE);
 	KVS_STAT_SUB(p->stats->clients, 1);
 	client_free(c);
 }
@@ -206,6 +264,21 @@ void kvsp_client_final(struct kvsp *p, const struct kvsp_side *s, uint16_t type,
 	post(p, c, &e);
 	c->finals_owed--;
 	hd->state = hd->state == KVSP_H_CLOSING ? KVSP_H_FREE : KVSP_H_ENDED;
+	switch (type) {
+	case KVS_EV_RECV_DONE:
+		TALLY(c, chunks_recv, (bytes + p->cfg.slot_size - 1) / p->cfg.slot_size);
+		TALLY(c, bytes_recv, bytes);
+		/* fall through */
+	case KVS_EV_SEND_DONE:
+		TALLY(c, rooms_done, 1);
+		break;
+	case KVS_EV_ABORTED:
+		TALLY(c, rooms_aborted, 1);
+		break;
+	default:
+		TALLY(c, rooms_failed, 1);
+	}
+	publish_rooms(c);
 }
 
 void kvsp_count_reject(struct kvsp *p, int err)
@@ -233,6 +306,7 @@ void kvsp_client_reject(struct kvsp *p, struct kvsp_client *c, uint16_t h, int s
 			     .user_data = valid ? c->handles[h].user_data : 0,
 			     .bytes = q->arg, .slot = q->slot, .epoch = q->epoch, .gen = q->gen };
 	kvsp_count_reject(p, status);
+	count_refusal(c);
 	post(p, c, &e);
 }
 
@@ -240,13 +314,25 @@ void kvsp_client_reply(struct kvsp *p, struct kvsp_client *c, uint32_t seq, int 
 {
 	/* Counted before the client can hear of it: whoever reads the
 	 * counters after the reply sees the refusal among them. */
-	if (status < 0)
+	if (status < 0) {
 		kvsp_count_reject(p, status);
+		count_refusal(c);
+	}
 	c->cshm->reply.status = status;
 	/* Release: the reply fields, the lease area and the counters are
 	 * written before the client can see this seq. */
 	__atomic_store_n(&c->cshm->reply.seq, seq, __ATOMIC_RELEASE);
 	mark_kick(p, c);
+}
+
+/* Whether handle h is c's sending handle into a room still open. */
+static bool send_open(const struct kvsp *p, const struct kvsp_client *c, uint16_t h)
+{
+	if (h >= p->cfg.client_rooms)
+		return false;
+	const struct kvsp_handle *hd = &c->handles[h];
+	return hd->state == KVSP_H_OPEN && hd->role == KVSP_SEND &&
+	       p->rooms[hd->room].state == KVSP_ROOM_OPEN;
 }
 
 int kvsp_client_poll(struct kvsp *p, struct kvsp_client *c)
@@ -264,8 +350,24 @@ int kvsp_client_poll(struct kvsp *p, struct kvsp_client *c)
 		n = BURST;
 	struct kvs_sqe q[BURST];
 	n = kvs_ring_pop(&c->sq, q, sizeof(q[0]), n);
-	for (unsigned i = 0; i < n; i++)
+	for (unsigned i = 0; i < n; i++) {
+		if (q[i].op != KVS_OP_SEND || !send_open(p, c, q[i].handle)) {
+			kvsp_client_op(p, c, &q[i]);
+			continue;
+		}
+		/* A SEND into an open room that is not refused gives the
+		 * chunk to the room's transport (its length was checked). */
+		uint64_t refused = c->tally.rejects;
 		kvsp_client_op(p, c, &q[i]);
+		if (c->tally.rejects == refused) {
+			TALLY(c, chunks_sent, 1);
+			TALLY(c, bytes_sent, q[i].arg2);
+		}
+	}
 	KVS_STAT_ADD(p->stats->ops, n);
+	if (n) {
+		TALLY(c, ops, n);
+		publish_rooms(c); /* opens and closes change it */
+	}
 	return n ? KVSP_BUSY : KVSP_IDLE;
 }

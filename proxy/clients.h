@@ -31,6 +31,14 @@ struct kvsp_handle {
 	uint64_t user_data;
 };
 
+/* What a client did: the proxy's own copy of its published row (the row
+ * is only ever stored to, never read back). */
+struct kvsp_client_tally {
+	uint64_t ops, rejects, rooms;
+	uint64_t rooms_done, rooms_aborted, rooms_failed;
+	uint64_t chunks_sent, bytes_sent, chunks_recv, bytes_recv;
+};
+
 /* Lines a client can cause at will, each kind rate-limited apart. */
 enum { KVSP_RL_TOKEN, KVSP_RL_KINDS };
 
@@ -48,7 +56,12 @@ struct kvsp_client {
 	bool kick;  /* on p->kicks: its eventfd is due a look */
 	bool dying; /* being reclaimed: posts nothing more */
 	struct kvsp_rl rl[KVSP_RL_KINDS];
+	struct kvs_client_row *pub; /* its row in the published clients table */
+	struct kvsp_client_tally tally;
 };
+
+/* pool.c: the published clients table, one row per client index. */
+struct kvs_client_row *kvsp_client_rows(struct kvsp *p);
 
 /* A new client on sock. Returns it, or NULL with errno EUSERS (--max-clients reached) or why. */
 struct kvsp_client *kvsp_client_new(struct kvsp *p, int sock, pid_t pid);

@@ -1,9 +1,10 @@
 /* SPDX-License-Identifier: MIT */
 /*
  * The pool (slot payload) and the control segment (header, stats, slot
- * table, ring geometry). Both are memfds handed to clients; both are
- * sealed against resizing so no client can make the proxy fault, and the
- * control segment is sealed against any new writable mapping.
+ * table, ring geometry, the peer and client tables). Both are memfds
+ * handed to clients; both are sealed against resizing so no client can
+ * make the proxy fault, and the control segment is sealed against any new
+ * writable mapping.
  */
 #include <errno.h>
 #include <fcntl.h>
@@ -75,13 +76,37 @@ static int ring_geometry(uint8_t *geom, uint8_t *tmpl, unsigned count, const cha
 	return rc;
 }
 
+/* Where the control segment's parts lie: a function of the configuration
+ * only, so the proxy finds them without reading the segment back. */
+struct ctrl_geom {
+	size_t hdr, table, peers_off, clients_off, len;
+};
+
+static void ctrl_geom(const struct kvsp_config *cfg, struct ctrl_geom *g)
+{
+	g->hdr = KVS_ALIGN_UP(sizeof(struct kvs_ctrl), KVS_PAGE);
+	g->table = KVS_ALIGN_UP((size_t)cfg->slot_count * sizeof(struct kvs_slot), KVS_PAGE);
+	size_t peers = KVS_ALIGN_UP(KVS_MAX_PEERS * sizeof(struct kvs_peer), KVS_PAGE);
+	size_t clients = KVS_ALIGN_UP((size_t)cfg->max_clients * sizeof(struct kvs_client_row),
+				      KVS_PAGE);
+	g->peers_off = g->hdr + g->table + 2 * KVS_PAGE;
+	g->clients_off = g->peers_off + peers;
+	g->len = g->clients_off + clients;
+}
+
+struct kvs_client_row *kvsp_client_rows(struct kvsp *p)
+{
+	struct ctrl_geom g;
+	ctrl_geom(&p->cfg, &g);
+	return (struct kvs_client_row *)((uint8_t *)p->ctrl + g.clients_off);
+}
+
 static int ctrl_create(struct kvsp *p)
 {
 	const struct kvsp_config *cfg = &p->cfg;
-	size_t hdr = KVS_ALIGN_UP(sizeof(struct kvs_ctrl), KVS_PAGE);
-	size_t table = KVS_ALIGN_UP((size_t)cfg->slot_count * sizeof(struct kvs_slot), KVS_PAGE);
-	size_t peers = KVS_ALIGN_UP(KVS_MAX_PEERS * sizeof(struct kvs_peer), KVS_PAGE);
-	size_t len = hdr + table + 2 * KVS_PAGE + peers;
+	struct ctrl_geom g;
+	ctrl_geom(cfg, &g);
+	size_t hdr = g.hdr, table = g.table, len = g.len;
 	int rc;
 
 	int fd = memfd_create("kvstage-ctrl", MFD_CLOEXEC | MFD_ALLOW_SEALING);
@@ -111,8 +136,11 @@ static int ctrl_create(struct kvsp *p)
 	c->slots_off = hdr;
 	c->sq_geom_off = hdr + table;
 	c->cq_geom_off = hdr + table + KVS_PAGE;
-	c->peers_off = hdr + table + 2 * KVS_PAGE;
+	c->peers_off = g.peers_off;
 	c->peer_count = KVS_MAX_PEERS;
+	c->clients_off = g.clients_off;
+	c->client_count = cfg->max_clients;
+	c->client_row_size = sizeof(struct kvs_client_row);
 	c->proxy_pid = getpid();
 	struct timespec ts;
 	clock_gettime(CLOCK_REALTIME, &ts);

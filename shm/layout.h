@@ -110,6 +110,30 @@ struct kvs_peer {
 #define KVS_PEER_RDMA 1u /* chunks from us to it go by its RDMA READ */
 #define KVS_MAX_PEERS 64
 
+/* One client attached to the proxy, as kvstage-stat shows it: row i is the
+ * client at index i (kvstaged --max-clients rows). The proxy is the only
+ * writer and never reads a row back: every field is one relaxed store of a
+ * value it keeps itself. A client's id is stored last when it arrives
+ * (release) and zeroed first when it leaves, so a reader that loads the id
+ * (acquire), copies the row, fences (acquire) and finds the same non-zero
+ * id again has that one client's values. What it holds is not here: the
+ * slot table's owner field says whose each slot is. Readers step rows by
+ * ctrl's client_row_size, so fields can be appended. */
+struct kvs_client_row {
+	uint32_t id;       /* the client's id (the owner in struct kvs_slot); 0: none */
+	int32_t pid;       /* SO_PEERCRED, in the proxy's pid namespace */
+	uint32_t uid, gid; /* SO_PEERCRED */
+	uint64_t since_ns; /* CLOCK_REALTIME when it attached */
+	uint64_t ops;      /* submissions taken from its ring */
+	uint64_t rejects;  /* ops refused (REJECTED events and failed sync replies) */
+	uint64_t rooms;    /* rooms it is in whose final event it is still owed */
+	uint64_t rooms_done, rooms_aborted, rooms_failed; /* final events it was sent, by kind */
+	uint64_t chunks_sent, bytes_sent; /* SENDs taken into an open room */
+	uint64_t chunks_recv, bytes_recv; /* rooms it received whole, counted at RECV_DONE */
+	uint64_t rsvd[3];
+};
+static_assert(sizeof(struct kvs_client_row) == 128, "a client row is two cache lines");
+
 struct kvs_ctrl {
 	uint32_t magic; /* KVS_MAGIC_CTRL */
 	uint32_t abi;   /* KVS_ABI */
@@ -129,6 +153,11 @@ struct kvs_ctrl {
 	uint64_t peers_off;  /* struct kvs_peer[peer_count]: sessions with other proxies */
 	uint32_t peer_count;
 	uint32_t rsvd2;
+	/* Added in the header's padding (readers of an older proxy see 0 here):
+	 * struct kvs_client_row[client_count], client_row_size bytes apart. */
+	uint64_t clients_off;
+	uint32_t client_count;
+	uint32_t client_row_size;
 
 	/* Set while the proxy sleeps on its wake eventfd: clients kick it after
 	 * enqueueing. Own cache line: it flips on every sleep. */
@@ -136,6 +165,9 @@ struct kvs_ctrl {
 
 	struct kvs_stats stats __attribute__((aligned(KVS_CACHE_LINE)));
 };
+/* The fields above were placed without moving any older one. */
+static_assert(offsetof(struct kvs_ctrl, sleeping) == 128, "ctrl header is two cache lines");
+static_assert(offsetof(struct kvs_ctrl, stats) == 192, "stats stay where ABI 2 put them");
 
 /* ---------------------------------------------------------------- rings */
 
