@@ -13,12 +13,15 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/ioctl.h>
 #include <sys/prctl.h>
 #include <sys/wait.h>
+#include <termios.h>
 #include <time.h>
 #include <unistd.h>
 
 #include "harness.h"
+#include "rawclient.h"
 
 static struct proxy px = PROXY_INIT;
 static char out[65536], err[65536];
@@ -321,8 +324,8 @@ Test(tools, ctl_without_a_proxy_says_why)
 Test(tools, stat_help_tells_every_option)
 {
 	cr_assert_eq(RUN(build_path("tools/kvstage-stat"), "--help"), 0);
-	const char *says[] = { "--socket", "--json", "--watch", "--slots", "--help", "--version",
-			       "serving or draining", "Exit status" };
+	const char *says[] = { "--socket", "--json", "--watch", "--top", "--slots", "--help",
+			       "--version", "serving or draining", "Exit status" };
 	for (unsigned i = 0; i < sizeof(says) / sizeof(says[0]); i++)
 		cr_assert(strstr(out, says[i]), "--help does not mention %s: %s", says[i], out);
 }
@@ -562,6 +565,388 @@ Test(tools, stat_shows_draining)
 	cr_assert_eq(RUN(stat, "-s", px.sock, "--json"), 0, "%s", err);
 	snprintf(want, sizeof(want), "{\"socket\":\"%s\",\"up\":true,\"draining\":true,", px.sock);
 	cr_assert_eq(strncmp(out, want, strlen(want)), 0, "%s", out);
+}
+
+/* ------------------------------------------------- kvstage-stat --top */
+
+#define SLOT4K 4096u
+
+Test(tools, stat_refuses_lenient_top)
+{
+	const char *stat = build_path("tools/kvstage-stat");
+	const char *bad[] = { "--top=", "--top=0", "--top= 5", "--top=5x", "--top=+5", "--top=-5",
+			      "--top=2147483648", "-t0", "-t5ms" };
+	for (unsigned i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+		int rc = RUN(stat, "-s", NO_SOCK, bad[i]);
+		cr_assert_eq(rc, 2, "%s: exit %d: %s", bad[i], rc, err);
+		cr_assert(strstr(err, "invalid --top"), "%s said: %s", bad[i], err);
+	}
+	cr_assert_eq(RUN(stat, "-s", NO_SOCK, "--top", "--slots"), 2, "%s", err);
+	cr_assert(strstr(err, "--slots does not go with --top"), "%s", err);
+	/* --top takes its interval attached: "--top 50" is a stray argument */
+	cr_assert_eq(RUN(stat, "-s", NO_SOCK, "--top", "50"), 2, "%s", err);
+}
+
+/* What a stepped client in its own process is told to do. */
+enum { DO_ROOM = 1, DO_HOLD, DO_CLOSE };
+struct step {
+	int cmd;
+	unsigned n; /* DO_HOLD: slots to hold */
+	struct kvs_room_desc d;
+};
+
+/* A client in its own process (its own pid): DO_ROOM sends every chunk of
+ * the room and waits for SEND_DONE; DO_HOLD opens the room (if given one),
+ * holds n fresh leases and sends one of them at an offset no chunk has (a
+ * raw record past libkvstage's checks: the proxy refuses it); DO_CLOSE
+ * says goodbye. Each step is answered with a slot it holds (DO_HOLD) or 0
+ * once done. */
+static int stepped_client(int rd_, int wr, void *arg)
+{
+	(void)arg;
+	kvs_client *c;
+	if (kvs_connect(px.sock, &c))
+		return 10;
+	for (;;) {
+		struct step st;
+		if (chan_get(rd_, &st, sizeof(st)))
+			return 11;
+		uint32_t answer = 0;
+		kvs_room *r;
+		struct kvs_lease l[8];
+		switch (st.cmd) {
+		case DO_ROOM: {
+			if (kvs_send_open(c, &st.d, 1, &r))
+				return 12;
+			unsigned n = kvs_room_chunks(r);
+			uint64_t bytes = kvs_room_bytes(r);
+			if (n > 8 || kvs_acquire(c, n, l))
+				return 13;
+			for (unsigned k = 0; k < n; k++) {
+				uint64_t off = (uint64_t)k * SLOT4K;
+				uint32_t len = bytes - off < SLOT4K ? (uint32_t)(bytes - off) : SLOT4K;
+				if (kvs_send(r, &l[k], off, len))
+					return 14;
+			}
+			struct kvs_event ev;
+			if (kvs_wait(c, &ev, WAIT_MS) != 1 || ev.type != KVS_EV_SEND_DONE)
+				return 15;
+			if (kvs_room_close(r))
+				return 16;
+			break;
+		}
+		case DO_HOLD:
+			if (st.d.bytes[0] && kvs_send_open(c, &st.d, 2, &r))
+				return 17;
+			if (st.n > 8 || kvs_acquire(c, st.n, l))
+				return 18;
+			answer = l[0].slot;
+			if (st.d.bytes[0]) {
+				struct kvs_sqe q = { .op = KVS_OP_SEND, .handle = kvs_room_handle_idx(r),
+						     .gen = kvs_room_handle_gen(r), .slot = l[0].slot,
+						     .epoch = l[0].epoch, .arg = 1, .arg2 = SLOT4K };
+				struct kvs_event ev;
+				if (raw_submit(c, &q) || kvs_wait(c, &ev, WAIT_MS) != 1 ||
+				    ev.type != KVS_EV_REJECTED || ev.status != -EINVAL)
+					return 21;
+			}
+			break;
+		case DO_CLOSE:
+			kvs_close(c);
+			return 0;
+		default:
+			return 19;
+		}
+		if (chan_put(wr, &answer, sizeof(answer)))
+			return 20;
+	}
+}
+
+static uint32_t step(struct child *ch, int cmd, unsigned n, const struct kvs_room_desc *d)
+{
+	struct step st = { .cmd = cmd, .n = n };
+	if (d)
+		st.d = *d;
+	cr_assert_eq(chan_put(ch->to, &st, sizeof(st)), 0);
+	uint32_t answer;
+	cr_assert_eq(chan_get(ch->from, &answer, sizeof(answer)), 0,
+		     "the stepped client died: exit %d", child_wait(ch));
+	return answer;
+}
+
+/* The JSON entry of client id in a --json line (up to its closing brace),
+ * into buf; "" if there is none. */
+static const char *json_client(const char *json, uint32_t id, char *buf, size_t cap)
+{
+	char key[32];
+	snprintf(key, sizeof(key), "{\"id\":%u,", id);
+	const char *at = strstr(json, key);
+	buf[0] = 0;
+	if (!at)
+		return buf;
+	int depth = 0;
+	const char *q = at;
+	for (; *q; q++) {
+		depth += *q == '{';
+		depth -= *q == '}';
+		if (!depth)
+			break;
+	}
+	snprintf(buf, cap, "%.*s", (int)(q - at + 1), at);
+	return buf;
+}
+
+/* The next whole plain --top sample at or after *at (from its first line,
+ * which holds first, to the blank line before the next), into buf; *at
+ * moves on to the next one. */
+static void next_sample(size_t *at, const char *first, char *buf, size_t cap)
+{
+	char line[4096];
+	size_t a = read_line(*at, first, line, sizeof(line));
+	size_t start = a - strlen(line) - 1;
+	size_t b = read_line(a, first, line, sizeof(line));
+	size_t end = b - strlen(line) - 1;
+	snprintf(buf, cap, "%.*s", (int)(end - start), rd.buf + start);
+	*at = end;
+}
+
+/* The start of a client's --top row: id, pid, uid, leases, inflight, rooms. */
+static const char *top_row(char *buf, size_t cap, uint32_t id, pid_t pid, unsigned leases,
+			   unsigned inflight, unsigned rooms)
+{
+	snprintf(buf, cap, "\n%5u %7d %5d %6u %5u %5u ", id, (int)pid, (int)getuid(), leases,
+		 inflight, rooms);
+	return buf;
+}
+
+/* Three clients, each what it did: a sender in its own process (3 chunks
+ * sent in two rooms, 2 leases held, a third room open, a send refused), this test as their
+ * receiver (3 chunks received, the second room's 2 slots still held, the
+ * third room open), and an idle one holding a slot. --json and --top show
+ * each with its pid, uid, leases, rooms and bytes; busiest first; one
+ * that says goodbye is gone from both. */
+Test(tools, stat_top_and_json_show_clients)
+{
+	proxy_start(&px, NULL, (const char *[]){ "--slots", "16", "--slot-size", "4K", NULL });
+	const char *stat = build_path("tools/kvstage-stat");
+	struct child tx, idle;
+	child_start(&tx, stepped_client, NULL);
+	child_start(&idle, stepped_client, NULL);
+	kvs_client *rx = connect_ok(&px);
+
+	kvs_room *ra, *rb, *rc;
+	struct kvs_room_desc d;
+	struct kvs_event ev;
+	cr_assert_eq(kvs_recv_open(rx, 4096, 1, &ra, &d), 0);
+	step(&tx, DO_ROOM, 0, &d);
+	ev = wait_event(rx);
+	cr_assert_eq(ev.type, KVS_EV_RECV_DONE);
+	cr_assert_eq(kvs_room_close(ra), 0);
+	cr_assert_eq(kvs_recv_open(rx, 8192, 2, &rb, &d), 0);
+	step(&tx, DO_ROOM, 0, &d);
+	ev = wait_event(rx);
+	cr_assert_eq(ev.type, KVS_EV_RECV_DONE);
+	struct kvs_lease held;
+	cr_assert_eq(kvs_room_lease(rb, 0, &held), 0); /* rb stays: its 2 slots are ours */
+	cr_assert_eq(kvs_recv_open(rx, 4096, 3, &rc, &d), 0);
+	uint32_t tx_id = slot_pub(&px, step(&tx, DO_HOLD, 2, &d)).owner;
+	struct kvs_room_desc none = { 0 };
+	uint32_t idle_id = slot_pub(&px, step(&idle, DO_HOLD, 1, &none)).owner;
+	uint32_t rx_id = slot_pub(&px, held.slot).owner;
+	cr_assert(tx_id && idle_id && rx_id && tx_id != idle_id && tx_id != rx_id);
+
+	/* --json: each client's values */
+	cr_assert_eq(RUN(stat, "-s", px.sock, "--json"), 0, "%s", err);
+	cr_assert_neq(json_lines_ok(out, px.sock), 0, "not JSON: %s\n%s", err, out);
+	char e[2048], want[512];
+	json_client(out, tx_id, e, sizeof(e));
+	snprintf(want, sizeof(want), "{\"id\":%u,\"pid\":%d,\"uid\":%u,\"gid\":%u,", tx_id,
+		 (int)tx.pid, (unsigned)getuid(), (unsigned)getgid());
+	cr_assert_eq(strncmp(e, want, strlen(want)), 0, "want %s in: %s", want, out);
+	const char *tx_has[] = {
+		"\"command\":\"test-tools\"",
+		"\"leases\":2,\"inflight\":0,\"rooms_open\":1,\"rooms_done\":2,\"rooms_aborted\":0,"
+		"\"rooms_failed\":0,",
+		"\"rejects\":1,\"chunks_sent\":3,\"bytes_sent\":12288,\"chunks_recv\":0,"
+		"\"bytes_recv\":0}",
+	};
+	for (unsigned i = 0; i < 3; i++)
+		cr_assert(strstr(e, tx_has[i]), "want %s in the sender's %s", tx_has[i], e);
+	cr_assert_null(strstr(e, "\"rates\""), "one sample has no rates: %s", e);
+
+	json_client(out, rx_id, e, sizeof(e));
+	snprintf(want, sizeof(want), "{\"id\":%u,\"pid\":%d,\"uid\":%u,", rx_id, (int)getpid(),
+		 (unsigned)getuid());
+	cr_assert_eq(strncmp(e, want, strlen(want)), 0, "want %s in: %s", want, out);
+	const char *rx_has[] = {
+		"\"leases\":2,\"inflight\":0,\"rooms_open\":1,\"rooms_done\":2,",
+		"\"chunks_sent\":0,\"bytes_sent\":0,\"chunks_recv\":3,\"bytes_recv\":12288}",
+	};
+	for (unsigned i = 0; i < 2; i++)
+		cr_assert(strstr(e, rx_has[i]), "want %s in the receiver's %s", rx_has[i], e);
+
+	json_client(out, idle_id, e, sizeof(e));
+	snprintf(want, sizeof(want), "{\"id\":%u,\"pid\":%d,", idle_id, (int)idle.pid);
+	cr_assert_eq(strncmp(e, want, strlen(want)), 0, "want %s in: %s", want, out);
+	cr_assert(strstr(e, "\"leases\":1,\"inflight\":0,\"rooms_open\":0,\"rooms_done\":0,"), "%s",
+		  e);
+	cr_assert(strstr(e, "\"bytes_sent\":0,\"chunks_recv\":0,\"bytes_recv\":0}"), "%s", e);
+
+	/* --top, plain: the same rows; once nothing moves (every rate 0), the
+	 * two that moved bytes come before the idle one */
+	watcher_start((const char *[]){ stat, "--top=50", "-s", px.sock, NULL });
+	char first[256], sample[16384], r_tx[128], r_rx[128], r_idle[128];
+	snprintf(first, sizeof(first), "kvstaged %s: serving  pid %d", px.sock, px.pid);
+	char q_tx[192], q_rx[192], q_idle[192];
+	top_row(r_tx, sizeof(r_tx), tx_id, tx.pid, 2, 0, 1);
+	top_row(r_rx, sizeof(r_rx), rx_id, getpid(), 2, 0, 1);
+	top_row(r_idle, sizeof(r_idle), idle_id, idle.pid, 1, 0, 0);
+	/* OPS/s SENT SENT/s RECV RECV/s, all rates 0 */
+	snprintf(q_tx, sizeof(q_tx), "%s%7s %6s %7s %6s %7s ", r_tx, "0", "12K", "0", "0", "0");
+	snprintf(q_rx, sizeof(q_rx), "%s%7s %6s %7s %6s %7s ", r_rx, "0", "0", "0", "12K", "0");
+	snprintf(q_idle, sizeof(q_idle), "%s%7s %6s %7s %6s %7s ", r_idle, "0", "0", "0", "0", "0");
+	size_t at = 0;
+	next_sample(&at, first, sample, sizeof(sample));
+	cr_assert(strstr(sample, r_tx) && strstr(sample, r_rx) && strstr(sample, r_idle),
+		  "want rows\n%s\n%s\n%s\nin the first sample:\n%s", r_tx, r_rx, r_idle, sample);
+	cr_assert(strstr(sample, "rates     rooms/s -"), "%s", sample);
+	bool quiet = false;
+	for (unsigned n = 0; n < 100 && !quiet; n++) {
+		next_sample(&at, first, sample, sizeof(sample));
+		quiet = strstr(sample, q_tx) && strstr(sample, q_rx) && strstr(sample, q_idle);
+	}
+	cr_assert(quiet, "no sample with\n%s\n%s\n%s\nthe last:\n%s", q_tx, q_rx, q_idle, sample);
+	cr_assert(strstr(sample, "  clients 3  peers 0\n"), "%s", sample);
+	cr_assert_lt(strstr(sample, q_tx), strstr(sample, q_idle), "busiest first:\n%s", sample);
+	cr_assert_lt(strstr(sample, q_rx), strstr(sample, q_idle), "busiest first:\n%s", sample);
+	cr_assert_null(memchr(rd.buf, '\033', rd.len), "escape codes on a pipe: %s", rd.buf);
+	kill(watcher, SIGKILL);
+	waitpid(watcher, NULL, 0);
+	watcher = 0;
+	close(rd.fd);
+
+	/* --top --json: JSON lines, each client with rates from the second on */
+	watcher_start((const char *[]){ stat, "--top=50", "--json", "-s", px.sock, NULL });
+	char line[65536];
+	at = read_line(0, "\"clients_table\":[", line, sizeof(line));
+	json_client(line, tx_id, e, sizeof(e));
+	cr_assert(strstr(e, "\"rates\":null}"), "the first sample has no rates yet: %s", e);
+	at = read_line(at, "\"clients_table\":[", line, sizeof(line));
+	json_client(line, tx_id, e, sizeof(e));
+	cr_assert(strstr(e, "\"rates\":{\"ops_per_s\":"), "%s", e);
+	kill(watcher, SIGKILL);
+	waitpid(watcher, NULL, 0);
+	watcher = 0;
+	close(rd.fd);
+
+	/* the idle one says goodbye: gone from the table */
+	struct step bye = { .cmd = DO_CLOSE };
+	cr_assert_eq(chan_put(idle.to, &bye, sizeof(bye)), 0);
+	cr_assert_eq(child_wait(&idle), 0);
+	stat_wait(&px, "clients", 0, 2);
+	cr_assert_eq(RUN(stat, "-s", px.sock, "--json"), 0, "%s", err);
+	cr_assert_str_eq(json_client(out, idle_id, e, sizeof(e)), "", "still listed: %s", out);
+	snprintf(want, sizeof(want), "\"pid\":%d,", (int)idle.pid);
+	cr_assert_null(strstr(out, want), "%s", out);
+	cr_assert_str_neq(json_client(out, tx_id, e, sizeof(e)), "");
+	watcher_start((const char *[]){ stat, "--top=50", "-s", px.sock, NULL });
+	at = 0;
+	next_sample(&at, first, sample, sizeof(sample));
+	cr_assert(strstr(sample, r_tx) && strstr(sample, r_rx), "%s", sample);
+	snprintf(want, sizeof(want), "\n%5u %7d ", idle_id, (int)idle.pid);
+	cr_assert_null(strstr(sample, want), "the closed client is still shown:\n%s", sample);
+	cr_assert(strstr(sample, "  clients 2  peers 0\n"), "%s", sample);
+
+	cr_assert_eq(chan_put(tx.to, &bye, sizeof(bye)), 0);
+	cr_assert_eq(child_wait(&tx), 0);
+	kvs_room_close(rb);
+	kvs_room_close(rc);
+	kvs_close(rx);
+}
+
+/* --top follows the proxy as --watch does: a line while it is down, the new
+ * instance marked when it is back. */
+Test(tools, stat_top_follows_a_proxy_that_dies_and_comes_back)
+{
+	proxy_start(&px, NULL, small);
+	watcher_start((const char *[]){ build_path("tools/kvstage-stat"), "--top=50", "-s", px.sock,
+					NULL });
+	char want[256], line[4096];
+	snprintf(want, sizeof(want), "kvstaged %s: serving  pid %d", px.sock, px.pid);
+	size_t at = read_line(0, want, line, sizeof(line));
+	at = read_line(at, "   ID     PID   UID LEASES INFLT ROOMS   OPS/s", line, sizeof(line));
+	proxy_kill(&px, SIGKILL);
+	snprintf(want, sizeof(want), "kvstaged %s: down (%s)", px.sock,
+		 kvs_strerror(-ECONNREFUSED));
+	at = read_line(at, want, line, sizeof(line));
+	cr_assert_str_eq(line, want);
+	proxy_restart(&px, small);
+	snprintf(want, sizeof(want), "kvstaged %s: serving  pid %d", px.sock, px.pid);
+	at = read_line(at, want, line, sizeof(line));
+	cr_assert(strstr(line, "(new instance)"), "%s", line);
+	/* rates start over with the new instance */
+	at = read_line(at, "rates     ", line, sizeof(line));
+	cr_assert_str_eq(line, "rates     rooms/s -  GB/s -  aborts/s -  failures/s -  chunks/s -");
+	cr_assert_null(memchr(rd.buf, '\033', rd.len), "escape codes on a pipe: %s", rd.buf);
+}
+
+/* On a terminal --top redraws from the top left, cuts lines to the width
+ * and rows to the height, and says how many it left out. */
+Test(tools, stat_top_on_a_terminal_redraws_and_fits)
+{
+	proxy_start(&px, NULL, (const char *[]){ "--slots", "16", "--slot-size", "4K", NULL });
+	kvs_client *cs[6];
+	for (int i = 0; i < 6; i++)
+		cs[i] = connect_ok(&px);
+	int m = posix_openpt(O_RDWR | O_NOCTTY | O_CLOEXEC);
+	cr_assert_geq(m, 0, "posix_openpt: %s", strerror(errno));
+	cr_assert_eq(grantpt(m), 0);
+	cr_assert_eq(unlockpt(m), 0);
+	struct winsize ws = { .ws_row = 10, .ws_col = 60 };
+	cr_assert_eq(ioctl(m, TIOCSWINSZ, &ws), 0);
+	int sl = open(ptsname(m), O_RDWR | O_NOCTTY | O_CLOEXEC);
+	cr_assert_geq(sl, 0, "%s", strerror(errno));
+	struct termios tio;
+	cr_assert_eq(tcgetattr(sl, &tio), 0);
+	cfmakeraw(&tio); /* no \r added: lines as written */
+	cr_assert_eq(tcsetattr(sl, TCSANOW, &tio), 0);
+	fflush(NULL);
+	pid_t pid = fork();
+	cr_assert_neq(pid, -1);
+	if (pid == 0) {
+		prctl(PR_SET_PDEATHSIG, SIGKILL);
+		dup2(sl, 1);
+		execl(build_path("tools/kvstage-stat"), "kvstage-stat", "--top=50", "-s", px.sock,
+		      (char *)NULL);
+		_exit(127);
+	}
+	close(sl);
+	watcher = pid;
+	rd.fd = m;
+	rd.len = 0;
+	rd.buf[0] = 0;
+	char line[4096];
+	/* a whole screen: the clear, then 8 lines and what was left out (the
+	 * 6 clients make 12 lines for a 10-row screen, one row kept free) */
+	size_t at = read_line(0, "\033[H\033[2Jkvstaged ", line, sizeof(line));
+	size_t start = at - strlen(line) - 1;
+	at = read_line(at, "... ", line, sizeof(line));
+	cr_assert_str_eq(line, "... 4 more lines");
+	char screen[8192];
+	snprintf(screen, sizeof(screen), "%.*s", (int)(at - start), rd.buf + start);
+	unsigned lines = 0;
+	for (char *q = screen; *q; lines++) {
+		char *eol = strchr(q, '\n');
+		cr_assert_not_null(eol);
+		size_t n = (size_t)(eol - q) - (lines ? 0 : strlen("\033[H\033[2J"));
+		cr_assert_leq(n, 60, "line %u is %zu wide:\n%s", lines, n, screen);
+		q = eol + 1;
+	}
+	cr_assert_eq(lines, 9, "%s", screen);
+	cr_assert(strstr(screen, "\n   ID     PID   UID LEASES INFLT ROOMS"), "%s", screen);
+	read_line(at, "\033[H\033[2Jkvstaged ", line, sizeof(line)); /* and again */
+	for (int i = 0; i < 6; i++)
+		kvs_close(cs[i]);
 }
 
 /* ---------------------------------------------------------- kvstage-bench */
