@@ -208,7 +208,7 @@ $(cat "$tmp/kvstaged.log")"
 	# the loader, as on a host where the prefix is in ld.so.conf).
 	if [ $failed -eq 0 ] && [ -n "$pydir" ]; then
 		if out=$(cd "$tmp" && env -u KVSTAGE_LIB PYTHONPATH="$D$pydir" LD_LIBRARY_PATH="$D$libdir" \
-			python3 -c '
+			"${KVSTAGE_PYTHON:-python3}" -c '
 import sys, kvstage
 from kvstage import _lib
 assert kvstage.__file__.startswith(sys.argv[2]), kvstage.__file__

@@ -14,6 +14,13 @@ enum kvsp_huge { KVSP_HUGE_AUTO, KVSP_HUGE_ON, KVSP_HUGE_OFF };
 
 #define KVSP_MAX_ALLOW 16
 
+/* --transport: how chunks go to peer proxies. */
+enum kvsp_peer_data {
+	KVSP_DATA_AUTO = 0, /* RDMA READ on --rdma-device, else on the first device found, else TCP */
+	KVSP_DATA_TCP,      /* TCP only; no device is opened */
+	KVSP_DATA_VERBS,    /* RDMA READ: a device must open, or the start fails */
+};
+
 struct kvsp_secret;
 
 /* The tcp transport (--listen, or a peer secret alone: dial only). */
@@ -23,7 +30,8 @@ struct kvsp_tcp_opts {
 	unsigned streams;      /* connections per peer */
 	uint64_t peer_timeout_ns;
 	bool checksum;         /* CRC32C of every payload */
-	const char *rdma_device; /* chunks by RDMA READ with peers that have it; NULL: none */
+	enum kvsp_peer_data data;
+	const char *rdma_device; /* chunks by RDMA READ with peers that have it; NULL: per data */
 	int rdma_gid_index;    /* -1: the device's first RoCE v2 GID, IPv4-mapped first */
 	const struct kvsp_secret *secret; /* NULL: no tcp transport */
 	uint64_t instance;     /* ours: filled in by kvsp_init */

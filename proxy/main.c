@@ -80,6 +80,12 @@ static void usage(FILE *f)
 "                           fail (default 10000, at least 100)\n"
 "      --tcp-checksum       send a CRC32C of every chunk's payload (received\n"
 "                           ones are always checked when they carry one)\n"
+"      --transport MODE     how chunks go to peers: auto | tcp | verbs (default\n"
+"                           auto: by RDMA READ on --rdma-device, else on the\n"
+"                           first RDMA device with a port up, else by TCP;\n"
+"                           tcp: never RDMA; verbs: RDMA, and no start\n"
+"                           without a device). Each peer without RDMA gets\n"
+"                           TCP; the log says which a peer gets\n"
 "      --rdma-device NAME   move chunks by RDMA READ on this device with peers\n"
 "                           that have one too (the others: by TCP); the pool\n"
 "                           is registered for local write and remote read\n"
@@ -137,7 +143,7 @@ static int bad(const char *opt, const char *val, const char *why)
 enum {
 	O_HUGE = 256, O_NOLOCK, O_UID, O_GID, O_ROOMS, O_CROOMS, O_CLIENTS, O_RING, O_TIMEOUT,
 	O_GRACE, O_SPIN, O_FP, O_READY, O_SMODE, O_SGROUP, O_LISTEN, O_ADVERTISE, O_SECRET,
-	O_STREAMS, O_PTIMEOUT, O_CSUM, O_RDMA, O_GIDX, O_METRICS,
+	O_STREAMS, O_PTIMEOUT, O_CSUM, O_RDMA, O_GIDX, O_METRICS, O_TRANSPORT,
 };
 
 /* The --config FILE argument, if any, before anything is parsed: the
@@ -190,6 +196,7 @@ int main(int argc, char **argv)
 		{ "tcp-streams", required_argument, NULL, O_STREAMS },
 		{ "peer-timeout", required_argument, NULL, O_PTIMEOUT },
 		{ "tcp-checksum", no_argument, NULL, O_CSUM },
+		{ "transport", required_argument, NULL, O_TRANSPORT },
 		{ "rdma-device", required_argument, NULL, O_RDMA },
 		{ "rdma-gid-index", required_argument, NULL, O_GIDX },
 		{ "metrics-listen", required_argument, NULL, O_METRICS },
@@ -371,6 +378,16 @@ int main(int argc, char **argv)
 		case O_CSUM:
 			cfg.tcp.checksum = true;
 			break;
+		case O_TRANSPORT:
+			if (!strcmp(optarg, "auto"))
+				cfg.tcp.data = KVSP_DATA_AUTO;
+			else if (!strcmp(optarg, "tcp"))
+				cfg.tcp.data = KVSP_DATA_TCP;
+			else if (!strcmp(optarg, "verbs"))
+				cfg.tcp.data = KVSP_DATA_VERBS;
+			else
+				return bad("--transport", optarg, "want auto, tcp or verbs");
+			break;
 		case O_RDMA:
 			if (!*optarg)
 				return bad("--rdma-device", optarg, "want a device name (ibv_devices)");
@@ -434,6 +451,17 @@ int main(int argc, char **argv)
 	} else if (cfg.tcp.listen) {
 		fprintf(stderr, "kvstaged: --listen needs the deployment's peer secret: "
 			"--peer-secret-file PATH or $KVSTAGE_PEER_SECRET\nTry 'kvstaged --help'.\n");
+		return 2;
+	}
+	if (cfg.tcp.rdma_device && cfg.tcp.data == KVSP_DATA_TCP) {
+		fprintf(stderr, "kvstaged: --transport tcp never uses RDMA: drop --rdma-device, or "
+			"say --transport verbs or auto\nTry 'kvstaged --help'.\n");
+		return 2;
+	}
+	if (cfg.tcp.data == KVSP_DATA_VERBS && !cfg.tcp.secret) {
+		fprintf(stderr, "kvstaged: --transport verbs rides on the tcp transport's sessions: "
+			"it needs the peer secret (--peer-secret-file or $KVSTAGE_PEER_SECRET)\n"
+			"Try 'kvstaged --help'.\n");
 		return 2;
 	}
 	if (cfg.tcp.rdma_device && !cfg.tcp.secret) {

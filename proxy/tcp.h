@@ -225,6 +225,10 @@ void tcp_sess_end(struct tcp *tc, struct tcp_sess *s);
 /* tcp_rdma.c */
 /* Opens the device of o->rdma_device over our pool. Returns 0, or -errno with why. */
 int tcp_rdma_open(struct tcp *tc, const struct kvsp_tcp_opts *o, char *why, size_t len);
+/* --transport: opens the device it asks for (or finds one, for auto) and
+ * says which data path peers get. Returns 0, or -errno with why (only where
+ * a device was asked for and cannot open). */
+int tcp_rdma_choose(struct tcp *tc, const struct kvsp_tcp_opts *o, char *why, size_t len);
 /* Closes it (every session gone). */
 void tcp_rdma_close(struct tcp *tc);
 /* s came up: with a device, makes its queue pair and owes RDMA_HELLO. */

@@ -50,13 +50,44 @@ int tcp_rdma_open(struct tcp *tc, const struct kvsp_tcp_opts *o, char *why, size
 				 kvsp_slot_mem(tc->p, 0), (size_t)slots * kvsp_slot_size(tc->p),
 				 TCP_MAX_SESS * TCP_RDMA_WINDOW, err, sizeof(err));
 	if (rc < 0) {
-		snprintf(why, len, "--rdma-device %s: %s", o->rdma_device, err);
+		if (o->rdma_device)
+			snprintf(why, len, "--rdma-device %s: %s", o->rdma_device, err);
+		else
+			snprintf(why, len, "%s", err);
 		free(tc->verbs);
 		tc->verbs = NULL;
 		return rc;
 	}
 	LOG_INFO("rdma: %s port %u, GID index %d: chunks by RDMA READ with peers that have it",
 		 tc->verbs->name, tc->verbs->port, tc->verbs->gid_index);
+	return 0;
+}
+
+int tcp_rdma_choose(struct tcp *tc, const struct kvsp_tcp_opts *o, char *why, size_t len)
+{
+	if (o->data == KVSP_DATA_TCP) {
+		LOG_INFO("peers: chunks by TCP (--transport tcp)");
+		return 0;
+	}
+	if (o->data == KVSP_DATA_VERBS || o->rdma_device) {
+		int rc = tcp_rdma_open(tc, o, why, len);
+		if (rc < 0 && o->data == KVSP_DATA_VERBS && !o->rdma_device) {
+			char err[256];
+			snprintf(err, sizeof(err), "%s", why);
+			snprintf(why, len, "--transport verbs: %s", err);
+		}
+		return rc;
+	}
+	/* auto, no device named: the first one whose port is up, if any; a
+	 * device that will not open costs this proxy RDMA, never its start. */
+	char err[256];
+	int rc = tcp_rdma_open(tc, o, err, sizeof(err));
+	if (rc == -ENODEV && strstr(err, "found none"))
+		LOG_INFO("peers: chunks by TCP (--transport auto: no RDMA device here)");
+	else if (rc < 0)
+		LOG_WARN("peers: chunks by TCP (--transport auto: %s)", err);
+	if (rc < 0)
+		tcp_rdma_close(tc);
 	return 0;
 }
 

@@ -338,8 +338,8 @@ struct kvsp_transport *kvsp_tcp_create(struct kvsp *p, const struct kvsp_tcp_opt
 			rc = open_listener(tc, why, why_len);
 		}
 	}
-	if (rc == 0 && o->rdma_device)
-		rc = tcp_rdma_open(tc, o, why, why_len);
+	if (rc == 0)
+		rc = tcp_rdma_choose(tc, o, why, why_len);
 	if (rc == 0) {
 		uint64_t q = tc->timeout_ns / 4;
 		struct itimerspec its = { .it_interval = { (time_t)(q / 1000000000), (long)(q % 1000000000) } };

@@ -62,6 +62,8 @@ Test(cli, kvstaged_refuses_bad_input)
 		{ "--slot-size", "4G", "32-bit length" },
 		{ "--slot-size", " 4K", "--slot-size" },
 		{ "--socket-mode", "rw", "octal" },
+		{ "--transport", "rdma", "want auto, tcp or verbs" },
+		{ "--metrics-listen", "localhost:9464", "numeric" },
 	};
 	for (unsigned i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
 		int rc = RUN(bin, "--socket", "/tmp/kvstage-cli-never.sock", bad[i].a, bad[i].b);
@@ -72,6 +74,54 @@ Test(cli, kvstaged_refuses_bad_input)
 	cr_assert(strstr(err, "1 TiB"), "%s", err);
 	cr_assert_eq(RUN(bin, "stray"), 2);
 	cr_assert(strstr(err, "unexpected argument"), "%s", err);
+}
+
+/* Whether this host has an RDMA device (the kernel lists it). */
+static bool host_has_rdma(void)
+{
+	FILE *f = popen("ls /sys/class/infiniband 2>/dev/null", "r");
+	char line[64];
+	bool any = f && fgets(line, sizeof(line), f);
+	if (f)
+		pclose(f);
+	return any;
+}
+
+/* --transport: the combinations that cannot work are refused at once. */
+Test(cli, transport_choices_that_cannot_work)
+{
+	const char *bin = build_path("proxy/kvstaged");
+	unsetenv("KVSTAGE_PEER_SECRET");
+	cr_assert_eq(RUN(bin, "--socket", "/tmp/kvstage-cli-never.sock", "--transport", "verbs"), 2);
+	cr_assert(strstr(err, "--transport verbs rides on the tcp transport") && strstr(err, "secret"),
+		  "%s", err);
+	setenv("KVSTAGE_PEER_SECRET", "kvstage-cli-test-secret-0123456789", 1);
+	cr_assert_eq(RUN(bin, "--socket", "/tmp/kvstage-cli-never.sock", "--transport", "tcp",
+			 "--rdma-device", "rxe0"), 2);
+	cr_assert(strstr(err, "--transport tcp never uses RDMA"), "%s", err);
+}
+
+/* Without a device: auto says it uses TCP and serves; verbs will not start. */
+Test(cli, transport_without_an_rdma_device)
+{
+	if (host_has_rdma())
+		cr_skip_test("this host has an RDMA device (/sys/class/infiniband): the no-device "
+			     "choices cannot be shown here");
+	setenv("KVSTAGE_PEER_SECRET", "kvstage-cli-test-secret-0123456789", 1);
+	const char *bin = build_path("proxy/kvstaged");
+	cr_assert_eq(RUN(bin, "--socket", "/tmp/kvstage-cli-verbs.sock", "--slots", "1", "--slot-size",
+			 "4K", "--no-lock", "--transport", "verbs"), 1);
+	cr_assert(strstr(err, "--transport verbs: no RDMA device"), "%s", err);
+	cr_assert(!strstr(err, "serving"), "it served: %s", err);
+	const char *args[] = { "--slots", "1", "--slot-size", "4K", "--transport", "auto", NULL };
+	proxy_start(&px, NULL, args);
+	char log[8192] = "";
+	FILE *f = fopen(px.log, "r");
+	cr_assert_not_null(f);
+	size_t n = fread(log, 1, sizeof(log) - 1, f);
+	log[n] = 0;
+	fclose(f);
+	cr_assert(strstr(log, "peers: chunks by TCP (--transport auto: no RDMA device here)"), "%s", log);
 }
 
 /* --ready-fd 2: "ready" goes to stderr, and stderr stays open for the log. */

@@ -81,13 +81,16 @@ static const struct xport *path(enum kind k, const char *slots)
 	if (k == X_VERBS && !(dev && *dev))
 		cr_skip_test("verbs: no RDMA device here ($KVSTAGE_TEST_RDMA_DEVICE unset); "
 			     "tools/run-tests.sh runs these cases on rxe0 in the soft-RoCE guest");
-	const char *args[] = { "--slots", slots, "--slot-size", "64K", "--listen", "127.0.0.1:0",
-			       "--peer-timeout", "5000", NULL, NULL, NULL };
+	/* Each kind says its data path: in the soft-RoCE guest, --transport
+	 * auto would give the tcp kind RDMA too. */
+	const char *args[] = { "--slots", slots, "--slot-size", "64K", "--peer-timeout", "5000",
+			       "--transport", k == X_VERBS ? "verbs" : "tcp", "--listen", "127.0.0.1:0",
+			       NULL, NULL, NULL };
 	if (k == X_LOCAL)
-		args[4] = NULL;
+		args[8] = NULL;
 	if (k == X_VERBS) {
-		args[8] = "--rdma-device";
-		args[9] = dev;
+		args[10] = "--rdma-device";
+		args[11] = dev;
 	}
 	proxy_start(&p_rx, NULL, args);
 	rxp = txp = &p_rx;
@@ -106,6 +109,8 @@ static void path_ends_clean(kvs_client *rx, kvs_client *tx)
 	one_room(rx, tx, 0xC1EA);
 	if (cur_kind == X_VERBS) /* and it did not fall back to the sockets */
 		cr_assert_geq(stat_get(rxp, "rdma_reads"), reads + 3, "the room's 3 chunks came by READ");
+	else /* and --transport tcp kept RDMA out, even where a device is */
+		cr_assert_eq(stat_get(rxp, "rdma_reads"), 0, "%s: chunks came by READ", kind_name[cur_kind]);
 	kvs_close(tx);
 	kvs_close(rx);
 	wait_idle(rxp, 0);
@@ -360,8 +365,8 @@ ParameterizedTest(enum kind *k, conformance, the_sending_side_dies_mid_transfer)
 		proxy_stop(&p_tx);
 		const char *dev = getenv("KVSTAGE_TEST_RDMA_DEVICE");
 		const char *args[] = { "--slots", "64", "--slot-size", "64K", "--listen",
-				       "127.0.0.1:0", cur_kind == X_VERBS ? "--rdma-device" : NULL,
-				       dev, NULL };
+				       "127.0.0.1:0", "--transport", cur_kind == X_VERBS ? "verbs" : "tcp",
+				       cur_kind == X_VERBS ? "--rdma-device" : NULL, dev, NULL };
 		proxy_start(&p_tx, NULL, args); /* the sending host, back */
 	}
 	kvs_client *tx = connect_ok(txp);
@@ -404,4 +409,37 @@ ParameterizedTest(enum kind *k, conformance, a_forged_descriptor_opens_nothing)
 	xroom_verify(&r, rx);
 	xroom_close(&r);
 	path_ends_clean(rx, tx);
+}
+
+/* ------------------------------------------------------- the choice */
+
+/* --transport auto: two proxies given no device find the one the host has
+ * and pull chunks by READ; asked for tcp, the same host moves none by READ
+ * (the tcp kind's every case checks that). Only where a device is. */
+Test(conformance, auto_finds_the_device_and_reads)
+{
+	const char *dev = getenv("KVSTAGE_TEST_RDMA_DEVICE");
+	if (!(dev && *dev))
+		cr_skip_test("no RDMA device here ($KVSTAGE_TEST_RDMA_DEVICE unset): "
+			     "tools/run-tests.sh runs this on rxe0 in the soft-RoCE guest");
+	if (getenv("KVSTAGE_TEST_PROXY_ARGS") && strstr(getenv("KVSTAGE_TEST_PROXY_ARGS"), "rdma"))
+		cr_skip_test("KVSTAGE_TEST_PROXY_ARGS names a device already: nothing is left to find");
+	const char *args[] = { "--slots", "64", "--slot-size", "64K", "--listen", "127.0.0.1:0",
+			       "--transport", "auto", NULL };
+	proxy_start(&p_rx, NULL, args);
+	proxy_start(&p_tx, NULL, args);
+	rxp = &p_rx;
+	txp = &p_tx;
+	cur_kind = X_VERBS; /* path_ends_clean: the room's chunks must come by READ */
+	kvs_client *rx = connect_ok(rxp), *tx = connect_ok(txp);
+	path_ends_clean(rx, tx);
+	char log[16384] = "";
+	FILE *f = fopen(p_rx.log, "r");
+	cr_assert_not_null(f);
+	size_t n = fread(log, 1, sizeof(log) - 1, f);
+	log[n] = 0;
+	fclose(f);
+	char want[96];
+	snprintf(want, sizeof(want), "rdma: %s port", dev);
+	cr_assert(strstr(log, want), "the log does not say it uses %s:\n%s", dev, log);
 }

@@ -195,16 +195,19 @@ static int point(const struct bench_opts *o, const struct tcp_env *e, struct loc
 	struct bench_proxy a, b;
 	char gid[16];
 	snprintf(gid, sizeof(gid), "%d", o->rdma_gid_index);
+	/* The mode names the data path: tcp must not become RDMA on a host
+	 * with a device (--transport auto would), verbs must not fall back. */
+	const char *data = verbs ? "verbs" : "tcp";
 	const char *b_args[] = { "--peer-secret-file", e->secret, "--tcp-streams", streams,
-				 "--listen", listen, NULL, NULL, NULL, NULL, NULL };
-	const char *a_args[] = { "--peer-secret-file", e->secret, "--tcp-streams", streams, NULL,
-				 NULL, NULL, NULL, NULL };
+				 "--transport", data, "--listen", listen, NULL, NULL, NULL, NULL, NULL };
+	const char *a_args[] = { "--peer-secret-file", e->secret, "--tcp-streams", streams,
+				 "--transport", data, NULL, NULL, NULL, NULL, NULL };
 	if (verbs) {
-		b_args[6] = a_args[4] = "--rdma-device";
-		b_args[7] = a_args[5] = o->rdma_device;
+		b_args[8] = a_args[6] = "--rdma-device";
+		b_args[9] = a_args[7] = o->rdma_device;
 		if (o->rdma_gid_index >= 0) {
-			b_args[8] = a_args[6] = "--rdma-gid-index";
-			b_args[9] = a_args[7] = gid;
+			b_args[10] = a_args[8] = "--rdma-gid-index";
+			b_args[11] = a_args[9] = gid;
 		}
 	}
 	if (proxy_start_ex(&b, o, chunk, slots, b_args, g_pin.proxy2_cpu, e->ns[1]) < 0)
