@@ -486,7 +486,10 @@ static void welcome_client(struct kvsp *p, struct kvsp_pending *pd)
 		kvsp_client_destroy(p, c);
 		return;
 	}
-	LOG_DEBUG("client %u: pid %d uid %u", c->id, (int)pd->pid, (unsigned)pd->uid);
+	/* Who connects is an operator's question; a client reconnecting in a
+	 * loop must not make it a flood. */
+	kvsp_log_rl(&p->rl_attach, p->now_ns, &p->stats->log_suppressed, KVSP_LOG_INFO,
+		    "client %u attached: pid %d uid %u", c->id, (int)pd->pid, (unsigned)pd->uid);
 }
 
 void kvsp_on_hello(struct kvsp *p, unsigned i)

@@ -78,7 +78,8 @@ static void on_client_socket(struct kvsp *p, struct kvsp_client *c)
 		rooms += c->handles[h].state != KVSP_H_FREE;
 	if (n == (ssize_t)sizeof(bye) && bye.magic == KVS_MAGIC_BYE) {
 		KVS_STAT_ADD(p->stats->clients_closed, 1);
-		LOG_DEBUG("client %u (pid %d) closed, %u rooms open", c->id, (int)c->pid, rooms);
+		kvsp_log_rl(&p->rl_attach, p->now_ns, &p->stats->log_suppressed, KVSP_LOG_INFO,
+			    "client %u (pid %d) closed, %u rooms open", c->id, (int)c->pid, rooms);
 	} else {
 		KVS_STAT_ADD(p->stats->clients_died, 1);
 		kvsp_log_rl(&p->rl_died, p->now_ns, &p->stats->log_suppressed, KVSP_LOG_INFO,
@@ -202,6 +203,8 @@ static uint64_t tick(struct kvsp *p)
 	kvsp_rl_flush(&p->rl_timeout, p->now_ns, KVSP_LOG_INFO, "room timeouts", 0);
 	kvsp_rl_flush(&p->rl_refused, p->now_ns, KVSP_LOG_WARN, "refused connections", 0);
 	kvsp_rl_flush(&p->rl_died, p->now_ns, KVSP_LOG_INFO, "client deaths", 0);
+	kvsp_rl_flush(&p->rl_attach, p->now_ns, KVSP_LOG_INFO, "clients attached and closed", 0);
+	kvsp_rl_flush(&p->rl_abort, p->now_ns, KVSP_LOG_INFO, "rooms aborted", 0);
 	kvsp_rl_flush(&p->rl_full, p->now_ns, KVSP_LOG_WARN, "connections refused for want of room", 0);
 	kvsp_admin_poll(p);
 	p->next_tick_ns = p->now_ns + TICK_NS;

@@ -76,7 +76,7 @@ struct kvsp {
 	int terms_seen;
 	bool draining, aborted_all;
 	uint64_t drain_deadline_ns, drain_report_ns;
-	struct kvsp_rl rl_refused, rl_timeout, rl_died, rl_full;
+	struct kvsp_rl rl_refused, rl_timeout, rl_died, rl_full, rl_attach, rl_abort;
 	uint64_t instance;
 	uint64_t spin_ns;     /* the adaptive spin budget, from cfg.spin_ns up */
 	/* what the metrics thread reads besides the published counters */

@@ -265,8 +265,14 @@ void kvsp_room_abort(struct kvsp *p, uint32_t i, int status, uint8_t type, bool 
 		kvsp_slot_kill(&p->slots, s);
 	for (uint32_t s = r->recv.posted_head; s != NONE; s = p->slots.priv[s].next)
 		kvsp_slot_kill(&p->slots, s);
-	LOG_DEBUG("room %u aborted (%d), %u in flight, %u posted", i, status, r->send.inflight,
-		  r->recv.posted);
+	/* Why, once (a timeout said so already); a client aborting at will
+	 * is held to the rate limit. */
+	if (status != -ETIMEDOUT)
+		kvsp_log_rl(&p->rl_abort, p->now_ns, &p->stats->log_suppressed, KVSP_LOG_INFO,
+			    "room %u %s: %s (%u chunks in flight, %u slots posted)", i,
+			    told_by_peer ? "aborted by the peer proxy"
+			    : type == KVS_EV_FAILED ? "failed" : "aborted",
+			    strerror(status < 0 ? -status : status), r->send.inflight, r->recv.posted);
 	r->xport->ops->cancel(r->xport, i, r->gen, status);
 	if (!told_by_peer && r->state == KVSP_ROOM_ABORTING)
 		note(p, i, KVSP_NOTE_ABORT, status);

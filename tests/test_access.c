@@ -272,6 +272,43 @@ Test(access, a_client_cannot_flood_the_log)
 	kvs_close(rx);
 }
 
+/* What an operator acts on is said at info: a client attaching and
+ * closing, a room aborted and why. A client doing it in a loop is held to
+ * the rate limit. */
+Test(access, attaches_closes_and_aborts_are_logged_but_not_flooded)
+{
+	proxy_start(&px, NULL, (const char *[]){ "--slots", "2", "--slot-size", "4K", NULL });
+	kvs_client *rx = connect_ok(&px);
+	kvs_room *r;
+	struct kvs_room_desc d;
+	cr_assert_eq(kvs_recv_open(rx, 4096, 1, &r, &d), 0);
+	cr_assert_eq(kvs_abort(r), 0);
+	cr_assert_eq(wait_event(rx).type, KVS_EV_ABORTED);
+	cr_assert_eq(kvs_room_close(r), 0);
+	cr_assert_eq(log_count("attached: pid"), 1);
+	cr_assert_eq(log_count("aborted: Operation canceled (0 chunks in flight, 1 slots posted)") +
+			     log_count("aborted: Operation canceled (0 chunks in flight, 0 slots posted)"),
+		     1, "no line says the room was aborted and why");
+	enum { N = 100 };
+	for (int i = 0; i < N; i++) {
+		kvs_client *c = connect_ok(&px);
+		kvs_close(c);
+	}
+	stat_wait(&px, "clients_closed", 1, N);
+	unsigned lines = log_count("attached: pid") + log_count(") closed, ");
+	cr_assert_leq(lines, 6, "%u lines for %d clients", lines, N + 1);
+	cr_assert_geq(stat_get(&px, "log_suppressed"), 2 * N + 1 - 6);
+	for (int i = 0; i < N; i++) {
+		cr_assert_eq(kvs_recv_open(rx, 4096, 2, &r, &d), 0);
+		cr_assert_eq(kvs_abort(r), 0);
+		cr_assert_eq(wait_event(rx).type, KVS_EV_ABORTED);
+		cr_assert_eq(kvs_room_close(r), 0);
+	}
+	lines = log_count("aborted: ");
+	cr_assert_leq(lines, 5, "%u lines for %d aborts", lines, N + 1);
+	kvs_close(rx);
+}
+
 Test(access, a_burst_of_room_timeouts_is_summarised)
 {
 	proxy_start_plain(&px, (const char *[]){ "--slots", "2", "--slot-size", "4K",
