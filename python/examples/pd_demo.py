@@ -33,7 +33,6 @@ import os
 import random
 import select
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -659,29 +658,13 @@ class Proxy:
         self.dir = tempfile.mkdtemp(prefix="kvs-pd-")  # short: a socket path is at most 107 bytes
         self.socket = os.path.join(self.dir, "kvs.sock")
         self.log = os.path.join(self.dir, "kvstaged.log")
-        r, w = os.pipe()
-
-        def ready_fd_3():
-            os.dup2(w, 3) if w != 3 else os.set_inheritable(3, True)
-
-        argv = [exe, "--socket", self.socket, "--slots", str(slots), "--slot-size", str(slot_size),
-                "--ready-fd", "3", "--shutdown-grace", "1000"]
-        with open(self.log, "wb") as log:
-            self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                         close_fds=False, preexec_fn=ready_fd_3)
-        os.close(w)
+        self.proc = None
+        from kvstage import daemon  # here: --help needs no library
+        argv = ["--socket", self.socket, "--slots", str(slots), "--slot-size", str(slot_size),
+                "--shutdown-grace", "1000"]
         try:
-            got, deadline = b"", time.monotonic() + 20
-            while not got.endswith(b"\n"):
-                left = deadline - time.monotonic()
-                if left <= 0 or not select.select([r], [], [], left)[0]:
-                    raise RuntimeError("kvstaged did not say ready within 20 s")
-                chunk = os.read(r, 64)
-                if not chunk:
-                    raise RuntimeError(f"kvstaged exited before it was ready (status {self.proc.wait(5)})")
-                got += chunk
-            if got != b"ready\n":
-                raise RuntimeError(f"kvstaged wrote {got!r} on its ready fd")
+            with open(self.log, "wb") as log:
+                self.proc = daemon.spawn(exe, argv, log)
         except BaseException as e:
             self.stop()
             tail = self.log_tail()
@@ -689,8 +672,6 @@ class Proxy:
             if isinstance(e, RuntimeError):
                 raise RuntimeError(f"{e}; its log ends:\n{tail}") from None
             raise
-        finally:
-            os.close(r)
 
     def log_tail(self, n=20):
         try:
@@ -700,14 +681,8 @@ class Proxy:
 
     def stop(self):
         """SIGTERM, then SIGKILL after 5 s; returns the exit status."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
+        from kvstage import daemon
+        return daemon.stop(self.proc) if self.proc else None
 
     def remove(self):
         shutil.rmtree(self.dir, ignore_errors=True)

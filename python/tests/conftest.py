@@ -1,9 +1,6 @@
 """Fixtures: a real kvstaged per test, in a fresh temp dir, killed at teardown."""
 import os
-import select
 import shutil
-import signal
-import subprocess
 import tempfile
 import time
 import weakref
@@ -50,31 +47,15 @@ class Proxy:
         self.socket = os.path.join(self.dir, "kvs.sock")
         self.log = os.path.join(self.dir, "kvstaged.log")
         self.final_log = None
-        r, w = os.pipe()
-
-        def ready_fd_3():
-            os.dup2(w, 3) if w != 3 else os.set_inheritable(3, True)
-
-        argv = [exe, "--socket", self.socket, "--slots", str(SLOTS), "--slot-size", str(SLOT_SIZE),
-                "--ready-fd", "3", "--shutdown-grace", "1000", *args]
+        self.proc = None
+        argv = ["--socket", self.socket, "--slots", str(SLOTS), "--slot-size", str(SLOT_SIZE),
+                "--shutdown-grace", "1000", *args]
+        from kvstage.daemon import DaemonError, spawn
         with open(self.log, "wb") as log:
-            self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                         close_fds=False, preexec_fn=ready_fd_3)
-        os.close(w)
-        try:
-            got, deadline = b"", time.monotonic() + 20
-            while not got.endswith(b"\n"):
-                left = deadline - time.monotonic()
-                if left <= 0 or not select.select([r], [], [], left)[0]:
-                    self.fail("kvstaged did not say ready within 20 s")
-                chunk = os.read(r, 64)
-                if not chunk:
-                    self.fail(f"kvstaged closed its ready fd without a word (exit {self.proc.poll()})")
-                got += chunk
-            if got != b"ready\n":
-                self.fail(f"kvstaged wrote {got!r} on its ready fd")
-        finally:
-            os.close(r)
+            try:
+                self.proc = spawn(exe, argv, log)
+            except DaemonError as e:
+                self.fail(str(e))
 
     def log_text(self):
         """Returns the log so far (once stopped: what it was then)."""
@@ -94,16 +75,11 @@ class Proxy:
 
     def stop(self):
         """SIGTERM, then SIGKILL after 5 s; returns the exit status (keeps the log text in .final_log)."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        from kvstage.daemon import stop
+        rc = stop(self.proc) if self.proc else None
         if self.final_log is None:
             self.final_log = self.log_text()
-        return self.proc.returncode
+        return rc
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -11,14 +11,12 @@ Exit 0 all matched, 1 a mismatch or an error, 2 no device.
 """
 import ctypes
 import os
-import select
-import subprocess
 import sys
 import tempfile
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "python"))
 import kvstage  # noqa: E402
-from kvstage import cuda  # noqa: E402
+from kvstage import cuda, daemon  # noqa: E402
 
 MIB = 1 << 20
 PAGE = 16 << 10
@@ -34,15 +32,10 @@ def rt():
 
 
 def start(exe, sock):
-    r, w = os.pipe()
-    proc = subprocess.Popen([exe, "--socket", sock, "--slots", "8", "--slot-size", str(MIB),
-                             "--ready-fd", str(w)], stdin=subprocess.DEVNULL, pass_fds=(w,))
-    os.close(w)
-    if not select.select([r], [], [], 20)[0] or os.read(r, 16) != b"ready\n":
-        proc.kill()
-        sys.exit("py_gpu_check: kvstaged did not say ready")
-    os.close(r)
-    return proc
+    try:
+        return daemon.spawn(exe, ["--socket", sock, "--slots", "8", "--slot-size", str(MIB)], None)
+    except daemon.DaemonError as e:
+        sys.exit(f"py_gpu_check: {e}")
 
 
 def final_ok(client):
@@ -119,8 +112,7 @@ def main():
             cuda.unregister(tx)
             cuda.unregister(rx)
     finally:
-        proc.terminate()
-        proc.wait(timeout=20)
+        daemon.stop(proc, grace=20)
     print(f"py_gpu_check: {'PASSED' if failures == 0 else 'FAILED'}")
     return 1 if failures else 0
 

@@ -1,0 +1,60 @@
+"""Starting a kvstaged from Python (tests, examples, a supervisor): the --ready-fd handshake.
+
+spawn(exe, args, log) starts kvstaged with --ready-fd and returns once it
+serves, or raises DaemonError saying why; stop(proc) ends it with SIGTERM
+(its drain), then SIGKILL.
+"""
+import os
+import select
+import signal
+import subprocess
+import time
+
+
+class DaemonError(RuntimeError):
+    """kvstaged did not come up: why, in words."""
+
+
+def spawn(exe, args, log, timeout=20.0):
+    """Starts exe (a kvstaged) with args and --ready-fd; returns the Popen once it says ready.
+
+    log: a file object its stdout and stderr go to. Raises DaemonError (the
+    process is gone by then) if it exits, says something else, or says nothing
+    within timeout seconds.
+    """
+    r, w = os.pipe()
+    try:
+        proc = subprocess.Popen([exe, *args, "--ready-fd", str(w)], stdin=subprocess.DEVNULL, stdout=log,
+                                stderr=subprocess.STDOUT, pass_fds=(w,))
+    finally:
+        os.close(w)
+    try:
+        got, deadline = b"", time.monotonic() + timeout
+        while not got.endswith(b"\n"):
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([r], [], [], left)[0]:
+                raise DaemonError(f"kvstaged did not say ready within {timeout:g} s")
+            chunk = os.read(r, 64)
+            if not chunk:
+                raise DaemonError(f"kvstaged closed its ready fd without a word (exit {proc.wait(5)})")
+            got += chunk
+        if got != b"ready\n":
+            raise DaemonError(f"kvstaged wrote {got!r} on its ready fd")
+    except BaseException:
+        stop(proc)
+        raise
+    finally:
+        os.close(r)
+    return proc
+
+
+def stop(proc, grace=5.0):
+    """SIGTERM (kvstaged drains), then SIGKILL after grace seconds; returns the exit status."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.returncode
