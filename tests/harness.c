@@ -384,3 +384,12 @@ int run_cmd(const char *const *argv, char *out, size_t cap, char *err, size_t ec
 	waitpid(pid, &st, 0);
 	return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
 }
+
+void proxy_log(const struct proxy *px, char *buf, size_t cap)
+{
+	FILE *f = fopen(px->log, "r");
+	cr_assert_not_null(f, "%s: %s", px->log, strerror(errno));
+	size_t n = fread(buf, 1, cap - 1, f);
+	buf[n] = 0;
+	fclose(f);
+}

@@ -94,5 +94,7 @@ int chan_get(int fd, void *b, size_t n);
 
 /* Runs argv, capturing stdout and stderr (NUL-terminated, truncated to cap). Returns the exit code. */
 int run_cmd(const char *const *argv, char *out, size_t cap, char *err, size_t ecap);
+/* Reads px's log so far into buf (NUL-terminated, truncated to cap); fails the test if it cannot. */
+void proxy_log(const struct proxy *px, char *buf, size_t cap);
 
 #endif

@@ -115,12 +115,8 @@ Test(cli, transport_without_an_rdma_device)
 	cr_assert(!strstr(err, "serving"), "it served: %s", err);
 	const char *args[] = { "--slots", "1", "--slot-size", "4K", "--transport", "auto", NULL };
 	proxy_start(&px, NULL, args);
-	char log[8192] = "";
-	FILE *f = fopen(px.log, "r");
-	cr_assert_not_null(f);
-	size_t n = fread(log, 1, sizeof(log) - 1, f);
-	log[n] = 0;
-	fclose(f);
+	char log[8192];
+	proxy_log(&px, log, sizeof(log));
 	cr_assert(strstr(log, "peers: chunks by TCP (--transport auto: no RDMA device here)"), "%s", log);
 }
 

@@ -438,12 +438,8 @@ Test(conformance, auto_finds_the_device_and_reads)
 	cur_kind = X_VERBS; /* path_ends_clean: the room's chunks must come by READ */
 	kvs_client *rx = connect_ok(rxp), *tx = connect_ok(txp);
 	path_ends_clean(rx, tx);
-	char log[16384] = "";
-	FILE *f = fopen(p_rx.log, "r");
-	cr_assert_not_null(f);
-	size_t n = fread(log, 1, sizeof(log) - 1, f);
-	log[n] = 0;
-	fclose(f);
+	char log[16384];
+	proxy_log(&p_rx, log, sizeof(log));
 	char want[96];
 	snprintf(want, sizeof(want), "rdma: %s port", dev);
 	cr_assert(strstr(log, want), "the log does not say it uses %s:\n%s", dev, log);
