@@ -207,7 +207,11 @@ $(cat "$tmp/kvstaged.log")"
 	# The installed Python package, on the installed libkvstage (found by
 	# the loader, as on a host where the prefix is in ld.so.conf).
 	if [ $failed -eq 0 ] && [ -n "$pydir" ]; then
+		# An ASan build's library needs its runtime loaded first, into
+		# Python itself, whose own allocations LeakSanitizer would report.
+		asan=$(ldd "$so" | awk '/libasan\.so/ { print $3; exit }')
 		if out=$(cd "$tmp" && env -u KVSTAGE_LIB PYTHONPATH="$D$pydir" LD_LIBRARY_PATH="$D$libdir" \
+			${asan:+LD_PRELOAD="$asan" ASAN_OPTIONS=detect_leaks=0:abort_on_error=1} \
 			"${KVSTAGE_PYTHON:-python3}" -c '
 import sys, kvstage
 from kvstage import _lib
