@@ -223,3 +223,41 @@ def test_a_prometheus_server_scrapes_the_proxy(mproxy):
         prom.wait(30)
         log.close()
         shutil.rmtree(d, ignore_errors=True)
+
+
+def test_two_proxies_show_their_peer_session(tmp_path):
+    """A room from proxy A to proxy B over tcp: both pages show the session, its bytes, and pass promtool."""
+    secret = tmp_path / "peer.secret"
+    secret.write_bytes(os.urandom(32))
+    secret.chmod(0o600)
+    common = ["--peer-secret-file", str(secret), "--transport", "tcp", "--metrics-listen", "0"]
+    pa = Proxy(common)
+    pb = Proxy(common + ["--listen", "127.0.0.1:0"])
+    try:
+        with kvstage.Client(pa.socket) as tx, kvstage.Client(pb.socket) as rx:
+            rroom, desc = rx.recv_open(3 * SLOT_SIZE)
+            sroom = tx.send_open(desc)
+            for i, lease in enumerate(tx.acquire(3)):
+                lease.view()[:4] = b"kvs!"
+                sroom.send(lease, i * SLOT_SIZE, SLOT_SIZE)
+            assert next_event(tx).type == kvstage.EventType.SEND_DONE
+            assert next_event(rx).type == kvstage.EventType.RECV_DONE
+            rroom.close()
+            sroom.close()
+        for px, sent in ((pa, "kvstage_peer_sent_bytes_total"), (pb, "kvstage_peer_received_bytes_total")):
+            page = scrape(metrics_url(px))
+            s = samples(page)
+            assert s["kvstage_peer_sessions"] == 1
+            rows = {k: v for k, v in s.items() if k.startswith(sent + "{")}
+            assert len(rows) == 1 and next(iter(rows.values())) >= 3 * SLOT_SIZE, rows
+            assert 'rdma="no"' in next(iter(rows))
+            assert [v for k, v in s.items() if k.startswith("kvstage_peer_up{")] == [1.0]
+            if PROMTOOL:
+                r = subprocess.run([PROMTOOL, "check", "metrics"], input=page, capture_output=True, text=True,
+                                   timeout=60)
+                assert r.returncode == 0 and not (r.stdout + r.stderr).strip(), r.stdout + r.stderr
+        assert samples(scrape(metrics_url(pa)))["kvstage_tcp_sent_bytes_total"] >= 3 * SLOT_SIZE
+    finally:
+        for px in (pa, pb):
+            px.stop()
+            shutil.rmtree(px.dir, ignore_errors=True)
