@@ -11,7 +11,9 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <acl/libacl.h>
 #include <sodium.h>
+#include <sys/acl.h>
 
 /* ------------------------------------------------------------------ secret */
 
@@ -38,6 +40,51 @@ static void mode_says(mode_t m, const char **who, const char **what)
 		*what = (m & 022) ? "read and change" : "read";
 	else
 		*what = (m & 022) ? "change" : "run";
+}
+
+/* A mode whose group bits are an ACL's mask (ls shows "+"): systemd's
+ * LoadCredential= copies on a file system with ACLs are root's, 0400 plus
+ * "user:kvstage:r", which reads as 0440. What counts is who the entries
+ * let in: only the owner (root or us) and our own uid, no group, no
+ * others. Returns 1 if that is all, 0 if there is no such ACL (the mode
+ * means what it says), or -EPERM with why written. */
+static int acl_judge(int fd, char *why, size_t why_len, const char *path)
+{
+	if (acl_extended_fd(fd) != 1)
+		return 0;
+	acl_t acl = acl_get_fd(fd);
+	if (!acl)
+		return 0;
+	bool ok = true;
+	int r = 0;
+	acl_entry_t e;
+	for (int w = ACL_FIRST_ENTRY; ok && acl_get_entry(acl, w, &e) == 1; w = ACL_NEXT_ENTRY) {
+		acl_tag_t tag;
+		acl_permset_t ps;
+		if (acl_get_tag_type(e, &tag) < 0 || acl_get_permset(e, &ps) < 0) {
+			ok = false;
+			break;
+		}
+		bool any = acl_get_perm(ps, ACL_READ) == 1 || acl_get_perm(ps, ACL_WRITE) == 1 ||
+			   acl_get_perm(ps, ACL_EXECUTE) == 1;
+		if (tag == ACL_USER) {
+			uid_t *u = acl_get_qualifier(e);
+			if (any && (!u || *u != geteuid())) {
+				r = refuse(why, why_len, -EPERM,
+					   "%s: its ACL lets uid %u in; only ours (uid %u) may be named",
+					   path, u ? (unsigned)*u : 0u, (unsigned)geteuid());
+				ok = false;
+			}
+			acl_free(u);
+		} else if ((tag == ACL_GROUP_OBJ || tag == ACL_GROUP || tag == ACL_OTHER) && any) {
+			r = refuse(why, why_len, -EPERM,
+				   "%s: its ACL lets %s in; chmod 600 it and drop the ACL (setfacl -b)",
+				   path, tag == ACL_OTHER ? "others" : "a group");
+			ok = false;
+		}
+	}
+	acl_free(acl);
+	return ok ? 1 : r ? r : 0;
 }
 
 /* Reads path's bytes into buf (at most cap: more means too long) after
@@ -70,10 +117,16 @@ static int read_file(const char *path, uint8_t *buf, size_t cap, size_t *n, char
 		r = refuse(why, why_len, -EPERM, "%s: owned by uid %u; it must be ours (uid %u) or root's",
 			   path, (unsigned)st.st_uid, (unsigned)geteuid());
 	} else if (st.st_mode & 077) {
-		const char *who, *what;
-		mode_says(st.st_mode, &who, &what);
-		r = refuse(why, why_len, -EPERM, "%s: mode %04o lets %s %s it; chmod 600 it", path,
-			   (unsigned)(st.st_mode & 07777), who, what);
+		/* Group bits but no others': maybe an ACL's mask, not a group. */
+		int acl = (st.st_mode & 007) ? 0 : acl_judge(fd, why, why_len, path);
+		if (acl < 0) {
+			r = acl;
+		} else if (acl == 0) {
+			const char *who, *what;
+			mode_says(st.st_mode, &who, &what);
+			r = refuse(why, why_len, -EPERM, "%s: mode %04o lets %s %s it; chmod 600 it",
+				   path, (unsigned)(st.st_mode & 07777), who, what);
+		}
 	}
 	*n = 0;
 	while (r == 0 && *n < cap) {

@@ -7,6 +7,8 @@
  * handed to the caller, and CRC32C against published vectors.
  */
 #include <criterion/criterion.h>
+#include <sys/acl.h>
+#include <sys/stat.h>
 #include <endian.h>
 #include <errno.h>
 #include <fcntl.h>
@@ -129,6 +131,59 @@ Test(frame, secret_file_mode_refused_with_reason, .init = mkdir_tmp, .fini = rm_
 		cr_assert(strstr(why, p) && strstr(why, cases[i].says), "mode %04o: \"%s\"",
 			  cases[i].mode, why);
 	}
+}
+
+/* A 0400 file given ACL entries: its mode then shows the mask as group
+ * bits. Returns the path. */
+static const char *file_with_acl(const char *entries)
+{
+	const char *p = file_with("acl", SECRET_A, strlen(SECRET_A), 0400);
+	char text[256];
+	snprintf(text, sizeof(text), "u::r,g::---,o::---,%s", entries);
+	acl_t a = acl_from_text(text);
+	cr_assert_not_null(a, "acl_from_text(%s)", text);
+	cr_assert_eq(acl_calc_mask(&a), 0);
+	cr_assert_eq(acl_set_file(p, ACL_TYPE_ACCESS, a), 0, "acl_set_file: %s (no ACLs on %s?)",
+		     strerror(errno), dir);
+	acl_free(a);
+	return p;
+}
+
+/* systemd's LoadCredential= copy on a file system with ACLs: root's, 0400,
+ * plus an entry for the service's user, so ls shows 0440. The entries are
+ * what count: ours alone loads; anyone else's, or a group's, is refused. */
+Test(frame, secret_file_acl_judged_by_its_entries, .init = mkdir_tmp, .fini = rm_tmp)
+{
+	struct kvsp_secret k = { 0 }, e = { 0 };
+	char why[256], mine[64];
+	snprintf(mine, sizeof(mine), "u:%u:r", (unsigned)geteuid());
+	const char *p = file_with_acl(mine);
+	struct stat st;
+	cr_assert_eq(stat(p, &st), 0);
+	cr_assert_eq(st.st_mode & 0777, 0440, "the mask shows as group bits: %04o", st.st_mode & 0777);
+	cr_assert_eq(load(p, NULL, &k, why, sizeof(why)), 0, "%s", why);
+	cr_assert_eq(load(NULL, SECRET_A, &e, why, sizeof(why)), 0, "%s", why);
+	cr_assert(same_key(&k, &e));
+	kvsp_secret_free(&k);
+	kvsp_secret_free(&e);
+
+	static const struct {
+		const char *entries, *says;
+	} bad[] = {
+		{ "u:65534:r", "its ACL lets uid 65534 in" },
+		{ "g:65534:r", "its ACL lets a group in" },
+		{ "u:65534:w", "its ACL lets uid 65534 in" },
+	};
+	for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+		p = file_with_acl(bad[i].entries);
+		cr_assert_eq(load(p, NULL, &k, why, sizeof(why)), -EPERM, "%s loaded", bad[i].entries);
+		cr_assert_null(k.key);
+		cr_assert(strstr(why, bad[i].says), "%s: \"%s\"", bad[i].entries, why);
+	}
+	/* Group bits that are the group's own (no ACL): still refused by mode. */
+	p = file_with("plain", SECRET_A, strlen(SECRET_A), 0440);
+	cr_assert_eq(load(p, NULL, &k, why, sizeof(why)), -EPERM);
+	cr_assert(strstr(why, "mode 0440 lets its group read it"), "\"%s\"", why);
 }
 
 Test(frame, secret_symlink_dir_fifo_missing_refused, .init = mkdir_tmp, .fini = rm_tmp)
