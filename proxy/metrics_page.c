@@ -8,6 +8,7 @@
 #include <errno.h>
 #include <stddef.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/resource.h>
 
@@ -154,6 +155,43 @@ static void peers(FILE *f, const struct kvs_ctrl *c)
 	}
 }
 
+/* One series per attached client (at most --max-clients), from the clients
+ * table kvstage-stat --top reads. */
+static void clients(FILE *f, const struct kvsp *p)
+{
+	static const struct {
+		const char *name, *type, *help;
+		size_t off;
+	} cols[] = {
+		{ "kvstage_client_ops_total", "counter", "Submission records taken from the client's ring.", offsetof(struct kvs_client_row, ops) },
+		{ "kvstage_client_requests_rejected_total", "counter", "The client's requests refused.", offsetof(struct kvs_client_row, rejects) },
+		{ "kvstage_client_rooms", "gauge", "Rooms the client is in that have not ended for it.", offsetof(struct kvs_client_row, rooms) },
+		{ "kvstage_client_rooms_done_total", "counter", "The client's rooms that completed.", offsetof(struct kvs_client_row, rooms_done) },
+		{ "kvstage_client_rooms_aborted_total", "counter", "The client's rooms that were aborted.", offsetof(struct kvs_client_row, rooms_aborted) },
+		{ "kvstage_client_rooms_failed_total", "counter", "The client's rooms that failed.", offsetof(struct kvs_client_row, rooms_failed) },
+		{ "kvstage_client_sent_chunks_total", "counter", "Chunks the client sent into open rooms.", offsetof(struct kvs_client_row, chunks_sent) },
+		{ "kvstage_client_sent_bytes_total", "counter", "Bytes of those chunks.", offsetof(struct kvs_client_row, bytes_sent) },
+		{ "kvstage_client_received_chunks_total", "counter", "Chunks of rooms the client received whole.", offsetof(struct kvs_client_row, chunks_recv) },
+		{ "kvstage_client_received_bytes_total", "counter", "Bytes of those rooms.", offsetof(struct kvs_client_row, bytes_recv) },
+	};
+	const struct kvs_client_row *tab = kvsp_client_rows((struct kvsp *)p);
+	uint32_t n = p->cfg.max_clients, have = 0;
+	struct kvs_client_row *rows = calloc(n, sizeof(*rows));
+	if (!rows)
+		return;
+	for (uint32_t i = 0; i < n; i++)
+		if (kvs_client_row_read(&tab[i], &rows[have]))
+			have++;
+	for (unsigned k = 0; k < sizeof(cols) / sizeof(cols[0]) && have; k++) {
+		head(f, cols[k].name, cols[k].type, cols[k].help);
+		for (uint32_t i = 0; i < have; i++)
+			fprintf(f, "%s{client=\"%u\",pid=\"%d\",uid=\"%u\"} %llu\n", cols[k].name, rows[i].id,
+				rows[i].pid, rows[i].uid,
+				(unsigned long long)*(const uint64_t *)((const char *)&rows[i] + cols[k].off));
+	}
+	free(rows);
+}
+
 int kvsp_metrics_render(const struct kvsp *p, FILE *f)
 {
 	const struct kvs_ctrl *c = p->ctrl;
@@ -190,6 +228,7 @@ int kvsp_metrics_render(const struct kvsp *p, FILE *f)
 		fprintf(f, "kvstage_requests_rejected_total{reason=\"%s\"} %llu\n", rej[i].why,
 			(unsigned long long)stat_at(st, rej[i].off));
 	peers(f, c);
+	clients(f, p);
 	histogram(f, "kvstage_room_duration_seconds",
 		  "Completed rooms (this proxy's halves), from their open here to their last chunk.",
 		  &p->room_hist);

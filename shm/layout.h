@@ -15,6 +15,7 @@
 #ifndef KVS_SHM_LAYOUT_H
 #define KVS_SHM_LAYOUT_H
 
+#include <stdbool.h>
 #include <stdint.h>
 #include <stddef.h>
 #include <assert.h>
@@ -133,6 +134,32 @@ struct kvs_client_row {
 	uint64_t rsvd[3];
 };
 static_assert(sizeof(struct kvs_client_row) == 128, "a client row is two cache lines");
+
+/* Copies the proxy's row s into d (readers: kvstage-stat, the metrics page).
+ * Returns false if it holds no client, or if its client changed while it
+ * was copied (the proxy writes the id last when a client arrives, first
+ * when it leaves). */
+static inline bool kvs_client_row_read(const struct kvs_client_row *s, struct kvs_client_row *d)
+{
+#define KVS_ROW_LD(x) __atomic_load_n(&(x), __ATOMIC_RELAXED)
+	uint32_t id = __atomic_load_n(&s->id, __ATOMIC_ACQUIRE);
+	if (!id)
+		return false;
+	*d = (struct kvs_client_row){
+		.id = id, .pid = KVS_ROW_LD(s->pid), .uid = KVS_ROW_LD(s->uid),
+		.gid = KVS_ROW_LD(s->gid), .since_ns = KVS_ROW_LD(s->since_ns),
+		.ops = KVS_ROW_LD(s->ops), .rejects = KVS_ROW_LD(s->rejects),
+		.rooms = KVS_ROW_LD(s->rooms), .rooms_done = KVS_ROW_LD(s->rooms_done),
+		.rooms_aborted = KVS_ROW_LD(s->rooms_aborted),
+		.rooms_failed = KVS_ROW_LD(s->rooms_failed),
+		.chunks_sent = KVS_ROW_LD(s->chunks_sent), .bytes_sent = KVS_ROW_LD(s->bytes_sent),
+		.chunks_recv = KVS_ROW_LD(s->chunks_recv), .bytes_recv = KVS_ROW_LD(s->bytes_recv),
+	};
+	/* Acquire: the copy above is done before the id is looked at again. */
+	__atomic_thread_fence(__ATOMIC_ACQUIRE);
+	return KVS_ROW_LD(s->id) == id;
+#undef KVS_ROW_LD
+}
 
 struct kvs_ctrl {
 	uint32_t magic; /* KVS_MAGIC_CTRL */

@@ -261,3 +261,36 @@ def test_two_proxies_show_their_peer_session(tmp_path):
         for px in (pa, pb):
             px.stop()
             shutil.rmtree(px.dir, ignore_errors=True)
+
+
+def test_attached_clients_have_their_own_series(mproxy):
+    """Per client: its ops, rooms and bytes, labelled with its id and pid; gone once it closes."""
+    url = metrics_url(mproxy)
+    with kvstage.Client(mproxy.socket) as tx, kvstage.Client(mproxy.socket) as rx:
+        for k in range(3):
+            rroom, desc = rx.recv_open(2 * SLOT_SIZE, user_data=k)
+            sroom = tx.send_open(desc)
+            for i, lease in enumerate(tx.acquire(2)):
+                sroom.send(lease, i * SLOT_SIZE, SLOT_SIZE)
+            assert next_event(tx).type == kvstage.EventType.SEND_DONE
+            assert next_event(rx).type == kvstage.EventType.RECV_DONE
+            rroom.close()
+            sroom.close()
+        page = scrape(url)
+        s = samples(page)
+        pid = f'pid="{os.getpid()}"'
+        sent = {k: v for k, v in s.items() if k.startswith("kvstage_client_sent_bytes_total{")}
+        recv = {k: v for k, v in s.items() if k.startswith("kvstage_client_received_bytes_total{")}
+        assert len(sent) == 2 and all(pid in k for k in sent), sent
+        assert sorted(sent.values()) == [0, 6 * SLOT_SIZE] and sorted(recv.values()) == [0, 6 * SLOT_SIZE]
+        done = [v for k, v in s.items() if k.startswith("kvstage_client_rooms_done_total{")]
+        assert done == [3, 3]
+        if PROMTOOL:
+            r = subprocess.run([PROMTOOL, "check", "metrics"], input=page, capture_output=True, text=True, timeout=60)
+            assert r.returncode == 0 and not (r.stdout + r.stderr).strip(), r.stdout + r.stderr
+    # both closed: the proxy counted it before it could answer anything else
+    deadline = time.monotonic() + 10
+    while samples(scrape(url))["kvstage_clients"] != 0:
+        assert time.monotonic() < deadline, "the clients never left"
+        time.sleep(0.01)
+    assert not [k for k in samples(scrape(url)) if k.startswith("kvstage_client_")]

@@ -90,25 +90,6 @@ static uint32_t client_rows(const struct kvs_ctrl *c, size_t len, const uint8_t 
 	return c->client_count < fit ? c->client_count : (uint32_t)fit;
 }
 
-/* Copies row s into d. Returns false if it holds no client, or if its
- * client changed while it was copied. */
-static bool row_copy(const struct kvs_client_row *s, struct kvs_client_row *d)
-{
-	uint32_t id = __atomic_load_n(&s->id, __ATOMIC_ACQUIRE);
-	if (!id)
-		return false;
-	*d = (struct kvs_client_row){
-		.id = id, .pid = LD(s->pid), .uid = LD(s->uid), .gid = LD(s->gid),
-		.since_ns = LD(s->since_ns), .ops = LD(s->ops), .rejects = LD(s->rejects),
-		.rooms = LD(s->rooms), .rooms_done = LD(s->rooms_done),
-		.rooms_aborted = LD(s->rooms_aborted), .rooms_failed = LD(s->rooms_failed),
-		.chunks_sent = LD(s->chunks_sent), .bytes_sent = LD(s->bytes_sent),
-		.chunks_recv = LD(s->chunks_recv), .bytes_recv = LD(s->bytes_recv),
-	};
-	__atomic_thread_fence(__ATOMIC_ACQUIRE);
-	return LD(s->id) == id;
-}
-
 int by_id(const void *a, const void *b)
 {
 	uint32_t x = ((const struct client *)a)->r.id, y = ((const struct client *)b)->r.id;
@@ -180,7 +161,7 @@ void tables_take(const struct kvs_ctrl *c, size_t len, struct tables *tb)
 	}
 	for (uint32_t i = 0; i < n; i++) {
 		struct client *k = &tb->cl[tb->ncl];
-		if (row_copy((const struct kvs_client_row *)(rows + (size_t)i * step), &k->r))
+		if (kvs_client_row_read((const struct kvs_client_row *)(rows + (size_t)i * step), &k->r))
 			tb->ncl++;
 	}
 	if (tb->ncl > 1)
