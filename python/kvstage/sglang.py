@@ -18,10 +18,11 @@ sgl-project/sglang main (the stored copies this was written against):
 How it moves bytes. The decode side opens one kvstage room per request (recv_open) when SGLang
 calls send_metadata, and sends the room's descriptor (128 bytes) to the prefill rank over a small
 TCP side channel; the prefill rank's address comes from the bootstrap server, which speaks
-SGLang's own HTTP routes. The prefill side copies its pages into leased slots (runs of
-contiguous pages merged into one copy) and sends each slot once it is full; the proxy moves the
-slots; the decode side, on RECV_DONE, copies them into its own pages and only then reports
-Success. Neither the proxy nor the side channel ever learns an engine page address or index:
+SGLang's own HTTP routes. The prefill side copies its pages into leased slots (host memory:
+runs of contiguous pages merged into one copy; device memory: one gather per buffer and slot)
+and sends each slot once it is full; the proxy moves the slots; the decode side, on RECV_DONE,
+copies them into its own pages (a scatter per buffer and slot on a device) and only then
+reports Success. Neither the proxy nor the side channel ever learns an engine page address or index:
 only the two managers, each about its own memory.
 
 Room layout (both sides compute it from the same numbers: page count, item lengths, whether
@@ -47,9 +48,12 @@ The transport itself (local hand-off, tcp between proxies) only ever writes slot
 touched by a transport after its room ended is a tombstone in the proxy and never reaches an
 engine (kvstage's own guarantee, README.md).
 
-Memory. KV and state pages in host memory are copied by the CPU (ctypes/memoryview). KV on a
-CUDA device needs libkvstage_cuda (kvstage.cuda) and is refused with a clear error unless
-KVSTAGE_SGLANG_CUDA=1: that path is written but has never run on a GPU. Aux (SGLang's
+Memory. KV and state pages in host memory are copied by the CPU (ctypes/memoryview), one copy
+per run of contiguous pages. KV on a CUDA device needs libkvstage_cuda (kvstage.cuda) and is
+refused with a clear error unless KVSTAGE_SGLANG_CUDA=1: that path is written but has never run
+on a GPU. There the whole pages of one buffer (KV buffer or state tensor) that lie in one slot are
+one gather_idx (decode: scatter_idx) on the copier's stream, the library choosing copy engines or
+its kernel; a page cut by a slot boundary is one plain copy for each part. Aux (SGLang's
 MetadataBuffers) is always host memory.
 
 Not supported (refused with a reason, never silently wrong): prefill and decode with different
@@ -85,7 +89,7 @@ import urllib.parse
 import urllib.request
 from abc import ABC, abstractmethod
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Dict, List, Optional
+from typing import Dict, List, NamedTuple, Optional, Tuple
 
 import numpy as np
 
@@ -328,6 +332,45 @@ class MemoryMap:
         return None
 
 
+class Paged(NamedTuple):
+    """An extent of items of one device buffer: item idx[k] (at base + idx[k] * item) at room_off + k * item.
+    RoomLayout gives these for device KV and state buffers (host ones stay (room_off, addr, nbytes, device) runs);
+    _paged_pieces cuts one at slot boundaries."""
+    room_off: int
+    base: int
+    item: int
+    idx: Tuple[int, ...]
+    device: bool
+
+    @property
+    def nbytes(self):
+        return len(self.idx) * self.item
+
+
+class Piece(NamedTuple):
+    """nbytes at addr to or from off of slot `slot` (one copy); what _pieces yields, as a plain tuple."""
+    slot: int
+    off: int
+    addr: int
+    nbytes: int
+    device: bool
+
+
+class Gather(NamedTuple):
+    """Whole items of one buffer in one slot: item idx[k] (at base + idx[k] * item) at off + k * item of slot `slot`
+    (one kvs_cuda_gather_idx / scatter_idx)."""
+    slot: int
+    off: int
+    base: int
+    item: int
+    idx: Tuple[int, ...]
+    device: bool
+
+    @property
+    def nbytes(self):
+        return len(self.idx) * self.item
+
+
 class RoomLayout:
     """Offsets of a request's bytes in its room (see the module docstring); .nbytes in all."""
 
@@ -357,16 +400,22 @@ class RoomLayout:
         self.mem = mem
 
     def kv_extents(self, pages, first_pos):
-        """Returns [(room_off, addr, nbytes, device)] for pages at request positions first_pos..., buffer by buffer."""
+        """Returns the extents of pages at request positions first_pos..., buffer by buffer: for a host buffer
+        [(room_off, addr, nbytes, False)], one per run of contiguous pages; for a device buffer one Paged of
+        all the pages (cut per slot into gathers, _paged_pieces)."""
         out = []
         runs = _runs(pages)
+        idx = tuple(int(p) for p in np.asarray(pages, dtype=np.int64).reshape(-1))
         for b, r in enumerate(self.mem.kv):
             for pos, page, n in runs:
                 if first_pos + pos + n > self.npages:
                     raise ValueError(f"more pages than the {self.npages} the room was made for")
                 if (page + n) * r.item > r.nbytes:
                     raise ValueError(f"page {page + n - 1} is past KV buffer {b} ({r.nbytes} bytes)")
-                out.append((self.kv_off[b] + (first_pos + pos) * r.item, r.ptr + page * r.item, n * r.item, r.device))
+                if not r.device:
+                    out.append((self.kv_off[b] + (first_pos + pos) * r.item, r.ptr + page * r.item, n * r.item, False))
+            if r.device and idx:
+                out.append(Paged(self.kv_off[b] + first_pos * r.item, r.ptr, r.item, idx, True))
         return out
 
     def aux_extents(self, aux_index):
@@ -386,11 +435,15 @@ class RoomLayout:
             if idx.size != n:
                 raise ValueError(f"state component {c}: {idx.size} indices here, {n} on the other side")
             runs = _runs(idx)
+            items = tuple(int(i) for i in idx)
             for t, (r, base) in enumerate(zip(comp, offs)):
                 for pos, first, k in runs:
                     if (first + k) * r.item > r.nbytes:
                         raise ValueError(f"state index {first + k - 1} is past state buffer {c}.{t}")
-                    out.append((base + pos * r.item, r.ptr + first * r.item, k * r.item, r.device))
+                    if not r.device:
+                        out.append((base + pos * r.item, r.ptr + first * r.item, k * r.item, False))
+                if r.device and items:
+                    out.append(Paged(base, r.ptr, r.item, items, True))
         return out
 
 
@@ -412,17 +465,56 @@ def _pieces(extents, slot_size):
             n -= k
 
 
+def _paged_pieces(ext, slot_size):
+    """Yields ext's (a Paged) bytes cut at slot boundaries, in room order: for each slot it touches, a Gather
+    of the whole items that lie in that slot, and a Piece for each part of an item cut by the slot's start
+    or end (a Gather moves whole items only)."""
+    item, n = ext.item, ext.nbytes
+    pos = 0  # byte offset in the extent
+    while pos < n:
+        s, so = divmod(ext.room_off + pos, slot_size)
+        end = pos + min(n - pos, slot_size - so)
+        if pos % item:  # the rest of an item begun in the slot before
+            j, into = divmod(pos, item)
+            k = min(item - into, end - pos)
+            yield Piece(s, so, ext.base + ext.idx[j] * item + into, k, ext.device)
+            so, pos = so + k, pos + k
+        whole = (end - pos) // item
+        if whole:
+            j = pos // item
+            yield Gather(s, so, ext.base, item, ext.idx[j:j + whole], ext.device)
+            so, pos = so + whole * item, pos + whole * item
+        if pos < end:  # the start of an item the next slot ends
+            yield Piece(s, so, ext.base + ext.idx[pos // item] * item, end - pos, ext.device)
+            pos = end
+
+
+def _slot_pieces(extents, slot_size):
+    """Yields the pieces of extents (runs and Paged) cut at slot boundaries: Gather, or (slot, slot_off, addr,
+    nbytes, device) as _pieces (a Piece or a plain tuple)."""
+    for e in extents:
+        if isinstance(e, Paged):
+            yield from _paged_pieces(e, slot_size)
+        else:
+            yield from _pieces((e,), slot_size)
+
+
 def copy_room_out(room, extents, copier, slot_size):
     """Copies a received room into the engine's memory: each of its slots once, every extent piece
-    that lies in it, then waits for the copies (copier.sync). Raises what the copier or the room raises."""
+    that lies in it (a Gather by copier.scatter_out, the others by copier.copy_out), then waits for the
+    copies (copier.sync). Raises what the copier or the room raises."""
     by_slot = collections.defaultdict(list)
-    for p in _pieces(extents, slot_size):
+    for p in _slot_pieces(extents, slot_size):
         by_slot[p[0]].append(p)
     for s in sorted(by_slot):
         lease = room.lease(s)
         view = lease.view()
-        for _, so, addr, n, dev in by_slot[s]:
-            copier.copy_out(lease, view, so, addr, n, dev)
+        for p in by_slot[s]:
+            if isinstance(p, Gather):
+                copier.scatter_out(lease, view, p)
+            else:
+                _, so, addr, n, dev = p
+                copier.copy_out(lease, view, so, addr, n, dev)
         del view
     copier.sync()
 
@@ -477,6 +569,16 @@ class CpuCopier:
             raise RuntimeError("device memory needs the CUDA copier (KVSTAGE_SGLANG_CUDA=1)")
         _host(dst, n)[:] = view[off:off + n]
 
+    def gather_in(self, lease, view, g):
+        """Copies a Gather's items into the slot (here: one copy_in per run of contiguous items)."""
+        for pos, first, k in _runs(g.idx):
+            self.copy_in(lease, view, g.off + pos * g.item, g.base + first * g.item, k * g.item, g.device)
+
+    def scatter_out(self, lease, view, g):
+        """Copies the slot out to a Gather's items (here: one copy_out per run of contiguous items)."""
+        for pos, first, k in _runs(g.idx):
+            self.copy_out(lease, view, g.off + pos * g.item, g.base + first * g.item, k * g.item, g.device)
+
     def sync(self):
         pass
 
@@ -487,8 +589,9 @@ class CpuCopier:
 
 
 class CudaCopier(CpuCopier):
-    """Device pieces through libkvstage_cuda on one stream (synchronised before a send or Success), host pieces by CPU.
-    UNTESTED on a GPU: the development machine has none (python/SGLANG.md)."""
+    """Device pieces through libkvstage_cuda on one stream (synchronised before a send or Success), host pieces by CPU:
+    a Gather is one gather_idx / scatter_idx (the library picks copy engines or its kernel), any other device
+    piece one copy_in_device / copy_out_device. UNTESTED on a GPU: the development machine has none (python/SGLANG.md)."""
     device = True
 
     def __init__(self, gpu_id=0, cuda_api=None, stream=None):
@@ -510,6 +613,18 @@ class CudaCopier(CpuCopier):
         if not device:
             return super().copy_out(lease, view, off, dst, n, False)
         self._api.copy_out_device(lease, dst, n, slot_off=off, stream=self._stream.cuda_stream)
+        self._queued = True
+
+    def gather_in(self, lease, view, g):
+        if not g.device:
+            return super().gather_in(lease, view, g)
+        self._api.gather_idx(lease, g.base, g.idx, g.item, slot_off=g.off, stream=self._stream.cuda_stream)
+        self._queued = True
+
+    def scatter_out(self, lease, view, g):
+        if not g.device:
+            return super().scatter_out(lease, view, g)
+        self._api.scatter_idx(lease, g.base, g.idx, g.item, slot_off=g.off, stream=self._stream.cuda_stream)
         self._queued = True
 
     def sync(self):
@@ -1278,9 +1393,17 @@ class KvstageKVSender(BaseKVSender):
                 if head is None:
                     self._extents.popleft()
                     break
-                room_off, addr, n, dev = head
-                s, so = divmod(room_off, ss)
-                k = min(n, ss - so)
+                if isinstance(head, Paged):  # a device buffer's pages: their gathers, slot by slot
+                    self._extents.popleft()
+                    self._extents.extendleft(reversed(list(_paged_pieces(head, ss))))
+                    continue
+                if isinstance(head, (Gather, Piece)):  # one slot's piece of a Paged
+                    s, so, n = head.slot, head.off, head.nbytes
+                    k = n
+                else:  # a run: its part in one slot
+                    room_off, addr, n, dev = head
+                    s, so = divmod(room_off, ss)
+                    k = min(n, ss - so)
                 lease = self._leases.get(s)
                 if lease is None:
                     try:
@@ -1291,7 +1414,12 @@ class KvstageKVSender(BaseKVSender):
                 view = self._views.get(s)
                 if view is None:
                     view = self._views[s] = lease.view()
-                cp.copy_in(lease, view, so, addr, k, dev)
+                if isinstance(head, Gather):
+                    cp.gather_in(lease, view, head)
+                elif isinstance(head, Piece):
+                    cp.copy_in(lease, view, so, head.addr, k, head.device)
+                else:
+                    cp.copy_in(lease, view, so, addr, k, dev)
                 copied = True
                 if k == n:
                     self._extents.popleft()
@@ -1629,5 +1757,5 @@ def kv_class(class_type):
 
 
 __all__ = ["KvstageKVManager", "KvstageKVSender", "KvstageKVReceiver", "KvstageKVBootstrapServer", "KVArgs", "KVPoll",
-           "KVTransferError", "KVTransferMetric", "PrefillServerInfo", "RoomLayout", "MemoryMap", "CpuCopier",
-           "CudaCopier", "CopyHandle", "kv_class", "HAVE_SGLANG", "DisaggregationMode"]
+           "KVTransferError", "KVTransferMetric", "PrefillServerInfo", "RoomLayout", "MemoryMap", "Paged", "Gather",
+           "Piece", "CpuCopier", "CudaCopier", "CopyHandle", "kv_class", "HAVE_SGLANG", "DisaggregationMode"]

@@ -1,8 +1,10 @@
-"""kvstage.sglang piece by piece: the room layout, the bootstrap server's routes, transfers of every shape in one
-process, decode prefixes, refusals (layout, topology, unknown prefill), pool pressure, clear() after an abort,
-the CUDA copier's calls (against a stand-in device), a proxy that dies, and rooms across two proxies (tcp)."""
+"""kvstage.sglang piece by piece: the room layout (host runs, device gathers), the bootstrap server's routes,
+transfers of every shape in one process, decode prefixes, refusals (layout, topology, unknown prefill), pool
+pressure, clear() after an abort, the CUDA copier's gathers and scatters (against a stand-in device), a proxy
+that dies, and rooms across two proxies (tcp)."""
 import inspect
 import os
+import random
 import shutil
 import signal
 import subprocess
@@ -31,13 +33,13 @@ def test_runs():
 
 
 def _mem(kv=((0x10000, 1000, 100), (0x20000, 600, 60)), aux=((0x30000, 160, 16), (0x40000, 80, 8)),
-         state=(((0x50000, 120, 12), (0x60000, 40, 4)),)):
+         state=(((0x50000, 120, 12), (0x60000, 40, 4)),), kv_device=False):
     a = types.SimpleNamespace(
         kv_data_ptrs=[p for p, _, _ in kv], kv_data_lens=[n for _, n, _ in kv], kv_item_lens=[i for _, _, i in kv],
         aux_data_ptrs=[p for p, _, _ in aux], aux_data_lens=[n for _, n, _ in aux], aux_item_lens=[i for _, _, i in aux],
         state_data_ptrs=[[p for p, _, _ in c] for c in state], state_data_lens=[[n for _, n, _ in c] for c in state],
         state_item_lens=[[i for _, _, i in c] for c in state], state_types=["mamba"])
-    return ks.MemoryMap(a, kv_device=False)
+    return ks.MemoryMap(a, kv_device=kv_device)
 
 
 def test_layout_offsets_and_extents():
@@ -372,56 +374,231 @@ def test_second_request_for_a_room_is_refused(engines):
 
 # ----------------------------------------------------------------------------------------------------- CUDA copier
 class _FakeStream:
-    cuda_stream = 0x5151
+    """A stream of the stand-in device: its copies land only when it is synchronised."""
 
-    def __init__(self):
-        self.syncs = 0
+    def __init__(self, fake, handle):
+        self.fake, self.cuda_stream, self.syncs = fake, handle, 0
 
     def synchronize(self):
         self.syncs += 1
+        for op in self.fake.queued.pop(self.cuda_stream, []):
+            op()
 
 
 class _FakeCuda:
-    """Stands in for kvstage.cuda on host memory: 'device' pointers are host addresses."""
+    """Stands in for kvstage.cuda on host memory: 'device' pointers are host addresses. A call checks what
+    include/kvstage_cuda.h says the library checks (the range inside the slot, no write into a received slot,
+    no NULL page, int32 indices >= 0) and queues its copy on the stream; the copy lands at the stream's
+    synchronize (a send before it would find the lease gone and the slot unwritten). .calls: what was asked."""
 
     def __init__(self):
-        self.calls = []
+        self.calls, self.queued = [], {}
+
+    def _queue(self, kind, lease, slot_off, page_size, pages, stream, write):
+        pages = [int(p) for p in pages]
+        view = lease.view()
+        if write and view.readonly:
+            raise ValueError(f"{kind}: {lease!r} is read-only")
+        if slot_off + len(pages) * page_size > len(view) or not all(pages):
+            raise ValueError(f"{kind}: past the slot's end or a NULL page")  # -EINVAL
+        del view
+        self.calls.append(types.SimpleNamespace(kind=kind, slot=lease.slot, off=slot_off, page_size=page_size,
+                                                pages=pages, nbytes=len(pages) * page_size, stream=stream))
+
+        def land():
+            v = lease.view()  # raises if the lease is no longer held (sent, released)
+            for k, p in enumerate(pages):
+                at = slot_off + k * page_size
+                if write:
+                    v[at:at + page_size] = ks._host(p, page_size)
+                else:
+                    ks._host(p, page_size)[:] = v[at:at + page_size]
+        self.queued.setdefault(stream, []).append(land)
+
+    @staticmethod
+    def _at(dev_base, page_idx, page_size):
+        idx = [int(i) for i in page_idx]
+        if any(not 0 <= i < 1 << 31 for i in idx):
+            raise ValueError("page indices must be in [0, 2**31)")
+        return [dev_base + i * page_size for i in idx]
 
     def copy_in_device(self, lease, dev_ptr, nbytes, slot_off=0, stream=None, done=None):
-        self.calls.append(("in", nbytes, stream))
-        lease.view()[slot_off:slot_off + nbytes] = ks._host(dev_ptr, nbytes)
+        self._queue("in", lease, slot_off, nbytes, [dev_ptr], stream, True)
 
     def copy_out_device(self, lease, dev_ptr, nbytes, slot_off=0, stream=None, done=None):
-        self.calls.append(("out", nbytes, stream))
-        ks._host(dev_ptr, nbytes)[:] = lease.view()[slot_off:slot_off + nbytes]
+        self._queue("out", lease, slot_off, nbytes, [dev_ptr], stream, False)
+
+    def gather(self, lease, dev_pages, page_size, slot_off=0, stream=None, done=None):
+        self._queue("gather", lease, slot_off, page_size, dev_pages, stream, True)
+
+    def scatter(self, lease, dev_pages, page_size, slot_off=0, stream=None, done=None):
+        self._queue("scatter", lease, slot_off, page_size, dev_pages, stream, False)
+
+    def gather_idx(self, lease, dev_base, page_idx, page_size, slot_off=0, stream=None, done=None):
+        self._queue("gather_idx", lease, slot_off, page_size, self._at(dev_base, page_idx, page_size), stream, True)
+
+    def scatter_idx(self, lease, dev_base, page_idx, page_size, slot_off=0, stream=None, done=None):
+        self._queue("scatter_idx", lease, slot_off, page_size, self._at(dev_base, page_idx, page_size), stream, False)
 
 
 def test_fake_cuda_matches_kvstage_cuda():
-    for name in ("copy_in_device", "copy_out_device"):
+    for name in ("copy_in_device", "copy_out_device", "gather", "scatter", "gather_idx", "scatter_idx"):
         assert (list(inspect.signature(getattr(kvstage.cuda, name)).parameters)
-                == list(inspect.signature(getattr(_FakeCuda, name)).parameters)[1:])
+                == list(inspect.signature(getattr(_FakeCuda, name)).parameters)[1:]), name
+
+
+def test_paged_pieces():
+    """A device buffer's pages cut at slot boundaries: whole pages of a slot are one Gather, in the request's page
+    order; a page across a boundary is two plain pieces. Every byte once, at its room offset."""
+    ext = ks.Paged(room_off=50, base=0x10000, item=30, idx=(7, 3, 4, 9, 0), device=True)
+    got = list(ks._paged_pieces(ext, 64))
+    assert got == [
+        ks.Piece(0, 50, 0x10000 + 7 * 30, 14, True),        # page 7: 14 bytes in slot 0, 16 in slot 1
+        ks.Piece(1, 0, 0x10000 + 7 * 30 + 14, 16, True),
+        ks.Gather(1, 16, 0x10000, 30, (3,), True),            # page 3 whole in slot 1
+        ks.Piece(1, 46, 0x10000 + 4 * 30, 18, True),          # page 4 across slots 1 and 2
+        ks.Piece(2, 0, 0x10000 + 4 * 30 + 18, 12, True),
+        ks.Gather(2, 12, 0x10000, 30, (9,), True),
+        ks.Piece(2, 42, 0x10000, 22, True),                   # page 0 across slots 2 and 3
+        ks.Piece(3, 0, 0x10000 + 22, 8, True)]
+    assert list(ks._paged_pieces(ks.Paged(128, 0, 32, (5, 1, 2, 8, 6), True), 64)) == [
+        ks.Gather(2, 0, 0, 32, (5, 1), True), ks.Gather(3, 0, 0, 32, (2, 8), True), ks.Gather(4, 0, 0, 32, (6,), True)]
+    assert list(ks._paged_pieces(ks.Paged(10, 0, 100, (2,), True), 64)) == [ks.Piece(0, 10, 200, 54, True),
+                                                                            ks.Piece(1, 0, 254, 46, True)]
+    assert list(ks._slot_pieces([(60, 0x9000, 8, False), ks.Paged(68, 0, 32, (1,), True)], 64)) == [
+        (0, 60, 0x9000, 4, False), (1, 0, 0x9004, 4, False), ks.Gather(1, 4, 0, 32, (1,), True)]
+
+
+def test_device_layout_extents():
+    """Device KV and state buffers: one Paged per buffer (state: per tensor) with the pages in the request's order,
+    the same offsets and checks as the host runs; aux stays host runs."""
+    lay = ks.RoomLayout(_mem(kv_device=True), npages=3, has_aux=True, state_counts=[2])
+    assert lay.kv_extents([9, 4, 5], 0) == [ks.Paged(0, 0x10000, 100, (9, 4, 5), True),
+                                            ks.Paged(300, 0x20000, 60, (9, 4, 5), True)]
+    assert lay.kv_extents([7], 2) == [ks.Paged(200, 0x10000, 100, (7,), True), ks.Paged(420, 0x20000, 60, (7,), True)]
+    assert lay.kv_extents([], 3) == []
+    assert lay.aux_extents(3) == [(480, 0x30000 + 48, 16, False), (496, 0x40000 + 24, 8, False)]  # aux: host runs
+    assert lay.state_extents([[7, 6]]) == [ks.Paged(504, 0x50000, 12, (7, 6), True), ks.Paged(528, 0x60000, 4, (7, 6), True)]
+    for bad in (lambda: lay.kv_extents([10], 0), lambda: lay.kv_extents([1, 2], 2), lambda: lay.state_extents([[9, 10]])):
+        with pytest.raises(ValueError):
+            bad()
+
+
+def _device_regions(lay):
+    """[(room_off, nbytes, item)] of the room's device regions (KV buffers, state tensors)."""
+    out = [(off, lay.npages * r.item, r.item) for off, r in zip(lay.kv_off, lay.mem.kv)]
+    for comp, offs, n in zip(lay.mem.state, lay.state_off, lay.state_counts):
+        out += [(off, n * r.item, r.item) for off, r in zip(offs, comp)]
+    return out
+
+
+def _expected_scatter_calls(lay, ss):
+    """(gathers, partial-page copies) a copy-out of lay takes: for every device region and slot it touches, one
+    gather of its whole pages there, and one copy for each page cut by the slot's start or end."""
+    gathers = partials = 0
+    for off, n, item in _device_regions(lay):
+        for s in range(off // ss, (off + n - 1) // ss + 1) if n else ():
+            lo, hi = max(off, s * ss) - off, min(off + n, (s + 1) * ss) - off
+            whole = hi // item - -(-lo // item)
+            gathers += whole > 0
+            partials += (lo % item != 0) + (hi % item != 0) if whole >= 0 else 1
+    return gathers, partials
+
+
+_rng = random.Random(5)
+CUDA_CASES = {  # (prefill pages, decode pages, chunks, head_dim: 12 makes 192-byte pages, 16 256-byte ones)
+    "scattered": ([9, 2, 33, 34, 35, 1, 60, 61, 17, 18, 40, 5], [8, 7, 6, 5, 4, 3, 2, 1, 30, 31, 32, 50], (3, 4), 12),
+    "shuffled": (_rng.sample(range(64), 40), _rng.sample(range(64), 40), (13, 13), 12),
+    "contiguous": (list(range(10, 50)), list(range(20, 60)), (16,), 12),
+    "contiguous-aligned": (list(range(10, 50)), list(range(20, 60)), (16,), 16),
+    "shuffled-aligned": (_rng.sample(range(64), 40), _rng.sample(range(64), 40), (13, 13), 16),
+}
 
 
 @NEED_TORCH
-def test_cuda_copier_calls(engines):
-    """The CUDA path's plan (which copies, which offsets, a sync before every send and before Success), run
-    against a stand-in device on host memory: the bytes must come out as the CPU path's."""
+@pytest.mark.parametrize("case", list(CUDA_CASES))
+def test_cuda_copier_calls(kv_proxy, case):
+    """The CUDA path's plan against a stand-in device on host memory whose copies land only at a stream sync:
+    a gather_idx / scatter_idx per (buffer, slot), a plain copy for a page cut by a slot boundary, the bytes
+    exactly as the CPU path's (every decode tensor equal, decode pages equal to the prefill pages in the lists'
+    order), every call on the copier's stream, a sync before every send and before Success. Not on a GPU."""
+    import sglang_engine as E
+    ppages, dpages, chunks, head_dim = CUDA_CASES[case]
+    pair = Pair(kv_proxy.socket, prefill_cache=E.KVCache(64, head_dim=head_dim),
+                decode_cache=E.KVCache(64, head_dim=head_dim))
+    try:
+        _cuda_copier_calls(pair, case, ppages, dpages, chunks)
+    finally:
+        pair.close()
+    assert_pool_free(kv_proxy.socket)
+
+
+def _cuda_copier_calls(engines, case, ppages, dpages, chunks):
+    import torch
     pc, dc, P, D, addr = engines
-    fake, ps, ds = _FakeCuda(), _FakeStream(), _FakeStream()
+
+    def tensors(c):  # every byte of a cache (as bytes: a float16 NaN is not equal to itself)
+        return [t.reshape(-1).view(torch.uint8) for t in c.kv + c.aux + [t for comp in c.state for t in comp]]
+
+    # the CPU path first
+    s, r = start(engines, 777, ppages, dpages, 6, chunks=chunks)
+    assert D.wait_until(lambda: r.poll() == KVPoll.Success, 10), r
+    sender_done(s)
+    cpu = [t.clone() for t in tensors(dc)]
+    host_lay = r._layout
+    r.clear()
+    s.clear()
+    for t in tensors(dc):
+        t.zero_()
+    # then the same request through the CUDA copier
+    fake = _FakeCuda()
+    ps, ds = _FakeStream(fake, 0x5151), _FakeStream(fake, 0x5152)
     P.copier, D.copier = ks.CudaCopier(cuda_api=fake, stream=ps), ks.CudaCopier(cuda_api=fake, stream=ds)
     P.mem, D.mem = ks.MemoryMap(pc.kv_args(), kv_device=True), ks.MemoryMap(dc.kv_args(), kv_device=True)
-    ppages, dpages = [3, 4, 5, 20, 21, 9], [40, 41, 42, 43, 1, 2]
-    s, r = start(engines, 777, ppages, dpages, 6, chunks=(2,))
+    s, r = start(engines, 777, ppages, dpages, 6, chunks=chunks)
     assert D.wait_until(lambda: r.poll() == KVPoll.Success, 10), r
-    assert dc.holds(777, dpages, 6, 6) is None
-    ins = [c for c in fake.calls if c[0] == "in"]
-    outs = [c for c in fake.calls if c[0] == "out"]
-    kv_state = sum(n for _, n, _ in ins)
-    assert kv_state == r._layout.nbytes - sum(x.item for x in P.mem.aux)  # aux is host memory: the CPU copies it
-    assert sum(n for _, n, _ in outs) == kv_state and all(st == 0x5151 for _, _, st in fake.calls)
-    assert ps.syncs >= 1 and ds.syncs == 1
-    r.clear()
     sender_done(s)
+    assert dc.holds(777, dpages, 6, 6) is None
+    assert all(torch.equal(a, b) for a, b in zip(cpu, tensors(dc)))  # as the CPU path's, nothing else touched
+    for b in range(len(dc.kv)):
+        assert torch.equal(dc.kv_u8(b)[dpages], pc.kv_u8(b)[ppages])  # decode page k holds prefill page k
+    assert not fake.queued and ps.syncs >= 1 and ds.syncs == 1
+    assert {c.stream for c in fake.calls} == {0x5151, 0x5152}
+
+    ss = P.client().slot_size
+    lay = r._layout
+    ins = [c for c in fake.calls if c.stream == 0x5151]
+    outs = [c for c in fake.calls if c.stream == 0x5152]
+    assert {c.kind for c in ins} <= {"gather_idx", "in"} and {c.kind for c in outs} <= {"scatter_idx", "out"}
+    # every device byte of the room (KV and state; aux is host memory, the CPU copies it) once, on both sides
+    device_bytes = sum(n for _, n, _ in _device_regions(lay))
+    for side in (ins, outs):
+        spans = sorted((c.slot * ss + c.off, c.nbytes) for c in side)
+        assert sum(n for _, n in spans) == device_bytes
+        assert all(a + n <= b for (a, n), (b, _) in zip(spans, spans[1:]))
+    # the decode side: one scatter per (device region, slot) with a whole page in it, plus a copy per cut page
+    gathers, partials = _expected_scatter_calls(lay, ss)
+    assert (sum(c.kind == "scatter_idx" for c in outs), sum(c.kind == "out" for c in outs)) == (gathers, partials)
+    # what one copy per run of pages took (the path before gathers): the host layout's runs, cut at slots
+    before_out = len(list(ks._pieces(host_lay.kv_extents(dpages, 0) + host_lay.state_extents([[6]]), ss)))
+    before_in, at = 0, 0
+    for n in list(chunks) + [len(ppages)]:
+        n = min(n, len(ppages) - at)
+        last = at + n == len(ppages)
+        ext = host_lay.kv_extents(ppages[at:at + n], at) + (host_lay.state_extents([[6]]) if last else [])
+        before_in += len(list(ks._pieces(ext, ss)))
+        at += n
+        if last:
+            break
+    print(f"{case}: prefill calls {before_in} -> {len(ins)} ({sum(c.kind == 'gather_idx' for c in ins)} gather_idx), "
+          f"decode calls {before_out} -> {len(outs)} ({gathers} scatter_idx + {partials} cut pages)")
+    if case == "contiguous":  # one run a buffer: a scatter where there was a copy, and the cut pages
+        assert gathers <= before_out <= gathers + partials
+    elif case == "contiguous-aligned":  # pages that divide the slot: a gather exactly where there was a copy
+        assert (len(ins), len(outs)) == (before_in, before_out)
+    else:
+        assert len(outs) < before_out and len(ins) < before_in
+    r.clear()
     s.clear()
 
 
