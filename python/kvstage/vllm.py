@@ -65,8 +65,9 @@ Aborts and when blocks are free again:
   * staged slots no decode side asks for are released after the stage timeout; a decode request aborted
     before its load started tells the prefill worker to release them at once.
 
-Memory: KV caches in host memory are copied by the CPU; on a CUDA device the copies go through
-libkvstage_cuda (kvstage.cuda), refused unless KVSTAGE_VLLM_CUDA=1: that path is written, never run on a GPU.
+Memory: KV caches in host memory are copied by the CPU, one copy per run of blocks; on a CUDA device through
+libkvstage_cuda (kvstage.cuda), one gather (scatter) per layer part and slot (VllmLayout.plan), refused unless
+KVSTAGE_VLLM_CUDA=1: that path is written and checked against a stand-in device, never run on a GPU.
 
 Settings: kv_connector_extra_config keys kvstage_socket ($KVSTAGE_SOCKET), kvstage_host ($KVSTAGE_VLLM_HOST,
 else kv_ip), kvstage_port (else kv_port), kvstage_stage_timeout, kvstage_load_timeout (s, default 120);
@@ -90,6 +91,7 @@ import select
 import socket
 import threading
 import time
+import typing
 from abc import ABC, abstractmethod
 from typing import Optional
 
@@ -264,6 +266,27 @@ def _dense(sizes, strides):
     return True
 
 
+class Pages(typing.NamedTuple):
+    """Whole blocks of one cache region in one slot: block idx[k], page_size bytes at base + idx[k] * stride, is the
+    slot's bytes at slot_off + k * page_size. One kvs_cuda_gather_idx/scatter_idx (stride == page_size: base and
+    indices) or kvs_cuda_gather/scatter (stride != page_size: a list of page pointers) moves them all."""
+    slot: int
+    slot_off: int
+    base: int
+    stride: int
+    idx: tuple
+    page_size: int
+
+    @property
+    def nbytes(self):
+        return len(self.idx) * self.page_size
+
+
+def _nbytes(p):
+    """Bytes a plan item (Pages, or a (slot, slot_off, addr, nbytes, device) piece) moves."""
+    return p.nbytes if isinstance(p, Pages) else p[3]
+
+
 @dataclasses.dataclass(frozen=True)
 class KVRegion:
     """One part of a layer's paged cache: block b at ptr + b * stride, item bytes long."""
@@ -325,12 +348,60 @@ class VllmLayout:
         for k, r in enumerate(self.regions):
             if layer is not None and r.layer != layer:
                 continue
-            runs = _runs(blocks) if r.stride == r.item else [(i, int(b), 1) for i, b in enumerate(blocks)]
-            base = self._off[k] * nblocks
-            for pos, blk, n in runs:
-                if blk + n > r.nblocks:
-                    raise ValueError(f"block {blk + n - 1} is past the cache of layer {r.layer} ({r.nblocks} blocks)")
-                out.append((base + (first_pos + pos) * r.item, r.ptr + blk * r.stride, n * r.item, r.device))
+            out.extend(self._region_extents(k, nblocks, blocks, first_pos))
+        return out
+
+    def _region_extents(self, k, nblocks, blocks, first_pos):
+        r = self.regions[k]
+        runs = _runs(blocks) if r.stride == r.item else [(i, int(b), 1) for i, b in enumerate(blocks)]
+        base = self._off[k] * nblocks
+        out = []
+        for pos, blk, n in runs:
+            if blk + n > r.nblocks:
+                raise ValueError(f"block {blk + n - 1} is past the cache of layer {r.layer} ({r.nblocks} blocks)")
+            out.append((base + (first_pos + pos) * r.item, r.ptr + blk * r.stride, n * r.item, r.device))
+        return out
+
+    def plan(self, nblocks, blocks, first_pos, slot_size, layer=None, gather=False):
+        """Returns the copies that move blocks at request positions first_pos... (one layer, or all) between their
+        caches and the room's slots. Without gather: (slot, slot_off, addr, nbytes, device) pieces, one per run of
+        consecutive blocks cut at slot boundaries (the CPU path). With gather, for each device region and slot: one
+        Pages holding the region's whole blocks that lie in that slot (one gather/scatter call however scattered
+        the blocks are) and a piece for each part of a block that a slot boundary cuts - or, where that takes more
+        calls (long runs of blocks cut by slot boundaries), that slot's pieces as without gather; host regions as
+        without gather. Raises ValueError for a block outside a cache or more blocks than the room has."""
+        if not gather:
+            return list(_pieces(self.extents(nblocks, blocks, first_pos, layer), slot_size))
+        blocks = [int(b) for b in blocks]
+        if first_pos + len(blocks) > nblocks:
+            raise ValueError(f"{first_pos + len(blocks)} blocks for a room of {nblocks}")
+        out = []
+        for k, r in enumerate(self.regions):
+            if layer is not None and r.layer != layer:
+                continue
+            if not r.device:
+                out.extend(_pieces(self._region_extents(k, nblocks, blocks, first_pos), slot_size))
+                continue
+            base, groups = self._off[k] * nblocks, []  # groups: [slot, slot_off, block ids], or a cut block's piece
+            for i, b in enumerate(blocks):
+                if not 0 <= b < r.nblocks:
+                    raise ValueError(f"block {b} is past the cache of layer {r.layer} ({r.nblocks} blocks)")
+                room = base + (first_pos + i) * r.item
+                s, so = divmod(room, slot_size)
+                if so + r.item > slot_size:  # cut by a slot boundary: its parts on either side are plain copies
+                    groups.extend(_pieces([(room, r.ptr + b * r.stride, r.item, True)], slot_size))
+                elif groups and isinstance(groups[-1], list) and groups[-1][0] == s:
+                    groups[-1][2].append(b)  # whole in slot s, right after the previous block
+                else:
+                    groups.append([s, so, [b]])
+            gathers, runs = collections.defaultdict(list), collections.defaultdict(list)
+            for g in groups:
+                gathers[g[0]].append(Pages(g[0], g[1], r.ptr, r.stride, tuple(g[2]), r.item) if isinstance(g, list)
+                                     else g)
+            for p in _pieces(self._region_extents(k, nblocks, blocks, first_pos), slot_size):
+                runs[p[0]].append(p)
+            for s in sorted(gathers):  # the same bytes either way: whichever takes fewer calls (a tie: the gather)
+                out.extend(gathers[s] if len(gathers[s]) <= len(runs[s]) else runs[s])
         return out
 
 
@@ -919,11 +990,16 @@ class _Agent:
             self._stage_fail(st, "preempted: its blocks were freed")
             self._end(req, "preempted")
 
+    def _plan(self, nblocks, blocks, first_pos, ss, layer=None):
+        """The copies for these blocks: gathers into (scatters out of) slots when the copier has them (the CUDA
+        copier), else one copy per run of blocks (VllmLayout.plan)."""
+        return self.layout.plan(nblocks, blocks, first_pos, ss, layer, gather=getattr(self.copier, "gathers", False))
+
     def _post_layer(self, st, li):
         if li in st.posted:
             return
         st.posted.add(li)
-        st.pieces.extend(_pieces(self.layout.extents(st.nblocks, st.blocks, 0, layer=li), st.ss))
+        st.pieces.extend(self._plan(st.nblocks, st.blocks, 0, st.ss, layer=li))
 
     def cmd_layer(self, li, reqs, event=None):
         if event is not None:
@@ -969,11 +1045,12 @@ class _Agent:
         if st.pieces:
             batch = []
             while st.pieces:
-                s, so, addr, n, dev = st.pieces.popleft()
+                p = st.pieces.popleft()
+                s = p[0]
                 view = st.views.get(s)
-                if view is None:
+                if view is None and not isinstance(p, Pages):  # a gather needs no view of the slot
                     view = st.views[s] = st.leases[s].view()
-                batch.append((s, st.leases[s], view, so, addr, n, dev))
+                batch.append((st.leases[s], view, p))
             st.jobs.append(self.copier.submit(self._stage_job(st, batch)))
         for h in list(st.jobs):
             if h.done():
@@ -992,11 +1069,16 @@ class _Agent:
         copier = self.copier
 
         def job():
-            for s, lease, view, so, addr, n, dev in batch:
-                copier.copy_in(lease, view, so, addr, n, dev)
-            copier.sync()
-            for s, _, _, _, _, n, _ in batch:
-                st.written[s] += n
+            for lease, view, p in batch:
+                if isinstance(p, Pages):
+                    copier.gather_in(lease, p)
+                else:
+                    _, so, addr, n, dev = p
+                    copier.copy_in(lease, view, so, addr, n, dev)
+            copier.sync()  # before any slot counts as full (and so can be sent)
+            for _, _, p in batch:
+                s = p[0]
+                st.written[s] += _nbytes(p)
                 if st.written[s] == st.chunk_len(s):
                     st.full.add(s)
         job.req_id, job.kind = st.req, "stage"
@@ -1210,10 +1292,16 @@ class _Agent:
 
     def _copy_out_job(self, ld):
         room, copier, ss = ld.room, self.copier, self._c().slot_size
-        extents = self.layout.extents(ld.spec.num_blocks, ld.spec.local_block_ids, ld.spec.skip)
+        if getattr(copier, "gathers", False):
+            plan = self._plan(ld.spec.num_blocks, ld.spec.local_block_ids, ld.spec.skip, ss)
 
-        def job():
-            copy_room_out(room, extents, copier, ss)
+            def job():
+                _copy_plan_out(room, plan, copier)
+        else:
+            extents = self.layout.extents(ld.spec.num_blocks, ld.spec.local_block_ids, ld.spec.skip)
+
+            def job():
+                copy_room_out(room, extents, copier, ss)
         job.req_id, job.kind = ld.req, "load"
         return job
 
@@ -1297,11 +1385,53 @@ class _Agent:
                     raise
 
 
+def _copy_plan_out(room, plan, copier):
+    """Copies a received room into the blocks by a gather plan (VllmLayout.plan): slot by slot, one scatter per
+    Pages, a copy per piece; then waits for the copies (copier.sync) - before the load can be reported."""
+    by_slot = collections.defaultdict(list)
+    for p in plan:
+        by_slot[p[0]].append(p)
+    for s in sorted(by_slot):
+        lease = room.lease(s)
+        view = None
+        for p in by_slot[s]:
+            if isinstance(p, Pages):
+                copier.scatter_out(lease, p)
+            else:
+                _, so, addr, n, dev = p
+                if view is None and not dev:
+                    view = lease.view()
+                copier.copy_out(lease, view, so, addr, n, dev)
+        del view
+    copier.sync()
+
+
 class _CudaCopier(CudaCopier):
-    """libkvstage_cuda on one stream, ordered after the forward's stream (UNTESTED on a GPU: python/VLLM.md)."""
+    """libkvstage_cuda on one stream, ordered after the forward's stream: each layer part's blocks in a slot by one
+    gather (scatter), kvs_cuda_gather_idx when its blocks are page_size apart, else kvs_cuda_gather with their
+    addresses; libkvstage_cuda picks copy engines or its kernel. UNTESTED on a GPU (python/VLLM.md)."""
+    gathers = True
 
     def after(self, event):
         self._stream.wait_event(event)
+
+    def gather_in(self, lease, p):
+        stream = self._stream.cuda_stream
+        if p.stride == p.page_size:
+            self._api.gather_idx(lease, p.base, p.idx, p.page_size, slot_off=p.slot_off, stream=stream)
+        else:
+            self._api.gather(lease, [p.base + b * p.stride for b in p.idx], p.page_size, slot_off=p.slot_off,
+                             stream=stream)
+        self._queued = True
+
+    def scatter_out(self, lease, p):
+        stream = self._stream.cuda_stream
+        if p.stride == p.page_size:
+            self._api.scatter_idx(lease, p.base, p.idx, p.page_size, slot_off=p.slot_off, stream=stream)
+        else:
+            self._api.scatter(lease, [p.base + b * p.stride for b in p.idx], p.page_size, slot_off=p.slot_off,
+                              stream=stream)
+        self._queued = True
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1489,5 +1619,5 @@ class KvstageConnector(KVConnectorBase_V1, SupportsHMA):
 
 
 __all__ = ["KvstageConnector", "KvstageConnectorMetadata", "SaveSpec", "RecvSpec", "VllmLayout", "KVRegion",
-           "KVConnectorBase_V1", "KVConnectorMetadata", "KVConnectorRole", "SupportsHMA", "HAVE_VLLM",
+           "Pages", "KVConnectorBase_V1", "KVConnectorMetadata", "KVConnectorRole", "SupportsHMA", "HAVE_VLLM",
            "STAGE_TIMEOUT_S", "LOAD_TIMEOUT_S"]

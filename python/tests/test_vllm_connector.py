@@ -3,8 +3,11 @@ kv_connector_module_path under a stand-in vllm package, new and old base signatu
 scheduler side's decisions and kv_transfer_params, and transfers between two engines in one process (every
 prompt shape, decode prefix hits, pool pressure, a request larger than the pool, refused parameters and
 layouts, a proxy killed mid-transfer)."""
+import collections
+import dataclasses
 import inspect
 import os
+import random
 import shutil
 import signal
 import subprocess
@@ -14,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from kvstage import vllm as kv
-from kvstage.sglang import _host
+from kvstage.sglang import CpuCopier, _host
 from conftest import Proxy
 from sglang_common import NEED_TORCH, assert_pool_free, kv_proxy  # noqa: F401 (fixture)
 
@@ -432,62 +435,318 @@ def test_proxy_killed_mid_transfer():
 
 
 # ------------------------------------------------------------------------------- the CUDA path (no GPU here)
-class _FakeCuda:
-    """Stands in for kvstage.cuda on host memory: 'device' pointers are host addresses."""
+CUDA_CALLS = ("copy_in_device", "copy_out_device", "gather", "scatter", "gather_idx", "scatter_idx")
 
-    def __init__(self):
-        self.calls = []
+
+class _FakeCuda:
+    """Stands in for kvstage.cuda on host memory ('device' pointers are host addresses), asynchronous as a CUDA stream
+    is: a call checks what libkvstage_cuda checks (the slot held, a received one not written, the range inside the
+    slot, no NULL page, indices in [0, 2**31)) and queues its copy on its stream; the stream runs them in order when
+    synchronised (_FakeStream). A copy still queued when its slot is sent or its room closed finds its view of the
+    slot released and raises, as a late GPU copy would land in a slot no longer ours. .calls: (name, pages or bytes,
+    stream, first address) in stream order, with ("wait", event, stream, None) for the stream's event waits.
+    sabotage: "order" (pages of a gather in reverse), "offset" (a gather one page off in the slot), "no-sync" (the
+    stream never runs its copies) - the tests' proof that a wrong plan shows."""
+
+    def __init__(self, sabotage=None):
+        self.calls, self.queued, self.sabotage = [], collections.defaultdict(list), sabotage
+
+    def _queue(self, name, lease, write, pages, page_size, slot_off, stream):
+        if write and lease.readonly:
+            raise PermissionError(f"{lease!r} was received: it is read-only")
+        if not all(pages):
+            raise ValueError("a NULL page")
+        view = lease.view()  # raises, as the lease check does, for a slot not held now
+        if slot_off + len(pages) * page_size > len(view):
+            raise ValueError(f"{len(pages)} x {page_size} bytes from {slot_off} are past the slot's end ({len(view)})")
+        self.calls.append((name, len(pages) if name not in CUDA_CALLS[:2] else page_size, stream,
+                           pages[0] if pages else None))
+        if name not in CUDA_CALLS[:2] and len(pages) > 1 and self.sabotage == "order":
+            pages = pages[::-1]
+        if name not in CUDA_CALLS[:2] and self.sabotage == "offset":
+            slot_off += page_size if slot_off + (len(pages) + 1) * page_size <= len(view) else -page_size
+
+        def run():
+            for k, p in enumerate(pages):
+                o = slot_off + k * page_size
+                if write:
+                    view[o:o + page_size] = _host(p, page_size)
+                else:
+                    _host(p, page_size)[:] = view[o:o + page_size]
+        self.queued[stream].append(run)
+
+    @staticmethod
+    def _at(base, idx, page_size):
+        idx = [int(i) for i in idx]
+        if not all(0 <= i < 1 << 31 for i in idx):
+            raise ValueError("page indices must be in [0, 2**31)")
+        return [base + i * page_size for i in idx]
 
     def copy_in_device(self, lease, dev_ptr, nbytes, slot_off=0, stream=None, done=None):
-        self.calls.append(("in", nbytes, stream))
-        lease.view()[slot_off:slot_off + nbytes] = _host(dev_ptr, nbytes)
+        self._queue("copy_in_device", lease, True, [dev_ptr], nbytes, slot_off, stream)
 
     def copy_out_device(self, lease, dev_ptr, nbytes, slot_off=0, stream=None, done=None):
-        self.calls.append(("out", nbytes, stream))
-        _host(dev_ptr, nbytes)[:] = lease.view()[slot_off:slot_off + nbytes]
+        self._queue("copy_out_device", lease, False, [dev_ptr], nbytes, slot_off, stream)
+
+    def gather(self, lease, dev_pages, page_size, slot_off=0, stream=None, done=None):
+        self._queue("gather", lease, True, list(dev_pages), page_size, slot_off, stream)
+
+    def scatter(self, lease, dev_pages, page_size, slot_off=0, stream=None, done=None):
+        self._queue("scatter", lease, False, list(dev_pages), page_size, slot_off, stream)
+
+    def gather_idx(self, lease, dev_base, page_idx, page_size, slot_off=0, stream=None, done=None):
+        self._queue("gather_idx", lease, True, self._at(dev_base, page_idx, page_size), page_size, slot_off, stream)
+
+    def scatter_idx(self, lease, dev_base, page_idx, page_size, slot_off=0, stream=None, done=None):
+        self._queue("scatter_idx", lease, False, self._at(dev_base, page_idx, page_size), page_size, slot_off, stream)
+
+    def count(self, *names):
+        return sum(1 for c in self.calls if c[0] in names)
 
 
 class _FakeStream:
-    cuda_stream = 0x5151
+    """A torch.cuda.Stream stand-in on a _FakeCuda: synchronize() runs the copies queued on it."""
 
-    def __init__(self):
+    def __init__(self, fake, handle=0x5151):
+        self.fake, self.cuda_stream = fake, handle
         self.syncs, self.waited = 0, []
 
     def synchronize(self):
         self.syncs += 1
+        if self.fake.sabotage == "no-sync":
+            return
+        q, self.fake.queued[self.cuda_stream] = self.fake.queued[self.cuda_stream], []
+        for run in q:
+            run()
 
     def wait_event(self, ev):
         self.waited.append(ev)
+        self.fake.calls.append(("wait", ev, self.cuda_stream, None))
+
+
+class _FakeEvent:
+    """torch.cuda.Event stand-in: record() remembers what the forward had just written (tag, set by the test)."""
+    tag = None
+
+    def record(self, stream=None):
+        self.tag = _FakeEvent.tag
 
 
 def test_fake_cuda_matches_kvstage_cuda():
     import kvstage.cuda
-    for name in ("copy_in_device", "copy_out_device"):
-        assert (list(inspect.signature(getattr(kvstage.cuda, name)).parameters)
-                == list(inspect.signature(getattr(_FakeCuda, name)).parameters)[1:])
+    for name in CUDA_CALLS:
+        real, fake = inspect.signature(getattr(kvstage.cuda, name)), inspect.signature(getattr(_FakeCuda, name))
+        assert list(real.parameters) == list(fake.parameters)[1:], name
+        assert [p.default for p in real.parameters.values()] == [p.default for p in fake.parameters.values()][1:], name
+
+
+class _HostLease:
+    """A slot in host memory for the plan tests (no proxy): view() as Lease.view."""
+
+    def __init__(self, buf, readonly=False):
+        self.buf, self.readonly = buf, readonly
+
+    def view(self):
+        mv = memoryview(self.buf)
+        return mv.toreadonly() if self.readonly else mv
+
+
+PLAN_SHAPES = {"kv-first": dict(head_dim=16, layout="kv-first"),        # blocks item bytes apart: gather_idx
+               "block-first": dict(head_dim=16, layout="block-first"),  # 2 x item apart: gather with page pointers
+               "straddle": dict(head_dim=12, layout="kv-first")}        # 192-byte blocks: slot boundaries cut some
+
+
+def _caches(shape, nb, fill):
+    import vllm_engine as E
+    caches = {n: E.kv_cache(nb, **PLAN_SHAPES[shape]) for n in E.LAYER_NAMES}
+    if fill:
+        g = torch.Generator().manual_seed(11)
+        for t in caches.values():
+            t.view(torch.int16).copy_(torch.randint(-32768, 32767, t.shape, dtype=torch.int16, generator=g))
+    return caches
+
+
+def _layouts(caches, nb):
+    """(the CPU path's layout, the same caches as the device path sees them)."""
+    import dataclasses
+    cpu, dev = kv.VllmLayout(caches, nb), kv.VllmLayout(caches, nb)
+    dev.regions = [dataclasses.replace(r, device=True) for r in dev.regions]
+    return cpu, dev
+
+
+def _device_copier(sabotage=None, cls=None):
+    fake = _FakeCuda(sabotage)
+    return (cls or kv._CudaCopier)(cuda_api=fake, stream=_FakeStream(fake)), fake
+
+
+def _copy_in(lay, copier, nblocks, blocks, ss, gather):
+    """Returns (the room's bytes after copying the blocks in layer by layer as a stage does, the plan's length)."""
+    slots = [bytearray(ss) for _ in range(kv._cdiv(lay.nbytes(nblocks), ss))]
+    calls = 0
+    for li in range(len(lay.layer_names)):
+        plan = lay.plan(nblocks, blocks, 0, ss, layer=li, gather=gather)
+        calls += len(plan)
+        for p in plan:
+            lease = _HostLease(slots[p[0]])
+            if isinstance(p, kv.Pages):
+                copier.gather_in(lease, p)
+            else:
+                copier.copy_in(lease, lease.view(), p[1], p[2], p[3], p[4])
+    copier.sync()
+    return b"".join(slots)[:lay.nbytes(nblocks)], calls
+
+
+def _copy_out(lay, copier, room, nblocks, blocks, skip, ss, gather):
+    """Copies a room's bytes into blocks (request positions skip...) as a load does; returns the plan's length."""
+    slots = [bytearray(room[i:i + ss].ljust(ss, b"\0")) for i in range(0, len(room), ss)]
+    plan = lay.plan(nblocks, blocks, skip, ss, gather=gather)
+    for p in plan:
+        lease = _HostLease(slots[p[0]], readonly=True)
+        if isinstance(p, kv.Pages):
+            copier.scatter_out(lease, p)
+        else:
+            copier.copy_out(lease, lease.view(), p[1], p[2], p[3], p[4])
+    copier.sync()
+    return len(plan)
+
+
+def _block_lists(nb, n):
+    rng = random.Random(3)
+    return {"contiguous": list(range(5, 5 + n)), "scattered": sorted(rng.sample(range(nb), n)),
+            "shuffled": rng.sample(range(nb), n), "reversed": list(range(5 + n, 5, -1))}
 
 
 @NEED_TORCH
-def test_cuda_copier_plan(pd):
-    """The CUDA path's plan - every block run through copy_in_device / copy_out_device on the copier's stream,
-    the stream synchronised before a slot is counted full and before a load is reported - against a stand-in
-    device on host memory; the bytes must come out as the CPU path's. Untested on a GPU."""
-    import dataclasses
-    fake, ps, ds = _FakeCuda(), _FakeStream(), _FakeStream()
-    for eng, st in ((pd.P, ps), (pd.D, ds)):
-        eng.agent.copier = kv._CudaCopier(cuda_api=fake, stream=st)
-        eng.agent.layout.regions = [dataclasses.replace(r, device=True) for r in eng.agent.layout.regions]
-    pd.add(0, 22)
-    pd.add(1, 5)
-    pd.run(lambda: {"d0", "d1"} <= set(pd.D.freed), what="loaded")
-    assert pd.D.loaded == {"d0": None, "d1": None}
-    ins, outs = [c for c in fake.calls if c[0] == "in"], [c for c in fake.calls if c[0] == "out"]
-    lay = pd.P.agent.layout
-    assert sum(n for _, n, _ in ins) == lay.nbytes(6) + lay.nbytes(2) == sum(n for _, n, _ in outs)
-    assert all(s == 0x5151 for _, _, s in fake.calls) and ps.syncs >= 2 and ds.syncs == 2
-    ev = object()
-    pd.P.agent.copier.after(ev)  # ordered after the forward's stream (save_kv_layer's event)
-    assert ps.waited == [ev]
+@pytest.mark.parametrize("shape", list(PLAN_SHAPES))
+def test_gather_plan_moves_the_bytes_the_cpu_path_does(shape):
+    """The device path's plan (a gather per layer part and slot, plain copies for the parts of a block a slot boundary
+    cuts) on the stand-in device gives the room, byte for byte, that the CPU path's copy per run gives, for
+    contiguous, scattered, shuffled and reversed blocks across 3 layers; and a load's scatters put into the decode
+    side's blocks (a prefix of 2 cached) what the CPU path's copies do. Far fewer calls than runs when the blocks are
+    scattered; a plan that reorders pages, puts them one page off or is never synchronised gives another room."""
+    nb, n, ss = 48, 20, 4096
+    src = _caches(shape, nb, fill=True)
+    cpu, dev = _layouts(src, nb)
+    seen = collections.Counter()
+    for what, blocks in _block_lists(nb, n).items():
+        want, runs = _copy_in(cpu, CpuCopier(), n, blocks, ss, gather=False)
+        copier, fake = _device_copier()
+        got, calls = _copy_in(dev, copier, n, blocks, ss, gather=True)
+        assert got == want, (shape, what)
+        assert fake.count(*CUDA_CALLS) == calls and copier._stream.syncs == 1
+        seen.update(c[0] for c in fake.calls)
+        if what != "contiguous" or shape == "block-first":  # runs of one block (block-first: runs are blocks)
+            assert calls < runs / 2, (shape, what, calls, runs)
+        else:  # one run per layer part and slot, or the runs cut by slot boundaries copied as runs
+            assert calls == runs, (shape, what, calls, runs)
+        # the load: into other, shuffled blocks of a fresh cache, the first 2 positions cached already
+        dst = random.Random(len(what)).sample(range(nb), n - 2)
+        outs = []
+        for gather in (False, True):
+            d = _caches(shape, nb, fill=False)
+            dcpu, ddev = _layouts(d, nb)
+            c = _device_copier()[0] if gather else CpuCopier()
+            _copy_out(ddev if gather else dcpu, c, want, n, dst, 2, ss, gather)
+            outs.append(d)
+        for name in src:
+            assert torch.equal(outs[0][name].view(torch.int16), outs[1][name].view(torch.int16)), (shape, what, name)
+            assert torch.equal(outs[1][name][:, dst].view(torch.int16), src[name][:, blocks[2:]].view(torch.int16))
+    assert seen["gather_idx" if shape != "block-first" else "gather"] and not seen["gather" if shape != "block-first"
+                                                                                    else "gather_idx"]
+    assert bool(seen["copy_in_device"]) == (shape == "straddle")
+    # proof that the comparison bites: a wrong order, offset or stride, or no synchronisation, gives another room
+    blocks = _block_lists(nb, n)["shuffled"]
+    want, _ = _copy_in(cpu, CpuCopier(), n, blocks, ss, gather=False)
+
+    class StrideIgnored(kv._CudaCopier):  # every Pages as base + idx * page_size, whatever the blocks' stride
+        def gather_in(self, lease, p):
+            self._api.gather_idx(lease, p.base, p.idx, p.page_size, slot_off=p.slot_off, stream=self._stream.cuda_stream)
+            self._queued = True
+    bad = [_device_copier(s) for s in ("order", "offset", "no-sync")]
+    if shape == "block-first":
+        bad.append(_device_copier(cls=StrideIgnored))
+    for copier, fake in bad:
+        try:
+            got, _ = _copy_in(dev, copier, n, blocks, ss, gather=True)
+        except ValueError:  # one page off past the slot's end
+            continue
+        assert got != want, (shape, fake.sabotage)
+
+
+def _tag_events(eng):
+    """Tags each event the worker records with what the forward had written: the layer (save_kv_layer) or "seal"."""
+    w = eng.worker
+    save, seal = w.save_kv_layer, w.wait_for_save
+
+    def save_kv_layer(layer_name, kv_layer, attn_metadata, **kwargs):
+        _FakeEvent.tag = layer_name
+        return save(layer_name, kv_layer, attn_metadata, **kwargs)
+
+    def wait_for_save():
+        _FakeEvent.tag = "seal"
+        return seal()
+    w.save_kv_layer, w.wait_for_save = save_kv_layer, wait_for_save
+
+
+@NEED_TORCH
+@pytest.mark.parametrize("shape", list(PLAN_SHAPES))
+def test_cuda_copier_plan(kv_proxy, monkeypatch, shape):
+    """The CUDA path end to end against the stand-in device (asynchronous: copies run only when the stream is
+    synchronised), both engines' blocks handed out shuffled: every layer part's blocks in a slot by one gather on the
+    copier's stream, that stream waiting for the forward's event of that layer first; synchronised before a slot is
+    counted full (else the copy meets a sent slot) and before a load is reported (else the blocks are still empty
+    when vLLM reads them); every decode block as the prefill's; fewer calls than runs. Untested on a GPU."""
+    import vllm_engine as E
+    kw = dict(head_dim=PLAN_SHAPES[shape]["head_dim"], kv_layout=PLAN_SHAPES[shape]["layout"])
+    pair = E.PD(kv_proxy.socket, p_kw=kw, d_kw=kw)
+    try:
+        monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+        fakes = {}
+        for name, eng in (("P", pair.P), ("D", pair.D)):
+            eng.agent.copier, fakes[name] = _device_copier()
+            lay = eng.agent.layout
+            cpu_regions = lay.regions
+            lay.regions = [dataclasses.replace(r, device=True) for r in cpu_regions]
+            lay.device = True  # the worker records the forward's events
+            _tag_events(eng)
+        rng = random.Random(5)
+        rng.shuffle(pair.P.free)
+        rng.shuffle(pair.D.free)
+        sizes = [22, 5, 40, 33, 9, 17]
+        for k, n in enumerate(sizes):
+            pair.add(k, n)
+        pair.run(lambda: len(pair.D.freed) == len(sizes) and not pair.P.requests, what="all loaded")
+        assert pair.D.loaded == {f"d{k}": None for k in range(len(sizes))}
+        ss = pair.P.agent._c().slot_size
+        lay = pair.P.agent.layout
+        runs = calls = 0
+        for k, n in enumerate(sizes):
+            nb = kv._cdiv(n, E.BLOCK_SIZE)
+            for blocks in (pair.P.done_req[f"p{k}"].blocks[:nb], pair.D.done_req[f"d{k}"].blocks[:nb]):
+                runs += len(lay.plan(nb, blocks, 0, ss, gather=False))
+                calls += len(lay.plan(nb, blocks, 0, ss, gather=True))
+        fp, fd = fakes["P"], fakes["D"]
+        moved = fp.count("gather", "gather_idx", "copy_in_device") + fd.count("scatter", "scatter_idx", "copy_out_device")
+        assert moved == calls < runs / 2, (moved, calls, runs)
+        assert fp.count("copy_out_device", "scatter", "scatter_idx") == fd.count("copy_in_device", "gather", "gather_idx") == 0
+        assert {c[2] for c in fp.calls + fd.calls} == {0x5151}
+        # ordered after the forward: each gather of layer L's blocks queued after a wait for an event recorded once
+        # the forward had written layer L (save_kv_layer) or every layer (wait_for_save)
+        layer_of = {}
+        for r in lay.regions:
+            layer_of[(r.ptr, r.ptr + r.nblocks * r.stride)] = E.LAYER_NAMES[r.layer]
+        waited = set()
+        for name, what, _, addr in fp.calls:
+            if name == "wait":
+                waited.add(what.tag)
+                continue
+            layer = next(v for (lo, hi), v in layer_of.items() if lo <= addr < hi)
+            assert layer in waited or "seal" in waited, (name, layer, waited)
+        assert waited == set(E.LAYER_NAMES) | {"seal"} and not fd.count("wait")
+        assert pair.P.agent.copier._stream.syncs >= 1 and pair.D.agent.copier._stream.syncs == len(sizes)
+    finally:
+        pair.close()
+    assert_pool_free(kv_proxy.socket)
 
 
 @NEED_TORCH

@@ -137,6 +137,16 @@ def kv_cache_config(num_blocks):
         types.SimpleNamespace(kv_cache_spec=types.SimpleNamespace(block_size=BLOCK_SIZE))])
 
 
+def kv_cache(num_blocks, head_dim=HEAD_DIM, layout="kv-first"):
+    """One layer's paged KV cache, indexed (K/V, block, position, head, dim) either way: "kv-first" is vLLM's
+    (2, num_blocks, ...) in memory (a block's K one span, its V another, blocks item bytes apart); "block-first" is
+    (num_blocks, 2, ...) in memory (a block's K then its V: the blocks of each part 2 x item bytes apart)."""
+    if layout == "block-first":
+        return torch.zeros((num_blocks, 2, BLOCK_SIZE, HEADS, head_dim), dtype=torch.float16).transpose(0, 1)
+    assert layout == "kv-first", layout
+    return torch.zeros((2, num_blocks, BLOCK_SIZE, HEADS, head_dim), dtype=torch.float16)
+
+
 def cdiv(a, b):
     return -(-a // b)
 
@@ -186,15 +196,14 @@ class Engine:
     """One vLLM instance (scheduler + one worker) around a KvstageConnector. .log records (step, what, req_id)."""
 
     def __init__(self, socket_path, port, num_blocks, role="kv_both", connector_cls=kv.KvstageConnector,
-                 chunk=8, budget=48, extra=None, max_running=64, head_dim=HEAD_DIM):
+                 chunk=8, budget=48, extra=None, max_running=64, head_dim=HEAD_DIM, kv_layout="kv-first"):
         self.head_dim = head_dim
         self.cfg = vllm_config(socket_path, port, role, extra=extra)
         self.num_blocks = num_blocks
         kvcc = kv_cache_config(num_blocks)
         self.sched = connector_cls(self.cfg, kv.KVConnectorRole.SCHEDULER, kvcc)
         self.worker = connector_cls(self.cfg, kv.KVConnectorRole.WORKER, kvcc)
-        self.kv = {n: torch.zeros((2, num_blocks, BLOCK_SIZE, HEADS, head_dim), dtype=torch.float16)
-                   for n in LAYER_NAMES}
+        self.kv = {n: kv_cache(num_blocks, head_dim, kv_layout) for n in LAYER_NAMES}
         self.worker.register_kv_caches(self.kv)
         self.agent = self.worker.connector_worker.agent
         self.free = list(range(num_blocks - 1, -1, -1))  # pop() takes the end: a freed block is handed out first
