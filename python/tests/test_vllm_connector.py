@@ -660,7 +660,8 @@ def test_gather_plan_moves_the_bytes_the_cpu_path_does(shape):
 
     class StrideIgnored(kv._CudaCopier):  # every Pages as base + idx * page_size, whatever the blocks' stride
         def gather_in(self, lease, p):
-            self._api.gather_idx(lease, p.base, p.idx, p.page_size, slot_off=p.slot_off, stream=self._stream.cuda_stream)
+            self._api.gather_idx(lease, p.base, p.idx, p.page_size, slot_off=p.slot_off,
+                                 stream=self._stream.cuda_stream)
             self._queued = True
     bad = [_device_copier(s) for s in ("order", "offset", "no-sync")]
     if shape == "block-first":
@@ -726,9 +727,11 @@ def test_cuda_copier_plan(kv_proxy, monkeypatch, shape):
                 runs += len(lay.plan(nb, blocks, 0, ss, gather=False))
                 calls += len(lay.plan(nb, blocks, 0, ss, gather=True))
         fp, fd = fakes["P"], fakes["D"]
-        moved = fp.count("gather", "gather_idx", "copy_in_device") + fd.count("scatter", "scatter_idx", "copy_out_device")
+        moved = (fp.count("gather", "gather_idx", "copy_in_device")
+                 + fd.count("scatter", "scatter_idx", "copy_out_device"))
         assert moved == calls < runs / 2, (moved, calls, runs)
-        assert fp.count("copy_out_device", "scatter", "scatter_idx") == fd.count("copy_in_device", "gather", "gather_idx") == 0
+        assert fp.count("copy_out_device", "scatter", "scatter_idx") == 0
+        assert fd.count("copy_in_device", "gather", "gather_idx") == 0
         assert {c[2] for c in fp.calls + fd.calls} == {0x5151}
         # ordered after the forward: each gather of layer L's blocks queued after a wait for an event recorded once
         # the forward had written layer L (save_kv_layer) or every layer (wait_for_save)
