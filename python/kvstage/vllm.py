@@ -65,6 +65,11 @@ Aborts and when blocks are free again:
   * staged slots no decode side asks for are released after the stage timeout; a decode request aborted
     before its load started tells the prefill worker to release them at once.
 
+Tensor parallelism: every rank's worker connector stages and loads its own shard; decode rank r pulls from
+prefill rank r (remote_port + r), naming its rank, and a prefill rank refuses a pull or release for another rank
+(the shards' layouts are equal). vLLM's KVOutputAggregator reports a request to the scheduler once every rank
+has; a load failed on one rank fails the request through the invalid block ids, which vLLM unites.
+
 Memory: KV caches in host memory are copied by the CPU, one copy per run of blocks; on a CUDA device through
 libkvstage_cuda (kvstage.cuda), one gather (scatter) per layer part and slot (VllmLayout.plan), refused unless
 KVSTAGE_VLLM_CUDA=1: that path is written and checked against a stand-in device, never run on a GPU.
@@ -1168,6 +1173,10 @@ class _Agent:
 
     def _on_side_msg(self, msg):
         if msg["t"] == "drop":
+            if msg.get("tp_rank", self.tp_rank) != self.tp_rank:
+                logger.warning("kvstage connector: a release of %s for TP rank %s reached rank %s: ignored",
+                               msg["req"], msg.get("tp_rank"), self.tp_rank)
+                return
             st = self._stages.get(msg["req"])
             if st is not None and st.room is None:
                 self._stage_fail(st, "released: the decode side will not load it")
@@ -1184,6 +1193,9 @@ class _Agent:
             logger.debug("kvstage connector: the refused room was gone already: %s", e)
 
     def _pull(self, msg):
+        if msg.get("tp_rank") != self.tp_rank:  # each rank holds its own shard: another rank's would load silently
+            return self._reject(msg, f"a load for TP rank {msg.get('tp_rank')} reached rank {self.tp_rank} "
+                                     "(kvstage_port or remote_port misconfigured?)")
         st = self._stages.get(msg["req"])
         if st is None:
             return self._reject(msg, f"no staged KV here ({self.ended.get(msg['req'], 'unknown request')})")
@@ -1261,7 +1273,7 @@ class _Agent:
 
     def cmd_drop(self, host, port, remote_req):
         try:
-            self._send_msg((host, port + self.tp_rank), {"t": "drop", "req": remote_req})
+            self._send_msg((host, port + self.tp_rank), {"t": "drop", "req": remote_req, "tp_rank": self.tp_rank})
         except OSError as e:
             logger.debug("kvstage connector: could not tell %s:%s to release %s: %s", host, port, remote_req, e)
 

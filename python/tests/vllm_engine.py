@@ -1,19 +1,24 @@
 """Test helpers for the vLLM connector: a small stand-in of a vLLM engine that drives kvstage.vllm.KvstageConnector
 the way vLLM v1 does (vllm/v1/core/sched/scheduler.py and the model runner's KV-connector context, at the commits
-named in kvstage/vllm.py). One Engine is one vLLM instance with one worker, as vLLM's UniProcExecutor runs it:
-a scheduler-role connector and a worker-role connector, real torch CPU KV caches in vLLM's paged layout
-(per layer (2, num_blocks, block_size, heads, head_dim): K and V), a block pool that hands a freed block out
-again first, chunked prefill, async loads (WAITING_FOR_REMOTE_KVS), delayed frees.
+named in kvstage/vllm.py). One Engine is one vLLM instance: a scheduler-role connector and, per tensor-parallel
+rank, a worker-role connector with that rank's own KV cache shard (tp=1: one worker, as vLLM's UniProcExecutor runs
+it; tp>1: the ranks' outputs aggregated as vLLM's KVOutputAggregator does for MultiprocExecutor, each rank's
+metadata a pickled copy), real torch CPU KV caches in vLLM's paged layout (per layer (2, num_blocks, block_size,
+heads, head_dim): K and V), a block pool that hands a freed block out again first, chunked prefill, async loads
+(WAITING_FOR_REMOTE_KVS), delayed frees, kv_load_failure_policy "fail".
 
 A step is what EngineCore.step does: schedule (get_num_new_matched_tokens, allocate, update_state_after_alloc,
 build_connector_meta), execute (bind_connector_metadata, start_load_kv, per layer wait_for_layer_load -> the
 layer writes its KV -> save_kv_layer, wait_for_save, get_finished(finished_req_ids),
-get_block_ids_with_load_errors, clear_connector_metadata), update_from_output (finish requests: request_finished
-and free or delay; update_connector_output; finished_sending frees; finished_recving readies a waiting request
-or frees a finished one). The "model" writes, at every position, bytes that depend only on (request seed,
-layer, K/V, position), so a decode engine can check what it received. Importable by spawned children."""
+get_block_ids_with_load_errors, clear_connector_metadata; on every rank), update_from_output (invalid blocks fail
+the async loads they belong to; finish requests: request_finished and free or delay; update_connector_output;
+finished_sending frees; finished_recving readies a waiting request or frees a finished one). The "model" writes,
+at every position, bytes that depend only on (request seed, TP rank, layer, K/V, position), so a decode engine can
+check what each rank received. Importable by spawned children."""
+import copy
 import dataclasses
 import enum
+import pickle
 import threading
 import time
 import traceback
@@ -137,6 +142,47 @@ def kv_cache_config(num_blocks):
         types.SimpleNamespace(kv_cache_spec=types.SimpleNamespace(block_size=BLOCK_SIZE))])
 
 
+def rank_config(cfg, rank):
+    """The config TP rank `rank`'s worker sees: the engine's, with the rank vLLM's parallel state would give it as the
+    connector's fallback (kvstage_tp_rank) where vLLM is not importable."""
+    kt = copy.copy(cfg.kv_transfer_config)
+    kt.kv_connector_extra_config = dict(kt.kv_connector_extra_config, kvstage_tp_rank=rank)
+    kt.get_from_extra_config = lambda key, default: kt.kv_connector_extra_config.get(key, default)
+    out = copy.copy(cfg)
+    out.kv_transfer_config = kt
+    return out
+
+
+class KVOutputAggregator:
+    """vLLM's (vllm/distributed/kv_transfer/kv_connector/utils.py): the ranks' KVConnectorOutputs as one; a request
+    is finished_sending (finished_recving) once every rank has reported it, in whatever steps they did; the invalid
+    block ids of all ranks together."""
+
+    def __init__(self, expected_finished_count):
+        self._recv_remaining_count, self._send_remaining_count = {}, {}
+        self._expected_finished_count = expected_finished_count
+
+    def _update(self, req_ids, remaining, finished):
+        for req_id in req_ids or ():
+            n = remaining.get(req_id, self._expected_finished_count) - 1
+            remaining[req_id] = n
+            if n == 0:
+                finished.add(req_id)
+                del remaining[req_id]
+
+    def aggregate(self, outputs):
+        finished_sending, finished_recving, invalid = set(), set(), set()
+        for out in outputs:
+            self._update(out.finished_sending, self._send_remaining_count, finished_sending)
+            self._update(out.finished_recving, self._recv_remaining_count, finished_recving)
+            invalid |= out.invalid_block_ids
+        return KVConnectorOutput(finished_sending, finished_recving, invalid)
+
+    def pending(self):
+        """Requests some but not all ranks reported: {req_id: ranks still to report} (sending, receiving)."""
+        return dict(self._send_remaining_count), dict(self._recv_remaining_count)
+
+
 def kv_cache(num_blocks, head_dim=HEAD_DIM, layout="kv-first"):
     """One layer's paged KV cache, indexed (K/V, block, position, head, dim) either way: "kv-first" is vLLM's
     (2, num_blocks, ...) in memory (a block's K one span, its V another, blocks item bytes apart); "block-first" is
@@ -153,17 +199,24 @@ def cdiv(a, b):
 
 class GatedCopier(CpuCopier):
     """Copies as CpuCopier, but a copy job of a held request waits (queued, as behind a busy copy stream) until
-    the test releases it; the agent thread runs released jobs in pump(). Thread-safe."""
+    the test releases it; the agent thread runs released jobs in pump(). A job in fail raises (a device error on
+    this rank) instead of copying. Thread-safe."""
 
-    def __init__(self, hold=None):
+    def __init__(self, hold=None, fail=None):
         self._lock = threading.Lock()
         self.handles = []
         self.hold = set(hold or ())  # (req_id, kind) or (req_id, None): held
+        self.fail = set(fail or ())  # (req_id, kind): raises
 
     def _held(self, h):
         return (h.req_id, h.kind) in self.hold or (h.req_id, None) in self.hold
 
     def submit(self, job):
+        if (job.req_id, job.kind) in self.fail:
+            def failing():
+                raise RuntimeError(f"injected copy failure ({job.req_id}, {job.kind})")
+            failing.req_id, failing.kind = job.req_id, job.kind
+            job = failing
         h = CopyHandle(job)
         h.req_id, h.kind = job.req_id, job.kind
         with self._lock:
@@ -193,23 +246,31 @@ class GatedCopier(CpuCopier):
 
 
 class Engine:
-    """One vLLM instance (scheduler + one worker) around a KvstageConnector. .log records (step, what, req_id)."""
+    """One vLLM instance (scheduler + tp workers) around KvstageConnectors. .log records (step, what, req_id);
+    .reports (step, rank, "finished_sending"/"finished_recving", req_id) what each rank's get_finished said.
+    .worker, .kv, .agent are rank 0's; .workers, .kvs, .agents every rank's."""
 
     def __init__(self, socket_path, port, num_blocks, role="kv_both", connector_cls=kv.KvstageConnector,
-                 chunk=8, budget=48, extra=None, max_running=64, head_dim=HEAD_DIM, kv_layout="kv-first"):
-        self.head_dim = head_dim
-        self.cfg = vllm_config(socket_path, port, role, extra=extra)
+                 chunk=8, budget=48, extra=None, max_running=64, head_dim=HEAD_DIM, kv_layout="kv-first", tp=1):
+        self.head_dim, self.tp = head_dim, tp
+        self.cfg = vllm_config(socket_path, port, role, tp=tp, extra=extra)
         self.num_blocks = num_blocks
         kvcc = kv_cache_config(num_blocks)
         self.sched = connector_cls(self.cfg, kv.KVConnectorRole.SCHEDULER, kvcc)
-        self.worker = connector_cls(self.cfg, kv.KVConnectorRole.WORKER, kvcc)
-        self.kv = {n: kv_cache(num_blocks, head_dim, kv_layout) for n in LAYER_NAMES}
-        self.worker.register_kv_caches(self.kv)
-        self.agent = self.worker.connector_worker.agent
+        self.workers, self.kvs, self.agents = [], [], []
+        for rank in range(tp):  # each worker process: its connector, then its shard of the KV cache registered
+            self.workers.append(connector_cls(self.cfg if tp == 1 else rank_config(self.cfg, rank),
+                                              kv.KVConnectorRole.WORKER, kvcc))
+            self.kvs.append({n: kv_cache(num_blocks, head_dim, kv_layout) for n in LAYER_NAMES})
+            self.workers[-1].register_kv_caches(self.kvs[-1])
+            self.agents.append(self.workers[-1].connector_worker.agent)
+        self.worker, self.kv, self.agent = self.workers[0], self.kvs[0], self.agents[0]
+        self.aggregator = KVOutputAggregator(tp) if tp > 1 else None
+        self.reports = []
         self.free = list(range(num_blocks - 1, -1, -1))  # pop() takes the end: a freed block is handed out first
         self.chunk, self.budget, self.max_running = chunk, budget, max_running
         self.requests, self.waiting, self.running = {}, [], []
-        self.finished_req_ids, self.finished_recving_kv, self.failed_loads = set(), set(), set()
+        self.finished_req_ids, self.finished_recving_kv = set(), set()
         self.delayed = set()
         self.done = {}            # req_id -> (status name, params) at request_finished
         self.done_req = {}        # req_id -> the Request
@@ -222,13 +283,14 @@ class Engine:
         self._content = {}
 
     # -- the model -------------------------------------------------------------------------------
-    def content(self, r):
-        """(layers, 2, positions, heads, head_dim) int16: what the model writes for r at each position."""
-        c = self._content.get(r.seed)
+    def content(self, r, rank=0):
+        """(layers, 2, positions, heads, head_dim) int16: what the model writes for r at each position on TP rank
+        `rank` (its heads: other bytes on every rank)."""
+        c = self._content.get((r.seed, rank))
         if c is None:
-            g = torch.Generator().manual_seed(r.seed)
-            c = self._content[r.seed] = torch.randint(-32768, 32767, (LAYERS, 2, MAX_POS, HEADS, self.head_dim),
-                                                      dtype=torch.int16, generator=g)
+            g = torch.Generator().manual_seed(r.seed if rank == 0 else (r.seed * 1000003 + rank) % (1 << 62))
+            c = self._content[r.seed, rank] = torch.randint(
+                -32768, 32767, (LAYERS, 2, MAX_POS, HEADS, self.head_dim), dtype=torch.int16, generator=g)
         assert r.num_tokens <= MAX_POS, r.num_tokens
         return c
 
@@ -236,36 +298,45 @@ class Engine:
         pos = torch.arange(c0, c0 + n)
         return torch.tensor(blocks, dtype=torch.long)[pos // BLOCK_SIZE], pos % BLOCK_SIZE
 
-    def write(self, r, li, c0, n, blocks=None):
+    def write(self, r, li, c0, n, blocks=None, rank=0):
         b, o = self._where(blocks if blocks is not None else r.blocks, c0, n)
-        self.kv[LAYER_NAMES[li]].view(torch.int16)[:, b, o] = self.content(r)[li][:, c0:c0 + n]
+        self.kvs[rank][LAYER_NAMES[li]].view(torch.int16)[:, b, o] = self.content(r, rank)[li][:, c0:c0 + n]
 
-    def holds(self, r, n=None, blocks=None):
-        """None if blocks hold r's KV at positions < n (default: its prompt), else what differs."""
+    def holds(self, r, n=None, blocks=None, rank=None):
+        """None if blocks hold r's KV at positions < n (default: its prompt) on `rank` (default: every rank, each its
+        own), else what differs - naming the rank whose KV it is when it is another rank's."""
         n = r.num_prompt_tokens if n is None else n
         b, o = self._where(blocks if blocks is not None else r.blocks, 0, n)
-        for li in range(LAYERS):
-            got = self.kv[LAYER_NAMES[li]].view(torch.int16)[:, b, o]
-            if not torch.equal(got, self.content(r)[li][:, :n]):
-                bad = (got != self.content(r)[li][:, :n]).reshape(2, n, -1).any(-1).any(0).nonzero().flatten().tolist()
-                return f"layer {li}: positions {bad[:8]}{'...' if len(bad) > 8 else ''} differ"
+        for k in (range(self.tp) if rank is None else [rank]):
+            where = f"rank {k}: " if self.tp > 1 else ""
+            for li in range(LAYERS):
+                got = self.kvs[k][LAYER_NAMES[li]].view(torch.int16)[:, b, o]
+                want = self.content(r, k)[li][:, :n]
+                if not torch.equal(got, want):
+                    other = [j for j in range(self.tp) if j != k and torch.equal(got, self.content(r, j)[li][:, :n])]
+                    if other:
+                        return f"{where}layer {li}: holds rank {other[0]}'s KV"
+                    bad = (got != want).reshape(2, n, -1).any(-1).any(0).nonzero().flatten().tolist()
+                    return f"{where}layer {li}: positions {bad[:8]}{'...' if len(bad) > 8 else ''} differ"
         return None
 
     def mark(self, blocks, value):
         idx = torch.tensor(blocks, dtype=torch.long)
-        for n in LAYER_NAMES:
-            self.kv[n].view(torch.int16)[:, idx] = value
+        for kv_ in self.kvs:
+            for n in LAYER_NAMES:
+                kv_[n].view(torch.int16)[:, idx] = value
 
     def marked(self, blocks, value):
         idx = torch.tensor(blocks, dtype=torch.long)
-        return all(bool((self.kv[n].view(torch.int16)[:, idx] == value).all()) for n in LAYER_NAMES)
+        return all(bool((kv_[n].view(torch.int16)[:, idx] == value).all()) for kv_ in self.kvs for n in LAYER_NAMES)
 
     # -- requests --------------------------------------------------------------------------------
     def add(self, r):
         if r.prefix_blocks:  # the decode side's own prefix cache already has the first blocks
             r.blocks = self._alloc(r.prefix_blocks)
-            for li in range(LAYERS):
-                self.write(r, li, 0, r.prefix_blocks * BLOCK_SIZE)
+            for rank in range(self.tp):
+                for li in range(LAYERS):
+                    self.write(r, li, 0, r.prefix_blocks * BLOCK_SIZE, rank=rank)
         self.requests[r.request_id] = r
         self.waiting.append(r)
         self.log.append((self.step_no, "add", r.request_id))
@@ -289,7 +360,6 @@ class Engine:
         if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS:  # vLLM's own rule (finish_requests)
             delay = r.request_id not in self.finished_recving_kv
             self.finished_recving_kv.discard(r.request_id)
-            self.failed_loads.discard(r.request_id)
         r.status = status
         d2, params = self.sched.request_finished(r, list(r.blocks))
         self.finished_req_ids.add(r.request_id)
@@ -338,12 +408,6 @@ class Engine:
                 if r.request_id not in self.finished_recving_kv:
                     continue
                 self.finished_recving_kv.discard(r.request_id)
-                if r.request_id in self.failed_loads:  # kv_load_failure_policy "fail"
-                    self.failed_loads.discard(r.request_id)
-                    self.loaded[r.request_id] = "load failed"
-                    r.status = RequestStatus.WAITING  # the load is over (reported): nothing writes its blocks
-                    self._finish(r, RequestStatus.FINISHED_ERROR)
-                    continue
                 self.loaded[r.request_id] = self.holds(r)
                 r.load_done = True
                 n = min(len(r.blocks) * BLOCK_SIZE, r.num_tokens)  # _update_waiting_for_remote_kv
@@ -384,28 +448,42 @@ class Engine:
         return so
 
     def execute(self, so):
-        w = self.worker
-        w.bind_connector_metadata(so.kv_connector_metadata)
-        w.start_load_kv(None)
-        if self.scheduled:
-            for li, name in enumerate(LAYER_NAMES):
-                w.wait_for_layer_load(name)
-                for r, n in self.scheduled:  # this layer's attention writes the new tokens' KV
-                    self.write(r, li, r.num_computed_tokens, n)
-                w.save_kv_layer(name, self.kv[name], None)
-        w.wait_for_save()
-        fs, fr = w.get_finished(so.finished_req_ids)
-        errs = w.get_block_ids_with_load_errors()
-        w.clear_connector_metadata()
-        return KVConnectorOutput(set(fs or ()), set(fr or ()), set(errs or ()))
+        outs = []
+        for rank, w in enumerate(self.workers):  # each rank's forward (one after the other here, in parallel in vLLM)
+            meta = so.kv_connector_metadata
+            if self.tp > 1:  # MultiprocExecutor sends each worker process its own serialised copy
+                meta = pickle.loads(pickle.dumps(meta))
+            w.bind_connector_metadata(meta)
+            w.start_load_kv(None)
+            if self.scheduled:
+                for li, name in enumerate(LAYER_NAMES):
+                    w.wait_for_layer_load(name)
+                    for r, n in self.scheduled:  # this layer's attention writes the new tokens' KV
+                        self.write(r, li, r.num_computed_tokens, n, rank=rank)
+                    w.save_kv_layer(name, self.kvs[rank][name], None)
+            w.wait_for_save()
+            fs, fr = w.get_finished(so.finished_req_ids)
+            errs = w.get_block_ids_with_load_errors()
+            w.clear_connector_metadata()
+            outs.append(KVConnectorOutput(set(fs or ()), set(fr or ()), set(errs or ())))
+            for how, ids in (("finished_sending", fs), ("finished_recving", fr)):
+                self.reports.extend((self.step_no, rank, how, rid) for rid in sorted(ids or ()))
+        return outs[0] if self.aggregator is None else self.aggregator.aggregate(outs)
 
     def update(self, so, out):
+        failed = []
+        if out.invalid_block_ids:  # _handle_invalid_blocks: the async loads these blocks belong to failed
+            failed = [r for r in self.waiting if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+                      and set(r.blocks) & out.invalid_block_ids]
         for r, n in self.scheduled:
             r.num_computed_tokens += n
             if r.num_computed_tokens >= r.num_tokens:
                 r.output.append(len(r.output))
                 if len(r.output) >= r.max_tokens:
                     self._finish(r, RequestStatus.FINISHED_LENGTH_CAPPED)
+        for r in failed:  # kv_load_failure_policy "fail": finish_requests(FINISHED_ERROR), freed once reported
+            self.loaded[r.request_id] = "load failed"
+            self._finish(r, RequestStatus.FINISHED_ERROR)
         self.sched.update_connector_output(out)
         for rid in sorted(out.finished_recving):
             r = self.requests.get(rid)
@@ -414,8 +492,6 @@ class Engine:
                 self.double.append(("finished_recving", rid))
             elif r.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
                 self.finished_recving_kv.add(rid)
-                if set(r.blocks) & out.invalid_block_ids:
-                    self.failed_loads.add(rid)
             else:
                 self._free(r, "finished_recving")
         for rid in sorted(out.finished_sending):
@@ -447,7 +523,8 @@ class Engine:
                 time.sleep(0.001)  # pacing an idle poll loop, not an ordering device
 
     def close(self):
-        self.worker.shutdown()
+        for w in self.workers:
+            w.shutdown()
         self.sched.shutdown()
 
 
@@ -467,7 +544,8 @@ class PD:
 
     def __init__(self, socket_path, p_kw=None, d_kw=None, p_cls=kv.KvstageConnector, d_cls=kv.KvstageConnector):
         self.P = self.D = None
-        self.P = Engine(socket_path, free_port(), connector_cls=p_cls, role="kv_producer", **dict(dict(num_blocks=128), **(p_kw or {})))
+        self.P = Engine(socket_path, free_port((p_kw or {}).get("tp", 1)), connector_cls=p_cls, role="kv_producer",
+                        **dict(dict(num_blocks=128), **(p_kw or {})))
         self.D = Engine(socket_path, free_port(), connector_cls=d_cls, role="kv_consumer", **dict(dict(num_blocks=128), **(d_kw or {})))
         self.routed = set()
 
@@ -477,7 +555,8 @@ class PD:
         return r
 
     def route(self, prefix=None, d_extra=None):
-        """Forwards every finished prefill request with params not forwarded yet; returns the decode requests."""
+        """Forwards every finished prefill request with params not forwarded yet (d_extra: more params, or k -> more
+        params); returns the decode requests."""
         out = []
         for rid, (status, params) in list(self.P.done.items()):
             if rid in self.routed or params is None:
@@ -485,21 +564,24 @@ class PD:
             self.routed.add(rid)
             k = int(rid[1:])
             src = self.P.done_req[rid]
-            params = dict(params, **(d_extra or {}))
+            params = dict(params, **((d_extra(k) if callable(d_extra) else d_extra) or {}))
             r = Request(f"d{k}", src.num_prompt_tokens, params, src.seed, max_tokens=2,
                         prefix_blocks=(prefix or {}).get(k, 0))
             self.D.add(r)
             out.append(r)
         return out
 
-    def run(self, until, timeout=20, what="condition", **route_kw):
+    def run(self, until, timeout=20, what="condition", on_route=None, **route_kw):
+        """Steps P, routes, steps D until until(); on_route(new decode requests) runs before D's step."""
         deadline = time.monotonic() + timeout
         while not until():
             if time.monotonic() > deadline:
                 raise AssertionError(f"{what} not reached within {timeout}s: P {sorted(self.P.requests)}, "
                                      f"D {sorted(self.D.requests)}")
             self.P.step()
-            self.route(**route_kw)
+            new = self.route(**route_kw)
+            if on_route is not None:
+                on_route(new)
             self.D.step()
             if self.P.idle() and self.D.idle():
                 time.sleep(0.001)  # pacing an idle poll loop
@@ -510,11 +592,28 @@ class PD:
                 e.close()
 
 
-def free_port():
+def free_port(n=1):
+    """A port p such that p ... p + n - 1 are free now (a TP prefill engine listens on one per rank)."""
     import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            p = s.getsockname()[1]
+        if p + n > 65536:
+            continue
+        socks = []
+        try:
+            for q in range(p, p + n):
+                t = socket.socket()
+                socks.append(t)
+                t.bind(("127.0.0.1", q))
+            return p
+        except OSError:
+            continue
+        finally:
+            for t in socks:
+                t.close()
+    raise RuntimeError(f"no {n} consecutive free ports")
 
 
 def prefill_params(extra=None):

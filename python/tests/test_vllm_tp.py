@@ -1,0 +1,217 @@
+"""Tensor parallelism 2 on both sides, as vLLM runs it (tests/vllm_engine.py with tp=2): per engine one
+scheduler-role connector and one worker-role connector per rank, each rank with its own shard of the KV cache into
+which the model writes other bytes than into the other rank's; each rank's metadata a pickled copy (as
+MultiprocExecutor sends it); the ranks' finished_sending / finished_recving aggregated as vLLM's KVOutputAggregator
+does (a request is reported to the scheduler once every rank has reported it), their invalid block ids together.
+Prefill rank r listens on kvstage_port + r; decode rank r loads from it and from no other."""
+import collections
+import logging
+import random
+
+import pytest
+
+from kvstage import vllm as kv
+from sglang_common import NEED_TORCH, assert_pool_free, kv_proxy  # noqa: F401 (fixture)
+
+try:
+    import torch
+except ImportError:  # pragma: no cover
+    torch = None
+
+pytestmark = NEED_TORCH
+
+N = 40
+PLANS = {0: "prefix", 1: "prefix", 2: "d-abort-waiting", 3: "d-mid-r1", 4: "d-after", 5: "d-fail-r1",
+         6: "p-abort-prefill", 7: "p-abort-staging-r1"}
+# plan -> (prefill status at request_finished, decode outcome or None: never reaches the decode engine)
+EXPECT = {
+    None: ("FINISHED_LENGTH_CAPPED", "ok"),
+    "prefix": ("FINISHED_LENGTH_CAPPED", "ok"),                  # half the blocks already cached on the decode side
+    "d-abort-waiting": ("FINISHED_LENGTH_CAPPED", "aborted"),    # aborted before allocation: both ranks release
+    "d-mid-r1": ("FINISHED_LENGTH_CAPPED", "aborted"),           # rank 0 loaded, rank 1's room held back: aborted
+    "d-after": ("FINISHED_LENGTH_CAPPED", "ok+aborted"),         # aborted after the load, while decoding
+    "d-fail-r1": ("FINISHED_LENGTH_CAPPED", "load-failed"),      # rank 1's copy into slots fails, rank 0's waits
+    "p-abort-prefill": ("FINISHED_ABORTED", None),               # aborted between two prefill chunks
+    "p-abort-staging-r1": ("FINISHED_ABORTED", None),            # aborted while rank 1's copies into slots wait
+}
+
+
+def _steps(eng, rid, how):
+    """{rank: the step it reported rid in `how`} from the ranks' own get_finished."""
+    return {rank: step for step, rank, h, r in eng.reports if r == rid and h == how}
+
+
+def test_tp2_engines_with_aborts(kv_proxy):
+    """40 requests through a TP=2 prefill engine and a TP=2 decode engine: every completed request's decode blocks on
+    each rank hold that rank's prefill KV (the ranks' KV differ, so never the other rank's); aborts on both sides at
+    the points where the ranks disagree (one rank's load done, the other's held; one rank's copy failed, the other's
+    waiting; one rank's copies into slots waiting at an abort); a request is freed only at the step its last rank
+    reported it; every block and the kvstage pool free at the end."""
+    import vllm_engine as E
+    rng = random.Random(20250602)
+    plans = {k: PLANS.get(k) for k in range(N)}
+    sizes = {k: (40 if plans[k] in ("d-mid-r1", "d-fail-r1", "p-abort-prefill") else rng.randint(5, 40))
+             for k in range(N)}
+    seeds = {k: rng.getrandbits(40) for k in range(N)}
+    pair = E.PD(kv_proxy.socket, p_kw=dict(tp=2, num_blocks=192), d_kw=dict(tp=2, num_blocks=256))
+    P, D = pair.P, pair.D
+    assert [a.tp_rank for a in P.agents + D.agents] == [0, 1, 0, 1]
+    assert [a.listen_port - P.agents[0].listen_port for a in P.agents] == [0, 1]
+    try:
+        k_of = {f"p{k}": k for k in range(N)} | {f"d{k}": k for k in range(N)}
+        gates = [E.GatedCopier(hold={("p5", "stage")}),
+                 E.GatedCopier(hold={("p7", "stage")}, fail={("p5", "stage")})]
+        for a, g in zip(P.agents, gates):
+            a.copier = g
+        P.agents[1].hold_send = lambda req, chunk: req == "p3" and chunk >= 1
+        results, quarantine, p_at_free = {}, [], {}
+
+        def d_free(r, how):
+            k = k_of[r.request_id]
+            status = D.done[r.request_id][0]
+            if status == "FINISHED_ABORTED":
+                D.mark(r.blocks, E.MARK)  # the blocks are the engine's again (every rank's); nothing else may write
+                quarantine.append((k, list(r.blocks)))
+                outcome = "ok+aborted" if r.load_done else "aborted"
+            else:
+                outcome = "load-failed" if status == "FINISHED_ERROR" else "ok"
+            results[k] = dict(outcome=outcome, wrong=D.loaded.get(r.request_id) if r.load_done else None, how=how,
+                              why=[a.ended.get(r.request_id) for a in D.agents])
+            return status == "FINISHED_ABORTED"
+        D.on_free = d_free
+
+        def p_free(r, how):
+            p_at_free[r.request_id] = (how, [a.stage_state(r.request_id)[0] for a in P.agents])
+            return False  # the blocks go back to the pool
+        P.on_free = p_free
+
+        def drive(new):
+            for r in new:
+                if plans[k_of[r.request_id]] == "d-abort-waiting":
+                    D.abort(r.request_id)  # before the decode scheduler ever saw it
+            for rid, r in list(P.requests.items()):
+                plan = plans[k_of[rid]]
+                if r.is_finished():
+                    continue
+                if plan == "p-abort-prefill" and 0 < r.num_computed_tokens < r.num_prompt_tokens:
+                    P.abort(rid)
+                elif plan == "p-abort-staging-r1" and r.output and gates[1].queued(rid, "stage"):
+                    P.abort(rid)  # rank 0's copies done, rank 1's wait behind the gate
+            recv = {(rank, rid) for _, rank, how, rid in D.reports if how == "finished_recving"}
+            for rid, r in list(D.requests.items()):
+                plan = plans[k_of[rid]]
+                if r.is_finished():
+                    continue
+                if (plan == "d-mid-r1" and r.status == E.RequestStatus.WAITING_FOR_REMOTE_KVS and (0, rid) in recv
+                        and (1, rid) not in recv):
+                    D.abort(rid)  # rank 0 reported its load, rank 1's still open
+                elif plan == "d-after" and r.load_done and r.output:
+                    D.abort(rid)
+
+        for k in range(N):
+            pair.add(k, sizes[k], seed=seeds[k], max_tokens=64 if plans[k] == "p-abort-staging-r1" else 1)
+        want = {k for k in range(N) if EXPECT[plans[k]][1] is not None}
+        prefix = {k: (sizes[k] // E.BLOCK_SIZE) // 2 for k in range(N) if plans[k] == "prefix"}
+        pair.run(lambda: set(results) == want and not P.requests and not D.requests, timeout=60,
+                 what="every request ended", on_route=drive, prefix=prefix)
+
+        problems = []
+        for k in range(N):
+            want_status, want_outcome = EXPECT[plans[k]]
+            if P.done[f"p{k}"][0] != want_status:
+                problems.append(f"request {k} ({plans[k]}): prefill ended {P.done[f'p{k}'][0]}, expected {want_status}")
+            got = results.get(k)
+            if want_outcome is None:
+                if got is not None or f"d{k}" in D.done:
+                    problems.append(f"request {k} ({plans[k]}): reached the decode engine: {got}")
+            elif got is None or got["outcome"] != want_outcome:
+                problems.append(f"request {k} ({plans[k]}): decode {got}, expected {want_outcome}")
+            elif want_outcome.startswith("ok") and got["wrong"] is not None:
+                problems.append(f"request {k} ({plans[k]}): decode blocks differ from the prefill's: {got['wrong']}")
+        assert not problems, "\n".join(problems)
+        normal = [k for k in range(N) if plans[k] in (None, "prefix")]
+        assert len(normal) >= 16 and all(D.loaded[f"d{k}"] is None for k in normal)
+        for k in range(N):  # what "each rank its own" rests on: the two ranks' KV of a request differ everywhere
+            r = P.done_req[f"p{k}"]
+            assert bool((P.content(r, 0) != P.content(r, 1)).float().mean() > 0.99)
+
+        # aggregation: freed at the step the last rank reported, never before
+        s = _steps(D, "d3", "finished_recving")
+        assert s[0] < s[1] == D.freed["d3"][0] and D.freed["d3"][1] == "finished_recving", (s, D.freed["d3"])
+        s = _steps(D, "d5", "finished_recving")  # rank 1 failed first: the request failed then, freed by rank 0's
+        assert s[1] < s[0] == D.freed["d5"][0] and D.freed["d5"][1] == "finished_recving", (s, D.freed["d5"])
+        assert "aborted by the prefill side" in results[5]["why"][1] and "aborted" in results[5]["why"][0], results[5]
+        s = _steps(P, "p5", "finished_sending")  # rank 1's copy failed at once; rank 0's waited for the decode abort
+        assert s[1] <= s[0] == P.freed["p5"][0], (s, P.freed["p5"])
+        assert "copying blocks into slots failed" in P.agents[1].ended["p5"]
+        s = _steps(P, "p7", "finished_sending")
+        assert set(s) == {0, 1} and max(s.values()) == P.freed["p7"][0], (s, P.freed["p7"])
+        assert gates[1].of("p7", "stage") and {h.state for h in gates[1].of("p7", "stage")} == {"cancelled"}
+        for rank in (0, 1):  # the decode side aborted before allocating: each rank told its own prefill rank
+            assert "released" in P.agents[rank].ended["p2"], P.agents[rank].ended["p2"]
+        for eng in (P, D):
+            twice = [key for key, n in collections.Counter((rk, h, rid) for _, rk, h, rid in eng.reports).items()
+                     if n > 1]
+            assert twice == [] and eng.aggregator.pending() == ({}, {}) and eng.double == []
+        # prefill blocks: handed off or aborted after staging began -> freed by finished_sending, with no rank's
+        # copy into slots still running; aborted between chunks -> at request_finished
+        for k in range(N):
+            how, states = p_at_free[f"p{k}"]
+            if plans[k] == "p-abort-prefill":
+                assert how == "at-finish", (k, how)
+            else:
+                assert how == "finished_sending" and "staging" not in states, (k, plans[k], how, states)
+        assert len(quarantine) >= 3 and all(D.marked(b, E.MARK) for _, b in quarantine)
+        assert len(P.free) == P.num_blocks and len(D.free) + sum(len(b) for _, b in quarantine) == D.num_blocks
+    finally:
+        pair.close()
+    s = assert_pool_free(kv_proxy.socket)
+    assert s["rooms"]["done"] >= 2 * len(normal)
+
+
+def test_a_load_reaching_another_rank_is_refused(kv_proxy, caplog):
+    """The two ranks' shards have the same layout, so only the rank tells them apart: a decode rank 0 load that
+    reaches prefill rank 1's side channel (a remote_port one off) is refused by rank 1, whose staged KV stays for its
+    own decode rank (loaded exact afterwards). Why it matters: a decode worker that takes itself for rank 1 loads rank
+    1's shard into rank 0's cache, and the engines' check names it."""
+    import vllm_engine as E
+    caplog.set_level(logging.INFO, logger="kvstage.vllm")
+    pair = E.PD(kv_proxy.socket, p_kw=dict(tp=2), d_kw=dict(tp=2))
+    P, D = pair.P, pair.D
+    try:
+        for k in range(2):
+            pair.add(k, 22)
+        P.step_until(lambda: {"p0", "p1"} <= set(P.freed), what="staged on both ranks")
+        pair.routed |= {"p0", "p1"}  # the test routes them itself
+        base = P.cfg.kv_transfer_config.kv_connector_extra_config["kvstage_port"]
+        nb = kv._cdiv(22, E.BLOCK_SIZE)
+        blocks = D._alloc(2 * nb)
+        a = D.agents[0]
+        got = set()
+
+        def ended(req):
+            got.update(a.take_finished()[1])  # drained: these loads are not the decode scheduler's
+            return req in got
+        a.post(a.cmd_recv, kv.RecvSpec("x0", "p0", "127.0.0.1", base + 1, nb, tuple(blocks[:nb]), 0, 10.0))
+        E.wait_for(lambda: ended("x0"), what="the misrouted load ended")
+        assert "aborted by the prefill side" in a.ended["x0"], a.ended["x0"]
+        assert any("a load for TP rank 0 reached rank 1" in m for m in caplog.messages), caplog.messages
+        assert P.agents[1].stage_state("p0")[0] == "ready" and D.marked(blocks[:nb], 0)
+        # red: rank 0's worker taking itself for rank 1 gets rank 1's shard, which the check tells apart
+        a.tp_rank = 1
+        try:
+            a.post(a.cmd_recv, kv.RecvSpec("x1", "p1", "127.0.0.1", base, nb, tuple(blocks[nb:]), 0, 10.0))
+            E.wait_for(lambda: ended("x1"), what="the lying load ended")
+        finally:
+            a.tp_rank = 0
+        assert a.ended["x1"] == "done"
+        assert D.holds(P.done_req["p1"], blocks=blocks[nb:], rank=0) == "rank 0: layer 0: holds rank 1's KV"
+        D.free.extend(reversed(blocks))
+        # p0, routed as it should be, loads exact on both ranks: rank 1's stage was left alone
+        pair.routed.discard("p0")
+        pair.run(lambda: "d0" in D.freed, what="d0 loaded")
+        assert D.loaded["d0"] is None and D.done["d0"][0] == "FINISHED_LENGTH_CAPPED"
+        assert D.double == [] and P.double == []
+    finally:
+        pair.close()
+    assert_pool_free(kv_proxy.socket)
