@@ -465,28 +465,51 @@ def _pieces(extents, slot_size):
             n -= k
 
 
+def _span_gathered(ext, s, so, pos, end):
+    """ext's bytes [pos, end), all in slot s from so: a Gather of the whole items, and a Piece for each part
+    of an item cut by the slot's start or end (a Gather moves whole items only)."""
+    item, out = ext.item, []
+    if pos % item:  # the rest of an item begun in the slot before
+        j, into = divmod(pos, item)
+        k = min(item - into, end - pos)
+        out.append(Piece(s, so, ext.base + ext.idx[j] * item + into, k, ext.device))
+        so, pos = so + k, pos + k
+    whole = (end - pos) // item
+    if whole:
+        j = pos // item
+        out.append(Gather(s, so, ext.base, item, ext.idx[j:j + whole], ext.device))
+        so, pos = so + whole * item, pos + whole * item
+    if pos < end:  # the start of an item the next slot ends
+        out.append(Piece(s, so, ext.base + ext.idx[pos // item] * item, end - pos, ext.device))
+    return out
+
+
+def _span_runs(ext, s, so, pos, end):
+    """ext's bytes [pos, end), all in slot s from so, as one Piece per run of adjacent items."""
+    item, out = ext.item, []
+    while pos < end:
+        j, into = divmod(pos, item)
+        addr, k = ext.base + ext.idx[j] * item + into, min(item - into, end - pos)
+        if out and out[-1].addr + out[-1].nbytes == addr:
+            out[-1] = out[-1]._replace(nbytes=out[-1].nbytes + k)
+        else:
+            out.append(Piece(s, so, addr, k, ext.device))
+        so, pos = so + k, pos + k
+    return out
+
+
 def _paged_pieces(ext, slot_size):
-    """Yields ext's (a Paged) bytes cut at slot boundaries, in room order: for each slot it touches, a Gather
-    of the whole items that lie in that slot, and a Piece for each part of an item cut by the slot's start
-    or end (a Gather moves whole items only)."""
-    item, n = ext.item, ext.nbytes
+    """Yields ext's (a Paged) bytes cut at slot boundaries, in room order: for each slot it touches, the
+    gathered form (_span_gathered) or one copy per run of adjacent items (_span_runs), whichever takes fewer
+    calls; runs on a tie (one plain copy of adjacent pages beats a gather of them)."""
+    n = ext.nbytes
     pos = 0  # byte offset in the extent
     while pos < n:
         s, so = divmod(ext.room_off + pos, slot_size)
         end = pos + min(n - pos, slot_size - so)
-        if pos % item:  # the rest of an item begun in the slot before
-            j, into = divmod(pos, item)
-            k = min(item - into, end - pos)
-            yield Piece(s, so, ext.base + ext.idx[j] * item + into, k, ext.device)
-            so, pos = so + k, pos + k
-        whole = (end - pos) // item
-        if whole:
-            j = pos // item
-            yield Gather(s, so, ext.base, item, ext.idx[j:j + whole], ext.device)
-            so, pos = so + whole * item, pos + whole * item
-        if pos < end:  # the start of an item the next slot ends
-            yield Piece(s, so, ext.base + ext.idx[pos // item] * item, end - pos, ext.device)
-            pos = end
+        gathered, runs = _span_gathered(ext, s, so, pos, end), _span_runs(ext, s, so, pos, end)
+        yield from runs if len(runs) <= len(gathered) else gathered
+        pos = end
 
 
 def _slot_pieces(extents, slot_size):
