@@ -122,8 +122,11 @@ double baseline_ib_read_bw(const char *dev, int gid_index, uint64_t chunk, doubl
 	unsigned long long bytes, iters;
 	double peak, avg;
 	if (!row || sscanf(row, " %llu %llu %lf %lf", &bytes, &iters, &peak, &avg) != 4 || avg <= 0) {
-		snprintf(why, why_len, "ib_read_bw (exit %d) gave no bandwidth: %.200s",
-			 WIFEXITED(st) ? WEXITSTATUS(st) : -1, have ? out : "(no output)");
+		/* Its result row if it printed one (a run that moved nothing in
+		 * its window), else the end of what it said. */
+		const char *say = row ? row + 1 : have > 200 ? out + have - 200 : have ? out : "(no output)";
+		snprintf(why, why_len, "ib_read_bw (exit %d) gave no bandwidth: %.*s",
+			 WIFEXITED(st) ? WEXITSTATUS(st) : -1, (int)strcspn(say, row ? "\n" : ""), say);
 		return -1;
 	}
 	return avg / 8; /* Gb/s (1e9 bits) to GB/s (1e9 bytes) */
