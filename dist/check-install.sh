@@ -210,9 +210,12 @@ $(cat "$tmp/kvstaged.log")"
 		# An ASan build's library needs its runtime loaded first, into
 		# Python itself, whose own allocations LeakSanitizer would report.
 		asan=$(ldd "$so" | awk '/libasan\.so/ { print $3; exit }')
-		if out=$(cd "$tmp" && env -u KVSTAGE_LIB PYTHONPATH="$D$pydir" LD_LIBRARY_PATH="$D$libdir" \
+		py=${KVSTAGE_PYTHON:-python3}
+		if ! "$py" -c 'import numpy' 2>/dev/null; then
+			fail "$py, the interpreter meson installed the Python package for, has no numpy, which kvstage.sglang and kvstage.vllm import: install it for that interpreter (Debian: python3-numpy), or configure the build with Debian's python3 first in PATH"
+		elif out=$(cd "$tmp" && env -u KVSTAGE_LIB PYTHONPATH="$D$pydir" LD_LIBRARY_PATH="$D$libdir" \
 			${asan:+LD_PRELOAD="$asan" ASAN_OPTIONS=detect_leaks=0:abort_on_error=1} \
-			"${KVSTAGE_PYTHON:-python3}" -c '
+			"$py" -c '
 import sys, kvstage
 from kvstage import _lib
 assert kvstage.__file__.startswith(sys.argv[2]), kvstage.__file__

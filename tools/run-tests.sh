@@ -2,8 +2,11 @@
 # Every test: the plain build, then the same suites under ASan+UBSan.
 # This is what CI runs (.ci/run) and what the README gives.
 set -euo pipefail
-# A bare environment (no PATH: gcc then cannot find cc1) must still build.
-export PATH="${PATH:+$PATH:}/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+# Debian's directories first: the build and the tests use what setup.sh
+# installs with apt (python3 with numpy and pytest, meson), never a python3
+# that the caller's PATH puts ahead (pyenv). A bare environment (no PATH: gcc
+# then cannot find cc1) must still build.
+export PATH="/usr/sbin:/usr/bin:/sbin:/bin${PATH:+:$PATH}:/usr/local/sbin:/usr/local/bin"
 cd "$(dirname "$0")/.."
 echo "== $(date -u +%FT%TZ) $(uname -srm), $(nproc) cores, uid $(id -u), in $PWD"
 tools/setup.sh

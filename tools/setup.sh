@@ -2,8 +2,11 @@
 # Installs what kvstage needs on Debian 12 (apt), then builds it into build/.
 # Safe to run again: it installs only what is missing and rebuilds incrementally.
 set -euo pipefail
-# A bare environment (no PATH: gcc then cannot find cc1) must still build.
-export PATH="${PATH:+$PATH:}/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+# Debian's directories first: the build and the tests use what setup.sh
+# installs with apt (python3 with numpy and pytest, meson), never a python3
+# that the caller's PATH puts ahead (pyenv). A bare environment (no PATH: gcc
+# then cannot find cc1) must still build.
+export PATH="/usr/sbin:/usr/bin:/sbin:/bin${PATH:+:$PATH}:/usr/local/sbin:/usr/local/bin"
 cd "$(dirname "$0")/.."
 
 PKGS=(gcc pkg-config meson ninja-build libdpdk-dev libcriterion-dev libibverbs-dev
