@@ -61,7 +61,7 @@ struct kvsp_client {
 };
 
 /* pool.c: the published clients table, one row per client index. */
-struct kvs_client_row *kvsp_client_rows(struct kvsp *p);
+struct kvs_client_row *kvsp_client_rows(const struct kvsp *p);
 
 /* A new client on sock. Returns it, or NULL with errno EUSERS (--max-clients reached) or why. */
 struct kvsp_client *kvsp_client_new(struct kvsp *p, int sock, pid_t pid);

@@ -174,7 +174,7 @@ static void clients(FILE *f, const struct kvsp *p)
 		{ "kvstage_client_received_chunks_total", "counter", "Chunks of rooms the client received whole.", offsetof(struct kvs_client_row, chunks_recv) },
 		{ "kvstage_client_received_bytes_total", "counter", "Bytes of those rooms.", offsetof(struct kvs_client_row, bytes_recv) },
 	};
-	const struct kvs_client_row *tab = kvsp_client_rows((struct kvsp *)p);
+	const struct kvs_client_row *tab = kvsp_client_rows(p);
 	uint32_t n = p->cfg.max_clients, have = 0;
 	struct kvs_client_row *rows = calloc(n, sizeof(*rows));
 	if (!rows)

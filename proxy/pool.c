@@ -94,7 +94,7 @@ static void ctrl_geom(const struct kvsp_config *cfg, struct ctrl_geom *g)
 	g->len = g->clients_off + clients;
 }
 
-struct kvs_client_row *kvsp_client_rows(struct kvsp *p)
+struct kvs_client_row *kvsp_client_rows(const struct kvsp *p)
 {
 	struct ctrl_geom g;
 	ctrl_geom(&p->cfg, &g);
