@@ -419,7 +419,10 @@ def test_proxy_killed_mid_transfer():
                  what="load open, first chunk sent")
         px.proc.send_signal(signal.SIGKILL)
         px.proc.wait()
-        pair.run(lambda: "d0" in pair.D.freed and "p0" in pair.P.freed, what="both ended")
+        # p0's blocks were freed once copied into slots, before the kill: its stage ends when the prefill side
+        # next polls the dead connection, which a loaded machine may run after the decode side has failed
+        pair.run(lambda: "d0" in pair.D.freed and "p0" in pair.P.freed and "p0" in pair.P.agent.ended,
+                 what="both ended")
         assert pair.D.loaded["d0"] == "load failed", (pair.D.loaded, pair.D.agent.ended, pair.P.agent.ended)
         assert "connection to kvstaged lost" in pair.D.agent.ended["d0"], (pair.D.agent.ended, pair.P.agent.ended)
         assert "connection to kvstaged lost" in pair.P.agent.ended["p0"]
