@@ -72,6 +72,12 @@ static void count_refusal(struct kvsp_client *c)
 	TALLY(c, rejects, 1);
 }
 
+void kvsp_client_sent(struct kvsp_client *c, uint64_t len)
+{
+	TALLY(c, chunks_sent, 1);
+	TALLY(c, bytes_sent, len);
+}
+
 static int region_create(struct kvsp *p, struct kvsp_client *c)
 {
 	struct kvs_cmem_layout l;
@@ -325,16 +331,6 @@ void kvsp_client_reply(struct kvsp *p, struct kvsp_client *c, uint32_t seq, int 
 	mark_kick(p, c);
 }
 
-/* Whether handle h is c's sending handle into a room still open. */
-static bool send_open(const struct kvsp *p, const struct kvsp_client *c, uint16_t h)
-{
-	if (h >= p->cfg.client_rooms)
-		return false;
-	const struct kvsp_handle *hd = &c->handles[h];
-	return hd->state == KVSP_H_OPEN && hd->role == KVSP_SEND &&
-	       p->rooms[hd->room].state == KVSP_ROOM_OPEN;
-}
-
 int kvsp_client_poll(struct kvsp *p, struct kvsp_client *c)
 {
 	/* Each op can use at most one completion slot (a rejection) or owe
@@ -350,20 +346,8 @@ int kvsp_client_poll(struct kvsp *p, struct kvsp_client *c)
 		n = BURST;
 	struct kvs_sqe q[BURST];
 	n = kvs_ring_pop(&c->sq, q, sizeof(q[0]), n);
-	for (unsigned i = 0; i < n; i++) {
-		if (q[i].op != KVS_OP_SEND || !send_open(p, c, q[i].handle)) {
-			kvsp_client_op(p, c, &q[i]);
-			continue;
-		}
-		/* A SEND into an open room that is not refused gives the
-		 * chunk to the room's transport (its length was checked). */
-		uint64_t refused = c->tally.rejects;
+	for (unsigned i = 0; i < n; i++)
 		kvsp_client_op(p, c, &q[i]);
-		if (c->tally.rejects == refused) {
-			TALLY(c, chunks_sent, 1);
-			TALLY(c, bytes_sent, q[i].arg2);
-		}
-	}
 	KVS_STAT_ADD(p->stats->ops, n);
 	if (n) {
 		TALLY(c, ops, n);

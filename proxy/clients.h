@@ -60,6 +60,9 @@ struct kvsp_client {
 	struct kvsp_client_tally tally;
 };
 
+/* Counts a chunk of len bytes c gave to an open room's transport. */
+void kvsp_client_sent(struct kvsp_client *c, uint64_t len);
+
 /* pool.c: the published clients table, one row per client index. */
 struct kvs_client_row *kvsp_client_rows(const struct kvsp *p);
 

@@ -492,6 +492,7 @@ int kvsp_room_send(struct kvsp *p, struct kvsp_client *c, uint16_t h, const stru
 		return -EINVAL;
 	if (r->claimed_bits[chunk / 64] & (1ull << (chunk % 64)))
 		return -EEXIST;
+	kvsp_client_sent(c, len);
 	kvsp_xfer_send(p, c->id, i, l, chunk);
 	return 0;
 }
