@@ -665,8 +665,7 @@ class Proxy:
         try:
             with open(self.log, "wb") as log:
                 self.proc = daemon.spawn(exe, argv, log)
-        except BaseException as e:
-            self.stop()
+        except BaseException as e:  # spawn stopped what it started
             tail = self.log_tail()
             self.remove()
             if isinstance(e, RuntimeError):

@@ -36,7 +36,9 @@ def spawn(exe, args, log, timeout=20.0):
                 raise DaemonError(f"kvstaged did not say ready within {timeout:g} s")
             chunk = os.read(r, 64)
             if not chunk:
-                raise DaemonError(f"kvstaged closed its ready fd without a word (exit {proc.wait(5)})")
+                code = proc.poll()
+                raise DaemonError("kvstaged closed its ready fd without a word ("
+                                  + (f"exit {code})" if code is not None else "still running)"))
             got += chunk
         if got != b"ready\n":
             raise DaemonError(f"kvstaged wrote {got!r} on its ready fd")
