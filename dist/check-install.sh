@@ -217,7 +217,6 @@ $(cat "$tmp/kvstaged.log")"
 			${asan:+LD_PRELOAD="$asan" ASAN_OPTIONS=detect_leaks=0:abort_on_error=1} \
 			"$py" -c '
 import sys, kvstage
-from kvstage import _lib
 assert kvstage.__file__.startswith(sys.argv[2]), kvstage.__file__
 import kvstage.sglang, kvstage.vllm
 with kvstage.Client(sys.argv[1]) as tx, kvstage.Client(sys.argv[1]) as rx:
@@ -230,6 +229,8 @@ with kvstage.Client(sys.argv[1]) as tx, kvstage.Client(sys.argv[1]) as rx:
         while not any(e.final and e.status == 0 for e in c.wait(10)):
             pass
     assert bytes(rroom.lease(0).view()[:5000]) == bytes(k % 251 for k in range(5000))
+libs = {l.split()[-1] for l in open("/proc/self/maps") if "/libkvstage.so" in l}
+assert libs and all(l.startswith(sys.argv[2]) for l in libs), ("not the installed libkvstage", libs)
 print("python: kvstage from", kvstage.__file__.replace(sys.argv[2], ""), "moved 5000 bytes, every one right")
 ' "$sock" "$D" 2>&1); then
 			echo "ok: $out"
