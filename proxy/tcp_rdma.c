@@ -78,7 +78,7 @@ int tcp_rdma_choose(struct tcp *tc, const struct kvsp_tcp_opts *o, char *why, si
 		}
 		return rc;
 	}
-	/* auto, no device named: the first one whose port is up, if any; a
+	/* auto, no device named: the first one listed, if its port is up; a
 	 * device that will not open costs this proxy RDMA, never its start. */
 	char err[256];
 	int rc = tcp_rdma_open(tc, o, err, sizeof(err));
