@@ -10,7 +10,7 @@
 #include "stat.h"
 
 void print_human(const struct kvs_ctrl *c, size_t len, const char *path, int slots,
-		 int restarted, const struct rates *r)
+		 int restarted, const struct rates *r, const struct tables *tb)
 {
 	const struct kvs_stats *st = &c->stats;
 	printf("kvstaged %s: %s  pid %d  instance %016llx  uptime %.1f s%s\n", path,
@@ -51,19 +51,14 @@ void print_human(const struct kvs_ctrl *c, size_t len, const char *path, int slo
 		       r->per_s[R_ROOMS], r->per_s[R_ABORTS], r->per_s[R_FAILS], r->per_s[R_CHUNKS],
 		       r->per_s[R_BYTES] / 1e9, r->per_s[R_TCP_TX] / 1e9, r->per_s[R_TCP_RX] / 1e9,
 		       r->per_s[R_RDMA_RX] / 1e9);
-	const struct kvs_peer *pt = NULL;
-	uint32_t np = peer_rows(c, len, &pt);
-	for (uint32_t i = 0; i < np; i++) {
-		const struct kvs_peer *p = &pt[i];
-		uint32_t st = __atomic_load_n(&p->state, __ATOMIC_RELAXED);
-		if (st == KVS_PEER_FREE)
-			continue;
-		char ep[sizeof(p->endpoint) + 1] = { 0 };
-		memcpy(ep, p->endpoint, sizeof(p->endpoint));
-		printf("peer      %s  %s  streams %llu  instance %016llx  tx %llu  rx %llu  sunk %llu  "
+	for (uint32_t i = 0; i < tb->npe; i++) {
+		const struct peer_row *k = &tb->pe[i];
+		printf("peer      %s  %s  streams %u  instance %016llx  tx %llu  rx %llu  sunk %llu  "
 		       "chunks by %s\n",
-		       ep[0] ? ep : "(joining)", peer_state(st), P(streams), P(instance), P(bytes_tx),
-		       P(bytes_rx), P(chunks_sunk), P(flags) & KVS_PEER_RDMA ? "rdma" : "tcp");
+		       k->ep[0] ? k->ep : "(joining)", peer_state(k->p.state), k->p.streams,
+		       (unsigned long long)k->p.instance, (unsigned long long)k->p.bytes_tx,
+		       (unsigned long long)k->p.bytes_rx, (unsigned long long)k->p.chunks_sunk,
+		       k->p.flags & KVS_PEER_RDMA ? "rdma" : "tcp");
 	}
 	if (!slots)
 		return;

@@ -69,22 +69,15 @@ void print_json(const struct kvs_ctrl *c, size_t len, const char *path, int slot
 	       S(peer_sessions), S(peer_lost), S(peer_auth_failed), S(peer_refused),
 	       S(peer_frames_refused), S(peer_frames_ignored), S(peer_crc_errors),
 	       S(chunks_discarded), S(tcp_bytes_tx), S(tcp_bytes_rx), S(rdma_reads), S(rdma_bytes_rx));
-	const struct kvs_peer *pt = NULL;
-	uint32_t np = peer_rows(c, len, &pt);
-	for (uint32_t i = 0, first = 1; i < np; i++) {
-		const struct kvs_peer *p = &pt[i];
-		uint32_t st = __atomic_load_n(&p->state, __ATOMIC_RELAXED);
-		if (st == KVS_PEER_FREE)
-			continue;
-		char ep[sizeof(p->endpoint) + 1] = { 0 };
-		memcpy(ep, p->endpoint, sizeof(p->endpoint));
-		printf("%s{\"endpoint\":", first ? "" : ",");
-		kvs_json_string(stdout, ep);
-		printf(",\"state\":\"%s\",\"streams\":%llu,\"instance\":\"%016llx\",\"bytes_tx\":%llu,"
+	for (uint32_t i = 0; i < tb->npe; i++) {
+		const struct peer_row *k = &tb->pe[i];
+		printf("%s{\"endpoint\":", i ? "," : "");
+		kvs_json_string(stdout, k->ep);
+		printf(",\"state\":\"%s\",\"streams\":%u,\"instance\":\"%016llx\",\"bytes_tx\":%llu,"
 		       "\"bytes_rx\":%llu,\"chunks_sunk\":%llu,\"rdma\":%s}",
-		       peer_state(st), P(streams), P(instance), P(bytes_tx), P(bytes_rx), P(chunks_sunk),
-		       P(flags) & KVS_PEER_RDMA ? "true" : "false");
-		first = 0;
+		       peer_state(k->p.state), k->p.streams, (unsigned long long)k->p.instance,
+		       (unsigned long long)k->p.bytes_tx, (unsigned long long)k->p.bytes_rx,
+		       (unsigned long long)k->p.chunks_sunk, k->p.flags & KVS_PEER_RDMA ? "true" : "false");
 	}
 	printf("]");
 	/* The clients, by id; with --watch each has its rates (null on the

@@ -168,8 +168,7 @@ int main(int argc, char **argv)
 			struct tables tb = { 0 };
 			int restarted = last_instance && c->instance != last_instance;
 			rates_take(c, &r);
-			if (json || top)
-				tables_take(c, len, &tb);
+			tables_take(c, len, &tb);
 			if (json) {
 				print_json(c, len, path, slots, watch ? &r : NULL, &tb);
 			} else if (screen) {
@@ -187,7 +186,7 @@ int main(int argc, char **argv)
 			} else if (top) {
 				print_top(stdout, c, path, restarted, &r, &tb);
 			} else {
-				print_human(c, len, path, slots, restarted, watch ? &r : NULL);
+				print_human(c, len, path, slots, restarted, watch ? &r : NULL, &tb);
 			}
 			tables_free(&tb);
 			last_instance = c->instance;

@@ -13,8 +13,6 @@
 
 /* A counter of the struct kvs_stats *st in scope, read once. */
 #define S(f) ((unsigned long long)__atomic_load_n(&st->f, __ATOMIC_RELAXED))
-/* A field of the struct kvs_peer *p in scope, read once. */
-#define P(f) ((unsigned long long)__atomic_load_n(&p->f, __ATOMIC_RELAXED))
 
 /* The slot states' names, by enum kvs_slot_state. */
 extern const char *const state_names[KVS_SLOT_NSTATES];
@@ -38,11 +36,13 @@ struct client {
 	double ops_s, chunks_sent_s, bytes_sent_s, chunks_recv_s, bytes_recv_s;
 };
 
-/* One peer session that is not free: a copy of its row, its endpoint as a
- * string, and its rates since the previous sample that had it. */
+/* One peer session that is not free: a copy of its row's values (not its
+ * endpoint: that is ep, as a string), the row it is in (what the next
+ * sample matches it by), and its rates since the previous sample that had it. */
 struct peer_row {
 	struct kvs_peer p;
 	char ep[sizeof(((struct kvs_peer *)0)->endpoint) + 1];
+	uint32_t row;
 	bool have;
 	double tx_s, rx_s;
 };
@@ -81,7 +81,7 @@ void tables_free(struct tables *tb);
 
 /* human.c: the default output, one sample to stdout; r NULL without --watch. */
 void print_human(const struct kvs_ctrl *c, size_t len, const char *path, int slots,
-		 int restarted, const struct rates *r);
+		 int restarted, const struct rates *r, const struct tables *tb);
 
 /* json.c: --json, one sample as one line to stdout; r NULL without --watch. */
 void print_json(const struct kvs_ctrl *c, size_t len, const char *path, int slots,

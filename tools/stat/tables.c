@@ -207,7 +207,6 @@ void tables_take(const struct kvs_ctrl *c, size_t len, struct tables *tb)
 		if (state == KVS_PEER_FREE)
 			continue;
 		struct peer_row *k = &tb->pe[tb->npe++];
-		memcpy(k->p.endpoint, p->endpoint, sizeof(p->endpoint));
 		memcpy(k->ep, p->endpoint, sizeof(p->endpoint));
 		k->p.state = state;
 		k->p.streams = LD(p->streams);
@@ -216,10 +215,10 @@ void tables_take(const struct kvs_ctrl *c, size_t len, struct tables *tb)
 		k->p.bytes_rx = LD(p->bytes_rx);
 		k->p.chunks_sunk = LD(p->chunks_sunk);
 		k->p.flags = LD(p->flags);
-		k->p.rsvd = i; /* its row: what the next sample matches it by */
+		k->row = i;
 		for (uint32_t j = 0; rates && j < prev.npe; j++) {
 			const struct peer_row *o = &prev.pe[j];
-			if (o->p.rsvd == i && o->p.instance == k->p.instance) {
+			if (o->row == i && o->p.instance == k->p.instance) {
 				k->have = true;
 				k->tx_s = per_s(k->p.bytes_tx, o->p.bytes_tx, dt);
 				k->rx_s = per_s(k->p.bytes_rx, o->p.bytes_rx, dt);
