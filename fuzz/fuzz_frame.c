@@ -27,8 +27,8 @@
 
 #include <sodium.h>
 
-#include "frame.h"
-#include "peer_auth.h"
+#include "peer/frame.h"
+#include "peer/peer_auth.h"
 
 #define MAXP 96 /* the decoder's max_payload */
 #define HDR sizeof(struct kvs_wire_frame_hdr)

@@ -14,8 +14,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "log.h"
-#include "proxy.h"
+#include "daemon/log.h"
+#include "core/proxy.h"
 
 #define NCLIENTS 4
 #define NSLOTS 16

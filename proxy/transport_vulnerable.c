@@ -16,8 +16,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "failpoint.h"
-#include "xport.h"
+#include "core/failpoint.h"
+#include "core/xport.h"
 
 struct late_write {
 	void *dst;      /* the address it captured */
@@ -126,7 +126,7 @@ struct kvsp_transport *kvsp_vulnerable_create(struct kvsp *p)
  * slot's memory. Over RDMA the same: a READ not yet done (held by the
  * rdma.read failpoint) is reported over, and still goes into the slot.
  */
-#include "tcp.h"
+#include "peer/tcp.h"
 
 static struct kvsp_transport_ops vuln_tcp_ops;
 static void (*tcp_cancel)(struct kvsp_transport *t, uint32_t room, uint32_t gen, int status);

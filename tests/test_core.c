@@ -8,7 +8,7 @@
 #include <errno.h>
 #include <string.h>
 
-#include "proxy.h"
+#include "core/proxy.h"
 
 static struct kvsp P;
 

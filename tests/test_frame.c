@@ -23,8 +23,8 @@
 
 #include <sodium.h>
 
-#include "frame.h"
-#include "peer_auth.h"
+#include "peer/frame.h"
+#include "peer/peer_auth.h"
 
 #define SECRET_A "correct horse battery staple, 32"
 #define SECRET_B "another deployment's secret, 32b"

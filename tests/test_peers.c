@@ -21,9 +21,9 @@
 #include <sodium.h>
 
 #include "canary.h"
-#include "frame.h"
+#include "peer/frame.h"
 #include "harness.h"
-#include "peer_auth.h"
+#include "peer/peer_auth.h"
 
 #define SLOT (64 * 1024)
 #define SECRET "kvstage-test-secret-0123456789abcdef"

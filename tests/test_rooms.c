@@ -11,7 +11,7 @@
 #include <errno.h>
 #include <string.h>
 
-#include "proxy.h"
+#include "core/proxy.h"
 
 #define SLOT 4096u
 #define NSLOTS 16u

@@ -9,7 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "slots.h"
+#include "core/slots.h"
 
 #define N 16
 /* Near the wrap, so the random walk crosses it: epochs are serial numbers. */

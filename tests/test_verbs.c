@@ -23,7 +23,7 @@
 #include <time.h>
 
 #include "canary.h"
-#include "verbs.h"
+#include "datapath/verbs.h"
 
 #define SLOTS 16
 #define SLOT (64 * 1024)

@@ -10,7 +10,7 @@
 #include <unistd.h>
 
 #include "admin.h"
-#include "failpoint.h"
+#include "core/failpoint.h"
 #include "kvstage.h"
 #include "parse.h"
 

@@ -1,0 +1,86 @@
+/* SPDX-License-Identifier: MIT */
+/* Clients of this proxy: their regions, room handles and events (clients.c),
+ * and the decoder of their submission records (ops.c). */
+#ifndef KVSP_CLIENTS_H
+#define KVSP_CLIENTS_H
+
+#include <stdbool.h>
+#include <stdint.h>
+#include <sys/types.h>
+
+#include "layout.h"
+#include "daemon/log.h"
+#include "ring.h"
+
+struct kvsp;
+struct kvsp_side;
+
+enum kvsp_handle_state {
+	KVSP_H_FREE = 0,
+	KVSP_H_OPEN,    /* its final event is still owed */
+	KVSP_H_ENDED,   /* final posted; waiting for CLOSE */
+	KVSP_H_CLOSING, /* CLOSE seen; freed when the final is posted */
+};
+enum kvsp_role { KVSP_RECV = 1, KVSP_SEND = 2 };
+
+struct kvsp_handle {
+	uint8_t state;
+	uint8_t role;
+	uint32_t room;
+	uint32_t gen; /* the library's generation for it, from the open; events echo it */
+	uint64_t user_data;
+};
+
+/* What a client did: the proxy's own copy of its published row (the row
+ * is only ever stored to, never read back). */
+struct kvsp_client_tally {
+	uint64_t ops, rejects, rooms;
+	uint64_t rooms_done, rooms_aborted, rooms_failed;
+	uint64_t chunks_sent, bytes_sent, chunks_recv, bytes_recv;
+};
+
+/* Lines a client can cause at will, each kind rate-limited apart. */
+enum { KVSP_RL_TOKEN, KVSP_RL_KINDS };
+
+struct kvsp_client {
+	uint32_t id;    /* unique for the proxy's life; the owner in slot metadata */
+	uint16_t idx;   /* in p->clients */
+	int sock, efd, cmem_fd;
+	pid_t pid;
+	struct kvs_cshm *cshm; /* client-writable: copy before trusting */
+	size_t cmem_size;
+	struct kvs_lease *reply_leases;
+	struct kvs_ring sq, cq;
+	struct kvsp_handle *handles;
+	uint32_t finals_owed; /* one cq entry reserved for each */
+	bool kick;  /* on p->kicks: its eventfd is due a look */
+	bool dying; /* being reclaimed: posts nothing more */
+	struct kvsp_rl rl[KVSP_RL_KINDS];
+	struct kvs_client_row *pub; /* its row in the published clients table */
+	struct kvsp_client_tally tally;
+};
+
+/* Counts a chunk of len bytes c gave to an open room's transport. */
+void kvsp_client_sent(struct kvsp_client *c, uint64_t len);
+
+/* pool.c: the published clients table, one row per client index. */
+struct kvs_client_row *kvsp_client_rows(const struct kvsp *p);
+
+/* A new client on sock. Returns it, or NULL with errno EUSERS (--max-clients reached) or why. */
+struct kvsp_client *kvsp_client_new(struct kvsp *p, int sock, pid_t pid);
+/* The client is gone: aborts its rooms, frees its slots (tombstones where pinned). */
+void kvsp_client_reclaim(struct kvsp *p, struct kvsp_client *c);
+/* kvsp_client_reclaim, then frees the client itself. */
+void kvsp_client_destroy(struct kvsp *p, struct kvsp_client *c);
+struct kvsp_client *kvsp_client_get(struct kvsp *p, uint16_t cidx, uint32_t cid);
+void kvsp_client_final(struct kvsp *p, const struct kvsp_side *s, uint16_t type, int status,
+		       uint64_t bytes, uint32_t slot, uint32_t epoch);
+void kvsp_client_reply(struct kvsp *p, struct kvsp_client *c, uint32_t seq, int status);
+void kvsp_client_reject(struct kvsp *p, struct kvsp_client *c, uint16_t h, int status,
+			const struct kvs_sqe *q);
+int kvsp_client_poll(struct kvsp *p, struct kvsp_client *c);
+void kvsp_client_op(struct kvsp *p, struct kvsp_client *c, const struct kvs_sqe *q);
+void kvsp_kicks_flush(struct kvsp *p);
+void kvsp_count_reject(struct kvsp *p, int err);
+
+#endif

@@ -1,0 +1,106 @@
+/* SPDX-License-Identifier: MIT */
+/* kvstaged: the proxy's shared context, and its lifetime. One thread owns all of it. */
+#ifndef KVSP_PROXY_H
+#define KVSP_PROXY_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <sys/types.h>
+
+#include "core/clients.h"
+#include "core/config.h"
+#include "core/failpoint.h"
+#include "core/hist.h"
+#include "layout.h"
+#include "daemon/log.h"
+#include "host/loop.h"
+#include "ring.h"
+#include "core/rooms.h"
+#include "core/slots.h"
+#include "core/xport.h"
+
+#define KVSP_MAX_XPORTS 8
+
+/* ----------------------------------------------------------------- proxy */
+
+struct kvsp_admin;
+struct kvsp_pending;
+struct kvsp_metrics;
+
+struct kvsp {
+	struct kvsp_config cfg;
+	/* memory */
+	int pool_fd, ctrl_fd;
+	uint8_t *pool;
+	size_t pool_size;
+	struct kvs_ctrl *ctrl;
+	size_t ctrl_size;
+	struct kvs_stats *stats;
+	bool huge, locked;
+	uint8_t sq_tmpl[KVS_PAGE], cq_tmpl[KVS_PAGE]; /* a fresh ring body's header */
+	size_t tmpl_len;
+	struct kvsp_slots slots;
+	/* rooms */
+	struct kvsp_room *rooms;
+	uint64_t *bits_arena;
+	uint32_t bits_words;
+	uint32_t room_free_head, room_free_tail;
+	uint32_t lru_head, lru_tail;
+	uint32_t rooms_active; /* OPEN or ABORTING */
+	uint8_t rnd[4096];
+	unsigned rnd_used;
+	/* clients */
+	struct kvsp_client **clients;
+	uint32_t next_cid;
+	unsigned clients_hi; /* clients[] is empty from here up: the loop stops here */
+	uint16_t *kicks; /* clients with kick set, each once: never more than max_clients */
+	unsigned nkicks;
+	/* transfers and transports */
+	struct kvsp_xfer *xfers; /* one per slot: a slot has at most one pin */
+	struct kvsp_transport *xports[KVSP_MAX_XPORTS];
+	unsigned nxports;
+	struct kvsp_transport *local; /* carries rooms whose halves are both here */
+	char endpoint[64];            /* where peers reach us, in our descriptors; "": nowhere */
+	/* failpoints */
+	struct kvsp_fp fp[KVSP_FP_COUNT];
+	/* event loop */
+	int epfd, listen_fd, wake_fd, lock_fd;
+	int spare_fd;              /* given up to accept (and refuse) when out of fds */
+	uint64_t sock_dev, sock_ino; /* our socket file: only it is ever unlinked */
+	struct kvsp_pending *pending;
+	uint32_t pending_ids;
+	struct kvsp_admin *admins;
+	uint64_t now_ns, next_tick_ns;
+	volatile int term;     /* set from the signal handler */
+	int terms_seen;
+	bool draining, aborted_all;
+	uint64_t drain_deadline_ns, drain_report_ns;
+	struct kvsp_rl rl_refused, rl_timeout, rl_died, rl_full, rl_attach, rl_abort;
+	uint64_t instance;
+	uint64_t spin_ns;     /* the adaptive spin budget, from cfg.spin_ns up */
+	/* what the metrics thread reads besides the published counters */
+	struct kvsp_hist room_hist, chunk_hist;
+	struct kvsp_metrics *metrics; /* NULL: no --metrics-listen */
+};
+
+uint64_t kvsp_now_ns(void);
+
+/* pool.c */
+/* Refuses a pool that cannot fit in the memory left (RAM or cgroup). Returns 0, or -ENOMEM (logged). */
+int kvsp_pool_fits(const struct kvsp_config *cfg);
+int kvsp_pool_create(struct kvsp *p);
+void kvsp_pool_destroy(struct kvsp *p);
+
+/* proxy.c */
+/* Sets p up from cfg; with a socket path, claims it first. Returns 0, or -errno (logged). */
+int kvsp_init(struct kvsp *p, const struct kvsp_config *cfg);
+void kvsp_fini(struct kvsp *p);
+
+/* poller.c */
+/* Opens the socket and takes the signals. Returns 0, or -errno (logged). */
+int kvsp_listen(struct kvsp *p);
+/* Runs until drained or told twice. Returns the exit code. */
+int kvsp_run(struct kvsp *p);
+
+#endif

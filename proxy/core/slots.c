@@ -1,0 +1,202 @@
+/* SPDX-License-Identifier: MIT */
+#include "core/slots.h"
+
+#include <errno.h>
+#include <stdlib.h>
+
+/* Clients read the table while we write it; single-field stores that
+ * cannot tear are all they need (events order everything else). */
+#define PUB_SET(f, v) __atomic_store_n(&(f), (v), __ATOMIC_RELAXED)
+
+static void set_state(struct kvsp_slots *s, uint32_t i, uint8_t st)
+{
+	struct kvs_slot *p = &s->pub[i];
+	KVS_STAT_SUB(s->nstate[p->state], 1);
+	KVS_STAT_ADD(s->nstate[st], 1);
+	PUB_SET(p->state, st);
+}
+
+static void bump(struct kvsp_slots *s, uint32_t i)
+{
+	PUB_SET(s->pub[i].epoch, s->pub[i].epoch + 1);
+}
+
+static void to_free(struct kvsp_slots *s, uint32_t i)
+{
+	struct kvs_slot *p = &s->pub[i];
+	bump(s, i);
+	PUB_SET(p->owner, 0);
+	PUB_SET(p->room, 0);
+	PUB_SET(p->pins, 0);
+	set_state(s, i, KVS_SLOT_FREE);
+	s->priv[i].room = KVSP_NONE;
+	s->free_stack[s->nfree++] = i;
+}
+
+int kvsp_slots_init(struct kvsp_slots *s, struct kvs_slot *pub, uint32_t count, uint64_t *nstate,
+		    uint64_t *reaped, uint32_t epoch_base)
+{
+	s->pub = pub;
+	s->count = count;
+	s->nstate = nstate;
+	s->reaped = reaped;
+	s->priv = calloc(count, sizeof(*s->priv));
+	s->free_stack = calloc(count, sizeof(*s->free_stack));
+	if (!s->priv || !s->free_stack) {
+		kvsp_slots_fini(s);
+		return -ENOMEM;
+	}
+	for (unsigned st = 0; st < KVS_SLOT_NSTATES; st++)
+		nstate[st] = 0;
+	nstate[KVS_SLOT_FREE] = count;
+	/* Pushed high to low so slot 0 is handed out first. */
+	s->nfree = 0;
+	for (uint32_t i = count; i-- > 0;) {
+		pub[i] = (struct kvs_slot){ .epoch = epoch_base, .state = KVS_SLOT_FREE };
+		s->priv[i] = (struct kvsp_slot_priv){ .room = KVSP_NONE };
+		s->free_stack[s->nfree++] = i;
+	}
+	*reaped = 0;
+	return 0;
+}
+
+void kvsp_slots_fini(struct kvsp_slots *s)
+{
+	free(s->priv);
+	free(s->free_stack);
+	s->priv = NULL;
+	s->free_stack = NULL;
+}
+
+int kvsp_slot_acquire(struct kvsp_slots *s, uint32_t owner, unsigned n, struct kvs_lease *out)
+{
+	if (n > s->nfree)
+		return -ENOBUFS;
+	for (unsigned k = 0; k < n; k++) {
+		uint32_t i = s->free_stack[--s->nfree];
+		PUB_SET(s->pub[i].owner, owner);
+		set_state(s, i, KVS_SLOT_LEASED);
+		out[k].slot = i;
+		out[k].epoch = s->pub[i].epoch;
+	}
+	return 0;
+}
+
+int kvsp_slot_check(const struct kvsp_slots *s, uint32_t owner, const struct kvs_lease *l)
+{
+	if (l->slot >= s->count)
+		return -EINVAL;
+	const struct kvs_slot *p = &s->pub[l->slot];
+	if (p->epoch != l->epoch)
+		return -ESTALE;
+	if (p->owner != owner || owner == 0)
+		return -EPERM;
+	return p->state;
+}
+
+int kvsp_slot_release(struct kvsp_slots *s, uint32_t owner, const struct kvs_lease *l)
+{
+	int st = kvsp_slot_check(s, owner, l);
+	if (st < 0)
+		return st;
+	if (st != KVS_SLOT_LEASED && st != KVS_SLOT_RECV_FILLED)
+		return -EBUSY;
+	to_free(s, l->slot);
+	return 0;
+}
+
+int kvsp_slot_pin(struct kvsp_slots *s, uint32_t owner, const struct kvs_lease *l)
+{
+	int st = kvsp_slot_check(s, owner, l);
+	if (st < 0)
+		return st;
+	if (st != KVS_SLOT_LEASED)
+		return -EBUSY;
+	PUB_SET(s->pub[l->slot].pins, 1);
+	set_state(s, l->slot, KVS_SLOT_INFLIGHT);
+	return 0;
+}
+
+int kvsp_slot_unpin(struct kvsp_slots *s, uint32_t slot)
+{
+	if (slot >= s->count)
+		return -EINVAL;
+	struct kvs_slot *p = &s->pub[slot];
+	if (!p->pins || (p->state != KVS_SLOT_INFLIGHT && p->state != KVS_SLOT_TOMBSTONE &&
+			 p->state != KVS_SLOT_RECV_POSTED))
+		return -EINVAL;
+	PUB_SET(p->pins, p->pins - 1);
+	if (p->state == KVS_SLOT_TOMBSTONE && p->pins == 0) {
+		to_free(s, slot);
+		KVS_STAT_ADD(*s->reaped, 1);
+	}
+	return p->state;
+}
+
+int kvsp_slot_handoff(struct kvsp_slots *s, uint32_t slot, uint32_t new_owner)
+{
+	if (slot >= s->count || !new_owner)
+		return -EINVAL;
+	struct kvs_slot *p = &s->pub[slot];
+	if (p->state != KVS_SLOT_INFLIGHT || p->pins)
+		return -EINVAL;
+	bump(s, slot);
+	PUB_SET(p->owner, new_owner);
+	set_state(s, slot, KVS_SLOT_RECV_FILLED);
+	return 0;
+}
+
+int kvsp_slot_post(struct kvsp_slots *s, uint32_t owner, uint32_t *slot)
+{
+	if (!owner)
+		return -EINVAL;
+	if (!s->nfree)
+		return -ENOBUFS;
+	uint32_t i = s->free_stack[--s->nfree];
+	PUB_SET(s->pub[i].owner, owner);
+	PUB_SET(s->pub[i].pins, 1);
+	set_state(s, i, KVS_SLOT_RECV_POSTED);
+	*slot = i;
+	return 0;
+}
+
+int kvsp_slot_fill(struct kvsp_slots *s, uint32_t slot)
+{
+	if (slot >= s->count)
+		return -EINVAL;
+	struct kvs_slot *p = &s->pub[slot];
+	if (p->state != KVS_SLOT_RECV_POSTED || p->pins)
+		return -EINVAL;
+	set_state(s, slot, KVS_SLOT_RECV_FILLED);
+	return 0;
+}
+
+int kvsp_slot_kill(struct kvsp_slots *s, uint32_t slot)
+{
+	if (slot >= s->count)
+		return -EINVAL;
+	struct kvs_slot *p = &s->pub[slot];
+	switch (p->state) {
+	case KVS_SLOT_LEASED:
+	case KVS_SLOT_RECV_FILLED:
+		to_free(s, slot);
+		break;
+	case KVS_SLOT_INFLIGHT:
+	case KVS_SLOT_RECV_POSTED:
+		if (!p->pins) {
+			to_free(s, slot);
+			break;
+		}
+		/* A transport may still touch it: nobody's, and never reused
+		 * until the last pin goes. */
+		bump(s, slot);
+		PUB_SET(p->owner, 0);
+		set_state(s, slot, KVS_SLOT_TOMBSTONE);
+		break;
+	case KVS_SLOT_TOMBSTONE:
+		break;
+	default:
+		return -EINVAL;
+	}
+	return p->state;
+}
