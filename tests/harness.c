@@ -58,7 +58,7 @@ pid_t reap(pid_t pid, int *status)
 
 const char *proxy_vulnerable_bin(void)
 {
-	return build_path("proxy/kvstaged-vulnerable");
+	return build_path("tests/kvstaged-vulnerable");
 }
 
 static void spawn(struct proxy *px, const char *bin, const char *const *args, bool failpoints)

@@ -154,9 +154,9 @@ static bool next_event(struct kvsp_client *c, struct kvs_cqe *e)
 	return kvs_ring_pop(&c->cq, e, sizeof(*e), 1) == 1;
 }
 
-static struct kvs_wire_room name_of(const struct kvs_desc_wire *d)
+static struct kvsp_room_name name_of(const struct kvs_desc_wire *d)
 {
-	struct kvs_wire_room n = { .room = d->room, .gen = d->gen };
+	struct kvsp_room_name n = { .room = le32toh(d->room), .gen = le32toh(d->gen) };
 	memcpy(n.token, d->token, 16);
 	return n;
 }
@@ -166,7 +166,7 @@ static uint32_t remote_sender_room(struct kvsp_client *rx, uint16_t h, uint64_t 
 				   struct kvs_desc_wire *d)
 {
 	cr_assert_eq(kvsp_room_open_recv(&P, rx, h, bytes, 100 + h, d), 0);
-	struct kvs_wire_room n = name_of(d);
+	struct kvsp_room_name n = name_of(d);
 	cr_assert_eq(kvsp_room_attach_peer(&P, &F.t, 1, &n, bytes, SLOT), 0);
 	return le32toh(d->room);
 }
@@ -183,13 +183,13 @@ Test(rooms, a_peer_attaches_only_with_the_rooms_name_and_terms)
 	struct kvsp_client *rx = client(1);
 	struct kvs_desc_wire d;
 	cr_assert_eq(kvsp_room_open_recv(&P, rx, 0, 3 * SLOT, 7, &d), 0);
-	struct kvs_wire_room n = name_of(&d), bad = n;
+	struct kvsp_room_name n = name_of(&d), bad = n;
 	bad.token[3] ^= 1;
 	uint64_t tok = P.stats->rej_token;
 	cr_assert_eq(kvsp_room_attach_peer(&P, &F.t, 1, &bad, 3 * SLOT, SLOT), -EPERM);
 	cr_assert_eq(P.stats->rej_token, tok + 1, "a wrong token is counted");
 	bad = n;
-	bad.gen = htole32(le32toh(n.gen) + 1);
+	bad.gen = n.gen + 1;
 	cr_assert_eq(kvsp_room_attach_peer(&P, &F.t, 1, &bad, 3 * SLOT, SLOT), -ESTALE);
 	cr_assert_eq(kvsp_room_attach_peer(&P, &F.t, 1, &n, 2 * SLOT, SLOT), -EINVAL, "bytes differ");
 	cr_assert_eq(kvsp_room_attach_peer(&P, &F.t, 1, &n, 3 * SLOT, 2 * SLOT), -EINVAL,
@@ -457,7 +457,7 @@ Test(rooms, a_lost_peer_releases_exactly_its_own_pins)
 	/* peer 1 writes into room a; peer 2 into room b; we send to peer 1 */
 	uint32_t a = remote_sender_room(rx, 0, SLOT, &d1);
 	cr_assert_eq(kvsp_room_open_recv(&P, rx, 1, SLOT, 101, &d2), 0);
-	struct kvs_wire_room n2 = name_of(&d2);
+	struct kvsp_room_name n2 = name_of(&d2);
 	cr_assert_eq(kvsp_room_attach_peer(&P, &F.t, 2, &n2, SLOT, SLOT), 0);
 	uint32_t b = le32toh(d2.room);
 	struct kvsp_xfer *xa, *xb;

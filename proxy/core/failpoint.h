@@ -24,12 +24,17 @@ enum kvsp_fp_id {
 
 #define KVSP_FP_HOLD 1
 
+struct kvsp_transport;
+
 struct kvsp_fp {
 	uint8_t action; /* enum kvs_fp_action */
 	bool match_set;
 	int32_t err;
 	uint64_t match, mask;
 	uint64_t hits;
+	/* What holds work here and lets it go on request (admin release); NULL: nothing. */
+	struct kvsp_transport *holder;
+	unsigned (*release)(struct kvsp_transport *t, uint64_t match, uint64_t mask);
 };
 
 extern const char *const kvsp_fp_names[KVSP_FP_COUNT];

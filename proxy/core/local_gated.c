@@ -10,7 +10,7 @@
 #include <stdlib.h>
 
 #include "core/failpoint.h"
-#include "core/xport.h"
+#include "core/local.h"
 
 struct held {
 	struct kvsp_xfer *x;
@@ -113,7 +113,6 @@ static const struct kvsp_transport_ops gated_ops = {
 	.cancel = gated_cancel,
 	.poll = gated_poll,
 	.pending = gated_pending,
-	.release = gated_release,
 	.destroy = gated_destroy,
 };
 
@@ -130,5 +129,6 @@ struct kvsp_transport *kvsp_gated_create(struct kvsp *p)
 	}
 	g->t.ops = &gated_ops;
 	g->t.p = p;
+	kvsp_xport_fp_holder(p, KVSP_FP_LOCAL_QUIESCE, &g->t, gated_release);
 	return &g->t;
 }

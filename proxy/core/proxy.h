@@ -20,8 +20,6 @@
 #include "core/slots.h"
 #include "core/xport.h"
 
-#define KVSP_MAX_XPORTS 8
-
 /* ----------------------------------------------------------------- proxy */
 
 struct kvsp_admin;

@@ -147,13 +147,13 @@ void kvsp_xfer_handoff(struct kvsp *p, struct kvsp_xfer *x, int status)
 
 /* ----------------------------------------------------- receiving side */
 
-int kvsp_room_find(struct kvsp *p, const struct kvs_wire_room *name)
+int kvsp_room_find(struct kvsp *p, const struct kvsp_room_name *name)
 {
-	uint32_t i = le32toh(name->room);
+	uint32_t i = name->room;
 	if (i >= p->cfg.max_rooms)
 		return -ESTALE;
 	struct kvsp_room *r = &p->rooms[i];
-	if (r->state == KVSP_ROOM_FREE || r->gen != le32toh(name->gen))
+	if (r->state == KVSP_ROOM_FREE || r->gen != name->gen)
 		return -ESTALE;
 	if (!kvsp_token_eq(r->token, name->token)) {
 		KVS_STAT_ADD(p->stats->rej_token, 1);
@@ -165,7 +165,7 @@ int kvsp_room_find(struct kvsp *p, const struct kvs_wire_room *name)
 }
 
 int kvsp_room_attach_peer(struct kvsp *p, struct kvsp_transport *t, uint32_t peer,
-			  const struct kvs_wire_room *name, uint64_t bytes, uint64_t slot_size)
+			  const struct kvsp_room_name *name, uint64_t bytes, uint64_t slot_size)
 {
 	int i = kvsp_room_find(p, name);
 	if (i < 0)
@@ -394,6 +394,16 @@ uint32_t kvsp_slot_count(const struct kvsp *p)
 	return p->cfg.slot_count;
 }
 
+uint32_t kvsp_room_count(const struct kvsp *p)
+{
+	return p->cfg.max_rooms;
+}
+
+uint64_t kvsp_instance(const struct kvsp *p)
+{
+	return p->instance;
+}
+
 struct kvs_stats *kvsp_xport_stats(struct kvsp *p)
 {
 	return p->stats;
@@ -427,6 +437,13 @@ int kvsp_xport_fp_action(const struct kvsp *p, unsigned id, int *err)
 {
 	*err = p->fp[id].err;
 	return p->fp[id].action;
+}
+
+void kvsp_xport_fp_holder(struct kvsp *p, unsigned id, struct kvsp_transport *t,
+			  unsigned (*release)(struct kvsp_transport *t, uint64_t match, uint64_t mask))
+{
+	p->fp[id].holder = t;
+	p->fp[id].release = release;
 }
 
 int kvsp_xport_fd_add(struct kvsp *p, struct kvsp_transport *t, int fd, uint32_t events,

@@ -31,12 +31,17 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "core/config.h"
 #include "layout.h"
-#include "peer/wire.h"
 
 struct kvsp;
 struct kvsp_transport;
+
+/* A receiving room as a peer names it (host byte order): index,
+ * generation and token, checked whole before anything lands. */
+struct kvsp_room_name {
+	uint32_t room, gen;
+	uint8_t token[16];
+};
 
 enum { KVSP_IDLE = 0, KVSP_BUSY = 1 };
 enum kvsp_xfer_dir { KVSP_XFER_SEND = 1, KVSP_XFER_RECV };
@@ -91,9 +96,9 @@ struct kvsp_transport_ops {
 	void (*on_fd)(struct kvsp_transport *t, uint32_t tag, uint32_t events);
 	/* Optional: the proxy is draining (SIGTERM): peers should open nothing new here. */
 	void (*drain)(struct kvsp_transport *t);
-	/* Optional (test transports): lets go of held work whose room's
-	 * user_data & mask == match. Returns how many. */
-	unsigned (*release)(struct kvsp_transport *t, uint64_t match, uint64_t mask);
+	/* Optional: where peers reach this proxy through t, as descriptors
+	 * name it ("" when they do not). */
+	const char *(*endpoint)(const struct kvsp_transport *t);
 	void (*destroy)(struct kvsp_transport *t);
 };
 
@@ -104,6 +109,19 @@ struct kvsp_transport {
 };
 
 /* --------------------------------------------------- the registry */
+
+/* A kind of transport, as the daemon configures it (struct kvsp_config's
+ * xports, in the order open_send asks them to reach a descriptor; the
+ * first carries rooms whose halves are both here). */
+struct kvsp_xport_kind {
+	const char *name;
+	/* Makes the transport over p with the daemon's options for it.
+	 * Returns it, or NULL with why set (a sentence). */
+	struct kvsp_transport *(*create)(struct kvsp *p, const void *opts, char *why, size_t len);
+};
+
+/* The local hand-off (core/local.c): rooms with both halves here. */
+extern const struct kvsp_xport_kind kvsp_local_kind;
 
 /* Adds t to the transports the loop polls, and its loop_fd to the loop.
  * Returns 0, or -ENOSPC, or -errno from epoll (t is then not registered). */
@@ -121,12 +139,12 @@ void kvsp_xfer_handoff(struct kvsp *p, struct kvsp_xfer *x, int status);
 /* Receiving half: finds room (name->room, name->gen) if it is open and the
  * token matches. Returns the room index, or -ESTALE, -EPERM (wrong token,
  * counted), -ECANCELED (over). */
-int kvsp_room_find(struct kvsp *p, const struct kvs_wire_room *name);
+int kvsp_room_find(struct kvsp *p, const struct kvsp_room_name *name);
 /* A peer's sender attaches to the receiving room name names. Returns 0,
  * or -errno as kvsp_room_find, -EBUSY (a sender is attached), -EINVAL
  * (bytes or slot_size disagree). */
 int kvsp_room_attach_peer(struct kvsp *p, struct kvsp_transport *t, uint32_t peer,
-			  const struct kvs_wire_room *name, uint64_t bytes, uint64_t slot_size);
+			  const struct kvsp_room_name *name, uint64_t bytes, uint64_t slot_size);
 /* Posts a slot of room (index, gen) for chunk, pinned for t's writer
  * (RECV_POSTED). Returns 0 with *x and *dst (len bytes to write), or
  * -ESTALE/-ECANCELED (room gone or over), -EEXIST (chunk claimed already),
@@ -171,6 +189,10 @@ struct kvsp_xfer *kvsp_xfer_of(struct kvsp *p, uint32_t slot);
 void *kvsp_slot_mem(struct kvsp *p, uint32_t slot);
 uint64_t kvsp_slot_size(const struct kvsp *p);
 uint32_t kvsp_slot_count(const struct kvsp *p);
+/* Rooms this proxy can hold (core room indices run below it). */
+uint32_t kvsp_room_count(const struct kvsp *p);
+/* This proxy's instance: random per start, in its descriptors. */
+uint64_t kvsp_instance(const struct kvsp *p);
 /* The published counters (the transport's own among them). */
 struct kvs_stats *kvsp_xport_stats(struct kvsp *p);
 /* The published peer table (KVS_MAX_PEERS entries): transports of peers write it. */
@@ -183,6 +205,10 @@ void kvsp_room_user_data(const struct kvsp *p, uint32_t room, uint64_t *recv_ud,
 int kvsp_xport_fp(struct kvsp *p, unsigned id, uint32_t room);
 /* The failpoint's action now (enum kvs_fp_action) and its error. */
 int kvsp_xport_fp_action(const struct kvsp *p, unsigned id, int *err);
+/* What t holds at failpoint id is let go through release (kvstage-ctl's
+ * release: work whose room's user_data & mask == match; returns how many). */
+void kvsp_xport_fp_holder(struct kvsp *p, unsigned id, struct kvsp_transport *t,
+			  unsigned (*release)(struct kvsp_transport *t, uint64_t match, uint64_t mask));
 
 /* Watches fd in the loop; events come to t->ops->on_fd with tag. Returns 0, or -errno. */
 int kvsp_xport_fd_add(struct kvsp *p, struct kvsp_transport *t, int fd, uint32_t events, uint32_t tag);
@@ -190,21 +216,5 @@ int kvsp_xport_fd_add(struct kvsp *p, struct kvsp_transport *t, int fd, uint32_t
 int kvsp_xport_fd_mod(struct kvsp *p, struct kvsp_transport *t, int fd, uint32_t events, uint32_t tag);
 /* Stops watching fd (before closing it). */
 void kvsp_xport_fd_del(struct kvsp *p, int fd);
-
-/* ------------------------------------------------- the transports */
-
-/* Sender and receiver share this proxy: a chunk lands by handing its slot over. Returns NULL on -ENOMEM. */
-struct kvsp_transport *kvsp_local_create(struct kvsp *p);
-/* The local hand-off behind failpoint local.quiesce (only with --failpoints): held hand-offs stay pinned and in flight, as inside a NIC, until let go. Returns NULL on -ENOMEM. */
-struct kvsp_transport *kvsp_gated_create(struct kvsp *p);
-/* Proxies on other hosts, over TCP. Returns NULL with why set (a sentence). */
-struct kvsp_transport *kvsp_tcp_create(struct kvsp *p, const struct kvsp_tcp_opts *o, char *why,
-				       size_t why_len);
-/* The endpoint its descriptors carry ("tcp:HOST:PORT"), "" when it does not listen. */
-const char *kvsp_tcp_endpoint(const struct kvsp_transport *t);
-/* TEST ONLY (kvstaged-vulnerable): the buggy engines' transport, which reports quiescence early. Returns NULL on -ENOMEM. */
-struct kvsp_transport *kvsp_vulnerable_create(struct kvsp *p);
-/* TEST ONLY (kvstaged-vulnerable): makes the tcp transport among xports a receiver that skips the fence. */
-void kvsp_vulnerable_wrap(struct kvsp_transport **xports, unsigned n);
 
 #endif

@@ -13,7 +13,7 @@
 #include "daemon/metrics.h"
 #include "parse.h"
 #include "core/proxy.h"
-#include "peer/tcp.h"
+#include "peer/endpoint.h"
 
 /* A scraper needs one connection; a few more let a curl in beside it.
  * Past these, connections are refused, never queued for ever. */
@@ -25,15 +25,15 @@ struct kvsp_metrics {
 	struct MHD_Daemon *d;
 };
 
-int kvsp_metrics_parse(const char *s, struct tcp_ep *ep)
+int kvsp_metrics_parse(const char *s, struct kvsp_endpoint *ep)
 {
 	uint64_t port;
 	if (kvs_parse_uint(s, 65535, &port) == 0) {
 		char buf[32];
 		snprintf(buf, sizeof(buf), "127.0.0.1:%u", (unsigned)port);
-		return tcp_ep_parse(buf, ep);
+		return kvsp_endpoint_parse(buf, ep);
 	}
-	return tcp_ep_parse(s, ep);
+	return kvsp_endpoint_parse(s, ep);
 }
 
 static enum MHD_Result answer(struct MHD_Connection *conn, unsigned code, const char *type, char *body,
@@ -130,11 +130,11 @@ static void on_mhd_log(void *cls, const char *fmt, va_list ap)
 	LOG_WARN("metrics: %s", msg);
 }
 
-int kvsp_metrics_start(struct kvsp *p)
+int kvsp_metrics_start(struct kvsp *p, const char *listen)
 {
-	struct tcp_ep ep;
-	if (kvsp_metrics_parse(p->cfg.metrics_listen, &ep) < 0) {
-		LOG_ERR("metrics: bad address '%s'", p->cfg.metrics_listen);
+	struct kvsp_endpoint ep;
+	if (kvsp_metrics_parse(listen, &ep) < 0) {
+		LOG_ERR("metrics: bad address '%s'", listen);
 		return -EINVAL;
 	}
 	struct kvsp_metrics *m = calloc(1, sizeof(*m));

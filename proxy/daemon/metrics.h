@@ -13,13 +13,13 @@
 #include <stdio.h>
 
 struct kvsp;
-struct tcp_ep;
+struct kvsp_endpoint;
 
 /* Parses "IPV4:PORT", "[IPV6]:PORT" or "PORT" (127.0.0.1). Returns 0, or -EINVAL. */
-int kvsp_metrics_parse(const char *s, struct tcp_ep *ep);
-/* Serves p's metrics on p->cfg.metrics_listen. Returns 0, or -errno (logged). */
-int kvsp_metrics_start(struct kvsp *p);
-/* Stops serving (an answer in progress is finished first). */
+int kvsp_metrics_parse(const char *s, struct kvsp_endpoint *ep);
+/* Serves p's metrics on listen ("[HOST:]PORT"). Returns 0, or -errno (logged). */
+int kvsp_metrics_start(struct kvsp *p, const char *listen);
+/* Stops serving (an answer in progress is finished first); nothing if not serving. */
 void kvsp_metrics_stop(struct kvsp *p);
 /* Writes p's metrics page to f. Returns 0, or -EIO. */
 int kvsp_metrics_render(const struct kvsp *p, FILE *f);

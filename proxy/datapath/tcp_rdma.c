@@ -35,7 +35,7 @@
 
 #define CQ_BATCH 32
 
-int tcp_rdma_open(struct tcp *tc, const struct kvsp_tcp_opts *o, char *why, size_t len)
+int tcp_rdma_open(struct tcp *tc, const struct kvsp_peer_opts *o, char *why, size_t len)
 {
 	uint32_t slots = kvsp_slot_count(tc->p);
 	tc->verbs = calloc(1, sizeof(*tc->verbs));
@@ -63,7 +63,7 @@ int tcp_rdma_open(struct tcp *tc, const struct kvsp_tcp_opts *o, char *why, size
 	return 0;
 }
 
-int tcp_rdma_choose(struct tcp *tc, const struct kvsp_tcp_opts *o, char *why, size_t len)
+int tcp_rdma_choose(struct tcp *tc, const struct kvsp_peer_opts *o, char *why, size_t len)
 {
 	if (o->data == KVSP_DATA_TCP) {
 		LOG_INFO("peers: chunks by TCP (--transport tcp)");

@@ -136,16 +136,12 @@ static void on_admin(struct kvsp *p, struct kvsp_admin *a)
 		admin_reply(a, 0, fp->hits, "ok");
 		break;
 	case KVS_ADMIN_FP_RELEASE: {
-		if (id != KVSP_FP_LOCAL_QUIESCE) {
-			admin_reply(a, -EOPNOTSUPP, 0, "only local.quiesce holds anything");
+		if (!fp->release) {
+			admin_reply(a, -EOPNOTSUPP, 0, "nothing holds work at that failpoint here");
 			return;
 		}
-		/* Whichever transports hold work let go of what matches. */
-		uint64_t mask = q.mask ? q.mask : UINT64_MAX, n = 0;
-		for (unsigned k = 0; k < p->nxports; k++)
-			if (p->xports[k]->ops->release)
-				n += p->xports[k]->ops->release(p->xports[k], q.match & mask, mask);
-		admin_reply(a, 0, n, "ok");
+		uint64_t mask = q.mask ? q.mask : UINT64_MAX;
+		admin_reply(a, 0, fp->release(fp->holder, q.match & mask, mask), "ok");
 		break;
 	}
 	case KVS_ADMIN_FP_WAIT:

@@ -9,44 +9,38 @@
 #include <unistd.h>
 
 #include "daemon/log.h"
-#include "daemon/metrics.h"
 #include "core/proxy.h"
 
 extern struct kvsp *kvsp_signalled;
 
-/* The transports, in the order open_send asks them to reach a descriptor. */
+/* The transports, in the order open_send asks them to reach a descriptor:
+ * the first carries rooms with both halves here (the local hand-off when
+ * none is configured). Descriptors name the first endpoint one offers. */
 static int transports_create(struct kvsp *p)
 {
-	struct kvsp_transport *(*local)(struct kvsp *) = p->cfg.local_create;
-	if (!local)
-		local = p->cfg.failpoints ? kvsp_gated_create : kvsp_local_create;
-	p->local = local(p);
-	if (!p->local)
-		return -ENOMEM;
-	int rc = kvsp_xport_register(p, p->local);
-	if (rc < 0) {
-		p->local->ops->destroy(p->local);
-		return rc;
+	static const struct kvsp_xport_conf local_only = { &kvsp_local_kind, NULL };
+	unsigned n = p->cfg.nxports ? p->cfg.nxports : 1;
+	for (unsigned k = 0; k < n; k++) {
+		const struct kvsp_xport_conf *xc = p->cfg.nxports ? &p->cfg.xports[k] : &local_only;
+		char why[256] = "";
+		struct kvsp_transport *t = xc->kind->create(p, xc->opts, why, sizeof(why));
+		if (!t) {
+			LOG_ERR("%s", why);
+			return -EINVAL;
+		}
+		int rc = kvsp_xport_register(p, t);
+		if (rc < 0) {
+			t->ops->destroy(t);
+			return rc;
+		}
+		if (k == 0)
+			p->local = t;
+		if (!p->endpoint[0] && t->ops->endpoint) {
+			snprintf(p->endpoint, sizeof(p->endpoint), "%s", t->ops->endpoint(t));
+			if (p->endpoint[0])
+				LOG_INFO("%s: listening, descriptors name %s", t->ops->name, p->endpoint);
+		}
 	}
-	if (!p->cfg.tcp.secret)
-		return 0;
-	struct kvsp_tcp_opts o = p->cfg.tcp;
-	o.instance = p->instance;
-	o.max_rooms = p->cfg.max_rooms;
-	char why[256];
-	struct kvsp_transport *t = kvsp_tcp_create(p, &o, why, sizeof(why));
-	if (!t) {
-		LOG_ERR("%s", why);
-		return -EINVAL;
-	}
-	rc = kvsp_xport_register(p, t);
-	if (rc < 0) {
-		t->ops->destroy(t);
-		return rc;
-	}
-	snprintf(p->endpoint, sizeof(p->endpoint), "%s", kvsp_tcp_endpoint(t));
-	if (p->endpoint[0])
-		LOG_INFO("tcp: listening, descriptors name %s", p->endpoint);
 	return 0;
 }
 
@@ -99,15 +93,11 @@ int kvsp_init(struct kvsp *p, const struct kvsp_config *cfg)
 	p->now_ns = kvsp_now_ns();
 	p->room_hist.upper_ns = kvsp_hist_room_ns;
 	p->chunk_hist.upper_ns = kvsp_hist_chunk_ns;
-	rc = transports_create(p); /* they may watch fds in the loop */
-	if (rc == 0 && cfg->metrics_listen)
-		rc = kvsp_metrics_start(p); /* last: it reads everything above */
-	return rc;
+	return transports_create(p); /* they may watch fds in the loop */
 }
 
 void kvsp_fini(struct kvsp *p)
 {
-	kvsp_metrics_stop(p); /* first: it reads what the rest frees */
 	for (unsigned i = 0; p->clients && i < p->cfg.max_clients; i++)
 		if (p->clients[i])
 			kvsp_client_destroy(p, p->clients[i]);

@@ -26,8 +26,9 @@
 #include "peer/peer_auth.h"
 #include "datapath/verbs.h"
 #include "core/xport.h"
+#include "peer/peer.h"
 
-#define TCP_MAX_STREAMS 16
+#define TCP_MAX_STREAMS KVSP_PEER_MAX_STREAMS
 #define TCP_MAX_SESS 64
 #define TCP_MAX_CONNS (TCP_MAX_SESS * 2 + 32) /* sessions both ways, and handshakes */
 #define TCP_SINK_SIZE (64 * 1024)
@@ -224,11 +225,11 @@ void tcp_sess_end(struct tcp *tc, struct tcp_sess *s);
 
 /* tcp_rdma.c */
 /* Opens the device of o->rdma_device over our pool. Returns 0, or -errno with why. */
-int tcp_rdma_open(struct tcp *tc, const struct kvsp_tcp_opts *o, char *why, size_t len);
+int tcp_rdma_open(struct tcp *tc, const struct kvsp_peer_opts *o, char *why, size_t len);
 /* --transport: opens the device it asks for (or finds one, for auto) and
  * says which data path peers get. Returns 0, or -errno with why (only where
  * a device was asked for and cannot open). */
-int tcp_rdma_choose(struct tcp *tc, const struct kvsp_tcp_opts *o, char *why, size_t len);
+int tcp_rdma_choose(struct tcp *tc, const struct kvsp_peer_opts *o, char *why, size_t len);
 /* Closes it (every session gone). */
 void tcp_rdma_close(struct tcp *tc);
 /* s came up: with a device, makes its queue pair and owes RDMA_HELLO. */
@@ -254,6 +255,8 @@ int tcp_rdma_chunk(struct tcp *tc, struct tcp_conn *c, struct kvsp_xfer *x);
 int tcp_rdma_on_frame(struct tcp *tc, struct tcp_sess *s, const struct kvsp_frame *f);
 
 /* tcp_room.c */
+/* The core's name for a room a frame names. */
+struct kvsp_room_name tcp_room_name(const struct kvs_wire_room *w);
 /* Receiving side: our room the frame names through s, or NULL (the token is checked by the core). */
 struct tcp_room *tcp_receiver_room(struct tcp *tc, struct tcp_sess *s,
 				   const struct kvs_wire_room *name, uint32_t *idx);

@@ -17,6 +17,13 @@
 
 /* ---------------------------------------------------------------- rooms */
 
+struct kvsp_room_name tcp_room_name(const struct kvs_wire_room *w)
+{
+	struct kvsp_room_name n = { le32toh(w->room), le32toh(w->gen), { 0 } };
+	memcpy(n.token, w->token, sizeof(n.token));
+	return n;
+}
+
 void tcp_owe(struct tcp *tc, uint32_t i, uint8_t what)
 {
 	struct tcp_room *r = &tc->rooms[i];
@@ -56,7 +63,8 @@ static struct tcp_room *sender_room(struct tcp *tc, struct tcp_sess *s, uint64_t
 struct tcp_room *tcp_receiver_room(struct tcp *tc, struct tcp_sess *s,
 				   const struct kvs_wire_room *name, uint32_t *idx)
 {
-	int rc = kvsp_room_find(tc->p, name);
+	struct kvsp_room_name n = tcp_room_name(name);
+	int rc = kvsp_room_find(tc->p, &n);
 	if (rc < 0 && rc != -ECANCELED)
 		return NULL;
 	uint32_t i = le32toh(name->room);
@@ -200,7 +208,8 @@ static bool refusal_pop(struct tcp_sess *s, struct kvs_wire_open_ack *a)
 
 static void on_open(struct tcp *tc, struct tcp_sess *s, const struct kvs_wire_open *b)
 {
-	int rc = kvsp_room_attach_peer(tc->p, &tc->t, s->id, &b->room, le64toh(b->bytes),
+	struct kvsp_room_name n = tcp_room_name(&b->room);
+	int rc = kvsp_room_attach_peer(tc->p, &tc->t, s->id, &n, le64toh(b->bytes),
 				       le64toh(b->slot_size));
 	if (rc < 0) {
 		/* Said back on the frame's own terms: this may name a room of

@@ -212,6 +212,11 @@ static int tcp_loop_fd(struct kvsp_transport *t)
 	return tcp_of(t)->epfd;
 }
 
+static const char *tcp_endpoint(const struct kvsp_transport *t)
+{
+	return ((const struct tcp *)t)->endpoint;
+}
+
 static void tcp_destroy(struct kvsp_transport *t)
 {
 	struct tcp *tc = tcp_of(t);
@@ -246,6 +251,7 @@ static const struct kvsp_transport_ops tcp_ops = {
 	.loop_fd = tcp_loop_fd,
 	.on_fd = tcp_on_fd,
 	.drain = tcp_drain,
+	.endpoint = tcp_endpoint,
 	.destroy = tcp_destroy,
 };
 
@@ -296,9 +302,9 @@ static int open_listener(struct tcp *tc, char *why, size_t len)
 	return epoll_ctl(tc->epfd, EPOLL_CTL_ADD, fd, &ev) < 0 ? -errno : 0;
 }
 
-struct kvsp_transport *kvsp_tcp_create(struct kvsp *p, const struct kvsp_tcp_opts *o, char *why,
-				       size_t why_len)
+static struct kvsp_transport *tcp_create(struct kvsp *p, const void *opts, char *why, size_t why_len)
 {
+	const struct kvsp_peer_opts *o = opts;
 	struct tcp *tc = calloc(1, sizeof(*tc));
 	if (!tc) {
 		snprintf(why, why_len, "out of memory");
@@ -308,14 +314,14 @@ struct kvsp_transport *kvsp_tcp_create(struct kvsp *p, const struct kvsp_tcp_opt
 	tc->t.p = p;
 	tc->p = p;
 	tc->secret = o->secret;
-	tc->instance = o->instance;
+	tc->instance = kvsp_instance(p);
 	tc->streams = o->streams ? o->streams : 2;
 	tc->checksum = o->checksum;
 	tc->timeout_ns = o->peer_timeout_ns;
 	tc->st = kvsp_xport_stats(p);
 	tc->peers = kvsp_xport_peers(p);
 	tc->listen_fd = tc->timer_fd = -1;
-	tc->nrooms = o->max_rooms;
+	tc->nrooms = kvsp_room_count(p);
 	tc->rooms = calloc(tc->nrooms, sizeof(*tc->rooms));
 	tc->xnext = calloc(kvsp_slot_count(p), sizeof(*tc->xnext));
 	tc->sink = malloc(TCP_SINK_SIZE);
@@ -358,7 +364,4 @@ struct kvsp_transport *kvsp_tcp_create(struct kvsp *p, const struct kvsp_tcp_opt
 	return &tc->t;
 }
 
-const char *kvsp_tcp_endpoint(const struct kvsp_transport *t)
-{
-	return ((const struct tcp *)t)->endpoint;
-}
+const struct kvsp_xport_kind kvsp_peer_kind = { "tcp", tcp_create };

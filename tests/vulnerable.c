@@ -13,11 +13,15 @@
  * transport's promise), and that the test sees the damage.
  */
 #include <errno.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "core/config.h"
 #include "core/failpoint.h"
+#include "core/proxy.h"
 #include "core/xport.h"
+#include "daemon/daemon.h"
 
 struct late_write {
 	void *dst;      /* the address it captured */
@@ -100,21 +104,25 @@ static const struct kvsp_transport_ops vuln_ops = {
 	.destroy = vuln_destroy,
 };
 
-struct kvsp_transport *kvsp_vulnerable_create(struct kvsp *p)
+static struct kvsp_transport *vuln_create(struct kvsp *p, const void *opts, char *why, size_t len)
 {
+	(void)opts;
 	struct vulnerable *v = calloc(1, sizeof(*v));
-	if (!v)
-		return NULL;
-	v->cap = kvsp_slot_count(p);
-	v->w = calloc(v->cap, sizeof(*v->w));
-	if (!v->w) {
+	if (v) {
+		v->cap = kvsp_slot_count(p);
+		v->w = calloc(v->cap, sizeof(*v->w));
+	}
+	if (!v || !v->w) {
 		free(v);
+		snprintf(why, len, "vulnerable transport: out of memory");
 		return NULL;
 	}
 	v->t.ops = &vuln_ops;
 	v->t.p = p;
 	return &v->t;
 }
+
+static const struct kvsp_xport_kind vuln_kind = { "vulnerable (test only)", vuln_create };
 
 /* ------------------------------------------- the vulnerable receiver */
 
@@ -127,6 +135,7 @@ struct kvsp_transport *kvsp_vulnerable_create(struct kvsp *p)
  * rdma.read failpoint) is reported over, and still goes into the slot.
  */
 #include "peer/tcp.h"
+
 
 static struct kvsp_transport_ops vuln_tcp_ops;
 static void (*tcp_cancel)(struct kvsp_transport *t, uint32_t room, uint32_t gen, int status);
@@ -156,7 +165,7 @@ static void vuln_tcp_cancel(struct kvsp_transport *t, uint32_t room, uint32_t ge
 	tcp_cancel(t, room, gen, status);
 }
 
-void kvsp_vulnerable_wrap(struct kvsp_transport **xports, unsigned n)
+static void vulnerable_wrap(struct kvsp_transport **xports, unsigned n)
 {
 	for (unsigned k = 0; k < n; k++) {
 		if (strcmp(xports[k]->ops->name, "tcp"))
@@ -167,4 +176,27 @@ void kvsp_vulnerable_wrap(struct kvsp_transport **xports, unsigned n)
 		vuln_tcp_ops.name = "tcp (vulnerable receiver, test only)";
 		xports[k]->ops = &vuln_tcp_ops;
 	}
+}
+
+/* ------------------------------------------------------ the daemon */
+
+static void configure(struct kvsp_config *cfg)
+{
+	cfg->xports[0].kind = &vuln_kind; /* in place of the local hand-off */
+}
+
+static void started(struct kvsp *p)
+{
+	vulnerable_wrap(p->xports, p->nxports);
+}
+
+int main(int argc, char **argv)
+{
+	static const struct kvsp_daemon_hooks hooks = {
+		.warning = "TEST-ONLY BUILD: the local transport reports quiescence early, and the "
+			   "tcp receiver lets a late payload into a reused slot; never deploy this",
+		.configure = configure,
+		.started = started,
+	};
+	return kvsp_daemon_main(argc, argv, &hooks);
 }

@@ -1,0 +1,40 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * The peer plane as the daemon sees it: its options and its transport kind
+ * (core/xport.h). Everything else of it is its own (peer/, datapath/).
+ */
+#ifndef KVSP_PEER_H
+#define KVSP_PEER_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+struct kvsp_secret;
+struct kvsp_xport_kind;
+
+#define KVSP_PEER_MAX_STREAMS 16
+
+/* --transport: how chunks go to peer proxies. */
+enum kvsp_peer_data {
+	KVSP_DATA_AUTO = 0, /* RDMA READ on --rdma-device, else on the first device found, else TCP */
+	KVSP_DATA_TCP,      /* TCP only; no device is opened */
+	KVSP_DATA_VERBS,    /* RDMA READ: a device must open, or the start fails */
+};
+
+/* --listen, or a peer secret alone: dial only. */
+struct kvsp_peer_opts {
+	const char *listen;    /* "HOST:PORT", NULL: no listening */
+	const char *advertise; /* what goes into descriptors; NULL: the listen address */
+	unsigned streams;      /* connections per peer */
+	uint64_t peer_timeout_ns;
+	bool checksum;         /* CRC32C of every payload */
+	enum kvsp_peer_data data;
+	const char *rdma_device; /* chunks by RDMA READ with peers that have it; NULL: per data */
+	int rdma_gid_index;    /* -1: the device's first RoCE v2 GID, IPv4-mapped first */
+	const struct kvsp_secret *secret;
+};
+
+/* Proxies on other hosts: sessions over TCP, chunks by a data path. opts: struct kvsp_peer_opts. */
+extern const struct kvsp_xport_kind kvsp_peer_kind;
+
+#endif
