@@ -107,6 +107,7 @@ static const struct kvsp_transport_ops fake_ops = {
 
 static bool noted(uint32_t room, int what)
 {
+	kvsp_rooms_settle(&P); /* as the loop does after each event */
 	for (unsigned i = 0; i < F.nnotes; i++)
 		if (F.notes[i].room == room && F.notes[i].what == what)
 			return true;
@@ -151,6 +152,7 @@ static struct kvsp_client *client(pid_t pid)
 
 static bool next_event(struct kvsp_client *c, struct kvs_cqe *e)
 {
+	kvsp_rooms_settle(&P); /* as the loop does after each event */
 	return kvs_ring_pop(&c->cq, e, sizeof(*e), 1) == 1;
 }
 

@@ -175,6 +175,7 @@ void kvsp_client_reclaim(struct kvsp *p, struct kvsp_client *c)
 		if (s->pub[i].owner == c->id)
 			kvsp_slot_drop(p, i);
 	c->finals_owed = 0;
+	kvsp_rooms_settle(p);
 }
 
 static void unkick(struct kvsp *p, struct kvsp_client *c)

@@ -73,7 +73,7 @@ static void op_sync(struct kvsp *p, struct kvsp_client *c, const struct kvs_sqe 
 	kvsp_client_reply(p, c, q->seq, rc);
 }
 
-void kvsp_client_op(struct kvsp *p, struct kvsp_client *c, const struct kvs_sqe *q)
+static void client_op(struct kvsp *p, struct kvsp_client *c, const struct kvs_sqe *q)
 {
 	int rc = 0;
 	switch (q->op) {
@@ -108,4 +108,10 @@ void kvsp_client_op(struct kvsp *p, struct kvsp_client *c, const struct kvs_sqe 
 	}
 	if (rc < 0)
 		kvsp_client_reject(p, c, q->handle, rc, q);
+}
+
+void kvsp_client_op(struct kvsp *p, struct kvsp_client *c, const struct kvs_sqe *q)
+{
+	client_op(p, c, q);
+	kvsp_rooms_settle(p); /* what the op ended, ends now: its finals come before the next op's */
 }

@@ -45,6 +45,7 @@ struct kvsp {
 	uint32_t bits_words;
 	uint32_t room_free_head, room_free_tail;
 	uint32_t lru_head, lru_tail;
+	uint32_t mark_head; /* rooms kvsp_rooms_settle has to look at */
 	uint32_t rooms_active; /* OPEN or ABORTING */
 	uint8_t rnd[4096];
 	unsigned rnd_used;

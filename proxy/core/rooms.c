@@ -132,7 +132,7 @@ int kvsp_rooms_init(struct kvsp *p)
 	}
 	p->room_free_head = 0;
 	p->room_free_tail = n - 1;
-	p->lru_head = p->lru_tail = NONE;
+	p->lru_head = p->lru_tail = p->mark_head = NONE;
 	p->rnd_used = sizeof(p->rnd);
 	return 0;
 }
@@ -148,6 +148,10 @@ void kvsp_rooms_fini(struct kvsp *p)
 static uint32_t room_alloc(struct kvsp *p)
 {
 	uint32_t i = p->room_free_head;
+	if (i == NONE) {
+		kvsp_rooms_settle(p); /* a room that ended this pass may be free now */
+		i = p->room_free_head;
+	}
 	if (i == NONE)
 		return NONE;
 	p->room_free_head = p->rooms[i].next_free;
@@ -157,13 +161,11 @@ static uint32_t room_alloc(struct kvsp *p)
 	return i;
 }
 
-/* Frees an ENDED room nobody is attached to. FIFO, so an index is reused
- * as late as possible; the generation makes old descriptors stale anyway. */
-static void room_maybe_free(struct kvsp *p, uint32_t i)
+/* Back on the free list, FIFO, so an index is reused as late as possible;
+ * the generation makes old descriptors stale anyway. */
+static void room_free(struct kvsp *p, uint32_t i)
 {
 	struct kvsp_room *r = &p->rooms[i];
-	if (r->state != KVSP_ROOM_ENDED || r->recv.client.cid || r->send.client.cid)
-		return;
 	r->state = KVSP_ROOM_FREE;
 	r->gen++;
 	r->next_free = NONE;
@@ -193,18 +195,6 @@ static void post_final(struct kvsp *p, struct kvsp_side *s, uint16_t type, int s
 		s->cid = 0;
 }
 
-static void room_end(struct kvsp *p, uint32_t i)
-{
-	struct kvsp_room *r = &p->rooms[i];
-	if (r->state == KVSP_ROOM_ENDED || r->state == KVSP_ROOM_FREE)
-		return;
-	r->state = KVSP_ROOM_ENDED;
-	p->rooms_active--;
-	post_final(p, &r->send.client, r->final_type, r->status, 0, NONE, 0);
-	post_final(p, &r->recv.client, r->final_type, r->status, 0, NONE, 0);
-	room_maybe_free(p, i);
-}
-
 static void note(struct kvsp *p, uint32_t i, int what, int status)
 {
 	struct kvsp_room *r = &p->rooms[i];
@@ -212,33 +202,84 @@ static void note(struct kvsp *p, uint32_t i, int what, int status)
 		r->xport->ops->notify(r->xport, i, r->gen, what, status);
 }
 
-void kvsp_room_recv_complete(struct kvsp *p, uint32_t i)
+/* ------------------------------------------------------- end of life */
+
+void kvsp_room_mark(struct kvsp *p, uint32_t i)
 {
 	struct kvsp_room *r = &p->rooms[i];
-	lru_del(p, i);
-	r->state = KVSP_ROOM_ENDED;
-	r->final_type = KVS_EV_RECV_DONE;
-	p->rooms_active--;
-	KVS_STAT_ADD(p->stats->rooms_done, 1);
-	kvsp_hist_add(&p->room_hist, p->now_ns - r->opened_ns);
-	note(p, i, KVSP_NOTE_DONE, 0);
-	post_final(p, &r->send.client, KVS_EV_SEND_DONE, 0, r->bytes, NONE, 0);
-	post_final(p, &r->recv.client, KVS_EV_RECV_DONE, 0, r->bytes, r->recv.chunk0,
-		   p->slots.pub[r->recv.chunk0].epoch);
-	room_maybe_free(p, i);
+	if (r->marked)
+		return;
+	r->marked = true;
+	r->mark_next = p->mark_head;
+	p->mark_head = i;
 }
 
-void kvsp_room_send_complete(struct kvsp *p, uint32_t i)
+/* Every chunk is in: RECV_DONE here (and SEND_DONE to a sender here), or,
+ * for a send half whose receiver is on a peer, SEND_DONE. */
+static void room_complete(struct kvsp *p, uint32_t i, uint8_t type)
 {
 	struct kvsp_room *r = &p->rooms[i];
 	lru_del(p, i);
 	r->state = KVSP_ROOM_ENDED;
-	r->final_type = KVS_EV_SEND_DONE;
+	r->final_type = type;
 	p->rooms_active--;
 	KVS_STAT_ADD(p->stats->rooms_done, 1);
 	kvsp_hist_add(&p->room_hist, p->now_ns - r->opened_ns);
+	if (type == KVS_EV_RECV_DONE)
+		note(p, i, KVSP_NOTE_DONE, 0);
 	post_final(p, &r->send.client, KVS_EV_SEND_DONE, 0, r->bytes, NONE, 0);
-	room_maybe_free(p, i);
+	if (type == KVS_EV_RECV_DONE)
+		post_final(p, &r->recv.client, KVS_EV_RECV_DONE, 0, r->bytes, r->recv.chunk0,
+			   p->slots.pub[r->recv.chunk0].epoch);
+}
+
+/*
+ * The one end-of-life rule of a room, looked at whenever something it
+ * holds changed (kvsp_room_mark):
+ *
+ *   OPEN      every chunk landed here                  -> ENDED (RECV_DONE)
+ *             send half, the peer has every chunk and
+ *             none is in flight here                   -> ENDED (SEND_DONE)
+ *   ABORTING  nothing in flight here                   -> the peer hears ENDED
+ *             ... and nothing on the peer (far_live)   -> ENDED (its final)
+ *   ENDED     no client attached                       -> FREE
+ *
+ * A peer that never answers is the transport's to bound (invariant 7): it
+ * loses the session, which ends far_live (kvsp_peer_lost).
+ */
+static void room_settle(struct kvsp *p, uint32_t i)
+{
+	struct kvsp_room *r = &p->rooms[i];
+	if (r->state == KVSP_ROOM_OPEN) {
+		if (r->recv.placed == r->nchunks)
+			room_complete(p, i, KVS_EV_RECV_DONE);
+		else if (r->far == KVSP_FAR_RECV && r->far_done && !r->send.inflight)
+			room_complete(p, i, KVS_EV_SEND_DONE);
+	}
+	if (r->state == KVSP_ROOM_ABORTING && !r->send.inflight && !r->recv.posted) {
+		if (r->far && !r->ended_told) {
+			r->ended_told = true;
+			note(p, i, KVSP_NOTE_ENDED, r->status);
+		}
+		if (!r->far || !r->far_live) {
+			r->state = KVSP_ROOM_ENDED;
+			p->rooms_active--;
+			post_final(p, &r->send.client, r->final_type, r->status, 0, NONE, 0);
+			post_final(p, &r->recv.client, r->final_type, r->status, 0, NONE, 0);
+		}
+	}
+	if (r->state == KVSP_ROOM_ENDED && !r->recv.client.cid && !r->send.client.cid)
+		room_free(p, i);
+}
+
+void kvsp_rooms_settle(struct kvsp *p)
+{
+	while (p->mark_head != NONE) {
+		uint32_t i = p->mark_head;
+		p->mark_head = p->rooms[i].mark_next;
+		p->rooms[i].marked = false;
+		room_settle(p, i);
+	}
 }
 
 void kvsp_room_abort(struct kvsp *p, uint32_t i, int status, uint8_t type, bool told_by_peer)
@@ -250,6 +291,7 @@ void kvsp_room_abort(struct kvsp *p, uint32_t i, int status, uint8_t type, bool 
 	r->status = status;
 	r->final_type = type;
 	lru_del(p, i);
+	kvsp_room_mark(p, i);
 	if (type == KVS_EV_FAILED)
 		KVS_STAT_ADD(p->stats->rooms_failed, 1);
 	else
@@ -274,31 +316,15 @@ void kvsp_room_abort(struct kvsp *p, uint32_t i, int status, uint8_t type, bool 
 			    : type == KVS_EV_FAILED ? "failed" : "aborted",
 			    strerror(status < 0 ? -status : status), r->send.inflight, r->recv.posted);
 	r->xport->ops->cancel(r->xport, i, r->gen, status);
-	if (!told_by_peer && r->state == KVSP_ROOM_ABORTING)
+	if (!told_by_peer)
 		note(p, i, KVSP_NOTE_ABORT, status);
-	kvsp_room_try_end(p, i);
-}
-
-void kvsp_room_try_end(struct kvsp *p, uint32_t i)
-{
-	struct kvsp_room *r = &p->rooms[i];
-	if (r->state != KVSP_ROOM_ABORTING || r->send.inflight || r->recv.posted)
-		return;
-	if (r->far && !r->ended_told) {
-		r->ended_told = true;
-		note(p, i, KVSP_NOTE_ENDED, r->status);
-		if (r->state != KVSP_ROOM_ABORTING)
-			return; /* the transport ended it meanwhile (a lost peer) */
-	}
-	if (r->far && r->far_live)
-		return; /* the receiver's ABORTED means no byte can land: wait for the peer */
-	room_end(p, i);
 }
 
 void kvsp_rooms_abort_all(struct kvsp *p, int status)
 {
 	for (uint32_t i = 0; i < p->cfg.max_rooms; i++)
 		kvsp_room_abort(p, i, status, KVS_EV_ABORTED, false);
+	kvsp_rooms_settle(p);
 }
 
 uint64_t kvsp_rooms_tick(struct kvsp *p)
@@ -315,6 +341,7 @@ uint64_t kvsp_rooms_tick(struct kvsp *p)
 			    (unsigned long long)(t / 1000000));
 		KVS_STAT_ADD(p->stats->rooms_timed_out, 1);
 		kvsp_room_abort(p, p->lru_head, -ETIMEDOUT, KVS_EV_ABORTED, false);
+		kvsp_rooms_settle(p);
 	}
 	return UINT64_MAX;
 }
@@ -424,8 +451,8 @@ static int open_send_far(struct kvsp *p, struct kvsp_client *c, uint16_t h,
 	memcpy(r->token, d->token, 16);
 	rc = t->ops->attach(t, peer, i, r->gen, d);
 	if (rc < 0) {
-		r->state = KVSP_ROOM_ENDED;
-		room_maybe_free(p, i);
+		r->state = KVSP_ROOM_ENDED; /* nobody attached: freed at once */
+		room_free(p, i);
 		return rc;
 	}
 	p->rooms_active++;
@@ -541,7 +568,7 @@ void kvsp_room_detach(struct kvsp *p, struct kvsp_client *c, uint16_t h, int sta
 		c->finals_owed--;
 	hd->state = KVSP_H_FREE;
 	side->cid = 0;
-	room_maybe_free(p, i);
+	kvsp_room_mark(p, i);
 }
 
 int kvsp_room_map(struct kvsp *p, struct kvsp_client *c, uint16_t h, struct kvs_lease *out)

@@ -5,7 +5,8 @@
  * a transport until the transport quiesces. A proxy may hold both halves
  * (a local room) or one, with the other on a peer proxy.
  *
- * rooms.c: lifetime, opens, abort and end, what clients ask of a room.
+ * rooms.c: lifetime, opens, abort and end (one rule: room_settle), what
+ *          clients ask of a room.
  * xfer.c:  transfers and the transport API (xport.h): pins, quiescence,
  *          posting, the fence, what peers report.
  */
@@ -71,6 +72,8 @@ struct kvsp_room {
 	uint64_t opened_ns; /* for the room duration histogram */
 	uint32_t lru_prev, lru_next; /* open rooms, oldest progress first */
 	uint32_t next_free;
+	uint32_t mark_next;  /* on the marked list while marked */
+	bool marked;
 	struct kvsp_transport *xport;
 };
 
@@ -104,12 +107,14 @@ void kvsp_slist_del(struct kvsp *p, uint32_t *head, uint32_t slot);
 void kvsp_room_touch(struct kvsp *p, uint32_t i);
 /* Aborts room i (type KVS_EV_ABORTED or FAILED); told_by_peer: the peer aborted it. */
 void kvsp_room_abort(struct kvsp *p, uint32_t i, int status, uint8_t type, bool told_by_peer);
-/* Ends an aborting room once nothing of it is in flight here or on the peer. */
-void kvsp_room_try_end(struct kvsp *p, uint32_t i);
-/* The receiving half has every chunk. */
-void kvsp_room_recv_complete(struct kvsp *p, uint32_t i);
-/* The sending half is done: every chunk quiesced here and landed there. */
-void kvsp_room_send_complete(struct kvsp *p, uint32_t i);
+/* Something room i holds changed (a pin, a landing, its state, the peer's
+ * half, a client): kvsp_rooms_settle looks at it. */
+void kvsp_room_mark(struct kvsp *p, uint32_t i);
+/* Applies the one end-of-life rule (rooms.c, room_settle) to every marked
+ * room: completes, ends or frees it. The core settles at the end of each
+ * event the loop hands it (a client's op or death, a transport's poll or
+ * fd, a tick); transports only mark. */
+void kvsp_rooms_settle(struct kvsp *p);
 /* xfer.c: pins lease l (checked) for chunk of room i and gives it to the room's transport. */
 void kvsp_xfer_send(struct kvsp *p, uint32_t owner, uint32_t i, const struct kvs_lease *l, uint32_t chunk);
 uint64_t kvsp_chunk_len(const struct kvsp *p, const struct kvsp_room *r, uint32_t chunk);

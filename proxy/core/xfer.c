@@ -55,8 +55,8 @@ static void placed(struct kvsp *p, uint32_t i, uint32_t slot, uint32_t chunk)
 	if (chunk == 0)
 		r->recv.chunk0 = slot;
 	kvsp_room_touch(p, i);
-	if (++r->recv.placed == r->nchunks)
-		kvsp_room_recv_complete(p, i);
+	r->recv.placed++;
+	kvsp_room_mark(p, i);
 }
 
 /* ------------------------------------------------------- sending side */
@@ -89,6 +89,7 @@ static int send_quiesce(struct kvsp *p, struct kvsp_xfer *x)
 	struct kvsp_room *r = &p->rooms[x->room];
 	kvsp_slist_del(p, &r->send.inflight_head, x->slot);
 	r->send.inflight--;
+	kvsp_room_mark(p, x->room);
 	int st = kvsp_slot_unpin(&p->slots, x->slot);
 	xfer_end(x);
 	return st;
@@ -107,15 +108,10 @@ void kvsp_xfer_quiesced(struct kvsp *p, struct kvsp_xfer *x, int status)
 		kvsp_slot_kill(&p->slots, slot);
 	if (status) {
 		kvsp_room_abort(p, i, status, KVS_EV_FAILED, false);
-	} else if (r->state == KVSP_ROOM_OPEN) {
-		if (r->far) { /* local rooms count their landings */
-			count_moved(p, len);
-			kvsp_hist_add(&p->chunk_hist, p->now_ns - sent_ns);
-		}
-		if (r->far_done && !r->send.inflight)
-			kvsp_room_send_complete(p, i);
+	} else if (r->state == KVSP_ROOM_OPEN && r->far) { /* local rooms count their landings */
+		count_moved(p, len);
+		kvsp_hist_add(&p->chunk_hist, p->now_ns - sent_ns);
 	}
-	kvsp_room_try_end(p, i);
 }
 
 void kvsp_xfer_handoff(struct kvsp *p, struct kvsp_xfer *x, int status)
@@ -142,7 +138,6 @@ void kvsp_xfer_handoff(struct kvsp *p, struct kvsp_xfer *x, int status)
 	} else {
 		KVS_STAT_ADD(p->stats->chunks_discarded, 1); /* a tombstone, reaped */
 	}
-	kvsp_room_try_end(p, i);
 }
 
 /* ----------------------------------------------------- receiving side */
@@ -234,6 +229,7 @@ static int recv_quiesce(struct kvsp *p, struct kvsp_xfer *x)
 	struct kvsp_room *r = &p->rooms[x->room];
 	kvsp_slist_del(p, &r->recv.posted_head, x->slot);
 	r->recv.posted--;
+	kvsp_room_mark(p, x->room);
 	int st = kvsp_slot_unpin(&p->slots, x->slot);
 	xfer_end(x);
 	return st;
@@ -258,7 +254,6 @@ int kvsp_chunk_land(struct kvsp *p, struct kvsp_xfer *x)
 	if (st == KVS_SLOT_RECV_POSTED)
 		kvsp_slot_kill(&p->slots, slot);
 	KVS_STAT_ADD(p->stats->chunks_discarded, 1);
-	kvsp_room_try_end(p, i);
 	return -ECANCELED;
 }
 
@@ -271,7 +266,6 @@ void kvsp_chunk_discard(struct kvsp *p, struct kvsp_xfer *x, int status)
 		kvsp_slot_kill(&p->slots, slot);
 	KVS_STAT_ADD(p->stats->chunks_discarded, 1);
 	kvsp_room_abort(p, i, status ? status : -EIO, KVS_EV_FAILED, false);
-	kvsp_room_try_end(p, i);
 }
 
 void kvsp_chunk_sunk(struct kvsp *p, uint64_t bytes)
@@ -303,7 +297,7 @@ void kvsp_room_peer_ended(struct kvsp *p, struct kvsp_transport *t, uint32_t pee
 	/* Ended without telling us it aborted: it did. */
 	kvsp_room_abort(p, i, -ECONNABORTED, KVS_EV_ABORTED, true);
 	r->far_live = false;
-	kvsp_room_try_end(p, i);
+	kvsp_room_mark(p, i);
 }
 
 void kvsp_room_peer_refused(struct kvsp *p, struct kvsp_transport *t, uint32_t peer, uint32_t i,
@@ -317,7 +311,7 @@ void kvsp_room_peer_refused(struct kvsp *p, struct kvsp_transport *t, uint32_t p
 	 * send_open; so it does here. */
 	kvsp_room_abort(p, i, status, status == -ECANCELED ? KVS_EV_ABORTED : KVS_EV_FAILED, true);
 	r->far_live = false;
-	kvsp_room_try_end(p, i);
+	kvsp_room_mark(p, i);
 }
 
 void kvsp_room_peer_done(struct kvsp *p, struct kvsp_transport *t, uint32_t peer, uint32_t i,
@@ -327,12 +321,8 @@ void kvsp_room_peer_done(struct kvsp *p, struct kvsp_transport *t, uint32_t peer
 	if (!r || r->far != KVSP_FAR_RECV)
 		return;
 	r->far_live = false;
-	if (r->state == KVSP_ROOM_OPEN) {
-		r->far_done = true;
-		if (!r->send.inflight)
-			kvsp_room_send_complete(p, i);
-	}
-	kvsp_room_try_end(p, i);
+	r->far_done = r->state == KVSP_ROOM_OPEN;
+	kvsp_room_mark(p, i);
 }
 
 void kvsp_peer_lost(struct kvsp *p, struct kvsp_transport *t, uint32_t peer, int status)
@@ -354,7 +344,7 @@ void kvsp_peer_lost(struct kvsp *p, struct kvsp_transport *t, uint32_t peer, int
 			continue;
 		kvsp_room_abort(p, i, status, KVS_EV_FAILED, true);
 		r->far_live = false;
-		kvsp_room_try_end(p, i);
+		kvsp_room_mark(p, i);
 	}
 }
 

@@ -124,6 +124,7 @@ static void on_events(struct kvsp *p, struct epoll_event *ev, int n)
 			break;
 		}
 	}
+	kvsp_rooms_settle(p);
 }
 
 /* ---------------------------------------------------------------- loop */
@@ -142,6 +143,7 @@ static int poll_transports(struct kvsp *p)
 	int busy = KVSP_IDLE;
 	for (unsigned k = 0; k < p->nxports; k++)
 		busy |= p->xports[k]->ops->poll(p->xports[k]);
+	kvsp_rooms_settle(p); /* what their completions ended */
 	return busy;
 }
 
