@@ -81,7 +81,7 @@ struct kvs_stats {
 	uint64_t peer_sessions;       /* up now */
 	uint64_t peer_lost;           /* sessions lost: dropped, cut, silent past --peer-timeout */
 	uint64_t peer_auth_failed;    /* connections that did not prove the secret in time */
-	uint64_t peer_refused;        /* connections refused for want of room */
+	uint64_t peer_refused;        /* connections refused or dropped for want of room */
 	uint64_t peer_frames_refused; /* malformed, forged or replayed frames (connection dropped) */
 	uint64_t peer_frames_ignored; /* authentic frames naming no room of ours (stale, wrong token) */
 	uint64_t peer_crc_errors;     /* chunks whose payload failed --tcp-checksum */
@@ -89,6 +89,11 @@ struct kvs_stats {
 	uint64_t peer_byes;           /* peers that said they are draining */
 	uint64_t rdma_reads;          /* chunks pulled by RDMA READ (landed or not) */
 	uint64_t rdma_bytes_rx;
+	/* appended: older readers stop at rdma_bytes_rx */
+	uint64_t peer_timeouts;       /* sessions and handshakes lost at a deadline */
+	uint64_t peer_evicted;        /* handshakes and idle sessions dropped to make room */
+	uint64_t peer_closed;         /* sessions closed quietly: idle, or the peer restarted */
+	uint64_t peer_pings;          /* PINGs sent: a quiet session's keep-alive */
 };
 
 /* The proxy is the counters' only writer, so a plain load and store (no

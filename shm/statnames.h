@@ -34,6 +34,7 @@ static const struct kvs_stat_name kvs_stat_names[] = {
 	KVS_STAT(peer_auth_failed), KVS_STAT(peer_refused), KVS_STAT(peer_frames_refused),
 	KVS_STAT(peer_frames_ignored), KVS_STAT(peer_crc_errors), KVS_STAT(tcp_bytes_tx),
 	KVS_STAT(tcp_bytes_rx), KVS_STAT(peer_byes), KVS_STAT(rdma_reads), KVS_STAT(rdma_bytes_rx),
+	KVS_STAT(peer_timeouts), KVS_STAT(peer_evicted), KVS_STAT(peer_closed), KVS_STAT(peer_pings),
 };
 
 /* Returns the counter's offset in struct kvs_stats, or -1. */

@@ -87,6 +87,38 @@ static inline struct decisive decisive_hold(struct proxy *pa, struct proxy *pb, 
 	return o;
 }
 
+/* By RDMA READ our own NIC may still write the posted slot: it stays a
+ * tombstone until the READ has completed, and the late bytes are fenced
+ * out then. */
+static inline void decisive_expect_tombstone(const struct decisive *o)
+{
+	cr_assert_eq(o->state_after_abort, KVS_SLOT_TOMBSTONE,
+		     "aborted mid-READ: the posted slot must be a tombstone");
+	cr_assert(!o->b_got_victim, "B was given the slot the late READ still writes into");
+	cr_assert_eq(o->b_slots, DECISIVE_SLOTS - 1, "B gets every slot but the tombstone");
+	cr_assert(o->b_intact, "B's slots changed under it");
+	cr_assert_eq(o->rx_final, KVS_EV_ABORTED);
+	cr_assert_eq(o->tx_final, KVS_EV_ABORTED);
+	cr_assert_eq(o->discarded, 1, "the late chunk is discarded, and counted");
+}
+
+/* Over the stream the receiver's own recv() is the only writer of the
+ * posted slot: at the abort the rest of the payload goes to the sink, so
+ * the slot comes back at once (B may be given it: a stalled peer holds
+ * nothing), and the late bytes never land in it. */
+static inline void decisive_expect_sunk(const struct decisive *o)
+{
+	cr_assert_eq(o->state_after_abort, KVS_SLOT_FREE,
+		     "aborted mid-payload: the posted slot comes back at once (%u)",
+		     o->state_after_abort);
+	cr_assert_eq(o->b_slots, DECISIVE_SLOTS, "B gets every slot, the one posted for A too");
+	cr_assert(o->b_intact, "the late bytes landed in B's slot");
+	cr_assert(!o->victim_has_a, "A's chunk is in B's slot");
+	cr_assert_eq(o->rx_final, KVS_EV_ABORTED);
+	cr_assert_eq(o->tx_final, KVS_EV_ABORTED);
+	cr_assert_eq(o->discarded, 1, "the late chunk is discarded once, and counted");
+}
+
 /* Over tcp: the payload held at the sending proxy. */
 static inline struct decisive decisive_across(struct proxy *pa, struct proxy *pb)
 {

@@ -124,14 +124,10 @@ static struct decisive decisive_loopback(const char *rx_bin)
 Test(tcp, decisive_late_payload_never_lands_in_a_reused_slot)
 {
 	struct decisive o = decisive_loopback(NULL);
-	cr_assert_eq(o.state_after_abort, KVS_SLOT_TOMBSTONE,
-		     "aborted mid-payload: the posted slot must be a tombstone");
-	cr_assert(!o.b_got_victim, "B was given the slot the late payload still writes into");
-	cr_assert_eq(o.b_slots, 15, "B gets every slot but the tombstone");
-	cr_assert(o.b_intact, "B's slots changed under it");
-	cr_assert_eq(o.rx_final, KVS_EV_ABORTED);
-	cr_assert_eq(o.tx_final, KVS_EV_ABORTED);
-	cr_assert_eq(o.discarded, 1, "the late chunk is discarded, and counted");
+	if (by_rdma())
+		decisive_expect_tombstone(&o);
+	else
+		decisive_expect_sunk(&o);
 	wait_idle(&pa, 0);
 	wait_idle(&pb, 0);
 }
@@ -143,6 +139,8 @@ Test(tcp, decisive_vulnerable_receiver_is_caught_corrupting)
 	struct decisive o = decisive_loopback(proxy_vulnerable_bin());
 	cr_assert_neq(o.state_after_abort, KVS_SLOT_TOMBSTONE, "the vulnerable receiver frees at once");
 	cr_assert(o.b_got_victim, "B is given the slot the late payload writes into");
+	/* The honest one may free it as soon (over the stream): what it never
+	 * does is let the payload in after. */
 	cr_assert(!o.b_intact, "the late bytes landed in B's slot: the corruption detected");
 	cr_assert(o.victim_has_a, "what B's slot holds now is A's chunk");
 }

@@ -127,54 +127,61 @@ static const struct kvsp_xport_kind vuln_kind = { "vulnerable (test only)", vuln
 /* ------------------------------------------- the vulnerable receiver */
 
 /*
- * The tcp transport as a receiver that skips the fence: when a room is
- * aborted while a chunk's payload is still being read into the slot
- * posted for it, it tells the core the write is over (the slot is freed
- * and can be leased at once) and goes on reading the payload into that
- * slot's memory. Over RDMA the same: a READ not yet done (held by the
- * rdma.read failpoint) is reported over, and still goes into the slot.
+ * The peer plane's data paths as a receiver that skips the fence: when a
+ * room is aborted while a chunk's payload is still being read into the
+ * slot posted for it, the stream tells the core the write is over (the
+ * slot is freed and can be leased at once) and goes on reading the
+ * payload into that slot's memory. Over RDMA the same: a READ not yet done
+ * (held by the rdma.read failpoint) is reported over, and still goes into
+ * the slot once let go. Each wraps its data path's cancel; the rest of
+ * the plane is the production one.
  */
-#include "peer/tcp.h"
+#include "datapath/datapath.h"
+#include "peer/conn.h"
+#include "peer/peer.h"
 
-
-static struct kvsp_transport_ops vuln_tcp_ops;
-static void (*tcp_cancel)(struct kvsp_transport *t, uint32_t room, uint32_t gen, int status);
+static struct kvsp_dp_ops vuln_stream_ops, vuln_rdma_ops;
 static struct kvsp_xfer nothing; /* what the late read ends on: no record, no effect */
 
-static void vuln_tcp_cancel(struct kvsp_transport *t, uint32_t room, uint32_t gen, int status)
+static void vuln_stream_cancel(struct kvsp_dp *dp, uint32_t room, uint32_t gen)
 {
-	struct tcp *tc = (struct tcp *)t;
-	for (unsigned i = 0; i < tc->conns_hi; i++) {
-		struct tcp_conn *c = &tc->conn[i];
-		if (c->state == TCP_C_UP && c->rx_x && c->rx_x != &nothing && c->rx_x->room == room &&
+	for (unsigned i = 0; i < dp->conns->hi; i++) {
+		struct pconn *c = &dp->conns->conn[i];
+		if (c->state == PCONN_UP && c->rx_x && c->rx_x != &nothing && c->rx_x->room == room &&
 		    c->rx_x->room_gen == gen) {
-			kvsp_chunk_discard(t->p, c->rx_x, -ECANCELED); /* the lie */
+			kvsp_chunk_discard(dp->p, c->rx_x, -ECANCELED); /* the lie */
 			c->rx_x = &nothing; /* rx_dst still points into the slot */
 		}
 	}
-	for (unsigned si = 0; si < TCP_MAX_SESS; si++) {
-		struct tcp_sess *s = &tc->sess[si];
-		if (s->state == TCP_S_FREE)
-			continue;
-		for (uint32_t slot = s->held_head; slot != TCP_NONE; slot = tc->rread[slot].next) {
-			struct kvsp_xfer *x = kvsp_xfer_of(t->p, slot);
-			if (x->dir == KVSP_XFER_RECV && x->room == room && x->room_gen == gen)
-				kvsp_chunk_discard(t->p, x, -ECANCELED); /* the lie: the READ still comes */
-		}
+	kvsp_dp_stream.cancel(dp, room, gen); /* what it sends is dropped as ever */
+}
+
+static void vuln_rdma_cancel(struct kvsp_dp *dp, uint32_t room, uint32_t gen)
+{
+	/* The lie: every READ of the room is reported over, held ones too,
+	 * which stay held and go into the slot once the failpoint lets go. */
+	for (uint32_t slot = 0; slot < kvsp_slot_count(dp->p); slot++) {
+		struct kvsp_xfer *x = kvsp_xfer_of(dp->p, slot);
+		if (x->dir == KVSP_XFER_RECV && x->xport == dp->t->idx && x->room == room &&
+		    x->room_gen == gen)
+			kvsp_chunk_discard(dp->p, x, -ECANCELED);
 	}
-	tcp_cancel(t, room, gen, status);
 }
 
 static void vulnerable_wrap(struct kvsp_transport **xports, unsigned n)
 {
+	vuln_stream_ops = kvsp_dp_stream;
+	vuln_stream_ops.cancel = vuln_stream_cancel;
+	vuln_rdma_ops = kvsp_dp_rdma;
+	vuln_rdma_ops.cancel = vuln_rdma_cancel;
 	for (unsigned k = 0; k < n; k++) {
 		if (strcmp(xports[k]->ops->name, "tcp"))
 			continue;
-		vuln_tcp_ops = *xports[k]->ops;
-		tcp_cancel = vuln_tcp_ops.cancel;
-		vuln_tcp_ops.cancel = vuln_tcp_cancel;
-		vuln_tcp_ops.name = "tcp (vulnerable receiver, test only)";
-		xports[k]->ops = &vuln_tcp_ops;
+		unsigned ndps;
+		struct kvsp_dp *const *dps = kvsp_peer_datapaths(xports[k], &ndps);
+		for (unsigned d = 0; d < ndps; d++)
+			dps[d]->ops = dps[d]->ops == &kvsp_dp_stream ? &vuln_stream_ops
+				      : dps[d]->ops == &kvsp_dp_rdma ? &vuln_rdma_ops : dps[d]->ops;
 	}
 }
 
@@ -194,7 +201,7 @@ int main(int argc, char **argv)
 {
 	static const struct kvsp_daemon_hooks hooks = {
 		.warning = "TEST-ONLY BUILD: the local transport reports quiescence early, and the "
-			   "tcp receiver lets a late payload into a reused slot; never deploy this",
+			   "peer plane's receiver lets a late payload into a reused slot; never deploy this",
 		.configure = configure,
 		.started = started,
 	};

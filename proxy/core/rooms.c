@@ -430,7 +430,7 @@ static int open_send_far(struct kvsp *p, struct kvsp_client *c, uint16_t h,
 	for (unsigned k = 0; k < p->nxports && rc == -EOPNOTSUPP; k++)
 		if (p->xports[k]->ops->reach) {
 			t = p->xports[k];
-			rc = t->ops->reach(t, d, &peer);
+			rc = t->ops->reach(t, d, c->id, &peer);
 		}
 	if (rc < 0)
 		return rc;

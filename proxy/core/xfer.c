@@ -409,6 +409,14 @@ uint64_t kvsp_xport_now(const struct kvsp *p)
 	return p->now_ns;
 }
 
+bool kvsp_room_live(const struct kvsp *p, uint32_t i, uint32_t gen)
+{
+	if (i >= p->cfg.max_rooms)
+		return false;
+	const struct kvsp_room *r = &p->rooms[i];
+	return r->gen == gen && (r->state == KVSP_ROOM_OPEN || r->state == KVSP_ROOM_ABORTING);
+}
+
 void kvsp_room_user_data(const struct kvsp *p, uint32_t i, uint64_t *recv_ud, uint64_t *send_ud)
 {
 	const struct kvsp_room *r = &p->rooms[i];

@@ -76,9 +76,11 @@ struct kvsp_transport_ops {
 	void (*cancel)(struct kvsp_transport *t, uint32_t room, uint32_t gen, int status);
 	/* Optional: what the peer must hear about a room (enum kvsp_note). */
 	void (*notify)(struct kvsp_transport *t, uint32_t room, uint32_t gen, int note, int status);
-	/* Optional: a descriptor names another proxy. Returns 0 when this
-	 * transport reaches it (peer set), -EOPNOTSUPP when it does not, or -errno. */
-	int (*reach)(struct kvsp_transport *t, const struct kvs_desc_wire *d, uint32_t *peer);
+	/* Optional: a descriptor names another proxy, for client cid's room.
+	 * Returns 0 when this transport reaches it (peer set), -EOPNOTSUPP
+	 * when it does not, or -errno. */
+	int (*reach)(struct kvsp_transport *t, const struct kvs_desc_wire *d, uint32_t cid,
+		     uint32_t *peer);
 	/* Optional: a send half on this proxy now has room (room, gen) for the
 	 * far half desc names: tells that proxy. */
 	int (*attach)(struct kvsp_transport *t, uint32_t peer, uint32_t room, uint32_t gen,
@@ -199,6 +201,8 @@ struct kvs_stats *kvsp_xport_stats(struct kvsp *p);
 struct kvs_peer *kvsp_xport_peers(struct kvsp *p);
 /* The loop's clock, read once a pass. */
 uint64_t kvsp_xport_now(const struct kvsp *p);
+/* True while room (index, gen) is open or aborting (its final not posted). */
+bool kvsp_room_live(const struct kvsp *p, uint32_t room, uint32_t gen);
 /* The room's user_data on each side (0 where none), for failpoint matching. */
 void kvsp_room_user_data(const struct kvsp *p, uint32_t room, uint64_t *recv_ud, uint64_t *send_ud);
 /* Evaluates failpoint id (enum kvsp_fp_id) for a room. Returns 0 (pass), KVSP_FP_HOLD, or -errno. */

@@ -37,4 +37,10 @@ struct kvsp_peer_opts {
 /* Proxies on other hosts: sessions over TCP, chunks by a data path. opts: struct kvsp_peer_opts. */
 extern const struct kvsp_xport_kind kvsp_peer_kind;
 
+struct kvsp_dp;
+struct kvsp_transport;
+/* The data paths the peer plane t (made by kvsp_peer_kind) opened, in the
+ * order it asks them; *n says how many. */
+struct kvsp_dp *const *kvsp_peer_datapaths(struct kvsp_transport *t, unsigned *n);
+
 #endif

@@ -213,6 +213,7 @@ static_assert(sizeof(struct kvs_wire_ping) == 8, "ping is 8 bytes");
 enum kvs_wire_bye_reason {
 	KVS_WIRE_BYE_UNSPEC = 0,
 	KVS_WIRE_BYE_DRAIN = 1, /* the proxy is draining: finish what is open, open nothing */
+	KVS_WIRE_BYE_CLOSE = 2, /* the dialer closes this session: nothing rides on it */
 };
 
 struct kvs_wire_bye {

@@ -44,6 +44,8 @@ void print_human(const struct kvs_ctrl *c, size_t len, const char *path, int slo
 	       S(peer_sessions), S(peer_lost), S(peer_auth_failed), S(peer_refused),
 	       S(peer_frames_refused), S(peer_frames_ignored), S(peer_crc_errors),
 	       S(chunks_discarded), S(tcp_bytes_tx), S(tcp_bytes_rx));
+	printf("peers     deadlines %llu  evicted %llu  closed %llu  pings %llu\n", S(peer_timeouts),
+	       S(peer_evicted), S(peer_closed), S(peer_pings));
 	printf("rdma      reads %llu  rx %llu\n", S(rdma_reads), S(rdma_bytes_rx));
 	if (r && r->have)
 		printf("rates     rooms/s %.1f  aborts/s %.1f  failures/s %.1f  chunks/s %.0f  GB/s %.3f"

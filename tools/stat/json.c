@@ -64,11 +64,13 @@ void print_json(const struct kvs_ctrl *c, size_t len, const char *path, int slot
 	       S(tombstones_reaped), S(sleeps), S(log_suppressed));
 	printf(",\"tcp\":{\"peers\":%llu,\"lost\":%llu,\"auth_failed\":%llu,\"refused\":%llu,"
 	       "\"frames_refused\":%llu,\"frames_ignored\":%llu,\"crc_errors\":%llu,"
-	       "\"chunks_discarded\":%llu,\"bytes_tx\":%llu,\"bytes_rx\":%llu},"
+	       "\"chunks_discarded\":%llu,\"bytes_tx\":%llu,\"bytes_rx\":%llu,"
+	       "\"deadlines\":%llu,\"evicted\":%llu,\"closed\":%llu,\"pings\":%llu},"
 	       "\"rdma\":{\"reads\":%llu,\"bytes_rx\":%llu},\"peers\":[",
 	       S(peer_sessions), S(peer_lost), S(peer_auth_failed), S(peer_refused),
 	       S(peer_frames_refused), S(peer_frames_ignored), S(peer_crc_errors),
-	       S(chunks_discarded), S(tcp_bytes_tx), S(tcp_bytes_rx), S(rdma_reads), S(rdma_bytes_rx));
+	       S(chunks_discarded), S(tcp_bytes_tx), S(tcp_bytes_rx), S(peer_timeouts),
+	       S(peer_evicted), S(peer_closed), S(peer_pings), S(rdma_reads), S(rdma_bytes_rx));
 	for (uint32_t i = 0; i < tb->npe; i++) {
 		const struct peer_row *k = &tb->pe[i];
 		printf("%s{\"endpoint\":", i ? "," : "");

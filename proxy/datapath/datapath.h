@@ -1,0 +1,119 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * Data paths: how a chunk's bytes travel between two proxies once the peer
+ * plane has agreed on its room (the receiver acknowledged the OPEN). One
+ * file per data path behind this table, listed in datapath.c; the peer
+ * plane asks them in that order which one carries a session's chunks
+ * (RDMA READ first; the stream last, which carries every session).
+ *
+ * A data path speaks its own frame types on the session's connections
+ * (stream: CHUNK and its payload; RDMA: RDMA_HELLO, CHUNK_READ, CHUNK_ACK),
+ * keeps its own state per session (by session index, checked against the
+ * session's id), and ends every transfer it took through the core
+ * (kvsp_xfer_quiesced on the sending side; kvsp_chunk_land or
+ * kvsp_chunk_discard on the receiving one). It never frees a slot itself:
+ * a session's loss asks it to quiesce (its sockets are closed, its queue
+ * pair moved to error), and only once it says nothing of it can touch our
+ * memory does the core release the session's pins.
+ *
+ * A new data path (UCX, EFA) is one file here and a line in datapath.c.
+ */
+#ifndef KVSP_DATAPATH_H
+#define KVSP_DATAPATH_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "peer/wire.h"
+
+struct kvsp;
+struct kvsp_transport;
+struct kvsp_xfer;
+struct kvsp_frame;
+struct kvsp_peer_opts;
+struct kvs_stats;
+struct pconn;
+struct pconn_table;
+struct psess;
+struct psess_table;
+
+/* What every data path shares: the peer plane's parts it works with. */
+struct kvsp_dp {
+	const struct kvsp_dp_ops *ops;
+	struct kvsp *p;
+	struct kvsp_transport *t; /* the peer plane, as the core knows it */
+	struct psess_table *sessions;
+	struct pconn_table *conns;
+	struct kvs_stats *st;
+	struct kvsp_dp *const *dps; /* every data path of the plane, in order */
+	const unsigned *ndps;
+};
+
+/* A frame a data path has for a connection, and the payload after it. */
+struct kvsp_dp_frame {
+	uint16_t type;
+	union kvs_wire_body body;
+	const void *payload;
+	uint32_t plen;
+	struct kvsp_xfer *x; /* the payload's transfer */
+};
+
+struct kvsp_dp_ops {
+	const char *name;
+	uint32_t peer_flag;    /* KVS_PEER_* shown for a session it carries; 0: none */
+	const uint16_t *types; /* the frame types it reads, 0-terminated */
+	/* Makes this proxy's instance (a struct embedding *base first).
+	 * Returns it; or NULL with *err 0 when this proxy has none (why says
+	 * so, for the log), or *err < 0 when it was asked for and cannot be
+	 * had (why says why: the proxy does not start). */
+	struct kvsp_dp *(*create)(const struct kvsp_dp *base, const struct kvsp_peer_opts *o,
+				  char *why, size_t len, int *err);
+	void (*destroy)(struct kvsp_dp *dp);
+	/* Session s came up (every stream joined). */
+	void (*sess_up)(struct kvsp_dp *dp, struct psess *s);
+	/* True if s's chunks go this way now. */
+	bool (*carries)(const struct kvsp_dp *dp, const struct psess *s);
+	/* Carries chunk x to s's peer, whose room is `room`. Returns 0 (it ends
+	 * through the core), or -errno (nothing started). */
+	int (*send)(struct kvsp_dp *dp, struct psess *s, struct kvsp_xfer *x,
+		    const struct kvs_wire_room *room);
+	/* Room (room, gen) aborts: what of it has not started is dropped, and
+	 * what is being received no longer lands where it was going. */
+	void (*cancel)(struct kvsp_dp *dp, uint32_t room, uint32_t gen);
+	/* A frame of its types from s on c. Returns 0, or -errno (s is lost). */
+	int (*on_frame)(struct kvsp_dp *dp, struct psess *s, struct pconn *c,
+			const struct kvsp_frame *f);
+	/* Optional: the payload its frame announced is all in (c->rx_*). */
+	void (*payload_end)(struct kvsp_dp *dp, struct psess *s, struct pconn *c);
+	/* The next frame it owes on c (control on stream 0, then chunks),
+	 * into *out; out NULL: only whether there is one. Returns true if so. */
+	bool (*next_frame)(struct kvsp_dp *dp, struct psess *s, struct pconn *c,
+			   struct kvsp_dp_frame *out);
+	/* Optional: a frame of its with a payload left whole (x: its transfer). */
+	void (*sent)(struct kvsp_dp *dp, struct psess *s, struct kvsp_xfer *x);
+	/* s is lost and its sockets closed: its hardware must stop touching
+	 * our slots for s. Returns true while that is still to happen. */
+	bool (*sess_quiesce)(struct kvsp_dp *dp, struct psess *s);
+	/* Optional: s's quiescence is overdue: make it stop now. */
+	void (*sess_force)(struct kvsp_dp *dp, struct psess *s);
+	/* s is ended: its state goes (no call into the core). */
+	void (*sess_free)(struct kvsp_dp *dp, struct psess *s);
+	/* Reaps completions. Returns KVSP_BUSY or KVSP_IDLE. */
+	int (*poll)(struct kvsp_dp *dp);
+	/* True while poll has work that needs no outside event. */
+	bool (*pending)(const struct kvsp_dp *dp);
+};
+
+/* The data paths, in the order they are asked; NULL-terminated. */
+extern const struct kvsp_dp_ops *const kvsp_datapaths[];
+
+/* Gives chunk x to the first data path that carries s (dps: the plane's).
+ * Returns what its send returns. */
+int kvsp_dp_carry(struct kvsp_dp *const *dps, unsigned n, struct psess *s, struct kvsp_xfer *x,
+		  const struct kvs_wire_room *room);
+
+extern const struct kvsp_dp_ops kvsp_dp_rdma;   /* datapath/rdma.c */
+extern const struct kvsp_dp_ops kvsp_dp_stream; /* datapath/stream.c */
+
+#endif

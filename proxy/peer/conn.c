@@ -1,0 +1,394 @@
+/* SPDX-License-Identifier: MIT */
+/* One connection between proxies: see peer/conn.h for its states and deadlines. */
+#include "peer/conn.h"
+
+#include <errno.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/epoll.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#include "layout.h"
+
+int pconn_table_init(struct pconn_table *t, int epfd, uint32_t max_payload, uint64_t instance,
+		     const struct kvsp_secret *secret, struct kvs_stats *st)
+{
+	t->epfd = epfd;
+	t->max_payload = max_payload;
+	t->instance = instance;
+	t->secret = secret;
+	t->st = st;
+	t->sink = malloc(PCONN_SINK_SIZE);
+	return t->sink ? 0 : -ENOMEM;
+}
+
+void pconn_table_fini(struct pconn_table *t)
+{
+	for (unsigned i = 0; i < t->hi; i++)
+		pconn_close(t, &t->conn[i]);
+	free(t->sink);
+	t->sink = NULL;
+}
+
+/* What c waits for: to read unless paused; to write while connecting or full. */
+static int watch(struct pconn_table *t, struct pconn *c, int op)
+{
+	uint32_t events = (c->rx_paused ? 0 : EPOLLIN) |
+			  (c->wblocked || c->state == PCONN_CONNECTING ? EPOLLOUT : 0);
+	struct epoll_event ev = { .events = events, .data.u64 = (uint64_t)c->id << 32 | c->idx };
+	return epoll_ctl(t->epfd, op, c->fd, &ev) < 0 ? -errno : 0;
+}
+
+void pconn_rx_pause(struct pconn_table *t, struct pconn *c, bool paused)
+{
+	if (c->rx_paused == paused || c->state == PCONN_FREE)
+		return;
+	c->rx_paused = paused;
+	watch(t, c, EPOLL_CTL_MOD);
+}
+
+void pconn_ready(struct pconn_table *t, struct pconn *c, uint32_t events)
+{
+	if (events & EPOLLOUT && c->wblocked) {
+		c->wblocked = false;
+		watch(t, c, EPOLL_CTL_MOD);
+	}
+}
+
+struct pconn *pconn_of_tag(struct pconn_table *t, uint64_t tag)
+{
+	struct pconn *c = &t->conn[(uint32_t)tag % PCONN_MAX];
+	return c->state != PCONN_FREE && c->id == (uint32_t)(tag >> 32) ? c : NULL;
+}
+
+/* ------------------------------------------------------------ lifetime */
+
+static bool unjoined(const struct pconn *c)
+{
+	return !c->dialer && (c->state == PCONN_HANDSHAKE || c->state == PCONN_JOINING);
+}
+
+uint32_t pconn_admit(struct pconn_table *t, const struct kvsp_endpoint *from)
+{
+	unsigned all = 0, mine = 0;
+	uint32_t oldest = PCONN_NONE, oldest_mine = PCONN_NONE;
+	for (unsigned i = 0; i < t->hi; i++) {
+		const struct pconn *c = &t->conn[i];
+		if (!unjoined(c))
+			continue;
+		all++;
+		if (oldest == PCONN_NONE || c->last_rx_ns < t->conn[oldest].last_rx_ns)
+			oldest = i;
+		if (kvsp_endpoint_same_host(&c->from, from)) {
+			mine++;
+			if (oldest_mine == PCONN_NONE || c->last_rx_ns < t->conn[oldest_mine].last_rx_ns)
+				oldest_mine = i;
+		}
+	}
+	uint32_t victim = mine >= PCONN_PER_SOURCE ? oldest_mine
+			  : all >= PCONN_HANDSHAKES ? oldest : PCONN_NONE;
+	if (victim != PCONN_NONE)
+		pconn_close(t, &t->conn[victim]);
+	return victim;
+}
+
+struct pconn *pconn_new(struct pconn_table *t, int fd, bool dialer, const struct kvsp_endpoint *from,
+			uint64_t now)
+{
+	unsigned i;
+	for (i = 0; i < PCONN_MAX && t->conn[i].state != PCONN_FREE; i++)
+		;
+	if (i == PCONN_MAX) {
+		close(fd);
+		return NULL;
+	}
+	struct pconn *c = &t->conn[i];
+	memset(c, 0, sizeof(*c));
+	c->fd = fd;
+	c->idx = (uint16_t)i;
+	c->id = ++t->gen;
+	c->dialer = dialer;
+	c->from = *from;
+	c->state = dialer ? PCONN_CONNECTING : PCONN_HANDSHAKE;
+	c->born_ns = c->last_rx_ns = now;
+	c->q_head = c->q_tail = PCONN_NONE;
+	int one = 1;
+	setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+	if (kvsp_auth_start(&c->auth, t->secret, dialer ? KVS_WIRE_DIALER : KVS_WIRE_LISTENER,
+			    t->instance) < 0 ||
+	    watch(t, c, EPOLL_CTL_ADD) < 0) {
+		close(fd);
+		c->state = PCONN_FREE;
+		return NULL;
+	}
+	if (i >= t->hi)
+		t->hi = i + 1;
+	return c;
+}
+
+void pconn_close(struct pconn_table *t, struct pconn *c)
+{
+	if (c->state == PCONN_FREE)
+		return;
+	epoll_ctl(t->epfd, EPOLL_CTL_DEL, c->fd, NULL);
+	close(c->fd);
+	kvsp_auth_wipe(&c->auth);
+	kvsp_frame_tx_wipe(&c->ftx);
+	kvsp_frame_rx_wipe(&c->frx);
+	c->state = PCONN_FREE;
+	c->sess = 0;
+	c->pub = NULL;
+	c->tx_x = c->rx_x = NULL; /* their owners release them, with every other pin */
+	c->tx_len = c->tx_off = c->tx_plen = c->tx_poff = 0;
+	c->qn = 0;
+	c->q_head = c->q_tail = PCONN_NONE;
+	while (t->hi && t->conn[t->hi - 1].state == PCONN_FREE)
+		t->hi--;
+}
+
+void pconn_authed(struct pconn *c, uint32_t sess, unsigned stream)
+{
+	if (c->dialer) {
+		c->state = PCONN_UP;
+		c->sess = sess;
+		c->stream = stream;
+	} else {
+		c->state = PCONN_JOINING; /* its first frame must say which session */
+	}
+}
+
+void pconn_joined(struct pconn *c, uint32_t sess, unsigned stream, struct kvs_peer *pub)
+{
+	c->state = PCONN_UP;
+	c->sess = sess;
+	c->stream = stream;
+	c->pub = pub;
+}
+
+uint64_t pconn_deadline(const struct pconn *c, uint64_t hs_ns, uint64_t timeout_ns)
+{
+	if (c->state == PCONN_FREE)
+		return UINT64_MAX;
+	if (c->state != PCONN_UP)
+		return c->born_ns + hs_ns;
+	/* A payload that stops arriving holds its posted slot: it may pause
+	 * as long as a silent peer may, no longer. */
+	if (c->rx_len && c->rx_off < c->rx_len)
+		return c->last_rx_ns + timeout_ns;
+	return UINT64_MAX;
+}
+
+/* ----------------------------------------------------------- handshake */
+
+int pconn_handshake(struct pconn_table *t, struct pconn *c, uint64_t now)
+{
+	if (c->state == PCONN_CONNECTING) {
+		int err = 0;
+		socklen_t len = sizeof(err);
+		if (getsockopt(c->fd, SOL_SOCKET, SO_ERROR, &err, &len) < 0)
+			err = errno;
+		if (err == EINPROGRESS || err == EALREADY)
+			return 0;
+		if (err)
+			return -err;
+		c->state = PCONN_HANDSHAKE;
+		watch(t, c, EPOLL_CTL_MOD);
+	}
+	for (;;) {
+		while (c->hs_out_off < c->hs_out_len) {
+			ssize_t n = send(c->fd, c->hs_out + c->hs_out_off, c->hs_out_len - c->hs_out_off,
+					 MSG_DONTWAIT | MSG_NOSIGNAL);
+			if (n < 0)
+				return errno == EAGAIN ? 0 : -errno;
+			c->hs_out_off += (uint32_t)n;
+		}
+		enum kvsp_auth_step step = kvsp_auth_next(&c->auth);
+		int rc = 0;
+		switch (step) {
+		case KVSP_AUTH_SEND_HELLO:
+		case KVSP_AUTH_SEND_PROOF:
+			rc = step == KVSP_AUTH_SEND_HELLO ? kvsp_auth_hello(&c->auth, c->hs_out)
+							  : kvsp_auth_proof(&c->auth, c->hs_out);
+			c->hs_out_len = step == KVSP_AUTH_SEND_HELLO ? KVS_WIRE_HELLO_SIZE
+								     : KVS_WIRE_PROOF_SIZE;
+			c->hs_out_off = 0;
+			break;
+		case KVSP_AUTH_RECV_HELLO:
+		case KVSP_AUTH_RECV_PROOF: {
+			uint32_t need = step == KVSP_AUTH_RECV_HELLO ? KVS_WIRE_HELLO_SIZE
+								     : KVS_WIRE_PROOF_SIZE;
+			/* Exactly this message: what follows it is the first frame's. */
+			ssize_t n = recv(c->fd, c->hs_in + c->hs_have, need - c->hs_have, MSG_DONTWAIT);
+			if (n == 0)
+				return -ECONNRESET;
+			if (n < 0)
+				return errno == EAGAIN ? 0 : -errno;
+			c->last_rx_ns = now;
+			c->hs_have += (uint32_t)n;
+			if (c->hs_have < need)
+				return 0;
+			c->hs_have = 0;
+			rc = step == KVSP_AUTH_RECV_HELLO ? kvsp_auth_on_hello(&c->auth, c->hs_in)
+							  : kvsp_auth_on_proof(&c->auth, c->hs_in);
+			break;
+		}
+		case KVSP_AUTH_DONE: {
+			struct kvsp_frame_keys k;
+			if (kvsp_auth_keys(&c->auth, &k) < 0)
+				return -EPROTO;
+			kvsp_frame_tx_init(&c->ftx, k.tx);
+			kvsp_frame_rx_init(&c->frx, k.rx, t->max_payload);
+			memset(&k, 0, sizeof(k));
+			return 1;
+		}
+		default:
+			return c->auth.err ? c->auth.err : -EPROTO;
+		}
+		if (rc < 0)
+			return rc;
+	}
+}
+
+/* --------------------------------------------------------------- write */
+
+bool pconn_tx_busy(const struct pconn *c)
+{
+	return c->tx_off < c->tx_len || c->tx_poff < c->tx_plen;
+}
+
+bool pconn_tx_ready(const struct pconn *c)
+{
+	return c->state == PCONN_UP && !c->wblocked &&
+	       (c->tx_off < c->tx_len || (c->tx_poff < c->tx_plen && !c->tx_held));
+}
+
+int pconn_put(struct pconn *c, uint16_t type, const void *body, const void *payload, uint32_t plen,
+	      struct kvsp_xfer *x)
+{
+	int n = kvsp_frame_seal(&c->ftx, type, body, plen, c->txbuf);
+	if (n < 0)
+		return n;
+	c->tx_len = (uint32_t)n;
+	c->tx_off = 0;
+	c->tx_type = type;
+	c->tx_payload = payload;
+	c->tx_plen = plen;
+	c->tx_poff = 0;
+	c->tx_x = x;
+	return 0;
+}
+
+int pconn_write(struct pconn_table *t, struct pconn *c, uint16_t *type, struct kvsp_xfer **x,
+		uint64_t now)
+{
+	(void)now;
+	while (!c->wblocked && pconn_tx_ready(c)) {
+		struct iovec iov[2];
+		int n_iov = 0;
+		if (c->tx_off < c->tx_len)
+			iov[n_iov++] = (struct iovec){ c->txbuf + c->tx_off, c->tx_len - c->tx_off };
+		if (c->tx_poff < c->tx_plen && !c->tx_held)
+			iov[n_iov++] = (struct iovec){ (uint8_t *)c->tx_payload + c->tx_poff,
+						       c->tx_plen - c->tx_poff };
+		struct msghdr m = { .msg_iov = iov, .msg_iovlen = (size_t)n_iov };
+		ssize_t n = sendmsg(c->fd, &m, MSG_DONTWAIT | MSG_NOSIGNAL);
+		if (n < 0) {
+			if (errno != EAGAIN)
+				return -errno;
+			c->wblocked = true;
+			watch(t, c, EPOLL_CTL_MOD);
+			return 0;
+		}
+		KVS_STAT_ADD(t->st->tcp_bytes_tx, (uint64_t)n);
+		if (c->pub)
+			KVS_STAT_ADD(c->pub->bytes_tx, (uint64_t)n);
+		uint32_t h = c->tx_len - c->tx_off < (size_t)n ? c->tx_len - c->tx_off : (uint32_t)n;
+		c->tx_off += h;
+		c->tx_poff += (uint32_t)n - h;
+	}
+	if (pconn_tx_busy(c))
+		return 0;
+	/* Every byte left: the socket has its copy. */
+	*type = c->tx_type;
+	*x = c->tx_x;
+	c->tx_len = c->tx_off = c->tx_plen = c->tx_poff = 0;
+	c->tx_x = NULL;
+	return 1;
+}
+
+/* ---------------------------------------------------------------- read */
+
+void pconn_payload_into(struct pconn *c, struct kvsp_xfer *x, void *dst, uint32_t plen,
+			bool has_crc, uint32_t crc)
+{
+	c->rx_x = x;
+	c->rx_dst = dst;
+	c->rx_len = plen;
+	c->rx_off = 0;
+	c->rx_crc = 0;
+	c->rx_want_crc = crc;
+	c->rx_has_crc = has_crc && dst;
+	c->rx_ended = false;
+}
+
+struct kvsp_xfer *pconn_payload_to_sink(struct pconn *c)
+{
+	struct kvsp_xfer *x = c->rx_x;
+	c->rx_x = NULL;
+	c->rx_dst = NULL;
+	c->rx_has_crc = false;
+	c->rx_ended = x != NULL;
+	return x;
+}
+
+int pconn_read(struct pconn_table *t, struct pconn *c, struct kvsp_frame *f, uint64_t now)
+{
+	uint32_t owed = kvsp_frame_rx_owed(&c->frx);
+	ssize_t n;
+	int what = PCONN_NOTHING;
+	if (owed) {
+		uint8_t *dst = c->rx_dst ? c->rx_dst + c->rx_off : t->sink;
+		size_t want = owed;
+		if (!c->rx_dst && want > PCONN_SINK_SIZE)
+			want = PCONN_SINK_SIZE;
+		n = recv(c->fd, dst, want, MSG_DONTWAIT);
+		if (n > 0) {
+			if (c->rx_has_crc)
+				c->rx_crc = kvsp_crc32c(dst, (size_t)n, c->rx_crc);
+			c->rx_off += (uint32_t)n;
+			kvsp_frame_rx_payload(&c->frx, (size_t)n);
+			what = kvsp_frame_rx_owed(&c->frx) ? PCONN_DATA : PCONN_PAYLOAD_END;
+		}
+	} else {
+		void *at;
+		size_t want = kvsp_frame_rx_want(&c->frx, &at);
+		n = recv(c->fd, at, want, MSG_DONTWAIT);
+		if (n > 0) {
+			int rc = kvsp_frame_rx_wrote(&c->frx, (size_t)n, f);
+			if (rc < 0) {
+				KVS_STAT_ADD(t->st->peer_frames_refused, 1);
+				return rc;
+			}
+			what = rc == 1 ? PCONN_FRAME : PCONN_DATA;
+			if (rc == 1 && f->plen) { /* to the sink unless its owner says where */
+				pconn_payload_into(c, NULL, NULL, f->plen, false, 0);
+				c->rx_type = f->type;
+			}
+		}
+	}
+	if (n == 0)
+		return -ECONNRESET;
+	if (n < 0)
+		return errno == EAGAIN ? PCONN_NOTHING : -errno;
+	c->last_rx_ns = now;
+	KVS_STAT_ADD(t->st->tcp_bytes_rx, (uint64_t)n);
+	if (c->pub)
+		KVS_STAT_ADD(c->pub->bytes_rx, (uint64_t)n);
+	if (what == PCONN_PAYLOAD_END)
+		c->rx_len = 0; /* no payload in progress: no payload deadline */
+	return what;
+}

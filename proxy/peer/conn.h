@@ -1,0 +1,176 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * One connection between proxies: a TCP socket, the handshake over it,
+ * then frames, some with a payload after them. It knows no session, room
+ * or data path: what a frame means is its owner's (peer/plane.c), and
+ * where a payload goes is the data path's (datapath/stream.c).
+ *
+ *   FREE --dial--> CONNECTING --connected--> HANDSHAKE --proved--> UP
+ *   FREE --accept-------------------------> HANDSHAKE --proved--> JOINING --JOIN--> UP
+ *   any state --close--> FREE
+ *
+ * Deadlines (pconn_overdue): every state before UP ends by born + the
+ * handshake time; an UP connection lives as long as its session, except
+ * that a payload which stops arriving is overdue past the peer timeout.
+ *
+ * Admission (pconn_admit): accepted connections that have not joined a
+ * session yet are at most PCONN_PER_SOURCE from one address and
+ * PCONN_HANDSHAKES in all. A newcomer past either takes the place of the
+ * longest-silent one, never the other way round, so silent connections
+ * cannot keep a real proxy out.
+ *
+ * Writes go straight from slot memory into the socket (frame and payload
+ * in one sendmsg); reads go straight from the socket into the slot a
+ * payload is posted for, or into the sink. Non-blocking throughout.
+ */
+#ifndef KVSP_CONN_H
+#define KVSP_CONN_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "peer/endpoint.h"
+#include "peer/frame.h"
+#include "peer/peer_auth.h"
+
+struct kvsp_xfer;
+struct kvs_peer;
+struct kvs_stats;
+
+#define PCONN_HANDSHAKES 64 /* accepted connections not joined yet, in all */
+#define PCONN_PER_SOURCE 8  /* ... and from one address */
+#define PCONN_SINK_SIZE (64 * 1024)
+#define PCONN_NONE UINT32_MAX
+
+enum pconn_state {
+	PCONN_FREE = 0,
+	PCONN_CONNECTING, /* dialer: connect() in progress */
+	PCONN_HANDSHAKE,  /* proving the secret, both ways */
+	PCONN_JOINING,    /* accepted and proved: its first frame must be JOIN */
+	PCONN_UP,         /* in a session: frames */
+};
+
+/* What pconn_read found. */
+enum { PCONN_NOTHING = 0, PCONN_FRAME, PCONN_DATA, PCONN_PAYLOAD_END };
+
+struct pconn {
+	int fd;
+	uint8_t state;
+	bool dialer;
+	bool wblocked;  /* the socket is full: wait for EPOLLOUT */
+	bool tx_held;   /* the payload waits (test barrier, datapath/stream.c) */
+	bool rx_paused; /* joined a session that is not up: its frames wait in the socket */
+	uint16_t idx;
+	uint32_t id;    /* a generation: the epoll tag is id << 32 | idx */
+	uint32_t sess;  /* its session's id once JOINed; 0: none */
+	unsigned stream;
+	struct kvsp_endpoint from; /* accepted: the peer's address; dialed: whom we dial */
+	uint64_t born_ns, last_rx_ns;
+	struct kvs_peer *pub; /* its session's row in the peer table, once joined */
+	/* handshake */
+	struct kvsp_auth auth;
+	uint8_t hs_in[128], hs_out[128];
+	uint32_t hs_have, hs_out_len, hs_out_off;
+	/* frames */
+	struct kvsp_frame_tx ftx;
+	struct kvsp_frame_rx frx;
+	/* what is being written: a frame, and a payload after it */
+	uint8_t txbuf[KVS_WIRE_FRAME_MAX];
+	uint32_t tx_len, tx_off;
+	uint16_t tx_type;
+	const uint8_t *tx_payload;
+	uint32_t tx_plen, tx_poff;
+	struct kvsp_xfer *tx_x;
+	/* what is being read: a payload, into a slot or the sink */
+	uint16_t rx_type; /* the frame that announced it */
+	struct kvsp_xfer *rx_x;
+	uint8_t *rx_dst; /* NULL: the sink */
+	uint32_t rx_len, rx_off, rx_crc, rx_want_crc;
+	bool rx_has_crc;
+	bool rx_ended; /* its owner ended its transfer already (pconn_payload_to_sink) */
+	/* chunks queued to go on this connection (datapath/stream.c's list) */
+	uint32_t q_head, q_tail, qn;
+};
+
+#define PCONN_MAX (64 * 16 + PCONN_HANDSHAKES) /* every session's streams, and handshakes */
+
+struct pconn_table {
+	struct pconn conn[PCONN_MAX];
+	unsigned hi; /* conn[hi..] are FREE: loops stop here; 0: none */
+	uint32_t gen;
+	int epfd;    /* the peer plane's epoll: tags are id << 32 | idx */
+	uint8_t *sink;
+	uint32_t max_payload;
+	uint64_t instance; /* ours, in every handshake */
+	const struct kvsp_secret *secret;
+	struct kvs_stats *st;
+};
+
+/* Sets t up (epfd is the plane's). Returns 0, or -ENOMEM. */
+int pconn_table_init(struct pconn_table *t, int epfd, uint32_t max_payload, uint64_t instance,
+		     const struct kvsp_secret *secret, struct kvs_stats *st);
+/* Closes every connection and frees t's memory. */
+void pconn_table_fini(struct pconn_table *t);
+
+/* Takes a place for a connection accepted from `from`, making one if
+ * admission is full by closing the longest-silent of the unjoined ones (of
+ * that address when it holds its share). Returns the closed one's index
+ * (counted by the caller), or PCONN_NONE if there was a free place. */
+uint32_t pconn_admit(struct pconn_table *t, const struct kvsp_endpoint *from);
+/* A connection on fd (non-blocking, ours from now): dialing (connect in
+ * progress) or accepted from `from`. Returns it, or NULL (fd closed, the table full). */
+struct pconn *pconn_new(struct pconn_table *t, int fd, bool dialer, const struct kvsp_endpoint *from,
+			uint64_t now);
+/* Closes c's socket and frees its place; what it held is its owner's to release. */
+void pconn_close(struct pconn_table *t, struct pconn *c);
+/* The live connection an epoll tag names, or NULL. */
+struct pconn *pconn_of_tag(struct pconn_table *t, uint64_t tag);
+
+/* Moves the handshake on (CONNECTING, HANDSHAKE). Returns 1 once the
+ * secret is proven both ways (keys in place; its owner says what it is
+ * now), 0 while it waits, or -errno. */
+int pconn_handshake(struct pconn_table *t, struct pconn *c, uint64_t now);
+/* c proved itself: JOINING (accepted) or UP (dialer, as stream of session sess). */
+void pconn_authed(struct pconn *c, uint32_t sess, unsigned stream);
+/* c joined session sess as its stream (JOINING -> UP). */
+void pconn_joined(struct pconn *c, uint32_t sess, unsigned stream, struct kvs_peer *pub);
+/* While paused, nothing is read from c (its frames wait in the socket,
+ * and the loop is not woken for them). */
+void pconn_rx_pause(struct pconn_table *t, struct pconn *c, bool paused);
+/* The socket is ready for events (EPOLLOUT ends a full socket's wait). */
+void pconn_ready(struct pconn_table *t, struct pconn *c, uint32_t events);
+/* Returns the time c is overdue from (compare with now), or UINT64_MAX if it has no deadline. */
+uint64_t pconn_deadline(const struct pconn *c, uint64_t hs_ns, uint64_t timeout_ns);
+
+/* Reads once from c (a frame's bytes or a payload's). Returns PCONN_FRAME
+ * with a verified frame in *f, PCONN_DATA (payload bytes taken, more to
+ * come), PCONN_PAYLOAD_END (the payload is all in: rx_x, rx_dst and the
+ * CRC say what came), PCONN_NOTHING (the socket has nothing now), or
+ * -errno (the connection is lost; a refused frame is counted). */
+int pconn_read(struct pconn_table *t, struct pconn *c, struct kvsp_frame *f, uint64_t now);
+/* After a frame announcing plen payload bytes: they go to dst (a posted
+ * slot, for transfer x) or, dst NULL, to the sink. crc: the frame's CRC32C
+ * of them, checked at the end, when has_crc. */
+void pconn_payload_into(struct pconn *c, struct kvsp_xfer *x, void *dst, uint32_t plen,
+			bool has_crc, uint32_t crc);
+/* What is left of the payload being read goes to the sink: no byte more
+ * lands where it was going, and its transfer is the caller's to end now
+ * (rx_ended says so at the payload's end). Returns it (NULL: none). */
+struct kvsp_xfer *pconn_payload_to_sink(struct pconn *c);
+
+/* True while a frame (or its payload) is still to be written. */
+bool pconn_tx_busy(const struct pconn *c);
+/* True if c can write something now. */
+bool pconn_tx_ready(const struct pconn *c);
+/* Seals a frame of type with body into c's write buffer (empty: !pconn_tx_busy),
+ * with plen payload bytes from payload after it (transfer x). Returns 0, or -errno. */
+int pconn_put(struct pconn *c, uint16_t type, const void *body, const void *payload, uint32_t plen,
+	      struct kvsp_xfer *x);
+/* Writes what c holds until the socket is full. Returns 1 once the frame
+ * and its payload are all out (*x: the payload's transfer, else NULL; the
+ * buffer is empty again), 0 while it waits (the socket is full, or the
+ * payload is held), or -errno (the connection is lost). */
+int pconn_write(struct pconn_table *t, struct pconn *c, uint16_t *type, struct kvsp_xfer **x,
+		uint64_t now);
+
+#endif

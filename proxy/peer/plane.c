@@ -1,0 +1,647 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * The peer plane: rooms whose halves are on two proxies, as one transport
+ * of the core (core/xport.h). The sending proxy dials the endpoint a
+ * descriptor names (on demand, then reused), proves the secret, joins
+ * --tcp-streams connections into one session (peer/session.c), says OPEN
+ * for the room and, once the receiver acknowledged it (peer/room.c), gives
+ * each chunk to a data path (datapath/). Aborts and ends travel both ways
+ * with the room's token; a lost session releases exactly the pins it held.
+ *
+ * This file is the ops table the core calls, the loop's poll (accepts,
+ * reads, the frames' owners, writes), the timer, and the plane's
+ * lifetime. What is owed on a connection is decided in one place
+ * (next_frame): writing it and saying whether there is anything to write
+ * are the same call, so nothing owed can wait for the next PING.
+ */
+#include <endian.h>
+#include <errno.h>
+#include <netinet/in.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/epoll.h>
+#include <sys/socket.h>
+#include <sys/timerfd.h>
+#include <unistd.h>
+
+#include "core/xport.h"
+#include "daemon/log.h"
+#include "datapath/datapath.h"
+#include "layout.h"
+#include "peer/conn.h"
+#include "peer/peer.h"
+#include "peer/room.h"
+#include "peer/session.h"
+
+#define TAG_LISTEN UINT64_MAX
+#define TAG_TIMER (UINT64_MAX - 1)
+#define BURST 64
+#define MAX_DPS 4
+
+struct peer {
+	struct kvsp_transport t;
+	struct kvsp *p;
+	struct kvs_stats *st;
+	uint64_t timeout_ns, hs_ns;
+	int epfd, listen_fd, timer_fd;
+	bool woken; /* our epoll fd woke the loop (the listener, the timer, a socket) */
+	struct kvsp_endpoint listen, advertise;
+	char endpoint[64]; /* "tcp:" advertise; "" when we do not listen */
+	struct pconn_table conns;
+	struct psess_table sessions;
+	struct proom_table rooms;
+	struct kvsp_dp *dps[MAX_DPS];
+	unsigned ndps;
+	struct kvsp_dp *by_type[KVS_WIRE_NTYPES]; /* who reads each data path's frame types */
+	struct kvsp_rl rl_conn, rl_sess;
+};
+
+static struct peer *peer_of(struct kvsp_transport *t)
+{
+	return (struct peer *)t;
+}
+
+static uint64_t now_of(const struct peer *pr)
+{
+	return kvsp_xport_now(pr->p);
+}
+
+/* ---------------------------------------------------- what is owed where */
+
+/* The next frame c owes, in the order the peer must hear them: on stream
+ * 0 the session's own (PONG, PING, BYE), then the rooms' (refusals, OPEN,
+ * OPEN_ACK, ABORT, DONE, ENDED); then each data path's (its control on
+ * stream 0, its chunks). out NULL: only whether there is one. */
+static bool next_frame(struct peer *pr, struct psess *s, struct pconn *c, struct kvsp_dp_frame *out)
+{
+	uint64_t now = now_of(pr);
+	if (c->stream == 0) {
+		union kvs_wire_body *body = out ? &out->body : NULL;
+		uint16_t type;
+		if (psess_next_frame(s, now, &type, body) ||
+		    proom_next_frame(&pr->rooms, s, now, &type, body)) {
+			if (out) {
+				out->type = type;
+				out->payload = NULL;
+				out->plen = 0;
+				out->x = NULL;
+			}
+			return true;
+		}
+	}
+	for (unsigned k = 0; k < pr->ndps; k++)
+		if (pr->dps[k]->ops->next_frame(pr->dps[k], s, c, out))
+			return true;
+	return false;
+}
+
+/* True if c has something to write now. */
+static bool wants_tx(struct peer *pr, struct pconn *c)
+{
+	if (c->state != PCONN_UP || c->wblocked)
+		return false;
+	if (pconn_tx_busy(c))
+		return pconn_tx_ready(c);
+	struct psess *s = psess_up(&pr->sessions, c->sess);
+	return s && next_frame(pr, s, c, NULL);
+}
+
+/* ------------------------------------------------------------- failures */
+
+static void conn_fail(struct peer *pr, struct pconn *c, int status)
+{
+	if (c->state == PCONN_FREE)
+		return;
+	struct psess *s = psess_get(&pr->sessions, c->sess);
+	if (s) {
+		psess_lost(&pr->sessions, s, status);
+		return;
+	}
+	if (!c->dialer) {
+		/* Not joined: nothing of ours rides on it, and who it is is not
+		 * proven. Its lines are a peer's to cause: rate-limited. */
+		KVS_STAT_ADD(pr->st->peer_auth_failed, 1);
+		if (status == -ETIMEDOUT)
+			KVS_STAT_ADD(pr->st->peer_timeouts, 1);
+		kvsp_log_rl(&pr->rl_conn, now_of(pr), &pr->st->log_suppressed, KVSP_LOG_INFO,
+			    "peer connection from %s refused before joining: %s", c->from.text,
+			    strerror(-status));
+	}
+	pconn_close(&pr->conns, c);
+}
+
+/* ------------------------------------------------------------- writing */
+
+static void on_sent(struct peer *pr, struct psess *s, uint16_t type, struct kvsp_xfer *x)
+{
+	s->last_tx_ns = now_of(pr);
+	if (type == KVS_WIRE_PING)
+		KVS_STAT_ADD(pr->st->peer_pings, 1);
+	if (x && type < KVS_WIRE_NTYPES && pr->by_type[type] && pr->by_type[type]->ops->sent)
+		pr->by_type[type]->ops->sent(pr->by_type[type], s, x);
+	if (type == KVS_WIRE_BYE && s->closing)
+		psess_bye_sent(&pr->sessions, s);
+}
+
+/* Writes what c owes until its socket is full. Returns KVSP_BUSY or KVSP_IDLE. */
+static int conn_tx(struct peer *pr, struct pconn *c)
+{
+	int busy = KVSP_IDLE;
+	uint32_t id = c->id;
+	for (int k = 0; k < BURST && c->state == PCONN_UP && c->id == id; k++) {
+		/* A dialer's JOIN is written before its session is up. */
+		struct psess *s = psess_get(&pr->sessions, c->sess);
+		if (!s)
+			break;
+		if (!pconn_tx_busy(c)) {
+			struct kvsp_dp_frame f;
+			if (s->state != PSESS_UP || !next_frame(pr, s, c, &f))
+				break;
+			int rc = pconn_put(c, f.type, &f.body, f.payload, f.plen, f.x);
+			if (rc < 0) {
+				conn_fail(pr, c, rc);
+				break;
+			}
+		}
+		uint16_t type;
+		struct kvsp_xfer *x;
+		int rc = pconn_write(&pr->conns, c, &type, &x, now_of(pr));
+		if (rc < 0) {
+			conn_fail(pr, c, rc);
+			break;
+		}
+		if (rc == 0)
+			break; /* the socket is full, or a payload is held */
+		busy = KVSP_BUSY;
+		on_sent(pr, s, type, x);
+	}
+	return busy;
+}
+
+/* ------------------------------------------------------------- reading */
+
+/* A verified frame on c: whose it is. Returns 0, or -errno (c's session is lost). */
+static int dispatch(struct peer *pr, struct pconn *c, const struct kvsp_frame *f)
+{
+	if (c->state == PCONN_JOINING)
+		return psess_join(&pr->sessions, c, f, now_of(pr));
+	struct psess *s = psess_up(&pr->sessions, c->sess);
+	if (!s)
+		return -EPROTO; /* frames for a session that is not up are refused */
+	switch (f->type) {
+	case KVS_WIRE_PING:
+	case KVS_WIRE_PONG:
+	case KVS_WIRE_BYE:
+		return psess_on_frame(&pr->sessions, s, f);
+	case KVS_WIRE_OPEN:
+	case KVS_WIRE_OPEN_ACK:
+	case KVS_WIRE_ABORT:
+	case KVS_WIRE_ENDED:
+	case KVS_WIRE_DONE:
+		if (c->stream != 0)
+			return -EPROTO; /* control goes on stream 0 only: that is its order */
+		return proom_on_frame(&pr->rooms, s, f);
+	}
+	struct kvsp_dp *dp = f->type < KVS_WIRE_NTYPES ? pr->by_type[f->type] : NULL;
+	if (!dp)
+		return -EPROTO; /* JOIN again, or a frame nobody here speaks */
+	return dp->ops->on_frame(dp, s, c, f);
+}
+
+/* Reads what c's socket has, a bounded amount. */
+static int conn_rx(struct peer *pr, struct pconn *c)
+{
+	int busy = KVSP_IDLE;
+	uint32_t id = c->id;
+	for (int k = 0; k < BURST; k++) {
+		if (c->id != id || c->state < PCONN_JOINING || c->rx_paused)
+			break; /* closed, or its session is not up yet */
+		struct kvsp_frame f;
+		int rc = pconn_read(&pr->conns, c, &f, now_of(pr));
+		if (rc == PCONN_NOTHING)
+			break;
+		if (rc == PCONN_FRAME)
+			rc = dispatch(pr, c, &f);
+		else if (rc == PCONN_PAYLOAD_END && c->rx_type < KVS_WIRE_NTYPES &&
+			 pr->by_type[c->rx_type] && pr->by_type[c->rx_type]->ops->payload_end) {
+			struct psess *s = psess_up(&pr->sessions, c->sess);
+			if (s)
+				pr->by_type[c->rx_type]->ops->payload_end(pr->by_type[c->rx_type], s, c);
+		}
+		if (rc < 0) {
+			conn_fail(pr, c, rc);
+			break;
+		}
+		busy = KVSP_BUSY;
+	}
+	return busy;
+}
+
+static void on_conn_event(struct peer *pr, struct pconn *c, uint32_t events)
+{
+	pconn_ready(&pr->conns, c, events);
+	if (c->rx_paused && events & (EPOLLERR | EPOLLHUP)) {
+		conn_fail(pr, c, -ECONNRESET); /* hung up while its session was joining */
+		return;
+	}
+	if (c->state == PCONN_CONNECTING || c->state == PCONN_HANDSHAKE) {
+		int rc = pconn_handshake(&pr->conns, c, now_of(pr));
+		if (rc == 1)
+			rc = psess_authed(&pr->sessions, c, now_of(pr));
+		if (rc < 0)
+			conn_fail(pr, c, rc);
+		if (rc != 0 || c->state != PCONN_JOINING)
+			return;
+	}
+	conn_rx(pr, c);
+}
+
+/* ----------------------------------------------------- accept and timer */
+
+static void on_accept(struct peer *pr)
+{
+	for (;;) {
+		struct sockaddr_storage sa;
+		socklen_t sl = sizeof(sa);
+		int fd = accept4(pr->listen_fd, (struct sockaddr *)&sa, &sl, SOCK_NONBLOCK | SOCK_CLOEXEC);
+		if (fd < 0)
+			return;
+		struct kvsp_endpoint from;
+		if (kvsp_endpoint_of(&from, (struct sockaddr *)&sa, sl) < 0) {
+			close(fd);
+			continue;
+		}
+		/* Unproven connections get a bounded share: the newcomer takes
+		 * the place of the longest-silent one, never the other way. */
+		if (pconn_admit(&pr->conns, &from) != PCONN_NONE) {
+			KVS_STAT_ADD(pr->st->peer_evicted, 1);
+			kvsp_log_rl(&pr->rl_conn, now_of(pr), &pr->st->log_suppressed, KVSP_LOG_WARN,
+				    "peer handshakes full: the longest silent one made way for %s",
+				    from.text);
+		}
+		if (!pconn_new(&pr->conns, fd, false, &from, now_of(pr))) {
+			KVS_STAT_ADD(pr->st->peer_refused, 1);
+			kvsp_log_rl(&pr->rl_conn, now_of(pr), &pr->st->log_suppressed, KVSP_LOG_WARN,
+				    "peer connection from %s refused: no place for it", from.text);
+		}
+	}
+}
+
+/* Every eighth of --peer-timeout: every deadline of a connection, a
+ * session or an answer a room waits for. */
+static void on_timer(struct peer *pr)
+{
+	uint64_t expirations, now = now_of(pr);
+	if (read(pr->timer_fd, &expirations, sizeof(expirations)) < 0)
+		return;
+	for (unsigned i = 0; i < pr->conns.hi; i++) {
+		struct pconn *c = &pr->conns.conn[i];
+		if (now > pconn_deadline(c, pr->hs_ns, pr->timeout_ns))
+			conn_fail(pr, c, -ETIMEDOUT);
+	}
+	psess_tick(&pr->sessions, now);
+	uint32_t id;
+	while ((id = proom_overdue(&pr->rooms, now, pr->timeout_ns))) {
+		struct psess *s = psess_get(&pr->sessions, id);
+		if (!s)
+			continue;
+		kvsp_log_rl(&pr->rl_sess, now, &pr->st->log_suppressed, KVSP_LOG_WARN,
+			    "peer %s: a room's answer is overdue (%llu ms)", s->ep.text,
+			    (unsigned long long)(pr->timeout_ns / 1000000));
+		psess_lost(&pr->sessions, s, -ETIMEDOUT);
+	}
+	kvsp_rl_flush(&pr->rl_conn, now, KVSP_LOG_WARN, "peer connection lines", 0);
+	kvsp_rl_flush(&pr->rl_sess, now, KVSP_LOG_INFO, "peer session lines", 0);
+}
+
+/* ------------------------------------------------------------- the ops */
+
+static int peer_submit(struct kvsp_transport *t, struct kvsp_xfer *x)
+{
+	return proom_submit(&peer_of(t)->rooms, x);
+}
+
+static void peer_cancel(struct kvsp_transport *t, uint32_t room, uint32_t gen, int status)
+{
+	struct peer *pr = peer_of(t);
+	(void)status;
+	proom_cancel(&pr->rooms, room, gen);
+	for (unsigned k = 0; k < pr->ndps; k++)
+		pr->dps[k]->ops->cancel(pr->dps[k], room, gen);
+}
+
+static void peer_notify(struct kvsp_transport *t, uint32_t room, uint32_t gen, int note, int status)
+{
+	proom_notify(&peer_of(t)->rooms, room, gen, note, status);
+}
+
+static int peer_reach(struct kvsp_transport *t, const struct kvs_desc_wire *d, uint32_t cid,
+		      uint32_t *peer)
+{
+	struct peer *pr = peer_of(t);
+	if (strncmp(d->endpoint, "tcp:", 4))
+		return -EOPNOTSUPP;
+	struct kvsp_endpoint ep;
+	if (!memchr(d->endpoint, 0, sizeof(d->endpoint)) ||
+	    kvsp_endpoint_parse(d->endpoint + 4, &ep) < 0 || !kvsp_endpoint_port(&ep))
+		return -EINVAL;
+	if (pr->endpoint[0] && kvsp_endpoint_eq(&ep, &pr->advertise))
+		return -ESTALE; /* one of ours, from before a restart */
+	uint64_t instance = le64toh(d->instance);
+	struct psess *s = psess_dialed(&pr->sessions, &ep);
+	if (s && s->bye)
+		return -ESHUTDOWN;
+	if (s && (s->state == PSESS_UP || s->njoined) && s->instance != instance) {
+		/* Another proxy than the descriptor's answers there, or the
+		 * descriptor is old: a fresh session tells which. The old one
+		 * keeps what rides on it and takes nothing new. */
+		psess_retire(&pr->sessions, s);
+		s = NULL;
+	}
+	if (!s) {
+		int err = 0;
+		s = psess_dial(&pr->sessions, &ep, cid, now_of(pr), &err);
+		if (!s)
+			return err;
+	}
+	*peer = s->id;
+	return 0;
+}
+
+static int peer_attach(struct kvsp_transport *t, uint32_t peer, uint32_t room, uint32_t gen,
+		       const struct kvs_desc_wire *d)
+{
+	return proom_attach(&peer_of(t)->rooms, peer, room, gen, d);
+}
+
+static int peer_poll(struct kvsp_transport *t)
+{
+	struct peer *pr = peer_of(t);
+	int busy = KVSP_IDLE;
+	for (unsigned k = 0; k < pr->ndps; k++)
+		busy |= pr->dps[k]->ops->poll(pr->dps[k]); /* before: a lost session's READs flush */
+	busy |= psess_reap(&pr->sessions, now_of(pr));
+	/* With no connection, only the listener and the timer can have news,
+	 * and the loop hears of those through our fd (peer_on_fd): a proxy
+	 * with no peers pays no syscall a pass. */
+	if (!pr->conns.hi && !pr->woken)
+		return busy;
+	pr->woken = false;
+	struct epoll_event ev[64];
+	int n = epoll_wait(pr->epfd, ev, 64, 0);
+	for (int k = 0; k < n; k++) {
+		uint64_t tag = ev[k].data.u64;
+		busy = KVSP_BUSY;
+		if (tag == TAG_LISTEN) {
+			on_accept(pr);
+		} else if (tag == TAG_TIMER) {
+			on_timer(pr);
+		} else {
+			struct pconn *c = pconn_of_tag(&pr->conns, tag);
+			if (c)
+				on_conn_event(pr, c, ev[k].events);
+		}
+	}
+	for (unsigned i = 0; i < pr->conns.hi; i++) {
+		struct pconn *c = &pr->conns.conn[i];
+		if (wants_tx(pr, c))
+			busy |= conn_tx(pr, c);
+	}
+	return busy;
+}
+
+static bool peer_pending(struct kvsp_transport *t)
+{
+	struct peer *pr = peer_of(t);
+	if (pr->woken)
+		return true;
+	for (unsigned k = 0; k < pr->ndps; k++)
+		if (pr->dps[k]->ops->pending(pr->dps[k]))
+			return true;
+	for (unsigned i = 0; i < pr->conns.hi; i++)
+		if (wants_tx(pr, &pr->conns.conn[i]))
+			return true;
+	return false;
+}
+
+static void peer_drain(struct kvsp_transport *t)
+{
+	psess_drain(&peer_of(t)->sessions);
+}
+
+static void peer_on_fd(struct kvsp_transport *t, uint32_t tag, uint32_t events)
+{
+	/* Our epoll fd woke the loop; peer_poll reads it. */
+	peer_of(t)->woken = true;
+	(void)tag;
+	(void)events;
+}
+
+static int peer_loop_fd(struct kvsp_transport *t)
+{
+	return peer_of(t)->epfd;
+}
+
+static const char *peer_endpoint(const struct kvsp_transport *t)
+{
+	return ((const struct peer *)t)->endpoint;
+}
+
+static void peer_destroy(struct kvsp_transport *t)
+{
+	struct peer *pr = peer_of(t);
+	psess_fini(&pr->sessions);
+	pconn_table_fini(&pr->conns);
+	for (unsigned k = 0; k < pr->ndps; k++)
+		pr->dps[k]->ops->destroy(pr->dps[k]);
+	proom_fini(&pr->rooms);
+	if (pr->listen_fd >= 0)
+		close(pr->listen_fd);
+	if (pr->timer_fd >= 0)
+		close(pr->timer_fd);
+	if (pr->epfd >= 0) {
+		kvsp_xport_fd_del(pr->p, pr->epfd);
+		close(pr->epfd);
+	}
+	free(pr);
+}
+
+static const struct kvsp_transport_ops peer_ops = {
+	.name = "tcp",
+	.submit = peer_submit,
+	.cancel = peer_cancel,
+	.notify = peer_notify,
+	.reach = peer_reach,
+	.attach = peer_attach,
+	.poll = peer_poll,
+	.pending = peer_pending,
+	.loop_fd = peer_loop_fd,
+	.on_fd = peer_on_fd,
+	.drain = peer_drain,
+	.endpoint = peer_endpoint,
+	.destroy = peer_destroy,
+};
+
+/* ------------------------------------------------------------- creation */
+
+static int open_listener(struct peer *pr, bool advertised, char *why, size_t len)
+{
+	const struct kvsp_endpoint *l = &pr->listen;
+	int fd = socket(l->sa.ss_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+	int one = 1;
+	if (fd < 0) {
+		snprintf(why, len, "--listen %s: socket: %s", l->text, strerror(errno));
+		return -errno;
+	}
+	setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+	if (bind(fd, (const struct sockaddr *)&l->sa, l->len) < 0 || listen(fd, 128) < 0) {
+		int e = errno;
+		snprintf(why, len, "--listen %s: %s", l->text, strerror(e));
+		close(fd);
+		return -e;
+	}
+	pr->listen_fd = fd;
+	/* Port 0: the kernel chose; peers must hear the one it chose. */
+	struct sockaddr_storage sa;
+	socklen_t sl = sizeof(sa);
+	struct kvsp_endpoint bound;
+	getsockname(fd, (struct sockaddr *)&sa, &sl);
+	kvsp_endpoint_of(&bound, (struct sockaddr *)&sa, sl);
+	if (!advertised) {
+		static const struct in6_addr any6 = IN6ADDR_ANY_INIT;
+		bool any = l->sa.ss_family == AF_INET6
+				   ? !memcmp(&((const struct sockaddr_in6 *)&l->sa)->sin6_addr, &any6,
+					     sizeof(any6))
+				   : ((const struct sockaddr_in *)&l->sa)->sin_addr.s_addr == 0;
+		if (any) {
+			snprintf(why, len, "--listen %s is every address: say which one peers dial "
+				 "with --advertise HOST:PORT", l->text);
+			return -EINVAL;
+		}
+		pr->advertise = bound;
+	} else if (!kvsp_endpoint_port(&pr->advertise)) {
+		/* --advertise HOST:0: the host given, the port chosen */
+		char host[64];
+		snprintf(host, sizeof(host), "%s", pr->advertise.text);
+		*strrchr(host, ':') = 0;
+		char text[80];
+		snprintf(text, sizeof(text), "%s:%u", host, kvsp_endpoint_port(&bound));
+		kvsp_endpoint_parse(text, &pr->advertise);
+	}
+	snprintf(pr->endpoint, sizeof(pr->endpoint), "tcp:%.59s", pr->advertise.text);
+	struct epoll_event ev = { .events = EPOLLIN, .data.u64 = TAG_LISTEN };
+	return epoll_ctl(pr->epfd, EPOLL_CTL_ADD, fd, &ev) < 0 ? -errno : 0;
+}
+
+static int open_datapaths(struct peer *pr, const struct kvsp_peer_opts *o, char *why, size_t len)
+{
+	struct kvsp_dp base = { .p = pr->p, .t = &pr->t, .sessions = &pr->sessions,
+				.conns = &pr->conns, .st = pr->st, .dps = pr->dps, .ndps = &pr->ndps };
+	for (unsigned k = 0; kvsp_datapaths[k] && pr->ndps < MAX_DPS; k++) {
+		base.ops = kvsp_datapaths[k];
+		int err = 0;
+		struct kvsp_dp *dp = base.ops->create(&base, o, why, len, &err);
+		if (!dp) {
+			if (err < 0)
+				return err;
+			continue; /* not on this proxy */
+		}
+		pr->dps[pr->ndps++] = dp;
+		for (const uint16_t *ty = dp->ops->types; *ty; ty++)
+			if (*ty < KVS_WIRE_NTYPES)
+				pr->by_type[*ty] = dp;
+	}
+	return 0;
+}
+
+static int start(struct peer *pr, const struct kvsp_peer_opts *o, char *why, size_t len)
+{
+	if (!pr->rooms.r) {
+		snprintf(why, len, "peer plane: out of memory");
+		return -ENOMEM;
+	}
+	if (pr->epfd < 0 || pr->timer_fd < 0 || pconn_table_init(&pr->conns, pr->epfd,
+			(uint32_t)kvsp_slot_size(pr->p), kvsp_instance(pr->p), o->secret, pr->st) < 0) {
+		snprintf(why, len, "peer plane: %s", strerror(errno ? errno : ENOMEM));
+		return -ENOMEM;
+	}
+	if (o->advertise && kvsp_endpoint_parse(o->advertise, &pr->advertise) < 0) {
+		snprintf(why, len, "--advertise '%s': want IPV4:PORT or [IPV6]:PORT", o->advertise);
+		return -EINVAL;
+	}
+	if (o->listen) {
+		if (kvsp_endpoint_parse(o->listen, &pr->listen) < 0) {
+			snprintf(why, len, "--listen '%s': want IPV4:PORT or [IPV6]:PORT", o->listen);
+			return -EINVAL;
+		}
+		int rc = open_listener(pr, o->advertise != NULL, why, len);
+		if (rc < 0)
+			return rc;
+	}
+	int rc = open_datapaths(pr, o, why, len);
+	if (rc < 0)
+		return rc;
+	uint64_t q = pr->timeout_ns / 8;
+	struct itimerspec its = { .it_interval = { (time_t)(q / 1000000000), (long)(q % 1000000000) } };
+	its.it_value = its.it_interval;
+	struct epoll_event ev = { .events = EPOLLIN, .data.u64 = TAG_TIMER };
+	if (timerfd_settime(pr->timer_fd, 0, &its, NULL) < 0 ||
+	    epoll_ctl(pr->epfd, EPOLL_CTL_ADD, pr->timer_fd, &ev) < 0) {
+		snprintf(why, len, "peer plane: %s", strerror(errno));
+		return -errno;
+	}
+	return 0;
+}
+
+static struct kvsp_transport *peer_create(struct kvsp *p, const void *opts, char *why, size_t len)
+{
+	const struct kvsp_peer_opts *o = opts;
+	struct peer *pr = calloc(1, sizeof(*pr));
+	if (!pr) {
+		snprintf(why, len, "peer plane: out of memory");
+		return NULL;
+	}
+	pr->t.ops = &peer_ops;
+	pr->t.p = p;
+	pr->p = p;
+	pr->st = kvsp_xport_stats(p);
+	pr->timeout_ns = o->peer_timeout_ns;
+	pr->hs_ns = o->peer_timeout_ns / 4; /* a handshake is round trips: well under it */
+	pr->listen_fd = -1;
+	pr->epfd = epoll_create1(EPOLL_CLOEXEC);
+	pr->timer_fd = timerfd_create(CLOCK_MONOTONIC, TFD_NONBLOCK | TFD_CLOEXEC);
+	struct psess_table *st = &pr->sessions;
+	st->p = p;
+	st->t = &pr->t;
+	st->conns = &pr->conns;
+	st->dps = pr->dps;
+	st->ndps = &pr->ndps;
+	st->st = pr->st;
+	st->pub = kvsp_xport_peers(p);
+	st->rl_sess = &pr->rl_sess;
+	st->streams = o->streams ? o->streams : 2;
+	st->timeout_ns = pr->timeout_ns;
+	st->hs_ns = pr->hs_ns;
+	st->idle_ns = 6 * pr->timeout_ns;
+	st->rooms_on = proom_rooms_on;
+	st->rooms_arg = &pr->rooms;
+	pr->rooms = (struct proom_table){ .p = p, .t = &pr->t, .sessions = st, .dps = pr->dps,
+					  .ndps = &pr->ndps, .st = pr->st };
+	if (proom_init(&pr->rooms) < 0)
+		proom_fini(&pr->rooms);
+	if (start(pr, o, why, len) < 0) {
+		peer_destroy(&pr->t);
+		return NULL;
+	}
+	return &pr->t;
+}
+
+const struct kvsp_xport_kind kvsp_peer_kind = { "tcp", peer_create };
+
+struct kvsp_dp *const *kvsp_peer_datapaths(struct kvsp_transport *t, unsigned *n)
+{
+	struct peer *pr = peer_of(t);
+	*n = pr->ndps;
+	return pr->dps;
+}
