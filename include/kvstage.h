@@ -100,7 +100,7 @@ int kvs_release(kvs_client *c, const struct kvs_lease *l);
 /* Opens a receiving room of bytes; fills desc for the sender. Returns 0, or -EMFILE (no room handle free), -EMSGSIZE, -ENFILE, -ESHUTDOWN, -EAGAIN, -errno. */
 int kvs_recv_open(kvs_client *c, uint64_t bytes, uint64_t user_data, kvs_room **room,
 		  struct kvs_room_desc *desc);
-/* Opens the sending side of the room desc names. Returns 0, or -EPERM (bad token), -ESTALE (room gone), -ECANCELED, -EBUSY (has a sender), -EAGAIN, -errno. */
+/* Opens the sending side of the room desc names. Returns 0, or -EPERM (bad token), -ESTALE (room gone), -ECANCELED, -EBUSY (has a sender), -ENOSR (peer sessions full), -EAGAIN, -errno. */
 int kvs_send_open(kvs_client *c, const struct kvs_room_desc *desc, uint64_t user_data,
 		  kvs_room **room);
 /* Hands leased slot l, holding the chunk at offset (len bytes), to the room; l is no longer c's.

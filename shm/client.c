@@ -1120,6 +1120,7 @@ const char *kvs_strerror(int err)
 	case -EALREADY: return "the room is complete: it takes no more chunks";
 	case -ECHILD: return "this connection belongs to the parent process: after fork(), connect anew";
 	case -EUSERS: return "the proxy is full: too many clients, or too many connecting at once";
+	case -ENOSR: return "peer sessions full: the proxy holds as many sessions with other proxies as it can, or dials as many for this client at once as it may (try again)";
 	case -EMFILE: return "no room handle free on this connection";
 	case -ENFILE: return "the proxy's room table is full";
 	case -EMSGSIZE: return "room larger than the whole pool";

@@ -8,6 +8,10 @@
  */
 #include <criterion/criterion.h>
 #include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <sched.h>
+#include <sys/socket.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -15,6 +19,7 @@
 #include <unistd.h>
 
 #include "harness.h"
+#include "hpeer.h"
 #include "decisive_across.h"
 #include "xroom.h"
 
@@ -51,9 +56,10 @@ static void teardown(void)
 
 TestSuite(netns, .fini = teardown, .timeout = 120);
 
-/* Makes n hosts on one link, each proxy with a pool of slots x 64K;
- * skips the test where that cannot be done. */
-static void hosts_with(unsigned n, const char *slots)
+/* Makes n hosts on one link, each proxy with a pool of slots x 64K and
+ * --peer-timeout timeout (NULL: its default); skips the test where that
+ * cannot be done. */
+static void hosts_at(unsigned n, const char *slots, const char *timeout)
 {
 	if (geteuid() != 0)
 		cr_skip_test("needs root to make network namespaces (suite 'tcp' covers loopback)");
@@ -88,8 +94,14 @@ static void hosts_with(unsigned n, const char *slots)
 		char listen[48];
 		snprintf(listen, sizeof(listen), "%.15s:7600", addr[i]);
 		proxy_start_in(&px[i], ns[i], (const char *[]){ "--slots", slots, "--slot-size", "64K",
-			"--listen", listen, "--peer-timeout", "1000", NULL });
+			"--listen", listen, timeout ? "--peer-timeout" : NULL, timeout, NULL });
 	}
+}
+
+/* 1 s: a cut link or a stopped peer is lost soon, yet a loaded machine never loses a live one. */
+static void hosts_with(unsigned n, const char *slots)
+{
+	hosts_at(n, slots, "1000");
 }
 
 static void hosts(unsigned n)
@@ -251,4 +263,113 @@ Test(netns, a_decode_proxy_killed_mid_transfer_fails_the_room_and_leaks_nothing)
 	kvs_close(rx2);
 	kvs_close(rx);
 	wait_idle(&px[0], 0);
+}
+
+/* ------------------------------------------------------ hostile hosts */
+
+/* B's host dies silently (its link down, its proxy killed, what its
+ * kernel held of the session destroyed without a word) and a new proxy
+ * comes up at its address: A still holds the old session, which never
+ * heard of it. A fresh descriptor from the new proxy names another
+ * instance: A retires the old session and dials anew, and the room
+ * arrives; it never fails as stale. At the default --peer-timeout, so
+ * the old session is still up all along. */
+Test(netns, a_proxy_restarted_at_its_address_is_dialed_anew_never_stale)
+{
+	hosts_at(2, "128", NULL);
+	kvs_client *tx = connect_ok(&px[0]), *rx = connect_ok(&px[1]);
+	one_room(rx, tx, 0x70); /* the session is up */
+	kvs_close(rx);
+	cr_assert_eq(IP("-n", ns[1], "link", "set", "eth1", "down"), 0);
+	proxy_kill(&px[1], SIGKILL);
+	/* What the killed proxy's kernel still holds would FIN or RST once the
+	 * link is back: destroy it while nothing can leave, and see it gone. */
+	char out[4096], err[512];
+	cr_assert_eq(run_cmd((const char *[]){ ipbin, "netns", "exec", ns[1], "ss", "-K", "-t", "-a",
+					       NULL }, out, sizeof(out), err, sizeof(err)), 0,
+		     "ss -K: %s", err);
+	cr_assert_eq(run_cmd((const char *[]){ ipbin, "netns", "exec", ns[1], "ss", "-t", "-a", "-n",
+					       "-H", NULL }, out, sizeof(out), err, sizeof(err)), 0);
+	cr_assert_eq(out[0], 0, "sockets left on the dead host: %s", out);
+	cr_assert_eq(IP("-n", ns[1], "link", "set", "eth1", "up"), 0);
+	char listen[48];
+	snprintf(listen, sizeof(listen), "%.15s:7600", addr[1]);
+	proxy_start_in(&px[1], ns[1], (const char *[]){ "--slots", "128", "--slot-size", "64K",
+		"--listen", listen, NULL });
+	cr_assert_eq(stat_get(&px[0], "peer_sessions"), 1, "A never heard: the old session is up");
+	rx = connect_ok(&px[1]);
+	one_room(rx, tx, 0x71); /* not -ESTALE */
+	static char log[1 << 16];
+	proxy_log(&px[0], log, sizeof(log));
+	cr_assert(strstr(log, "another proxy answers there now"), "the old session was not retired: %s",
+		  log);
+	kvs_close(tx);
+	kvs_close(rx);
+}
+
+struct attack {
+	const char *ns, *target;
+	unsigned n;
+};
+
+/* n silent connections to target from host ns, over twenty addresses of
+ * its own (10.77.0.100 up), each opened again when dropped; "ready" once
+ * all are open; on until its pipe closes. */
+static int attacker(int rd, int wr, void *arg)
+{
+	const struct attack *a = arg;
+	char path[96];
+	snprintf(path, sizeof(path), "/run/netns/%s", a->ns);
+	int nsfd = open(path, O_RDONLY | O_CLOEXEC);
+	if (nsfd < 0 || setns(nsfd, CLONE_NEWNET) < 0)
+		return 2;
+	struct pollfd p[257];
+	char src[a->n][20];
+	for (unsigned i = 0; i < a->n; i++) {
+		snprintf(src[i], sizeof(src[i]), "10.77.0.%u", 100 + i % 20);
+		p[i] = (struct pollfd){ hp_connect(a->target, src[i]), POLLIN, 0 };
+	}
+	p[a->n] = (struct pollfd){ rd, POLLIN, 0 };
+	chan_put(wr, "ready", 5);
+	for (;;) {
+		if (poll(p, a->n + 1, -1) < 0)
+			return 1;
+		if (p[a->n].revents)
+			return 0;
+		for (unsigned i = 0; i < a->n; i++) {
+			char b[64];
+			if (!p[i].revents || recv(p[i].fd, b, sizeof(b), MSG_DONTWAIT) > 0)
+				continue;
+			close(p[i].fd);
+			p[i].fd = hp_connect(a->target, src[i]);
+		}
+	}
+}
+
+/* A third host opens 240 connections to B from twenty addresses and never
+ * says a word: B keeps taking A's sessions and rooms. */
+Test(netns, silent_connections_from_another_host_cannot_lock_proxies_out)
+{
+	hosts_at(3, "128", NULL);
+	for (unsigned i = 0; i < 20; i++) {
+		char cidr[32];
+		snprintf(cidr, sizeof(cidr), "10.77.0.%u/24", 100 + i);
+		cr_assert_eq(IP("-n", ns[2], "addr", "add", cidr, "dev", "eth2"), 0);
+	}
+	char target[32];
+	snprintf(target, sizeof(target), "%.15s:7600", addr[1]);
+	struct attack a = { ns[2], target, 240 };
+	struct child ch;
+	child_start(&ch, attacker, &a);
+	char ready[5];
+	cr_assert_eq(chan_get(ch.from, ready, 5), 0, "the attack did not start");
+	kvs_client *tx = connect_ok(&px[0]), *rx = connect_ok(&px[1]);
+	one_room(rx, tx, 0x80);
+	kvs_client *tx2 = connect_ok(&px[0]);
+	one_room(rx, tx2, 0x81);
+	close(ch.to);
+	cr_assert_eq(child_wait(&ch), 0);
+	kvs_close(tx);
+	kvs_close(tx2);
+	kvs_close(rx);
 }

@@ -21,9 +21,8 @@
 #include <sodium.h>
 
 #include "canary.h"
-#include "peer/frame.h"
 #include "harness.h"
-#include "peer/peer_auth.h"
+#include "hpeer.h"
 
 #define SLOT (64 * 1024)
 #define SECRET "kvstage-test-secret-0123456789abcdef"
@@ -38,8 +37,9 @@ static void setup(void)
 	cr_assert_eq(kvsp_secret_load(NULL, SECRET, &good, why, sizeof(why)), 0, "%s", why);
 	cr_assert_eq(kvsp_secret_load(NULL, "another-secret-of-32-bytes-long!", &bad, why,
 				      sizeof(why)), 0, "%s", why);
+	/* The default --peer-timeout (a handshake is given 2.5 s of it). */
 	proxy_start(&pb, NULL, (const char *[]){ "--slots", "32", "--slot-size", "64K", "--listen",
-						 "127.0.0.1:0", "--peer-timeout", "300", NULL });
+						 "127.0.0.1:0", NULL });
 	proxy_start(&pa, NULL, (const char *[]){ "--slots", "32", "--slot-size", "64K", NULL });
 }
 
@@ -52,16 +52,6 @@ static void teardown(void)
 }
 
 TestSuite(peers, .init = setup, .fini = teardown, .timeout = 60);
-
-/* ------------------------------------------------------ the test peer */
-
-struct hpeer {
-	int fd;
-	struct kvsp_auth a;
-	struct kvsp_frame_tx tx;
-	struct kvsp_frame_rx rx;
-	uint8_t hello[KVS_WIRE_HELLO_SIZE], proof[KVS_WIRE_PROOF_SIZE]; /* what we sent */
-};
 
 /* A room on B, open all along: its descriptor names B's endpoint. */
 static kvs_client *rx;
@@ -77,126 +67,23 @@ static void open_room(void)
 	cr_assert(!strncmp(desc.endpoint, "tcp:127.0.0.1:", 14), "endpoint %s", desc.endpoint);
 }
 
-static int hp_connect(void)
+static int connect_b(void)
 {
-	int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-	struct sockaddr_in a = { .sin_family = AF_INET, .sin_port = htons((uint16_t)atoi(desc.endpoint + 14)) };
-	a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-	cr_assert_eq(connect(fd, (struct sockaddr *)&a, sizeof(a)), 0);
-	return fd;
-}
-
-static void put(int fd, const void *b, size_t n)
-{
-	cr_assert_eq(send(fd, b, n, MSG_NOSIGNAL), (ssize_t)n);
-}
-
-/* Reads exactly n bytes. Returns 0, or -1 once the proxy closed. */
-static int get(int fd, void *b, size_t n)
-{
-	size_t have = 0;
-	while (have < n) {
-		struct pollfd p = { fd, POLLIN, 0 };
-		cr_assert_eq(poll(&p, 1, WAIT_MS), 1, "the proxy said nothing");
-		ssize_t k = recv(fd, (uint8_t *)b + have, n - have, 0);
-		if (k <= 0)
-			return -1;
-		have += (size_t)k;
-	}
-	return 0;
-}
-
-/* Barrier: the proxy closes the connection. */
-static void wait_closed(int fd)
-{
-	uint8_t b[256];
-	for (;;) {
-		struct pollfd p = { fd, POLLIN, 0 };
-		cr_assert_eq(poll(&p, 1, WAIT_MS), 1, "the proxy kept the connection");
-		ssize_t k = recv(fd, b, sizeof(b), 0);
-		if (k <= 0)
-			return;
-	}
+	return hp_connect(hp_endpoint(&desc), NULL);
 }
 
 /* The dialer's handshake with secret s, then JOIN as a one-stream session. */
-static void hp_join(struct hpeer *h, const struct kvsp_secret *s)
+static void join_b(struct hpeer *h, const struct kvsp_secret *s)
 {
-	h->fd = hp_connect();
-	uint64_t inst;
+	uint64_t inst, sid;
 	randombytes_buf(&inst, sizeof(inst));
-	cr_assert_eq(kvsp_auth_start(&h->a, s, KVS_WIRE_DIALER, inst | 1), 0);
-	cr_assert_eq(kvsp_auth_hello(&h->a, h->hello), 0);
-	put(h->fd, h->hello, sizeof(h->hello));
-	uint8_t in[KVS_WIRE_HELLO_SIZE];
-	cr_assert_eq(get(h->fd, in, KVS_WIRE_HELLO_SIZE), 0);
-	cr_assert_eq(kvsp_auth_on_hello(&h->a, in), 0);
-	cr_assert_eq(get(h->fd, in, KVS_WIRE_PROOF_SIZE), 0);
-	cr_assert_eq(kvsp_auth_on_proof(&h->a, in), 0, "the listener's proof");
-	cr_assert_eq(kvsp_auth_proof(&h->a, h->proof), 0);
-	put(h->fd, h->proof, sizeof(h->proof));
-	struct kvsp_frame_keys k;
-	cr_assert_eq(kvsp_auth_keys(&h->a, &k), 0);
-	kvsp_frame_tx_init(&h->tx, k.tx);
-	kvsp_frame_rx_init(&h->rx, k.rx, SLOT);
-	struct kvs_wire_join j = { 0 };
-	randombytes_buf(&j.sid, sizeof(j.sid));
-	j.nstreams = htole32(1);
-	uint8_t f[KVS_WIRE_FRAME_MAX];
-	int n = kvsp_frame_seal(&h->tx, KVS_WIRE_JOIN, &j, 0, f);
-	put(h->fd, f, (size_t)n);
-}
-
-/* Seals and sends a frame; its bytes into out (for replays) if given. */
-static size_t hp_send(struct hpeer *h, uint16_t type, const void *body, uint32_t plen, void *out)
-{
-	uint8_t f[KVS_WIRE_FRAME_MAX];
-	int n = kvsp_frame_seal(&h->tx, type, body, plen, f);
-	cr_assert_gt(n, 0);
-	put(h->fd, f, (size_t)n);
-	if (out)
-		memcpy(out, f, (size_t)n);
-	return (size_t)n;
-}
-
-/* The next frame from the proxy that is not a PING (answered) nor an
- * RDMA_HELLO (a proxy with a device says it to every peer; we have none). */
-static struct kvsp_frame hp_recv(struct hpeer *h)
-{
-	struct kvsp_frame f;
-	for (;;) {
-		void *at;
-		size_t want = kvsp_frame_rx_want(&h->rx, &at);
-		cr_assert_gt(want, 0);
-		cr_assert_eq(get(h->fd, at, want), 0, "the proxy closed");
-		int rc = kvsp_frame_rx_wrote(&h->rx, want, &f);
-		cr_assert_geq(rc, 0, "a frame from the proxy did not verify: %d", rc);
-		if (rc == 1 && f.type == KVS_WIRE_PING) {
-			hp_send(h, KVS_WIRE_PONG, &f.body.ping, 0, NULL);
-			continue;
-		}
-		if (rc == 1 && f.type == KVS_WIRE_RDMA_HELLO)
-			continue;
-		if (rc == 1)
-			return f;
-	}
-}
-
-/* PING, PONG: the stream is still in step. */
-static void hp_in_sync(struct hpeer *h)
-{
-	struct kvs_wire_ping p = { htole64(0x5eed) };
-	hp_send(h, KVS_WIRE_PING, &p, 0, NULL);
-	struct kvsp_frame f = hp_recv(h);
-	cr_assert_eq(f.type, KVS_WIRE_PONG);
-	cr_assert_eq(le64toh(f.body.ping.value), 0x5eed);
+	randombytes_buf(&sid, sizeof(sid));
+	hp_join(h, hp_endpoint(&desc), s, inst, sid, 0, 1);
 }
 
 static struct kvs_wire_room room_name(void)
 {
-	struct kvs_wire_room n = { desc.room, desc.gen, { 0 } };
-	memcpy(n.token, desc.token, 16);
-	return n;
+	return hp_room(&desc);
 }
 
 /* The real room, sent by a real proxy, arrives whole after it all. */
@@ -235,11 +122,11 @@ static void real_room_arrives(void)
 Test(peers, no_secret_garbage_is_refused_before_anything)
 {
 	open_room();
-	int fd = hp_connect();
+	int fd = connect_b();
 	uint8_t junk[KVS_WIRE_HELLO_SIZE];
 	randombytes_buf(junk, sizeof(junk));
-	put(fd, junk, sizeof(junk));
-	wait_closed(fd);
+	hp_put(fd, junk, sizeof(junk));
+	hp_wait_closed(fd);
 	close(fd);
 	stat_wait(&pb, "peer_auth_failed", 1, 1);
 	real_room_arrives();
@@ -250,22 +137,22 @@ Test(peers, a_wrong_secret_cannot_prove_itself)
 	open_room();
 	/* We can see the listener's proof does not verify under our key... */
 	struct hpeer h;
-	h.fd = hp_connect();
+	h.fd = connect_b();
 	cr_assert_eq(kvsp_auth_start(&h.a, &bad, KVS_WIRE_DIALER, 12345), 0);
 	cr_assert_eq(kvsp_auth_hello(&h.a, h.hello), 0);
-	put(h.fd, h.hello, sizeof(h.hello));
+	hp_put(h.fd, h.hello, sizeof(h.hello));
 	uint8_t in[KVS_WIRE_HELLO_SIZE];
-	cr_assert_eq(get(h.fd, in, KVS_WIRE_HELLO_SIZE), 0);
+	cr_assert_eq(hp_get(h.fd, in, KVS_WIRE_HELLO_SIZE), 0);
 	cr_assert_eq(kvsp_auth_on_hello(&h.a, in), 0);
-	cr_assert_eq(get(h.fd, in, KVS_WIRE_PROOF_SIZE), 0);
+	cr_assert_eq(hp_get(h.fd, in, KVS_WIRE_PROOF_SIZE), 0);
 	cr_assert_eq(kvsp_auth_on_proof(&h.a, in), -EACCES);
 	/* ...and the proof we can make without the secret is refused. */
 	struct kvs_wire_proof p = { .magic = htole32(KVS_WIRE_HELLO_MAGIC),
 				    .version = htole16(KVS_WIRE_VERSION),
 				    .type = htole16(KVS_WIRE_PROOF), .role = htole32(KVS_WIRE_DIALER) };
 	randombytes_buf(p.mac, sizeof(p.mac));
-	put(h.fd, &p, sizeof(p));
-	wait_closed(h.fd);
+	hp_put(h.fd, &p, sizeof(p));
+	hp_wait_closed(h.fd);
 	close(h.fd);
 	stat_wait(&pb, "peer_auth_failed", 1, 1);
 	real_room_arrives();
@@ -275,14 +162,14 @@ Test(peers, a_replayed_handshake_is_refused)
 {
 	open_room();
 	struct hpeer h;
-	hp_join(&h, &good);
+	join_b(&h, &good);
 	hp_in_sync(&h); /* the real one works */
-	int fd = hp_connect();
-	put(fd, h.hello, sizeof(h.hello));
+	int fd = connect_b();
+	hp_put(fd, h.hello, sizeof(h.hello));
 	uint8_t in[KVS_WIRE_HELLO_SIZE + KVS_WIRE_PROOF_SIZE];
-	cr_assert_eq(get(fd, in, sizeof(in)), 0);
-	put(fd, h.proof, sizeof(h.proof)); /* the old proof, for the old nonce */
-	wait_closed(fd);
+	cr_assert_eq(hp_get(fd, in, sizeof(in)), 0);
+	hp_put(fd, h.proof, sizeof(h.proof)); /* the old proof, for the old nonce */
+	hp_wait_closed(fd);
 	close(fd);
 	stat_wait(&pb, "peer_auth_failed", 1, 1);
 	close(h.fd);
@@ -293,13 +180,13 @@ Test(peers, a_replayed_frame_drops_the_connection)
 {
 	open_room();
 	struct hpeer h;
-	hp_join(&h, &good);
+	join_b(&h, &good);
 	uint8_t f[KVS_WIRE_FRAME_MAX];
 	struct kvs_wire_ping p = { htole64(1) };
 	size_t n = hp_send(&h, KVS_WIRE_PING, &p, 0, f);
 	cr_assert_eq(hp_recv(&h).type, KVS_WIRE_PONG);
-	put(h.fd, f, n); /* the same frame again: its seq is spent */
-	wait_closed(h.fd);
+	hp_put(h.fd, f, n); /* the same frame again: its seq is spent */
+	hp_wait_closed(h.fd);
 	close(h.fd);
 	stat_wait(&pb, "peer_frames_refused", 1, 1);
 	real_room_arrives();
@@ -309,7 +196,7 @@ Test(peers, forged_and_stale_tokens_change_nothing)
 {
 	open_room();
 	struct hpeer h;
-	hp_join(&h, &good);
+	join_b(&h, &good);
 	uint64_t tokens = stat_get(&pb, "rej_token");
 	/* OPEN with a wrong token: refused, counted */
 	struct kvs_wire_open o = { .room = room_name(), .bytes = htole64(2 * SLOT),
@@ -341,7 +228,7 @@ Test(peers, forged_and_stale_tokens_change_nothing)
 	struct kvs_wire_chunk c = { .room = room_name(), .chunk = 0, .len = htole32(SLOT) };
 	c.room.token[15] ^= 1;
 	hp_send(&h, KVS_WIRE_CHUNK, &c, SLOT, NULL);
-	put(h.fd, payload, sizeof(payload));
+	hp_put(h.fd, payload, sizeof(payload));
 	hp_in_sync(&h);
 	cr_assert_eq(stat_get(&pb, "peer_frames_ignored"), ignored + 2);
 	cr_assert_eq(stat_get(&pb, "chunks_discarded"), disc + 1);
@@ -366,7 +253,7 @@ Test(peers, rdma_frames_to_a_proxy_without_a_device)
 		cr_skip_test("the proxies have an RDMA device here: see rdma_frames_to_a_proxy_with_one");
 	open_room();
 	struct hpeer h;
-	hp_join(&h, &good);
+	join_b(&h, &good);
 	uint64_t ignored = stat_get(&pb, "peer_frames_ignored");
 	struct kvs_wire_rdma_hello hello = { .qpn = htole32(0x11), .psn = htole32(0x22),
 					     .pool_addr = htole64(0x7f0000000000ull),
@@ -386,7 +273,7 @@ Test(peers, rdma_frames_to_a_proxy_without_a_device)
 	cr_assert_eq(stat_get(&pb, "peer_frames_ignored"), ignored + 2, "the HELLO and the ack");
 	cr_assert_eq(stat_get(&pb, "slots.recv_posted"), 0, "no slot was posted for the READ");
 	hp_send(&h, KVS_WIRE_RDMA_HELLO, &hello, 0, NULL); /* twice: out of protocol */
-	wait_closed(h.fd);
+	hp_wait_closed(h.fd);
 	close(h.fd);
 	cr_assert_eq(stat_get(&pb, "rooms_aborted"), 0, "the real room was not touched");
 	real_room_arrives();
@@ -410,21 +297,21 @@ Test(peers, rdma_frames_to_a_proxy_with_a_device)
 					     .mtu = htole32(IBV_MTU_1024) };
 	uint64_t lost = stat_get(&pb, "peer_lost");
 	struct hpeer h;
-	hp_join(&h, &good);
+	join_b(&h, &good);
 	hp_send(&h, KVS_WIRE_RDMA_HELLO, &hello, 0, NULL);
 	struct kvs_wire_chunk_read rd = { .room = room_name(), .chunk = 0, .len = htole32(SLOT),
 					  .xfer_ref = htole64(1), .offset = htole64(64 * SLOT) };
 	hp_send(&h, KVS_WIRE_CHUNK_READ, &rd, 0, NULL); /* one byte past the pool */
-	wait_closed(h.fd);
+	hp_wait_closed(h.fd);
 	close(h.fd);
 	stat_wait(&pb, "peer_lost", 1, lost + 1);
 
-	hp_join(&h, &good);
+	join_b(&h, &good);
 	hp_send(&h, KVS_WIRE_RDMA_HELLO, &hello, 0, NULL);
 	rd.offset = 0;
 	hp_send(&h, KVS_WIRE_CHUNK_READ, &rd, 0, NULL); /* in range, to nobody */
 	stat_wait(&pb, "peer_lost", 1, lost + 2);        /* the READ failed: the queue pair is dead */
-	wait_closed(h.fd);
+	hp_wait_closed(h.fd);
 	close(h.fd);
 	cr_assert_eq(stat_get(&pb, "slots.recv_posted"), 0, "the slot posted for it came back");
 	cr_assert_eq(stat_get(&pb, "rooms_aborted"), 0, "the real room was not touched");
@@ -437,30 +324,30 @@ Test(peers, oversized_truncated_and_garbage_frames_drop_the_connection)
 	uint64_t refused = stat_get(&pb, "peer_frames_refused");
 	/* a CHUNK header claiming more than a slot */
 	struct hpeer h;
-	hp_join(&h, &good);
+	join_b(&h, &good);
 	struct kvs_wire_frame_hdr big = { .magic = htole32(KVS_WIRE_FRAME_MAGIC),
 					  .type = htole16(KVS_WIRE_CHUNK),
 					  .len = htole32(sizeof(struct kvs_wire_chunk)),
 					  .plen = htole32(2 * SLOT), .seq = htole64(1) };
-	put(h.fd, &big, sizeof(big));
-	wait_closed(h.fd);
+	hp_put(h.fd, &big, sizeof(big));
+	hp_wait_closed(h.fd);
 	close(h.fd);
 	/* garbage after the handshake */
-	hp_join(&h, &good);
+	join_b(&h, &good);
 	uint8_t junk[128];
 	randombytes_buf(junk, sizeof(junk));
-	put(h.fd, junk, sizeof(junk));
-	wait_closed(h.fd);
+	hp_put(h.fd, junk, sizeof(junk));
+	hp_wait_closed(h.fd);
 	close(h.fd);
 	stat_wait(&pb, "peer_frames_refused", 1, refused + 2);
 	/* half a frame, then the peer is gone */
 	uint64_t lost = stat_get(&pb, "peer_lost");
-	hp_join(&h, &good);
+	join_b(&h, &good);
 	hp_in_sync(&h);
 	uint8_t f[KVS_WIRE_FRAME_MAX];
 	struct kvs_wire_ping p = { 0 };
 	int n = kvsp_frame_seal(&h.tx, KVS_WIRE_PING, &p, 0, f);
-	put(h.fd, f, (size_t)n / 2);
+	hp_put(h.fd, f, (size_t)n / 2);
 	close(h.fd);
 	stat_wait(&pb, "peer_lost", 1, lost + 1);
 	real_room_arrives();
@@ -470,8 +357,8 @@ Test(peers, a_connection_that_says_nothing_is_dropped)
 {
 	open_room();
 	uint64_t failed = stat_get(&pb, "peer_auth_failed");
-	int fd = hp_connect();
-	wait_closed(fd); /* after --peer-timeout (300 ms) */
+	int fd = connect_b();
+	hp_wait_closed(fd); /* at the handshake deadline */
 	close(fd);
 	cr_assert_eq(stat_get(&pb, "peer_auth_failed"), failed + 1);
 	real_room_arrives();

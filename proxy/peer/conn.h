@@ -37,8 +37,8 @@ struct kvsp_xfer;
 struct kvs_peer;
 struct kvs_stats;
 
-#define PCONN_HANDSHAKES 64 /* accepted connections not joined yet, in all */
-#define PCONN_PER_SOURCE 8  /* ... and from one address */
+#define PCONN_HANDSHAKES 256 /* accepted connections not joined yet, in all */
+#define PCONN_PER_SOURCE 32  /* ... and from one address: a peer's streams (16) twice over */
 #define PCONN_SINK_SIZE (64 * 1024)
 #define PCONN_NONE UINT32_MAX
 

@@ -16,6 +16,7 @@
  */
 #include <endian.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <netinet/in.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -45,6 +46,7 @@ struct peer {
 	struct kvs_stats *st;
 	uint64_t timeout_ns, hs_ns;
 	int epfd, listen_fd, timer_fd;
+	int spare_fd; /* given up to accept (and close) a connection when out of fds */
 	bool woken; /* our epoll fd woke the loop (the listener, the timer, a socket) */
 	struct kvsp_endpoint listen, advertise;
 	char endpoint[64]; /* "tcp:" advertise; "" when we do not listen */
@@ -265,6 +267,19 @@ static void on_accept(struct peer *pr)
 		struct sockaddr_storage sa;
 		socklen_t sl = sizeof(sa);
 		int fd = accept4(pr->listen_fd, (struct sockaddr *)&sa, &sl, SOCK_NONBLOCK | SOCK_CLOEXEC);
+		if (fd < 0 && (errno == EMFILE || errno == ENFILE) && pr->spare_fd >= 0) {
+			/* Out of fds: the listener would stay readable and the loop
+			 * spin. Take the one waiting with our spare, and drop it. */
+			close(pr->spare_fd);
+			fd = accept4(pr->listen_fd, NULL, NULL, SOCK_CLOEXEC);
+			if (fd >= 0)
+				close(fd);
+			pr->spare_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
+			KVS_STAT_ADD(pr->st->peer_refused, 1);
+			kvsp_log_rl(&pr->rl_conn, now_of(pr), &pr->st->log_suppressed, KVSP_LOG_WARN,
+				    "peer connection refused: out of file descriptors");
+			continue;
+		}
 		if (fd < 0)
 			return;
 		struct kvsp_endpoint from;
@@ -458,6 +473,8 @@ static void peer_destroy(struct kvsp_transport *t)
 	proom_fini(&pr->rooms);
 	if (pr->listen_fd >= 0)
 		close(pr->listen_fd);
+	if (pr->spare_fd >= 0)
+		close(pr->spare_fd);
 	if (pr->timer_fd >= 0)
 		close(pr->timer_fd);
 	if (pr->epfd >= 0) {
@@ -609,6 +626,7 @@ static struct kvsp_transport *peer_create(struct kvsp *p, const void *opts, char
 	pr->timeout_ns = o->peer_timeout_ns;
 	pr->hs_ns = o->peer_timeout_ns / 4; /* a handshake is round trips: well under it */
 	pr->listen_fd = -1;
+	pr->spare_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
 	pr->epfd = epoll_create1(EPOLL_CLOEXEC);
 	pr->timer_fd = timerfd_create(CLOCK_MONOTONIC, TFD_NONBLOCK | TFD_CLOEXEC);
 	struct psess_table *st = &pr->sessions;

@@ -1213,8 +1213,8 @@ class _Agent:
         except (NotConnected, Timeout):
             raise
         except KvstageError as e:
-            if e.errno in (_errno.EMFILE, _errno.ENFILE, _errno.EAGAIN):
-                self._pending_pulls.append((msg,))
+            if e.errno in (_errno.EMFILE, _errno.ENFILE, _errno.EAGAIN, _errno.ENOSR):
+                self._pending_pulls.append((msg,))  # no handle, room or peer session free yet
                 return
             return self._stage_fail(st, f"could not open the decode side's room: {e}")
         except (ValueError, TypeError) as e:

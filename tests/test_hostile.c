@@ -1,0 +1,624 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * The peer control plane against peers that play it wrong on purpose, on
+ * loopback (test_netns.c has the cases that need hosts of their own): a
+ * session half joined, silent connections by the hundred, handshakes that
+ * fail by the thousand, refusals and rooms that must be heard before any
+ * PING, an endpoint spelled sixty-four ways, a client dialing everywhere,
+ * a peer that never answers an abort or stalls a payload, a secret left in
+ * the environment. Each is bounded by a deadline or a cap; real rooms
+ * between real proxies keep arriving byte for byte.
+ *
+ * Most cases run at the default --peer-timeout (10 s: a handshake or a
+ * join is given 2.5 s, the timer looks every 1.25 s), so that nothing here
+ * can hide a wait on the ping cadence. Orderings come from barriers (the
+ * proxies' counters, a closed socket); a deadline is waited for, never
+ * assumed.
+ */
+#include <arpa/inet.h>
+#include <criterion/criterion.h>
+#include <endian.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <sodium.h>
+
+#include "harness.h"
+#include "hpeer.h"
+#include "xroom.h"
+
+#define SECRET "kvstage-hostile-secret-0123456789abcdef"
+
+static struct proxy pa = PROXY_INIT, pb = PROXY_INIT, pc = PROXY_INIT;
+static struct kvsp_secret good;
+
+static void setup(void)
+{
+	setenv("KVSTAGE_PEER_SECRET", SECRET, 1);
+	char why[128];
+	cr_assert_eq(kvsp_secret_load(NULL, SECRET, &good, why, sizeof(why)), 0, "%s", why);
+}
+
+static void teardown(void)
+{
+	proxy_stop(&pa);
+	proxy_stop(&pb);
+	proxy_stop(&pc);
+	kvsp_secret_free(&good);
+}
+
+TestSuite(hostile, .init = setup, .fini = teardown, .timeout = 90);
+
+/* A listening proxy; timeout NULL: the default --peer-timeout. */
+static void listener(struct proxy *px, const char *timeout)
+{
+	const char *a[] = { "--slots", "64", "--slot-size", "64K", "--listen", "127.0.0.1:0",
+			    timeout ? "--peer-timeout" : NULL, timeout, NULL };
+	proxy_start(px, NULL, a);
+}
+
+static void dialer(struct proxy *px)
+{
+	proxy_start(px, NULL, (const char *[]){ "--slots", "64", "--slot-size", "64K", NULL });
+}
+
+/* B's endpoint ("127.0.0.1:PORT"), from a descriptor of one of its rooms. */
+static const char *endpoint_of(struct proxy *px)
+{
+	static char ep[64];
+	kvs_client *c = connect_ok(px);
+	kvs_room *r;
+	struct kvs_room_desc d;
+	cr_assert_eq(kvs_recv_open(c, 1, 1, &r, &d), 0);
+	snprintf(ep, sizeof(ep), "%s", hp_endpoint((const struct kvs_desc_wire *)&d));
+	kvs_close(c);
+	return ep;
+}
+
+static uint64_t rnd64(void)
+{
+	uint64_t v;
+	randombytes_buf(&v, sizeof(v));
+	return v;
+}
+
+/* Counts the lines of px's log that contain what. */
+static unsigned log_lines(const struct proxy *px, const char *what)
+{
+	static char log[1 << 20];
+	proxy_log(px, log, sizeof(log));
+	unsigned n = 0;
+	for (const char *p = log; (p = strstr(p, what)); p += strlen(what))
+		n++;
+	return n;
+}
+
+/* ------------------------------------------------------ 1: half joined */
+
+/* A peer with the secret joins 1 of 2 streams, says OPEN for a real room
+ * and starts a CHUNK into it, then goes silent. Nothing it said is read
+ * before its session is up, and the session is dropped at its joining
+ * deadline: no slot was ever posted for it, and the room's receiver, who
+ * has no sender attached, ends it at once. */
+Test(hostile, a_half_joined_session_cannot_open_a_room_and_is_dropped_at_its_deadline)
+{
+	listener(&pb, NULL);
+	kvs_client *rx = connect_ok(&pb);
+	kvs_room *rr;
+	struct kvs_room_desc rd;
+	cr_assert_eq(kvs_recv_open(rx, 2 * SLOT, 0x51, &rr, &rd), 0);
+	const struct kvs_desc_wire *d = (const void *)&rd;
+	struct hpeer h;
+	hp_join(&h, hp_endpoint(d), &good, rnd64(), rnd64(), 0, 2);
+	struct kvs_wire_open o = { .room = hp_room(d), .bytes = htole64(2 * SLOT),
+				   .slot_size = htole64(SLOT), .sender_ref = htole64(7) };
+	hp_send(&h, KVS_WIRE_OPEN, &o, 0, NULL);
+	struct kvs_wire_chunk c = { .room = hp_room(d), .chunk = 0, .len = htole32(SLOT) };
+	hp_send(&h, KVS_WIRE_CHUNK, &c, SLOT, NULL);
+	static uint8_t half[SLOT / 2];
+	hp_put(h.fd, half, sizeof(half));
+	hp_wait_closed(h.fd); /* at the joining deadline */
+	close(h.fd);
+	cr_assert_geq(stat_get(&pb, "peer_timeouts"), 1, "dropped at a deadline");
+	cr_assert_eq(stat_get(&pb, "slots.recv_posted"), 0, "a slot was posted for it");
+	cr_assert_eq(stat_get(&pb, "slots.tombstone"), 0);
+	cr_assert_eq(kvs_abort(rr), 0);
+	struct kvs_event e = wait_event(rx);
+	cr_assert_eq(e.type, KVS_EV_ABORTED, "the receiver's final: %u", e.type);
+	kvs_room_close(rr);
+	kvs_close(rx);
+	wait_idle(&pb, 0);
+}
+
+/* Seventy such sessions, held open: the first sixty-four fill B's session
+ * table, and each newcomer evicts the longest-silent of them. A real
+ * proxy still dials in, and B still dials out. */
+Test(hostile, half_joined_sessions_cannot_lock_a_proxy_out)
+{
+	listener(&pb, NULL);
+	listener(&pc, NULL);
+	dialer(&pa);
+	const char *ep = endpoint_of(&pb);
+	enum { N = 70 };
+	static struct hpeer h[N];
+	for (unsigned i = 0; i < N; i++)
+		hp_join(&h[i], ep, &good, rnd64(), rnd64(), 0, 2);
+	stat_wait(&pb, "peer_evicted", 1, N - 64);
+	kvs_client *rx = connect_ok(&pb), *tx = connect_ok(&pa);
+	one_room(rx, tx, 0x52); /* in */
+	kvs_client *rc = connect_ok(&pc);
+	one_room(rc, rx, 0x53); /* and out */
+	cr_assert_geq(stat_get(&pb, "peer_evicted"), N - 64 + 2, "the real sessions made room");
+	for (unsigned i = 0; i < N; i++)
+		close(h[i].fd);
+	kvs_close(rx);
+	kvs_close(tx);
+	kvs_close(rc);
+}
+
+/* ---------------------------------------- 2: silent, without the secret */
+
+struct silent {
+	const char *ep;
+	unsigned n;
+};
+
+/* n silent connections to ep: forty from 127.0.0.1 (the real proxies'
+ * address too, past its share of 32), the rest five per address from
+ * 127.0.0.2 up; each opened again as soon as the proxy drops it. Says
+ * "ready" once all are open, then holds on until its pipe closes. */
+static int silent_child(int rd, int wr, void *arg)
+{
+	const struct silent *s = arg;
+	struct pollfd p[257];
+	char src[s->n][20];
+	for (unsigned i = 0; i < s->n; i++) {
+		snprintf(src[i], sizeof(src[i]), "127.0.0.%u", i < 40 ? 1 : 2 + (i - 40) / 5);
+		p[i] = (struct pollfd){ hp_connect(s->ep, src[i]), POLLIN, 0 };
+	}
+	p[s->n] = (struct pollfd){ rd, POLLIN, 0 };
+	chan_put(wr, "ready", 5);
+	for (;;) {
+		if (poll(p, s->n + 1, -1) < 0)
+			return 1;
+		if (p[s->n].revents)
+			return 0; /* told to stop */
+		for (unsigned i = 0; i < s->n; i++) {
+			if (!p[i].revents)
+				continue;
+			char b[64];
+			if (recv(p[i].fd, b, sizeof(b), MSG_DONTWAIT) > 0)
+				continue;
+			close(p[i].fd);
+			p[i].fd = hp_connect(s->ep, src[i]);
+		}
+	}
+}
+
+/* 240 connections that never say a word, reopened whenever dropped: real
+ * proxies keep dialing in and moving rooms all along, from the address
+ * forty of them come from too. */
+Test(hostile, silent_unauthenticated_connections_cannot_lock_proxies_out)
+{
+	listener(&pb, NULL);
+	struct silent s = { endpoint_of(&pb), 240 };
+	struct child ch;
+	child_start(&ch, silent_child, &s);
+	char ready[5];
+	cr_assert_eq(chan_get(ch.from, ready, 5), 0, "the silent connections did not open");
+	kvs_client *rx = connect_ok(&pb);
+	for (unsigned round = 0; round < 3; round++) {
+		dialer(&pa); /* a new proxy: a new session, dialed under the attack */
+		kvs_client *tx = connect_ok(&pa);
+		one_room(rx, tx, 0x60 + round);
+		kvs_close(tx);
+		proxy_stop(&pa);
+	}
+	cr_assert_geq(stat_get(&pb, "peer_evicted"), 8, "127.0.0.1's silent ones made way");
+	close(ch.to);
+	cr_assert_eq(child_wait(&ch), 0);
+	kvs_close(rx);
+}
+
+/* ------------------------------------------- 3: failed handshakes, logged */
+
+Test(hostile, five_thousand_failed_handshakes_write_a_handful_of_lines)
+{
+	listener(&pb, NULL);
+	const char *ep = endpoint_of(&pb);
+	uint64_t failed = stat_get(&pb, "peer_auth_failed");
+	uint64_t suppressed = stat_get(&pb, "log_suppressed");
+	for (unsigned i = 0; i < 5000; i++) {
+		int fd = hp_connect(ep, NULL);
+		uint8_t junk[KVS_WIRE_HELLO_SIZE];
+		randombytes_buf(junk, sizeof(junk));
+		hp_put(fd, junk, sizeof(junk));
+		hp_wait_closed(fd); /* refused: the next one comes after */
+		close(fd);
+	}
+	stat_wait(&pb, "peer_auth_failed", 1, failed + 5000);
+	unsigned lines = log_lines(&pb, "refused before joining");
+	cr_assert_leq(lines, 10, "%u log lines for 5000 failed handshakes", lines);
+	cr_assert_geq(stat_get(&pb, "log_suppressed"), suppressed + 5000 - lines,
+		      "what was held back is counted");
+}
+
+/* ------------------------------------------ 4: heard before any PING */
+
+/* At the default --peer-timeout a quiet session earns a PING after 2.5 s.
+ * A refusal must not wait for it: the sender's final comes while neither
+ * proxy has sent a single PING. */
+Test(hostile, refusals_are_heard_before_any_ping)
+{
+	listener(&pb, NULL);
+	dialer(&pa);
+	kvs_client *rx = connect_ok(&pb), *tx = connect_ok(&pa);
+	/* a room aborted on the receiving side before the OPEN arrives */
+	kvs_room *rr, *sr;
+	struct kvs_room_desc d;
+	cr_assert_eq(kvs_recv_open(rx, SLOT, 0x71, &rr, &d), 0);
+	cr_assert_eq(kvs_abort(rr), 0);
+	cr_assert_eq(wait_event(rx).type, KVS_EV_ABORTED);
+	cr_assert_eq(kvs_send_open(tx, &d, 0x72, &sr), 0);
+	struct kvs_event e = wait_event(tx);
+	cr_assert_eq(e.type, KVS_EV_ABORTED, "refused as aborted: %u (%s)", e.type,
+		     kvs_strerror(e.status));
+	cr_assert_eq(stat_get(&pa, "peer_pings"), 0, "the refusal waited for a PING");
+	cr_assert_eq(stat_get(&pb, "peer_pings"), 0);
+	kvs_room_close(sr);
+	kvs_room_close(rr);
+	/* a wrong token */
+	cr_assert_eq(kvs_recv_open(rx, SLOT, 0x73, &rr, &d), 0);
+	d.bytes[24] ^= 1; /* the token (struct kvs_desc_wire) */
+	cr_assert_eq(kvs_send_open(tx, &d, 0x74, &sr), 0);
+	e = wait_event(tx);
+	cr_assert_eq(e.type, KVS_EV_FAILED);
+	cr_assert_eq(e.status, -EPERM, "%s", kvs_strerror(e.status));
+	cr_assert_eq(stat_get(&pa, "peer_pings"), 0, "the refusal waited for a PING");
+	kvs_room_close(sr);
+	cr_assert_eq(kvs_abort(rr), 0); /* its sender never came */
+	cr_assert_eq(wait_event(rx).type, KVS_EV_ABORTED);
+	kvs_room_close(rr);
+	/* and a room that arrives */
+	one_room(rx, tx, 0x75);
+	cr_assert_eq(stat_get(&pa, "peer_pings"), 0, "the room waited for a PING");
+	cr_assert_eq(stat_get(&pb, "peer_pings"), 0, "the room waited for a PING");
+	kvs_close(rx);
+	kvs_close(tx);
+}
+
+/* The same from a test peer's side of the wire: its OPENs' refusals come
+ * before the proxy sends it any PING. */
+Test(hostile, a_refused_open_comes_back_before_any_ping)
+{
+	listener(&pb, NULL);
+	kvs_client *rx = connect_ok(&pb);
+	kvs_room *rr;
+	struct kvs_room_desc rd;
+	cr_assert_eq(kvs_recv_open(rx, SLOT, 0x76, &rr, &rd), 0);
+	cr_assert_eq(kvs_abort(rr), 0);
+	cr_assert_eq(wait_event(rx).type, KVS_EV_ABORTED);
+	const struct kvs_desc_wire *d = (const void *)&rd;
+	struct hpeer h;
+	hp_join(&h, hp_endpoint(d), &good, rnd64(), rnd64(), 0, 1);
+	struct kvs_wire_open o = { .room = hp_room(d), .bytes = htole64(SLOT),
+				   .slot_size = htole64(SLOT), .sender_ref = htole64(9) };
+	hp_send(&h, KVS_WIRE_OPEN, &o, 0, NULL);
+	struct kvsp_frame f = hp_recv(&h);
+	cr_assert_eq(f.type, KVS_WIRE_OPEN_ACK);
+	cr_assert_eq((int32_t)le32toh((uint32_t)f.body.open_ack.status), -ECANCELED);
+	cr_assert_eq(h.pings, 0, "the refusal came after a PING");
+	o.room.token[0] ^= 1;
+	hp_send(&h, KVS_WIRE_OPEN, &o, 0, NULL);
+	f = hp_recv(&h);
+	cr_assert_eq((int32_t)le32toh((uint32_t)f.body.open_ack.status), -EPERM);
+	cr_assert_eq(h.pings, 0, "the refusal came after a PING");
+	close(h.fd);
+	kvs_room_close(rr);
+	kvs_close(rx);
+}
+
+/* ------------------------------------------- 5: endpoints and dials */
+
+/* A descriptor of B's room with its endpoint spelled `ep`. */
+static struct kvs_room_desc respell(const struct kvs_room_desc *d, const char *ep)
+{
+	struct kvs_room_desc o = *d;
+	struct kvs_desc_wire *w = (struct kvs_desc_wire *)&o;
+	memset(w->endpoint, 0, sizeof(w->endpoint));
+	snprintf(w->endpoint, sizeof(w->endpoint), "tcp:%s", ep);
+	return o;
+}
+
+/* Sixty-four spellings of B's endpoint from one local client: the ones
+ * that are B's address in another form reach B over one session; every
+ * other one is refused at once, and none of their bytes reaches a log
+ * line. Another client then still reaches B. */
+Test(hostile, sixty_four_spellings_of_one_endpoint_make_one_session)
+{
+	listener(&pb, NULL);
+	dialer(&pa);
+	const char *ep = endpoint_of(&pb);
+	unsigned port = (unsigned)atoi(strrchr(ep, ':') + 1);
+	const char *same[] = { "127.0.0.1:%u", "[::ffff:127.0.0.1]:%u", "[::FFFF:127.0.0.1]:%u",
+			       "[0:0:0:0:0:ffff:7f00:1]:%u", "[::ffff:7f00:1]:%u" };
+	const char *bad[] = { "127.0.0.1:0%u", "127.0.0.1:+%u", "127.0.0.1:-%u", "127.0.0.1:\t%u",
+			      " 127.0.0.1:%u", "127.0.0.1:%u ", "127.0.0.1:%u\n", "127.000.0.1:%u",
+			      "127.0.0.01:%u", "127.0.0.1: %u", "127.0.0.1:%u\x1b[31m", "127.1:%u",
+			      "localhost:%u", "127.0.0.1:%u0000", "[127.0.0.1]:%u", "127.0.0.1::%u",
+			      "[::ffff:127.0.0.1%%lo]:%u", "0x7f.0.0.1:%u", "127.0.0.1:%u%%" };
+	kvs_client *rx = connect_ok(&pb), *tx = connect_ok(&pa);
+	unsigned nsame = sizeof(same) / sizeof(same[0]), nbad = sizeof(bad) / sizeof(bad[0]);
+	unsigned reached = 0, refused = 0;
+	for (unsigned i = 0; i < 64; i++) {
+		bool ok = i % 8 < 3; /* 24 of the 64 name B's address */
+		char spelled[64];
+		snprintf(spelled, sizeof(spelled), ok ? same[i % nsame] : bad[i % nbad], port);
+		struct xroom x;
+		x.bytes = SLOT;
+		x.owner = 0x500 + i;
+		x.nchunks = 1;
+		cr_assert_eq(kvs_recv_open(rx, SLOT, x.owner, &x.rr, &x.d), 0);
+		struct kvs_room_desc d = respell(&x.d, spelled);
+		int rc = kvs_send_open(tx, &d, x.owner | 1ull << 40, &x.sr);
+		if (!ok) {
+			cr_assert_eq(rc, -EINVAL, "'%s' was taken: %s", spelled, kvs_strerror(rc));
+			refused++;
+			cr_assert_eq(kvs_abort(x.rr), 0);
+			cr_assert_eq(wait_event(rx).type, KVS_EV_ABORTED);
+			kvs_room_close(x.rr);
+			continue;
+		}
+		cr_assert_eq(rc, 0, "'%s': %s", spelled, kvs_strerror(rc));
+		xroom_send(&x, tx);
+		cr_assert_eq(wait_event(tx).type, KVS_EV_SEND_DONE);
+		cr_assert_eq(wait_event(rx).type, KVS_EV_RECV_DONE);
+		xroom_verify(&x, rx);
+		xroom_close(&x);
+		reached++;
+	}
+	cr_assert_eq(reached, 24);
+	cr_assert_eq(refused, 40);
+	cr_assert_eq(stat_get(&pa, "peer_sessions"), 1, "one address, one session");
+	kvs_client *other = connect_ok(&pa);
+	one_room(rx, other, 0x5ff);
+	cr_assert_eq(stat_get(&pa, "peer_sessions"), 1);
+	/* No byte of a spelling reached the log: only printable ASCII and newlines. */
+	static char log[1 << 16];
+	proxy_log(&pa, log, sizeof(log));
+	for (const char *p = log; *p; p++)
+		cr_assert((*p >= ' ' && *p < 0x7f) || *p == '\n', "a control byte 0x%02x in the log",
+			  (unsigned)(unsigned char)*p);
+	kvs_close(rx);
+	kvs_close(tx);
+	kvs_close(other);
+}
+
+/* One client names twelve endpoints that accept a connection and never
+ * answer: its proxy dials eight of them for it and refuses the rest
+ * (-ENOSR, "peer sessions full"); another client reaches B meanwhile; the
+ * eight are dropped at their handshake deadline and their rooms fail. */
+Test(hostile, one_client_cannot_make_its_proxy_dial_more_than_its_share)
+{
+	listener(&pb, NULL);
+	dialer(&pa);
+	kvs_client *rx = connect_ok(&pb), *tx = connect_ok(&pa), *other = connect_ok(&pa);
+	enum { N = 12 };
+	int lfd[N];
+	kvs_room *sr[N];
+	kvs_room *rr;
+	struct kvs_room_desc d;
+	cr_assert_eq(kvs_recv_open(rx, SLOT, 0x81, &rr, &d), 0);
+	unsigned opened = 0;
+	for (unsigned i = 0; i < N; i++) {
+		lfd[i] = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+		struct sockaddr_in a = { .sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK) };
+		cr_assert_eq(bind(lfd[i], (struct sockaddr *)&a, sizeof(a)), 0);
+		cr_assert_eq(listen(lfd[i], 64), 0); /* never accepted: connected, silent */
+		socklen_t l = sizeof(a);
+		getsockname(lfd[i], (struct sockaddr *)&a, &l);
+		char ep[32];
+		snprintf(ep, sizeof(ep), "127.0.0.1:%u", ntohs(a.sin_port));
+		struct kvs_room_desc f = respell(&d, ep);
+		((struct kvs_desc_wire *)&f)->instance = htole64(rnd64() | 1);
+		int rc = kvs_send_open(tx, &f, 0x900 + i, &sr[i]);
+		if (i < 8) {
+			cr_assert_eq(rc, 0, "dial %u: %s", i, kvs_strerror(rc));
+			opened++;
+		} else {
+			cr_assert_eq(rc, -ENOSR, "dial %u: %s", i, kvs_strerror(rc));
+			cr_assert(strstr(kvs_strerror(rc), "peer sessions full"));
+		}
+	}
+	one_room(rx, other, 0x8ff); /* another client reaches B all along */
+	for (unsigned i = 0; i < opened; i++) {
+		struct kvs_event e = wait_event(tx); /* at the handshake deadline */
+		cr_assert_eq(e.type, KVS_EV_FAILED, "%u", e.type);
+	}
+	cr_assert_geq(stat_get(&pa, "peer_timeouts"), opened);
+	for (unsigned i = 0; i < opened; i++)
+		kvs_room_close(sr[i]);
+	for (unsigned i = 0; i < N; i++)
+		close(lfd[i]);
+	cr_assert_eq(kvs_abort(rr), 0);
+	cr_assert_eq(wait_event(rx).type, KVS_EV_ABORTED);
+	kvs_room_close(rr);
+	kvs_close(rx);
+	kvs_close(tx);
+	kvs_close(other);
+}
+
+/* ----------------------------------------- 6: answers a peer never gives */
+
+/* A live peer: answers every PING on h, says nothing else, until the proxy closes. */
+static int ponger(int rd, int wr, void *arg)
+{
+	(void)rd;
+	(void)wr;
+	struct hpeer *h = arg;
+	struct kvsp_frame f;
+	while (hp_recv_or_closed(h, &f))
+		;
+	return 0;
+}
+
+/* n real rooms on B, opened by a hostile sender h (session of nstreams,
+ * h[k] its stream k): OPENed on stream 0, each acknowledged. */
+static void hostile_opens(struct hpeer *h, kvs_client *rx, unsigned n, kvs_room **rr,
+			  struct kvs_room_desc *d)
+{
+	for (unsigned i = 0; i < n; i++) {
+		cr_assert_eq(kvs_recv_open(rx, SLOT, 0xd0 + i, &rr[i], &d[i]), 0);
+		const struct kvs_desc_wire *w = (const void *)&d[i];
+		struct kvs_wire_open o = { .room = hp_room(w), .bytes = htole64(SLOT),
+					   .slot_size = htole64(SLOT), .sender_ref = htole64(100 + i) };
+		hp_send(&h[0], KVS_WIRE_OPEN, &o, 0, NULL);
+		struct kvsp_frame f = hp_recv(&h[0]);
+		cr_assert_eq(f.type, KVS_WIRE_OPEN_ACK);
+		cr_assert_eq(f.body.open_ack.status, 0);
+	}
+}
+
+/* A peer that is alive (it answers PINGs) but never answers an ABORT with
+ * ENDED: the eight receivers that aborted hear their final once the
+ * session's answer is past --peer-timeout (the default, 10 s): lost. */
+Test(hostile, a_peer_that_never_ends_an_abort_is_lost_at_its_deadline)
+{
+	listener(&pb, NULL);
+	const char *ep = endpoint_of(&pb);
+	kvs_client *rx = connect_ok(&pb);
+	struct hpeer h;
+	hp_join(&h, ep, &good, rnd64(), rnd64(), 0, 1);
+	enum { N = 8 };
+	kvs_room *rr[N];
+	struct kvs_room_desc d[N];
+	hostile_opens(&h, rx, N, rr, d);
+	struct child ch;
+	child_start(&ch, ponger, &h);
+	for (unsigned i = 0; i < N; i++)
+		cr_assert_eq(kvs_abort(rr[i]), 0);
+	for (unsigned i = 0; i < N; i++) {
+		struct kvs_event e = wait_event(rx);
+		cr_assert_eq(e.type, KVS_EV_ABORTED, "receiver %u: %u", i, e.type);
+	}
+	cr_assert_geq(stat_get(&pb, "peer_timeouts"), 1, "lost at its deadline");
+	cr_assert_eq(child_wait(&ch), 0, "the peer was closed");
+	close(h.fd);
+	for (unsigned i = 0; i < N; i++)
+		kvs_room_close(rr[i]);
+	kvs_close(rx);
+	wait_idle(&pb, 0);
+}
+
+/* A peer that stalls a payload one byte short on stream 1 and answers
+ * PINGs on stream 0: the receivers abort, and the slot posted for it
+ * comes back at once (the rest goes to the sink); the session is lost
+ * at its deadline and every receiver hears its final. */
+Test(hostile, a_stalled_payload_gives_its_slot_back_at_the_abort)
+{
+	listener(&pb, "3000");
+	const char *ep = endpoint_of(&pb);
+	kvs_client *rx = connect_ok(&pb);
+	struct hpeer h[2];
+	uint64_t inst = rnd64(), sid = rnd64();
+	hp_join(&h[0], ep, &good, inst, sid, 0, 2);
+	hp_join(&h[1], ep, &good, inst, sid, 1, 2);
+	enum { N = 8 };
+	kvs_room *rr[N];
+	struct kvs_room_desc d[N];
+	hostile_opens(h, rx, N, rr, d);
+	struct kvs_wire_chunk c = { .room = hp_room((const void *)&d[0]), .chunk = 0,
+				    .len = htole32(SLOT) };
+	hp_send(&h[1], KVS_WIRE_CHUNK, &c, SLOT, NULL);
+	static uint8_t most[SLOT - 1];
+	hp_put(h[1].fd, most, sizeof(most));
+	stat_wait(&pb, "slots.recv_posted", 1, 1);
+	struct child ch;
+	child_start(&ch, ponger, &h[0]);
+	for (unsigned i = 0; i < N; i++)
+		cr_assert_eq(kvs_abort(rr[i]), 0);
+	sync_barrier(rx);
+	cr_assert_eq(stat_get(&pb, "slots.recv_posted"), 0, "the stalled payload still holds its slot");
+	cr_assert_eq(stat_get(&pb, "slots.tombstone"), 0);
+	for (unsigned i = 0; i < N; i++) {
+		struct kvs_event e = wait_event(rx); /* ABORTED; FAILED if the session went first */
+		cr_assert(e.type == KVS_EV_ABORTED || e.type == KVS_EV_FAILED, "receiver %u: %u", i,
+			  e.type);
+	}
+	cr_assert_geq(stat_get(&pb, "peer_timeouts"), 1);
+	cr_assert_eq(child_wait(&ch), 0);
+	close(h[0].fd);
+	close(h[1].fd);
+	for (unsigned i = 0; i < N; i++)
+		kvs_room_close(rr[i]);
+	kvs_close(rx);
+	wait_idle(&pb, 0);
+}
+
+/* ----------------------------------------------- 8: the secret, wiped */
+
+static bool mem_holds(pid_t pid, const char *what)
+{
+	char path[64];
+	snprintf(path, sizeof(path), "/proc/%d/maps", (int)pid);
+	FILE *maps = fopen(path, "r");
+	cr_assert_not_null(maps);
+	snprintf(path, sizeof(path), "/proc/%d/mem", (int)pid);
+	int mem = open(path, O_RDONLY);
+	cr_assert_geq(mem, 0, "open %s", path);
+	size_t wl = strlen(what);
+	bool found = false;
+	char line[512];
+	static uint8_t buf[1 << 20];
+	while (!found && fgets(line, sizeof(line), maps)) {
+		unsigned long lo, hi;
+		char perm[8];
+		if (sscanf(line, "%lx-%lx %7s", &lo, &hi, perm) != 3 || perm[0] != 'r')
+			continue;
+		if (hi - lo > (1ul << 30))
+			continue; /* a sanitizer's shadow, reserved: nothing of ours */
+		for (unsigned long at = lo; at < hi && !found; at += sizeof(buf) - wl) {
+			size_t n = hi - at < sizeof(buf) ? hi - at : sizeof(buf);
+			ssize_t got = pread(mem, buf, n, (off_t)at);
+			if (got <= 0)
+				break;
+			found = memmem(buf, (size_t)got, what, wl) != NULL;
+		}
+	}
+	close(mem);
+	fclose(maps);
+	return found;
+}
+
+/* $KVSTAGE_PEER_SECRET is read once at start and then gone: not in
+ * /proc/PID/environ, and not anywhere in the proxy's memory. */
+Test(hostile, the_secret_from_the_environment_is_wiped)
+{
+	listener(&pb, NULL);
+	char path[64];
+	snprintf(path, sizeof(path), "/proc/%d/environ", (int)pb.pid);
+	static char env[1 << 16];
+	int fd = open(path, O_RDONLY);
+	cr_assert_geq(fd, 0);
+	ssize_t n = read(fd, env, sizeof(env));
+	close(fd);
+	cr_assert_gt(n, 0);
+	cr_assert_null(memmem(env, (size_t)n, SECRET, strlen(SECRET)),
+		       "the secret is in /proc/PID/environ");
+	cr_assert(!mem_holds(pb.pid, SECRET), "the secret is in the proxy's memory");
+	/* and it still proves it: a room arrives */
+	dialer(&pa);
+	kvs_client *rx = connect_ok(&pb), *tx = connect_ok(&pa);
+	one_room(rx, tx, 0xe1);
+	kvs_close(rx);
+	kvs_close(tx);
+}
