@@ -81,7 +81,7 @@ struct kvs_stats {
 	uint64_t peer_sessions;       /* up now */
 	uint64_t peer_lost;           /* sessions lost: dropped, cut, silent past --peer-timeout */
 	uint64_t peer_auth_failed;    /* connections that did not prove the secret in time */
-	uint64_t peer_refused;        /* connections refused or dropped for want of room */
+	uint64_t peer_refused;        /* connections refused, or unproven ones dropped, for want of room */
 	uint64_t peer_frames_refused; /* malformed, forged or replayed frames (connection dropped) */
 	uint64_t peer_frames_ignored; /* authentic frames naming no room of ours (stale, wrong token) */
 	uint64_t peer_crc_errors;     /* chunks whose payload failed --tcp-checksum */
@@ -91,7 +91,7 @@ struct kvs_stats {
 	uint64_t rdma_bytes_rx;
 	/* appended: older readers stop at rdma_bytes_rx */
 	uint64_t peer_timeouts;       /* sessions and handshakes lost at a deadline */
-	uint64_t peer_evicted;        /* handshakes and idle sessions dropped to make room */
+	uint64_t peer_evicted;        /* joining or idle sessions dropped to make room for a new one */
 	uint64_t peer_closed;         /* sessions closed quietly: idle, or the peer restarted */
 	uint64_t peer_pings;          /* PINGs sent: a quiet session's keep-alive */
 };

@@ -66,9 +66,10 @@ void hp_wait_closed(int fd)
 	}
 }
 
-void hp_handshake(struct hpeer *h, const char *endpoint, const struct kvsp_secret *s, uint64_t inst)
+void hp_handshake(struct hpeer *h, const char *endpoint, const char *src, const struct kvsp_secret *s,
+		  uint64_t inst)
 {
-	h->fd = hp_connect(endpoint, NULL);
+	h->fd = hp_connect(endpoint, src);
 	h->pings = 0;
 	cr_assert_eq(kvsp_auth_start(&h->a, s, KVS_WIRE_DIALER, inst | 1), 0);
 	cr_assert_eq(kvsp_auth_hello(&h->a, h->hello), 0);
@@ -86,10 +87,10 @@ void hp_handshake(struct hpeer *h, const char *endpoint, const struct kvsp_secre
 	kvsp_frame_rx_init(&h->rx, k.rx, 16u << 20);
 }
 
-void hp_join(struct hpeer *h, const char *endpoint, const struct kvsp_secret *s, uint64_t inst,
-	     uint64_t sid, uint32_t stream, uint32_t nstreams)
+void hp_join(struct hpeer *h, const char *endpoint, const char *src, const struct kvsp_secret *s,
+	     uint64_t inst, uint64_t sid, uint32_t stream, uint32_t nstreams)
 {
-	hp_handshake(h, endpoint, s, inst);
+	hp_handshake(h, endpoint, src, s, inst);
 	struct kvs_wire_join j = { htole64(sid), htole32(stream), htole32(nstreams) };
 	hp_send(h, KVS_WIRE_JOIN, &j, 0, NULL);
 }

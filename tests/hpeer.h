@@ -29,11 +29,12 @@ struct hpeer {
 /* A TCP connection to the proxy at "IPV4:PORT", from source address src
  * (NULL: any). Returns the fd (blocking). */
 int hp_connect(const char *endpoint, const char *src);
-/* The dialer's handshake with secret s as proxy instance inst, on a new connection. */
-void hp_handshake(struct hpeer *h, const char *endpoint, const struct kvsp_secret *s, uint64_t inst);
+/* The dialer's handshake with secret s as proxy instance inst, on a new connection from src (NULL: any). */
+void hp_handshake(struct hpeer *h, const char *endpoint, const char *src, const struct kvsp_secret *s,
+		  uint64_t inst);
 /* hp_handshake, then JOIN as stream `stream` of session sid with nstreams. */
-void hp_join(struct hpeer *h, const char *endpoint, const struct kvsp_secret *s, uint64_t inst,
-	     uint64_t sid, uint32_t stream, uint32_t nstreams);
+void hp_join(struct hpeer *h, const char *endpoint, const char *src, const struct kvsp_secret *s,
+	     uint64_t inst, uint64_t sid, uint32_t stream, uint32_t nstreams);
 /* Seals and sends a frame; its bytes into out (for replays) if given. Returns its size. */
 size_t hp_send(struct hpeer *h, uint16_t type, const void *body, uint32_t plen, void *out);
 /* Reads exactly n raw bytes. Returns 0, or -1 once the proxy closed. */

@@ -118,7 +118,7 @@ Test(hostile, a_half_joined_session_cannot_open_a_room_and_is_dropped_at_its_dea
 	cr_assert_eq(kvs_recv_open(rx, 2 * SLOT, 0x51, &rr, &rd), 0);
 	const struct kvs_desc_wire *d = (const void *)&rd;
 	struct hpeer h;
-	hp_join(&h, hp_endpoint(d), &good, rnd64(), rnd64(), 0, 2);
+	hp_join(&h, hp_endpoint(d), NULL, &good, rnd64(), rnd64(), 0, 2);
 	struct kvs_wire_open o = { .room = hp_room(d), .bytes = htole64(2 * SLOT),
 				   .slot_size = htole64(SLOT), .sender_ref = htole64(7) };
 	hp_send(&h, KVS_WIRE_OPEN, &o, 0, NULL);
@@ -139,6 +139,16 @@ Test(hostile, a_half_joined_session_cannot_open_a_room_and_is_dropped_at_its_dea
 	wait_idle(&pb, 0);
 }
 
+/* Sessions in px's published peer table that are joining. */
+static unsigned joining(const struct proxy *px)
+{
+	const struct kvs_peer *t = (const void *)((const char *)px->ctrl + px->ctrl->peers_off);
+	unsigned n = 0;
+	for (uint32_t i = 0; i < px->ctrl->peer_count; i++)
+		n += __atomic_load_n(&t[i].state, __ATOMIC_RELAXED) == KVS_PEER_JOINING;
+	return n;
+}
+
 /* Seventy such sessions, held open: the first sixty-four fill B's session
  * table, and each newcomer evicts the longest-silent of them. A real
  * proxy still dials in, and B still dials out. */
@@ -150,9 +160,13 @@ Test(hostile, half_joined_sessions_cannot_lock_a_proxy_out)
 	const char *ep = endpoint_of(&pb);
 	enum { N = 70 };
 	static struct hpeer h[N];
-	for (unsigned i = 0; i < N; i++)
-		hp_join(&h[i], ep, &good, rnd64(), rnd64(), 0, 2);
-	stat_wait(&pb, "peer_evicted", 1, N - 64);
+	for (unsigned i = 0; i < N; i++) {
+		char src[20]; /* eight per address: their handshakes stay within its share */
+		snprintf(src, sizeof(src), "127.0.0.%u", 2 + i / 8);
+		hp_join(&h[i], ep, src, &good, rnd64(), rnd64(), 0, 2);
+	}
+	stat_wait(&pb, "peer_evicted", 1, N - 64); /* the last six each evicted one */
+	cr_assert_eq(joining(&pb), 64, "the half-joined sessions did not fill B's table");
 	kvs_client *rx = connect_ok(&pb), *tx = connect_ok(&pa);
 	one_room(rx, tx, 0x52); /* in */
 	kvs_client *rc = connect_ok(&pc);
@@ -223,7 +237,7 @@ Test(hostile, silent_unauthenticated_connections_cannot_lock_proxies_out)
 		kvs_close(tx);
 		proxy_stop(&pa);
 	}
-	cr_assert_geq(stat_get(&pb, "peer_evicted"), 8, "127.0.0.1's silent ones made way");
+	cr_assert_geq(stat_get(&pb, "peer_refused"), 8, "127.0.0.1's silent ones made way");
 	close(ch.to);
 	cr_assert_eq(child_wait(&ch), 0);
 	kvs_close(rx);
@@ -309,7 +323,7 @@ Test(hostile, a_refused_open_comes_back_before_any_ping)
 	cr_assert_eq(wait_event(rx).type, KVS_EV_ABORTED);
 	const struct kvs_desc_wire *d = (const void *)&rd;
 	struct hpeer h;
-	hp_join(&h, hp_endpoint(d), &good, rnd64(), rnd64(), 0, 1);
+	hp_join(&h, hp_endpoint(d), NULL, &good, rnd64(), rnd64(), 0, 1);
 	struct kvs_wire_open o = { .room = hp_room(d), .bytes = htole64(SLOT),
 				   .slot_size = htole64(SLOT), .sender_ref = htole64(9) };
 	hp_send(&h, KVS_WIRE_OPEN, &o, 0, NULL);
@@ -497,7 +511,7 @@ Test(hostile, a_peer_that_never_ends_an_abort_is_lost_at_its_deadline)
 	const char *ep = endpoint_of(&pb);
 	kvs_client *rx = connect_ok(&pb);
 	struct hpeer h;
-	hp_join(&h, ep, &good, rnd64(), rnd64(), 0, 1);
+	hp_join(&h, ep, NULL, &good, rnd64(), rnd64(), 0, 1);
 	enum { N = 8 };
 	kvs_room *rr[N];
 	struct kvs_room_desc d[N];
@@ -530,8 +544,8 @@ Test(hostile, a_stalled_payload_gives_its_slot_back_at_the_abort)
 	kvs_client *rx = connect_ok(&pb);
 	struct hpeer h[2];
 	uint64_t inst = rnd64(), sid = rnd64();
-	hp_join(&h[0], ep, &good, inst, sid, 0, 2);
-	hp_join(&h[1], ep, &good, inst, sid, 1, 2);
+	hp_join(&h[0], ep, NULL, &good, inst, sid, 0, 2);
+	hp_join(&h[1], ep, NULL, &good, inst, sid, 1, 2);
 	enum { N = 8 };
 	kvs_room *rr[N];
 	struct kvs_room_desc d[N];
@@ -566,6 +580,7 @@ Test(hostile, a_stalled_payload_gives_its_slot_back_at_the_abort)
 
 /* ----------------------------------------------- 8: the secret, wiped */
 
+#ifndef __SANITIZE_ADDRESS__
 static bool mem_holds(pid_t pid, const char *what)
 {
 	char path[64];
@@ -598,6 +613,7 @@ static bool mem_holds(pid_t pid, const char *what)
 	fclose(maps);
 	return found;
 }
+#endif
 
 /* $KVSTAGE_PEER_SECRET is read once at start and then gone: not in
  * /proc/PID/environ, and not anywhere in the proxy's memory. */
@@ -614,7 +630,15 @@ Test(hostile, the_secret_from_the_environment_is_wiped)
 	cr_assert_gt(n, 0);
 	cr_assert_null(memmem(env, (size_t)n, SECRET, strlen(SECRET)),
 		       "the secret is in /proc/PID/environ");
+#ifdef __SANITIZE_ADDRESS__
+	/* ASan's runtime reads /proc/self/environ into a buffer of its own at
+	 * start (its getenv), before any code of ours runs: a copy no program
+	 * can wipe. The plain build's pass scans the memory. */
+	cr_log_warn("ASan build: the proxy's memory is not scanned for the secret (ASan's runtime "
+		    "keeps its own copy of the environment); the plain build's pass does");
+#else
 	cr_assert(!mem_holds(pb.pid, SECRET), "the secret is in the proxy's memory");
+#endif
 	/* and it still proves it: a room arrives */
 	dialer(&pa);
 	kvs_client *rx = connect_ok(&pb), *tx = connect_ok(&pa);

@@ -78,7 +78,7 @@ static void join_b(struct hpeer *h, const struct kvsp_secret *s)
 	uint64_t inst, sid;
 	randombytes_buf(&inst, sizeof(inst));
 	randombytes_buf(&sid, sizeof(sid));
-	hp_join(h, hp_endpoint(&desc), s, inst, sid, 0, 1);
+	hp_join(h, hp_endpoint(&desc), NULL, s, inst, sid, 0, 1);
 }
 
 static struct kvs_wire_room room_name(void)

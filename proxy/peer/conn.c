@@ -72,6 +72,14 @@ static bool unjoined(const struct pconn *c)
 	return !c->dialer && (c->state == PCONN_HANDSHAKE || c->state == PCONN_JOINING);
 }
 
+/* True if a has been silent longer than b: never a byte before any byte, then the longer wait. */
+static bool more_silent(const struct pconn *a, const struct pconn *b)
+{
+	if (a->heard != b->heard)
+		return !a->heard;
+	return a->last_rx_ns < b->last_rx_ns;
+}
+
 uint32_t pconn_admit(struct pconn_table *t, const struct kvsp_endpoint *from)
 {
 	unsigned all = 0, mine = 0;
@@ -81,11 +89,11 @@ uint32_t pconn_admit(struct pconn_table *t, const struct kvsp_endpoint *from)
 		if (!unjoined(c))
 			continue;
 		all++;
-		if (oldest == PCONN_NONE || c->last_rx_ns < t->conn[oldest].last_rx_ns)
+		if (oldest == PCONN_NONE || more_silent(c, &t->conn[oldest]))
 			oldest = i;
 		if (kvsp_endpoint_same_host(&c->from, from)) {
 			mine++;
-			if (oldest_mine == PCONN_NONE || c->last_rx_ns < t->conn[oldest_mine].last_rx_ns)
+			if (oldest_mine == PCONN_NONE || more_silent(c, &t->conn[oldest_mine]))
 				oldest_mine = i;
 		}
 	}
@@ -228,6 +236,7 @@ int pconn_handshake(struct pconn_table *t, struct pconn *c, uint64_t now)
 			if (n < 0)
 				return errno == EAGAIN ? 0 : -errno;
 			c->last_rx_ns = now;
+			c->heard = true;
 			c->hs_have += (uint32_t)n;
 			if (c->hs_have < need)
 				return 0;

@@ -16,8 +16,9 @@
  * Admission (pconn_admit): accepted connections that have not joined a
  * session yet are at most PCONN_PER_SOURCE from one address and
  * PCONN_HANDSHAKES in all. A newcomer past either takes the place of the
- * longest-silent one, never the other way round, so silent connections
- * cannot keep a real proxy out.
+ * longest-silent one (one that never said a byte before any that did),
+ * never the other way round, so silent connections cannot keep a real
+ * proxy out, even from its own address.
  *
  * Writes go straight from slot memory into the socket (frame and payload
  * in one sendmsg); reads go straight from the socket into the slot a
@@ -60,6 +61,7 @@ struct pconn {
 	bool wblocked;  /* the socket is full: wait for EPOLLOUT */
 	bool tx_held;   /* the payload waits (test barrier, datapath/stream.c) */
 	bool rx_paused; /* joined a session that is not up: its frames wait in the socket */
+	bool heard;     /* it has said a byte */
 	uint16_t idx;
 	uint32_t id;    /* a generation: the epoll tag is id << 32 | idx */
 	uint32_t sess;  /* its session's id once JOINed; 0: none */

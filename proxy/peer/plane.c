@@ -290,7 +290,7 @@ static void on_accept(struct peer *pr)
 		/* Unproven connections get a bounded share: the newcomer takes
 		 * the place of the longest-silent one, never the other way. */
 		if (pconn_admit(&pr->conns, &from) != PCONN_NONE) {
-			KVS_STAT_ADD(pr->st->peer_evicted, 1);
+			KVS_STAT_ADD(pr->st->peer_refused, 1);
 			kvsp_log_rl(&pr->rl_conn, now_of(pr), &pr->st->log_suppressed, KVSP_LOG_WARN,
 				    "peer handshakes full: the longest silent one made way for %s",
 				    from.text);
