@@ -65,7 +65,8 @@ const char *kvs_admin_msg(void);
 
 
 struct kvs_ctrl;
-/* Maps the proxy's control segment read-only (kvstage-stat, tests). Returns 0, or -errno. */
+/* Maps the proxy's control segment read-only (kvstage-stat, tests). Returns 0, or
+ * -EBADMSG (what answered handed over a segment smaller than it said), -errno. */
 int kvs_stat_map(const char *socket_path, const struct kvs_ctrl **ctrl, size_t *len);
 
 #endif

@@ -7,6 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "layout.h"
@@ -182,6 +183,14 @@ int kvs_stat_map(const char *path, const struct kvs_ctrl **ctrl, size_t *len)
 		if (cfd >= 0)
 			close(cfd);
 		return rc;
+	}
+	/* Mapping more than the file holds would fault (SIGBUS) at the first
+	 * touch past its end: whoever answers at the socket says the size. */
+	struct stat st;
+	if (fstat(cfd, &st) < 0 || !S_ISREG(st.st_mode) || !w.ctrl_size ||
+	    (uint64_t)st.st_size < w.ctrl_size) {
+		close(cfd);
+		return -EBADMSG;
 	}
 	void *m = mmap(NULL, w.ctrl_size, PROT_READ, MAP_SHARED, cfd, 0);
 	close(cfd);

@@ -254,11 +254,18 @@ Test(cli, config_file_sets_options_and_the_command_line_wins)
 	char dir[] = "/tmp/kvstage-conf.XXXXXX", good[96], path[96];
 	cr_assert_not_null(mkdtemp(dir));
 	snprintf(good, sizeof(good), "%s/good.conf", dir);
-	write_file(good, "# a deployment's options\n[kvstaged]\nslots = 8\nslot-size = 64K\n"
-			 "room-timeout = 1234\nno-lock = true\ntcp-checksum = no\n");
+	/* comments: whole lines of any length, and after a value ('#' or ';' after a blank) */
+	static char text[1024];
+	char longc[400];
+	memset(longc, 'c', sizeof(longc) - 1);
+	longc[sizeof(longc) - 1] = 0;
+	snprintf(text, sizeof(text), "# a deployment's options\n# %s\n[kvstaged]\nslots = 8\n"
+		 "slot-size = 64K # the chunk size\nroom-timeout = 1234 ; ms\nno-lock = true\n"
+		 "tcp-checksum = no\n", longc);
+	write_file(good, text);
 	proxy_start(&px, NULL, (const char *[]){ "--config", good, "--slots", "4", NULL });
 	cr_assert_eq(px.ctrl->slot_count, 4, "the command line's --slots wins");
-	cr_assert_eq(px.ctrl->slot_size, 64 * 1024, "the file's slot-size applies");
+	cr_assert_eq(px.ctrl->slot_size, 64 * 1024, "the file's slot-size applies, its comment dropped");
 	proxy_stop(&px);
 
 	const char *bin = build_path("proxy/kvstaged");
@@ -273,6 +280,14 @@ Test(cli, config_file_sets_options_and_the_command_line_wins)
 		{ "help = true\n", ":1: unknown key 'help'" },
 		{ "slots =\n", ":1: slots has no value" },
 		{ "listen = 127.0.0.1:0\n", "needs the deployment's peer secret" },
+		/* a line past what inih takes is refused whole, with its own number:
+		 * never cut, its tail read as a line of its own (once: failpoints) */
+		{ "slots = 8\nsocket = /tmp/kvstage-cli-never-xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx"
+		  "xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx"
+		  "xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx"
+		  "xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx\nfailpoints = true\n",
+		  ":2: a line longer than 198 bytes" },
+		{ "slots = 8\nsocket-mode = 0660#x\n", ":2: invalid --socket-mode '0660#x'" },
 	};
 	for (unsigned i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
 		snprintf(path, sizeof(path), "%s/bad%u.conf", dir, i);

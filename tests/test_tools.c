@@ -14,6 +14,9 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/ioctl.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/un.h>
 #include <sys/prctl.h>
 #include <sys/wait.h>
 #include <termios.h>
@@ -22,6 +25,7 @@
 
 #include "harness.h"
 #include "rawclient.h"
+#include "sock.h"
 
 static struct proxy px = PROXY_INIT;
 static char out[65536], err[65536];
@@ -423,6 +427,57 @@ Test(tools, stat_json_escapes_strings)
 	snprintf(want, sizeof(want), "{\"socket\":\"/tmp/kvstage-tools-%d-\\ufffd-\xc3\xa9/", (int)getpid());
 	cr_assert_eq(strncmp(out, want, strlen(want)), 0, "want %s, got %s", want, out);
 	cr_assert_neq(json_lines_ok(out, NULL), 0, "not JSON: %s\n%s", err, out);
+}
+
+/* Something at the socket path answers the hello with a segment size
+ * larger than the memfd it hands over: mapping that much would fault at
+ * the first read past the file's end. kvstage-stat says what is wrong. */
+static int liar(int rd, int wr, void *arg)
+{
+	(void)rd;
+	const char *path = arg;
+	int l = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+	struct sockaddr_un a = { .sun_family = AF_UNIX };
+	snprintf(a.sun_path, sizeof(a.sun_path), "%s", path);
+	if (l < 0 || bind(l, (struct sockaddr *)&a, sizeof(a)) < 0 || listen(l, 4) < 0)
+		return 1;
+	chan_put(wr, "ready", 5);
+	int c = accept(l, NULL, NULL);
+	struct kvs_hello h;
+	if (c < 0 || recv(c, &h, sizeof(h), 0) <= 0)
+		return 2;
+	int fd = memfd_create("liar", MFD_CLOEXEC);
+	if (fd < 0 || ftruncate(fd, 4096) < 0)
+		return 3;
+	struct kvs_ctrl *ctl = mmap(NULL, 4096, PROT_WRITE, MAP_SHARED, fd, 0);
+	ctl->magic = KVS_MAGIC_CTRL;
+	ctl->abi = KVS_ABI;
+	ctl->slot_count = 16; /* its tables past the file's end, inside the size it says */
+	ctl->slots_off = 64 << 10;
+	ctl->peer_count = 64;
+	ctl->peers_off = 128 << 10;
+	struct kvs_welcome w = { .magic = KVS_MAGIC_HELLO, .abi = KVS_ABI, .ctrl_size = 1 << 20 };
+	if (kvs_sock_send(c, &w, sizeof(w), &fd, 1) < 0)
+		return 4;
+	char b;
+	recv(c, &b, 1, 0); /* until the tool is done */
+	return 0;
+}
+
+Test(tools, stat_refuses_a_segment_smaller_than_it_is_said)
+{
+	char path[108];
+	snprintf(path, sizeof(path), "/tmp/kvstage-liar-%d.sock", (int)getpid());
+	unlink(path);
+	struct child ch;
+	child_start(&ch, liar, path);
+	char ready[5];
+	cr_assert_eq(chan_get(ch.from, ready, 5), 0);
+	int rc = RUN(build_path("tools/kvstage-stat"), "-s", path, "--slots");
+	cr_assert_eq(rc, 1, "exit %d (a signal?): %s", rc, err);
+	cr_assert(strstr(err, "smaller than the size it says"), "%s", err);
+	child_wait(&ch);
+	unlink(path);
 }
 
 /* A watching stat asks anew every sample: the proxy dies, it says so and

@@ -5,6 +5,11 @@
  * before the command line's, so the command line overrides them (for a
  * repeatable option, both count). Each argument remembers its line, so a
  * bad value is reported where it was written.
+ *
+ * Lines reach inih one at a time, read whole here: one longer than inih
+ * takes is refused with its own number (never cut in two, which once made
+ * its tail a line of its own), and a comment after a value ('#' or ';'
+ * after a blank) is dropped before inih sees the line, as the README says.
  */
 #include <errno.h>
 #include <ini.h>
@@ -14,9 +19,14 @@
 
 #include "daemon/config_file.h"
 
+struct conf;
+
 struct reader {
 	FILE *f;
 	unsigned line;
+	char *buf; /* getline's */
+	size_t cap;
+	struct conf *c;
 };
 
 struct conf {
@@ -29,14 +39,54 @@ struct conf {
 	bool failed;
 };
 
-/* inih hands us one line at a time: counting them gives each entry its line. */
+static int refuse(struct conf *c, const char *fmt, const char *a, const char *b);
+
+/* Drops a comment: a line that starts with '#' or ';' (after blanks), or
+ * one of them after a value with a blank before it. */
+static void strip_comment(char *s)
+{
+	const char *first = s + strspn(s, " \t");
+	if (*first == '#' || *first == ';') {
+		*s = 0;
+		return;
+	}
+	for (char *p = s + 1; *p; p++)
+		if ((*p == '#' || *p == ';') && (p[-1] == ' ' || p[-1] == '\t')) {
+			*p = 0;
+			return;
+		}
+}
+
+/* inih's line reader: one whole line each call (counting them gives each
+ * entry its line), or NULL at the end and on a refusal. */
 static char *read_line(char *str, int num, void *stream)
 {
 	struct reader *rd = stream;
-	char *s = fgets(str, num, rd->f);
-	if (s)
-		rd->line++;
-	return s;
+	ssize_t n = getline(&rd->buf, &rd->cap, rd->f);
+	if (n < 0)
+		return NULL;
+	rd->line++;
+	if (n && rd->buf[n - 1] == '\n')
+		rd->buf[--n] = 0;
+	if (n && rd->buf[n - 1] == '\r')
+		rd->buf[--n] = 0;
+	if (memchr(rd->buf, 0, (size_t)n)) {
+		refuse(rd->c, "a NUL byte in the line%s%s", "", "");
+		return NULL;
+	}
+	strip_comment(rd->buf);
+	size_t len = strlen(rd->buf);
+	if (len + 2 > (size_t)num) { /* with its newline and NUL, as inih wants it */
+		char max[16];
+		snprintf(max, sizeof(max), "%d", num - 2);
+		refuse(rd->c, "a line longer than %s bytes%s (values this long are not options)",
+		       max, "");
+		return NULL;
+	}
+	memcpy(str, rd->buf, len);
+	str[len] = '\n';
+	str[len + 1] = 0;
+	return str;
 }
 
 static int refuse(struct conf *c, const char *fmt, const char *a, const char *b)
@@ -120,9 +170,11 @@ int kvsp_conf_read(const char *path, const struct option *opts, struct kvsp_conf
 	}
 	struct conf c = { .opts = opts, .out = out, .rd = &rd, .why = why, .why_len = why_len,
 			  .path = path };
+	rd.c = &c;
 	int rc = ini_parse_stream(read_line, &rd, on_entry, &c);
 	bool io_error = ferror(rd.f);
 	fclose(rd.f);
+	free(rd.buf);
 	if (!c.failed && io_error) {
 		snprintf(why, why_len, "%s: read error", path);
 		c.failed = true;

@@ -13,8 +13,9 @@ struct kvsp_conf_args {
 	unsigned *line; /* the line each came from */
 };
 
-/* Reads the INI file at path: "key = value" lines, '#' or ';' comments,
- * an optional [kvstaged] section. Every key must be one of opts' long
+/* Reads the INI file at path: "key = value" lines, comments ('#' or ';'
+ * starting a line, or after a value with a blank before it), an optional
+ * [kvstaged] section; a line is at most 198 bytes once its comment is gone. Every key must be one of opts' long
  * options (not help, version or config); a flag takes true/false (yes/no,
  * on/off, 1/0). Returns 0, or -1 with "PATH:LINE: why" in why. */
 int kvsp_conf_read(const char *path, const struct option *opts, struct kvsp_conf_args *out, char *why,

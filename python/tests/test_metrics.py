@@ -3,6 +3,7 @@ import http.client
 import json
 import os
 import re
+import select
 import shutil
 import socket
 import subprocess
@@ -157,6 +158,56 @@ def test_connections_past_the_limit_are_refused_and_the_proxy_still_works(mproxy
     s = samples(page)
     assert s["kvstage_rooms_done_total"] == 1
     assert mproxy.log_text().count("connection limit") <= 10
+
+
+def test_trickling_requests_are_cut_at_their_deadline_and_a_full_server_refuses_at_once(mproxy):
+    """Eight connections from each of two addresses trickle a request a byte a second: they fill the
+    server, and a scrape meanwhile is refused at once, never left to wait for its timeout. Each trickler
+    is cut before its request is whole: a deadline for the request, which no byte renews (an idle
+    timeout would let them trickle for ever). Then scrapes work again."""
+    u = urllib.parse.urlsplit(metrics_url(mproxy))
+    request = b"GET /metrics HTTP/1.1\r\nHost: kvstage\r\n\r\n"
+    slow = [socket.create_connection((u.hostname, u.port), source_address=(src, 0))
+            for src in ("127.0.0.1", "127.0.0.2") for _ in range(8)]
+    for s in slow:
+        s.sendall(request[:1])
+    extra = socket.create_connection((u.hostname, u.port), source_address=("127.0.0.3", 0))
+    extra.settimeout(20)  # a failure guard: the answer is the close, at once
+    extra.sendall(request)
+    try:
+        assert extra.recv(4096) == b"", "a scrape past the limit was served"
+    except ConnectionResetError:
+        pass
+    extra.close()
+    cut = set()
+    for sent in range(1, len(request)):  # a byte a second: the attack's own pace
+        readable, _, _ = select.select([s for s in slow if s not in cut], [], [], 1.0)
+        for s in readable:
+            try:
+                if s.recv(4096) == b"":
+                    cut.add(s)
+            except ConnectionResetError:
+                cut.add(s)
+        if len(cut) == len(slow):
+            break
+        for s in slow:
+            if s not in cut:
+                try:
+                    s.sendall(request[sent:sent + 1])
+                except (BrokenPipeError, ConnectionResetError):
+                    cut.add(s)
+    assert len(cut) == len(slow), f"{len(slow) - len(cut)} trickling requests were never cut"
+    assert sent < len(request) - 1, "the requests were whole before they were cut"
+    for s in slow:
+        s.close()
+    deadline, page = time.monotonic() + 10, None
+    while page is None:  # their places come back once the server's thread saw them go
+        try:
+            page = scrape(metrics_url(mproxy))
+        except (ConnectionError, http.client.HTTPException, urllib.error.URLError):
+            assert time.monotonic() < deadline, "the cut connections' places never came back"
+    assert "kvstage_rooms_done_total 0" in page
+    assert mproxy.log_text().count("metrics:") <= 12, "the cuts are logged through a limit"
 
 
 @pytest.mark.parametrize("value", ["", "x", "65536", "1.2.3.4", "localhost:9", "127.0.0.1:", "[::1]"])

@@ -73,6 +73,11 @@ static void print_down(const char *path, int json, int up, const char *why)
 static int sample_map(const char *path, const struct kvs_ctrl **c, size_t *len, const char **why)
 {
 	int rc = kvs_stat_map(path, c, len);
+	if (rc == -EBADMSG) {
+		*why = "what answers there hands over a control segment smaller than the size it says "
+		       "(not kvstaged?)";
+		return -2;
+	}
 	if (rc < 0) {
 		*why = kvs_strerror(rc);
 		return -1;

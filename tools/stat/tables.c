@@ -207,7 +207,12 @@ void tables_take(const struct kvs_ctrl *c, size_t len, struct tables *tb)
 		if (state == KVS_PEER_FREE)
 			continue;
 		struct peer_row *k = &tb->pe[tb->npe++];
+		/* Whatever is in the segment, one line of printable text comes out. */
 		memcpy(k->ep, p->endpoint, sizeof(p->endpoint));
+		k->ep[sizeof(k->ep) - 1] = 0;
+		for (char *e = k->ep; *e; e++)
+			if ((unsigned char)*e < ' ' || (unsigned char)*e >= 0x7f)
+				*e = '?';
 		k->p.state = state;
 		k->p.streams = LD(p->streams);
 		k->p.instance = LD(p->instance);
