@@ -28,7 +28,7 @@
 #include <sodium.h>
 
 #include "peer/frame.h"
-#include "peer/peer_auth.h"
+#include "peer/auth.h"
 
 #define MAXP 96 /* the decoder's max_payload */
 #define HDR sizeof(struct kvs_wire_frame_hdr)

@@ -16,6 +16,11 @@
 
 #include "daemon/log.h"
 #include "core/proxy.h"
+#include "core/clients.h"
+#include "core/ops.h"
+#include "core/rooms.h"
+#include "host/loop.h"
+#include "ring.h"
 
 #define NCLIENTS 4
 #define NSLOTS 16

@@ -15,7 +15,7 @@
 
 #include "layout.h"
 #include "peer/frame.h"
-#include "peer/peer_auth.h"
+#include "peer/auth.h"
 
 struct hpeer {
 	int fd;

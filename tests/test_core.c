@@ -9,6 +9,11 @@
 #include <string.h>
 
 #include "core/proxy.h"
+#include "core/clients.h"
+#include "core/ops.h"
+#include "core/rooms.h"
+#include "host/loop.h"
+#include "ring.h"
 
 static struct kvsp P;
 

@@ -24,7 +24,7 @@
 #include <sodium.h>
 
 #include "peer/frame.h"
-#include "peer/peer_auth.h"
+#include "peer/auth.h"
 
 #define SECRET_A "correct horse battery staple, 32"
 #define SECRET_B "another deployment's secret, 32b"

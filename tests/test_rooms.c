@@ -12,6 +12,11 @@
 #include <string.h>
 
 #include "core/proxy.h"
+#include "core/clients.h"
+#include "core/rooms.h"
+#include "core/xport.h"
+#include "host/loop.h"
+#include "ring.h"
 
 #define SLOT 4096u
 #define NSLOTS 16u

@@ -21,8 +21,8 @@
 
 #include "daemon/log.h"
 #include "core/proxy.h"
-
-#define BURST 32
+#include "core/clients.h"
+#include "ring.h"
 
 /* ------------------------------------------------------ published row */
 
@@ -161,23 +161,6 @@ struct kvsp_client *kvsp_client_new(struct kvsp *p, int sock, pid_t pid)
 	return c;
 }
 
-void kvsp_client_reclaim(struct kvsp *p, struct kvsp_client *c)
-{
-	/* Nobody reads its rings any more: the rooms' finals go to their
-	 * other sides only. */
-	c->dying = true;
-	for (uint16_t h = 0; h < p->cfg.client_rooms; h++)
-		if (c->handles[h].state != KVSP_H_FREE)
-			kvsp_room_detach(p, c, h, -ECONNRESET);
-	/* What it still leases (outside rooms) goes back to the pool. */
-	struct kvsp_slots *s = &p->slots;
-	for (uint32_t i = 0; i < s->count; i++)
-		if (s->pub[i].owner == c->id)
-			kvsp_slot_drop(p, i);
-	c->finals_owed = 0;
-	kvsp_rooms_settle(p);
-}
-
 static void unkick(struct kvsp *p, struct kvsp_client *c)
 {
 	if (!c->kick)
@@ -192,9 +175,8 @@ static void unkick(struct kvsp *p, struct kvsp_client *c)
 	c->kick = false;
 }
 
-void kvsp_client_destroy(struct kvsp *p, struct kvsp_client *c)
+void kvsp_client_free(struct kvsp *p, struct kvsp_client *c)
 {
-	kvsp_client_reclaim(p, c);
 	unkick(p, c);
 	kvsp_rl_flush(&c->rl[KVSP_RL_TOKEN], p->now_ns, KVSP_LOG_WARN, "wrong room tokens", 1);
 	p->clients[c->idx] = NULL;
@@ -332,27 +314,11 @@ void kvsp_client_reply(struct kvsp *p, struct kvsp_client *c, uint32_t seq, int 
 	mark_kick(p, c);
 }
 
-int kvsp_client_poll(struct kvsp *p, struct kvsp_client *c)
+void kvsp_client_took(struct kvsp *p, struct kvsp_client *c, unsigned n)
 {
-	/* Each op can use at most one completion slot (a rejection) or owe
-	 * one more final (an open); finals already owed keep theirs. Taking
-	 * no more ops than that leaves every final room on the ring. */
-	if (!kvs_ring_count(&c->sq))
-		return KVSP_IDLE; /* the common case: one line, the client's tail */
-	unsigned room = kvs_ring_free(&c->cq);
-	if (room <= c->finals_owed)
-		return KVSP_IDLE;
-	unsigned n = room - c->finals_owed;
-	if (n > BURST)
-		n = BURST;
-	struct kvs_sqe q[BURST];
-	n = kvs_ring_pop(&c->sq, q, sizeof(q[0]), n);
-	for (unsigned i = 0; i < n; i++)
-		kvsp_client_op(p, c, &q[i]);
 	KVS_STAT_ADD(p->stats->ops, n);
 	if (n) {
 		TALLY(c, ops, n);
 		publish_rooms(c); /* opens and closes change it */
 	}
-	return n ? KVSP_BUSY : KVSP_IDLE;
 }

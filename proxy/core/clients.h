@@ -1,6 +1,7 @@
 /* SPDX-License-Identifier: MIT */
-/* Clients of this proxy: their regions, room handles and events (clients.c),
- * and the decoder of their submission records (ops.c). */
+/* Clients of this proxy: their regions, room handles and events (clients.c).
+ * What they ask is core/ops.h's to decode; what their rooms and slots
+ * become when they go, core/rooms.h's. */
 #ifndef KVSP_CLIENTS_H
 #define KVSP_CLIENTS_H
 
@@ -13,7 +14,14 @@
 #include "ring.h"
 
 struct kvsp;
-struct kvsp_side;
+
+/* A half's client on this proxy: its handle. cid 0: nobody attached. */
+struct kvsp_side {
+	uint32_t cid;
+	uint16_t cidx;
+	uint16_t handle;
+	uint64_t user_data;
+};
 
 enum kvsp_handle_state {
 	KVSP_H_FREE = 0,
@@ -68,18 +76,16 @@ struct kvs_client_row *kvsp_client_rows(const struct kvsp *p);
 
 /* A new client on sock. Returns it, or NULL with errno EUSERS (--max-clients reached) or why. */
 struct kvsp_client *kvsp_client_new(struct kvsp *p, int sock, pid_t pid);
-/* The client is gone: aborts its rooms, frees its slots (tombstones where pinned). */
-void kvsp_client_reclaim(struct kvsp *p, struct kvsp_client *c);
-/* kvsp_client_reclaim, then frees the client itself. */
-void kvsp_client_destroy(struct kvsp *p, struct kvsp_client *c);
+/* Frees c itself: its rooms and slots must be gone (kvsp_client_destroy, core/rooms.h). */
+void kvsp_client_free(struct kvsp *p, struct kvsp_client *c);
 struct kvsp_client *kvsp_client_get(struct kvsp *p, uint16_t cidx, uint32_t cid);
 void kvsp_client_final(struct kvsp *p, const struct kvsp_side *s, uint16_t type, int status,
 		       uint64_t bytes, uint32_t slot, uint32_t epoch);
 void kvsp_client_reply(struct kvsp *p, struct kvsp_client *c, uint32_t seq, int status);
 void kvsp_client_reject(struct kvsp *p, struct kvsp_client *c, uint16_t h, int status,
 			const struct kvs_sqe *q);
-int kvsp_client_poll(struct kvsp *p, struct kvsp_client *c);
-void kvsp_client_op(struct kvsp *p, struct kvsp_client *c, const struct kvs_sqe *q);
+/* Counts n ops taken from c's ring (and the rooms they opened or closed). */
+void kvsp_client_took(struct kvsp *p, struct kvsp_client *c, unsigned n);
 void kvsp_kicks_flush(struct kvsp *p);
 void kvsp_count_reject(struct kvsp *p, int err);
 

@@ -9,6 +9,7 @@
 
 #include "core/local.h"
 #include "core/proxy.h"
+#include "core/xport.h"
 
 static int local_submit(struct kvsp_transport *t, struct kvsp_xfer *x)
 {

@@ -8,7 +8,15 @@
 #include <errno.h>
 #include <string.h>
 
+#include "core/ops.h"
+
+#include "core/clients.h"
 #include "core/proxy.h"
+#include "core/rooms.h"
+#include "core/xport.h"
+#include "ring.h"
+
+#define BURST 32 /* records a client gets per pass: one client cannot starve the rest */
 
 static bool handle_in_use(const struct kvsp *p, const struct kvsp_client *c, uint16_t h)
 {
@@ -114,4 +122,25 @@ void kvsp_client_op(struct kvsp *p, struct kvsp_client *c, const struct kvs_sqe 
 {
 	client_op(p, c, q);
 	kvsp_rooms_settle(p); /* what the op ended, ends now: its finals come before the next op's */
+}
+
+int kvsp_client_poll(struct kvsp *p, struct kvsp_client *c)
+{
+	/* Each op can use at most one completion slot (a rejection) or owe
+	 * one more final (an open); finals already owed keep theirs. Taking
+	 * no more ops than that leaves every final room on the ring. */
+	if (!kvs_ring_count(&c->sq))
+		return KVSP_IDLE; /* the common case: one line, the client's tail */
+	unsigned room = kvs_ring_free(&c->cq);
+	if (room <= c->finals_owed)
+		return KVSP_IDLE;
+	unsigned n = room - c->finals_owed;
+	if (n > BURST)
+		n = BURST;
+	struct kvs_sqe q[BURST];
+	n = kvs_ring_pop(&c->sq, q, sizeof(q[0]), n);
+	for (unsigned i = 0; i < n; i++)
+		kvsp_client_op(p, c, &q[i]);
+	kvsp_client_took(p, c, n);
+	return n ? KVSP_BUSY : KVSP_IDLE;
 }

@@ -19,6 +19,10 @@
 #include "daemon/log.h"
 #include "parse.h"
 #include "core/proxy.h"
+#include "core/clients.h"
+#include "core/rooms.h"
+#include "ring.h"
+#include "host/loop.h"
 
 #ifndef F_SEAL_FUTURE_WRITE
 #define F_SEAL_FUTURE_WRITE 0x0010

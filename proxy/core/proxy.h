@@ -1,5 +1,10 @@
 /* SPDX-License-Identifier: MIT */
-/* kvstaged: the proxy's shared context, and its lifetime. One thread owns all of it. */
+/*
+ * kvstaged: the proxy's shared context. One thread owns all of it. It holds
+ * by value only what it must (config, slots, failpoints, histograms, rate
+ * limits); every part a .c file calls, it includes itself. Its lifetime and
+ * the loop are host/loop.h's.
+ */
 #ifndef KVSP_PROXY_H
 #define KVSP_PROXY_H
 
@@ -8,23 +13,22 @@
 #include <stdint.h>
 #include <sys/types.h>
 
-#include "core/clients.h"
+#include <time.h>
+
 #include "core/config.h"
 #include "core/failpoint.h"
 #include "core/hist.h"
-#include "layout.h"
-#include "daemon/log.h"
-#include "host/loop.h"
-#include "ring.h"
-#include "core/rooms.h"
 #include "core/slots.h"
-#include "core/xport.h"
-
-/* ----------------------------------------------------------------- proxy */
+#include "daemon/log.h"
+#include "layout.h"
 
 struct kvsp_admin;
-struct kvsp_pending;
+struct kvsp_client;
 struct kvsp_metrics;
+struct kvsp_pending;
+struct kvsp_room;
+struct kvsp_transport;
+struct kvsp_xfer;
 
 struct kvsp {
 	struct kvsp_config cfg;
@@ -83,23 +87,18 @@ struct kvsp {
 	struct kvsp_metrics *metrics; /* NULL: no --metrics-listen */
 };
 
-uint64_t kvsp_now_ns(void);
+/* CLOCK_MONOTONIC in nanoseconds (the loop reads it once a pass into now_ns). */
+static inline uint64_t kvsp_now_ns(void)
+{
+	struct timespec ts;
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
 
 /* pool.c */
 /* Refuses a pool that cannot fit in the memory left (RAM or cgroup). Returns 0, or -ENOMEM (logged). */
 int kvsp_pool_fits(const struct kvsp_config *cfg);
 int kvsp_pool_create(struct kvsp *p);
 void kvsp_pool_destroy(struct kvsp *p);
-
-/* proxy.c */
-/* Sets p up from cfg; with a socket path, claims it first. Returns 0, or -errno (logged). */
-int kvsp_init(struct kvsp *p, const struct kvsp_config *cfg);
-void kvsp_fini(struct kvsp *p);
-
-/* poller.c */
-/* Opens the socket and takes the signals. Returns 0, or -errno (logged). */
-int kvsp_listen(struct kvsp *p);
-/* Runs until drained or told twice. Returns the exit code. */
-int kvsp_run(struct kvsp *p);
 
 #endif

@@ -18,6 +18,9 @@
 
 #include "daemon/log.h"
 #include "core/proxy.h"
+#include "core/clients.h"
+#include "core/rooms.h"
+#include "core/xport.h"
 
 #define NONE KVSP_NONE
 
@@ -603,4 +606,29 @@ void kvsp_slot_drop(struct kvsp *p, uint32_t slot)
 	if (i != NONE && p->slots.pub[slot].state == KVS_SLOT_RECV_FILLED)
 		kvsp_slist_del(p, &p->rooms[i].recv.placed_head, slot);
 	kvsp_slot_kill(&p->slots, slot);
+}
+
+/* ---------------------------------------------------- a client gone */
+
+void kvsp_client_reclaim(struct kvsp *p, struct kvsp_client *c)
+{
+	/* Nobody reads its rings any more: the rooms' finals go to their
+	 * other sides only. */
+	c->dying = true;
+	for (uint16_t h = 0; h < p->cfg.client_rooms; h++)
+		if (c->handles[h].state != KVSP_H_FREE)
+			kvsp_room_detach(p, c, h, -ECONNRESET);
+	/* What it still leases (outside rooms) goes back to the pool. */
+	struct kvsp_slots *s = &p->slots;
+	for (uint32_t i = 0; i < s->count; i++)
+		if (s->pub[i].owner == c->id)
+			kvsp_slot_drop(p, i);
+	c->finals_owed = 0;
+	kvsp_rooms_settle(p);
+}
+
+void kvsp_client_destroy(struct kvsp *p, struct kvsp_client *c)
+{
+	kvsp_client_reclaim(p, c);
+	kvsp_client_free(p, c);
 }

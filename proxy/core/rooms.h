@@ -16,10 +16,10 @@
 #include <stdbool.h>
 #include <stdint.h>
 
+#include "core/clients.h"
 #include "layout.h"
 
 struct kvsp;
-struct kvsp_client;
 struct kvsp_transport;
 
 enum kvsp_room_state {
@@ -27,14 +27,6 @@ enum kvsp_room_state {
 	KVSP_ROOM_OPEN,
 	KVSP_ROOM_ABORTING, /* waiting for its transfers (and the peer's half) to quiesce */
 	KVSP_ROOM_ENDED,    /* final events posted */
-};
-
-/* A half's client on this proxy: its handle. cid 0: nobody attached. */
-struct kvsp_side {
-	uint32_t cid;
-	uint16_t cidx;
-	uint16_t handle;
-	uint64_t user_data;
 };
 
 struct kvsp_recv_half {
@@ -96,6 +88,10 @@ int kvsp_room_map(struct kvsp *p, struct kvsp_client *c, uint16_t h, struct kvs_
 int kvsp_lease_release(struct kvsp *p, struct kvsp_client *c, const struct kvs_lease *l);
 /* The slot's owner is gone: off its room's lists, then killed. */
 void kvsp_slot_drop(struct kvsp *p, uint32_t slot);
+/* A client is gone: aborts its rooms, frees its slots (tombstones where pinned). */
+void kvsp_client_reclaim(struct kvsp *p, struct kvsp_client *c);
+/* kvsp_client_reclaim, then frees the client itself. */
+void kvsp_client_destroy(struct kvsp *p, struct kvsp_client *c);
 /* Aborts rooms past --room-timeout. Returns the next deadline. */
 uint64_t kvsp_rooms_tick(struct kvsp *p);
 void kvsp_rooms_abort_all(struct kvsp *p, int status);

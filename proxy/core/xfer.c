@@ -12,6 +12,9 @@
 
 #include "daemon/log.h"
 #include "core/proxy.h"
+#include "core/rooms.h"
+#include "core/xport.h"
+#include "host/loop.h"
 
 #define NONE KVSP_NONE
 

@@ -12,6 +12,8 @@
 #include <unistd.h>
 
 #include "core/proxy.h"
+#include "host/loop.h"
+#include "core/xport.h"
 #include "daemon/config_file.h"
 #include "daemon/daemon.h"
 #include "daemon/log.h"
@@ -21,7 +23,7 @@
 #include "parse.h"
 #include "peer/endpoint.h"
 #include "peer/peer.h"
-#include "peer/peer_auth.h"
+#include "peer/auth.h"
 
 static void usage(FILE *f)
 {

@@ -16,6 +16,7 @@
 #include "kvstage.h"
 #include "daemon/metrics.h"
 #include "core/proxy.h"
+#include "core/clients.h"
 
 const uint64_t kvsp_hist_room_ns[KVSP_HIST_BUCKETS] = {
 	100000, 250000, 500000, 1000000, 2500000, 5000000, 10000000, 25000000, 50000000,

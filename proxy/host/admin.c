@@ -6,6 +6,7 @@
  */
 #include <errno.h>
 #include <stdlib.h>
+#include <stdio.h>
 #include <string.h>
 #include <sys/epoll.h>
 #include <sys/socket.h>
@@ -13,6 +14,8 @@
 
 #include "daemon/log.h"
 #include "core/proxy.h"
+#include "core/xport.h"
+#include "host/loop.h"
 #include "sock.h"
 #include "statnames.h"
 

@@ -28,6 +28,9 @@
 
 #include "daemon/log.h"
 #include "core/proxy.h"
+#include "core/clients.h"
+#include "core/rooms.h"
+#include "host/loop.h"
 #include "sock.h"
 
 #ifndef SO_PEERGROUPS

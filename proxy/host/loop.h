@@ -1,6 +1,7 @@
 /* SPDX-License-Identifier: MIT */
-/* The loop and what plugs into its epoll: the listener and hello
- * (listener.c), the admin protocol (admin.c), the loop itself (poller.c). */
+/* The proxy's lifetime (proxy.c), the loop and what plugs into its epoll:
+ * the listener and hello (listener.c), the admin protocol (admin.c), the
+ * loop itself (poller.c). */
 #ifndef KVSP_LOOP_H
 #define KVSP_LOOP_H
 
@@ -10,6 +11,17 @@
 
 struct kvsp;
 struct kvsp_config;
+
+/* proxy.c */
+/* Sets p up from cfg; with a socket path, claims it first. Returns 0, or -errno (logged). */
+int kvsp_init(struct kvsp *p, const struct kvsp_config *cfg);
+void kvsp_fini(struct kvsp *p);
+
+/* poller.c */
+/* Opens the socket and takes the signals. Returns 0, or -errno (logged). */
+int kvsp_listen(struct kvsp *p);
+/* Runs until drained or told twice. Returns the exit code. */
+int kvsp_run(struct kvsp *p);
 
 /* listener.c: the socket, access control, accept and hello */
 /* Checks that the socket's file can admit everyone the access rule admits; why says what not. Returns 0, or -EINVAL. */

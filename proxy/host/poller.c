@@ -23,18 +23,17 @@
 #include "daemon/log.h"
 #include "daemon/notify.h"
 #include "core/proxy.h"
+#include "core/clients.h"
+#include "core/ops.h"
+#include "core/rooms.h"
+#include "core/xport.h"
+#include "host/loop.h"
+#include "ring.h"
 
 #define TICK_NS 1000000ull
 #define DRAIN_REPORT_NS 2000000000ull /* a draining proxy says what it waits for this often */
 
 struct kvsp *kvsp_signalled; /* for the signal handler: set by kvsp_listen */
-
-uint64_t kvsp_now_ns(void)
-{
-	struct timespec ts;
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
-}
 
 int kvsp_ep_add(struct kvsp *p, int fd, uint32_t events, uint64_t data)
 {

@@ -10,6 +10,10 @@
 
 #include "daemon/log.h"
 #include "core/proxy.h"
+#include "core/clients.h"
+#include "core/rooms.h"
+#include "core/xport.h"
+#include "host/loop.h"
 
 extern struct kvsp *kvsp_signalled;
 

@@ -1,5 +1,18 @@
 /* SPDX-License-Identifier: MIT */
-/* One connection between proxies: see peer/conn.h for its states and deadlines. */
+/*
+ * One connection between proxies (peer/conn.h). Its life; no other file
+ * changes a connection's state:
+ *
+ *   FREE --dial--> CONNECTING --connected--> HANDSHAKE --proved--> UP
+ *   FREE --accept-------------------------> HANDSHAKE --proved--> JOINING --JOIN--> UP
+ *   any state --close--> FREE
+ *
+ * Deadlines (pconn_deadline): every state before UP ends by born + the
+ * handshake time; an UP connection lives as long as its session, except
+ * that a payload which stops arriving is overdue past the peer timeout.
+ * Past its deadline the plane fails it: an unjoined one is closed and
+ * counted, a joined one loses its session.
+ */
 #include "peer/conn.h"
 
 #include <errno.h>

@@ -5,13 +5,7 @@
  * or data path: what a frame means is its owner's (peer/plane.c), and
  * where a payload goes is the data path's (datapath/stream.c).
  *
- *   FREE --dial--> CONNECTING --connected--> HANDSHAKE --proved--> UP
- *   FREE --accept-------------------------> HANDSHAKE --proved--> JOINING --JOIN--> UP
- *   any state --close--> FREE
- *
- * Deadlines (pconn_overdue): every state before UP ends by born + the
- * handshake time; an UP connection lives as long as its session, except
- * that a payload which stops arriving is overdue past the peer timeout.
+ * Its one state machine, and the deadline of each state, are conn.c's.
  *
  * Admission (pconn_admit): accepted connections that have not joined a
  * session yet are at most PCONN_PER_SOURCE from one address and
@@ -32,7 +26,7 @@
 
 #include "peer/endpoint.h"
 #include "peer/frame.h"
-#include "peer/peer_auth.h"
+#include "peer/auth.h"
 
 struct kvsp_xfer;
 struct kvs_peer;
