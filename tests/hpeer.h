@@ -1,7 +1,7 @@
 /* SPDX-License-Identifier: MIT */
 /*
  * A test peer that speaks the wire between proxies itself (peer/frame.c,
- * peer/peer_auth.c), for the hostile-peer suites: it can prove a secret or
+ * peer/auth.c), for the hostile-peer suites: it can prove a secret or
  * not, join some streams of a session and not others, send any frame, stall
  * a payload, answer PINGs and nothing else. Every wait has WAIT_MS as a
  * failure guard, never as an ordering.

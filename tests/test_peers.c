@@ -1,7 +1,7 @@
 /* SPDX-License-Identifier: MIT */
 /*
  * Hostile peers against a real kvstaged --listen on loopback: a test peer
- * speaking the wire (proxy/frame.c, proxy/peer_auth.c) with no secret, a
+ * speaking the wire (tests/hpeer.c over proxy/peer/frame.c and auth.c) with no secret, a
  * wrong one, replays, forged and stale tokens, broken frames, or nothing
  * at all. Each is refused or dropped and counted, and a real room between
  * two real proxies, open all along, still arrives byte for byte.

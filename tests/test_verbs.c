@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * The RDMA device layer under the verbs data path (proxy/verbs.c), on a
+ * The RDMA device layer under the verbs data path (proxy/datapath/verbs.c), on a
  * real RDMA stack: two "proxies" in one process, each with its own pool
  * registered on the device and an RC queue pair connected to the other's.
  *

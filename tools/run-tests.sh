@@ -37,15 +37,17 @@ RXE_WORKDIR="$PWD/build/rxe" tests/rxe/run.sh --timeout 900 --env KVSTAGE_TEST_R
 echo "== the tcp suite again with chunks by RDMA READ (every proxy --rdma-device rxe0) in that guest"
 RXE_WORKDIR="$PWD/build/rxe" tests/rxe/run.sh --timeout 900 --env "KVSTAGE_TEST_PROXY_ARGS=--rdma-device rxe0" \
   --env KVSTAGE_BUILD_DIR="$PWD/build" -- build/tests/test-tcp --jobs=1
-echo "== hostile peers against proxies with --rdma-device rxe0 in that guest"
-RXE_WORKDIR="$PWD/build/rxe" tests/rxe/run.sh --timeout 600 --env "KVSTAGE_TEST_PROXY_ARGS=--rdma-device rxe0" \
-  --env KVSTAGE_BUILD_DIR="$PWD/build" -- build/tests/test-peers --jobs=1
-echo "== under ASan+UBSan in that guest: verbs, conformance's verbs cases (the rest ran under ASan above), tcp and peers with rxe0"
+echo "== hostile peers against proxies with --rdma-device rxe0 in that guest (the wire, then the control plane)"
+for suite in peers hostile; do
+  RXE_WORKDIR="$PWD/build/rxe" tests/rxe/run.sh --timeout 600 --env "KVSTAGE_TEST_PROXY_ARGS=--rdma-device rxe0" \
+    --env KVSTAGE_BUILD_DIR="$PWD/build" -- "build/tests/test-$suite" --jobs=1
+done
+echo "== under ASan+UBSan in that guest: verbs, conformance's verbs cases (the rest ran under ASan above), tcp, peers and hostile with rxe0"
 asan_env=(--env ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 --env UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1)
 RXE_WORKDIR="$PWD/build/rxe" tests/rxe/run.sh --timeout 600 "${asan_env[@]}" -- build-asan/tests/test-verbs --jobs=1
 RXE_WORKDIR="$PWD/build/rxe" tests/rxe/run.sh --timeout 900 "${asan_env[@]}" --env KVSTAGE_TEST_RDMA_DEVICE=rxe0 \
   --env KVSTAGE_TEST_ONLY_KIND=verbs --env KVSTAGE_BUILD_DIR="$PWD/build-asan" -- build-asan/tests/test-conformance --jobs=1
-for suite in tcp peers; do
+for suite in tcp peers hostile; do
   RXE_WORKDIR="$PWD/build/rxe" tests/rxe/run.sh --timeout 900 "${asan_env[@]}" --env "KVSTAGE_TEST_PROXY_ARGS=--rdma-device rxe0" \
     --env KVSTAGE_BUILD_DIR="$PWD/build-asan" -- "build-asan/tests/test-$suite" --jobs=1
 done

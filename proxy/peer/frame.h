@@ -2,7 +2,7 @@
 /*
  * Frames between proxies after the handshake (the format is shm/wire.h):
  * a sealer for what we send, an incremental decoder for what we receive.
- * Pure code over byte buffers; the tcp transport owns the sockets.
+ * Pure code over byte buffers; the peer plane (peer/conn.c) owns the sockets.
  *
  * The decoder reads a frame's header and body into its own buffer, then
  * hands the frame back only once its MAC verified and its seq is the next

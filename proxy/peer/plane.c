@@ -12,7 +12,11 @@
  * reads, the frames' owners, writes), the timer, and the plane's
  * lifetime. What is owed on a connection is decided in one place
  * (next_frame): writing it and saying whether there is anything to write
- * are the same call, so nothing owed can wait for the next PING.
+ * are the same call, so nothing owed can wait for the next PING. Whatever
+ * can make a frame owed reaches the plane through one of its entry points
+ * (an op of the core, a socket's event, the timer, a data path's
+ * completion), and each sets tx_due: the next pass offers every connection
+ * its frames, and a pass with nothing new costs no look at them.
  */
 #include <endian.h>
 #include <errno.h>
@@ -47,7 +51,8 @@ struct peer {
 	uint64_t timeout_ns, hs_ns;
 	int epfd, listen_fd, timer_fd;
 	int spare_fd; /* given up to accept (and close) a connection when out of fds */
-	bool woken; /* our epoll fd woke the loop (the listener, the timer, a socket) */
+	bool woken;  /* our epoll fd woke the loop (the listener, the timer, a socket) */
+	bool tx_due; /* something happened that may owe a frame: the next pass writes */
 	struct kvsp_endpoint listen, advertise;
 	char endpoint[64]; /* "tcp:" advertise; "" when we do not listen */
 	struct pconn_table conns;
@@ -77,8 +82,8 @@ static uint64_t now_of(const struct peer *pr)
  * stream 0, its chunks). out NULL: only whether there is one. */
 static bool next_frame(struct peer *pr, struct psess *s, struct pconn *c, struct kvsp_dp_frame *out)
 {
-	uint64_t now = now_of(pr);
 	if (c->stream == 0) {
+		uint64_t now = out ? now_of(pr) : 0; /* a PING's value, an OPEN's time */
 		union kvs_wire_body *body = out ? &out->body : NULL;
 		uint16_t type;
 		if (psess_next_frame(s, now, &type, body) ||
@@ -334,6 +339,7 @@ static void on_timer(struct peer *pr)
 
 static int peer_submit(struct kvsp_transport *t, struct kvsp_xfer *x)
 {
+	peer_of(t)->tx_due = true;
 	return proom_submit(&peer_of(t)->rooms, x);
 }
 
@@ -341,6 +347,7 @@ static void peer_cancel(struct kvsp_transport *t, uint32_t room, uint32_t gen, i
 {
 	struct peer *pr = peer_of(t);
 	(void)status;
+	pr->tx_due = true;
 	proom_cancel(&pr->rooms, room, gen);
 	for (unsigned k = 0; k < pr->ndps; k++)
 		pr->dps[k]->ops->cancel(pr->dps[k], room, gen);
@@ -348,6 +355,7 @@ static void peer_cancel(struct kvsp_transport *t, uint32_t room, uint32_t gen, i
 
 static void peer_notify(struct kvsp_transport *t, uint32_t room, uint32_t gen, int note, int status)
 {
+	peer_of(t)->tx_due = true;
 	proom_notify(&peer_of(t)->rooms, room, gen, note, status);
 }
 
@@ -387,6 +395,7 @@ static int peer_reach(struct kvsp_transport *t, const struct kvs_desc_wire *d, u
 static int peer_attach(struct kvsp_transport *t, uint32_t peer, uint32_t room, uint32_t gen,
 		       const struct kvs_desc_wire *d)
 {
+	peer_of(t)->tx_due = true;
 	return proom_attach(&peer_of(t)->rooms, peer, room, gen, d);
 }
 
@@ -397,6 +406,7 @@ static int peer_poll(struct kvsp_transport *t)
 	for (unsigned k = 0; k < pr->ndps; k++)
 		busy |= pr->dps[k]->ops->poll(pr->dps[k]); /* before: a lost session's READs flush */
 	busy |= psess_reap(&pr->sessions, now_of(pr));
+	pr->tx_due |= busy;
 	/* With no connection, only the listener and the timer can have news,
 	 * and the loop hears of those through our fd (peer_on_fd): a proxy
 	 * with no peers pays no syscall a pass. */
@@ -418,10 +428,15 @@ static int peer_poll(struct kvsp_transport *t)
 				on_conn_event(pr, c, ev[k].events);
 		}
 	}
+	if (!(pr->tx_due | (n > 0)))
+		return busy; /* nothing new since the last look: nothing new is owed */
+	pr->tx_due = false;
 	for (unsigned i = 0; i < pr->conns.hi; i++) {
 		struct pconn *c = &pr->conns.conn[i];
-		if (wants_tx(pr, c))
-			busy |= conn_tx(pr, c);
+		if (wants_tx(pr, c) && conn_tx(pr, c) == KVSP_BUSY) {
+			busy = KVSP_BUSY;
+			pr->tx_due = true; /* it may have stopped at its burst: look again */
+		}
 	}
 	return busy;
 }
@@ -429,19 +444,17 @@ static int peer_poll(struct kvsp_transport *t)
 static bool peer_pending(struct kvsp_transport *t)
 {
 	struct peer *pr = peer_of(t);
-	if (pr->woken)
+	if (pr->woken || pr->tx_due)
 		return true;
 	for (unsigned k = 0; k < pr->ndps; k++)
 		if (pr->dps[k]->ops->pending(pr->dps[k]))
-			return true;
-	for (unsigned i = 0; i < pr->conns.hi; i++)
-		if (wants_tx(pr, &pr->conns.conn[i]))
 			return true;
 	return false;
 }
 
 static void peer_drain(struct kvsp_transport *t)
 {
+	peer_of(t)->tx_due = true;
 	psess_drain(&peer_of(t)->sessions);
 }
 

@@ -1,10 +1,10 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * Records between proxies: the tcp transport, and the control path of
- * verbs. Little-endian, fixed-size, 8-byte aligned. The structs here are
+ * Records between proxies: the peer plane's sessions, and the frames of its
+ * data paths (the stream's CHUNK, RDMA READ's). Little-endian, fixed-size, 8-byte aligned. The structs here are
  * the wire form: fill them with htole*() and read them with le*toh(), as
- * rooms.c does for the descriptor. proxy/peer_auth.c speaks the
- * handshake, proxy/frame.c seals and decodes the frames.
+ * rooms.c does for the descriptor. proxy/peer/auth.c speaks the
+ * handshake, proxy/peer/frame.c seals and decodes the frames.
  *
  * A connection is a handshake, then frames.
  *
@@ -86,7 +86,7 @@ struct kvs_wire_proof {
 	uint16_t type;    /* KVS_WIRE_PROOF */
 	uint32_t role;    /* the prover's */
 	uint32_t rsvd;    /* 0 */
-	uint8_t mac[32];  /* HMAC-SHA256 under the master key, see proxy/peer_auth.c */
+	uint8_t mac[32];  /* HMAC-SHA256 under the master key, see proxy/peer/auth.c */
 };
 static_assert(sizeof(struct kvs_wire_proof) == 48, "proof is 48 bytes");
 

@@ -1,0 +1,121 @@
+#!/usr/bin/env python3
+"""A/B: two builds of kvstage, one kvstage-bench command, runs alternated.
+
+  tools/bench/ab.py [-n RUNS] A B -- KVSTAGE-BENCH-ARGS...
+
+A and B are each a build directory (holding proxy/kvstaged and tools/bench/kvstage-bench)
+or a git commit, which is built first in build-ab/COMMIT (meson, the same options as
+tools/setup.sh). Each side runs its own kvstage-bench, which starts its own kvstaged: the
+client library and the proxy are both that side's. Runs go A, B, A, B, ... (RUNS each,
+default 7), so that a machine that drifts drifts for both; each is given --json.
+
+Prints, for every figure of every point (chunk size), each side's runs, their medians,
+and B's median over A's. A figure that moves less than the runs spread says nothing:
+the runs are printed so that the spread can be seen.
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+
+# (label, path into a point, better when higher)
+FIGURES = [
+    ("GB/s", ("gbps",), True),
+    ("chunks/s", ("chunks_per_s",), True),
+    ("rooms/s", ("rooms_per_s",), True),
+    ("chunk p50 us", ("chunk_latency_us", "p50"), False),
+    ("chunk p99 us", ("chunk_latency_us", "p99"), False),
+    ("room p50 us", ("room_latency_us", "p50"), False),
+    ("latency p50 us", ("latency_us", "p50"), False),
+    ("proxy cpu %", ("proxy_cpu_pct",), False),
+    ("proxy A cpu %", ("proxy_a_cpu_pct",), False),
+    ("proxy B cpu %", ("proxy_b_cpu_pct",), False),
+]
+
+
+def build_of(side):
+    """A build directory for side: itself, or a fresh build of a commit."""
+    if os.path.isfile(os.path.join(side, "tools", "bench", "kvstage-bench")):
+        return side
+    commit = subprocess.run(["git", "-C", ROOT, "rev-parse", "--verify", side + "^{commit}"],
+                            capture_output=True, text=True)
+    if commit.returncode:
+        sys.exit(f"ab: {side} is neither a build directory (tools/bench/kvstage-bench) nor a commit")
+    sha = commit.stdout.strip()
+    tree = os.path.join(ROOT, "build-ab", sha[:12])
+    src, bld = tree + "-src", tree
+    if not os.path.isdir(src):
+        print(f"ab: checking out {sha[:12]} in {src}", file=sys.stderr)
+        subprocess.run(["git", "-C", ROOT, "worktree", "add", "--detach", src, sha], check=True,
+                       stdout=subprocess.DEVNULL)
+    if not os.path.isfile(os.path.join(bld, "build.ninja")):
+        print(f"ab: configuring {bld}", file=sys.stderr)
+        subprocess.run(["meson", "setup", bld, src, "--buildtype=debugoptimized", "-Dtests=false"],
+                       check=True, stdout=subprocess.DEVNULL)
+    print(f"ab: building {bld}", file=sys.stderr)
+    subprocess.run(["ninja", "-C", bld, "tools/bench/kvstage-bench", "proxy/kvstaged"], check=True,
+                   stdout=subprocess.DEVNULL)
+    return bld
+
+
+def run(build, args):
+    bench = os.path.join(build, "tools", "bench", "kvstage-bench")
+    env = dict(os.environ, KVSTAGED=os.path.join(build, "proxy", "kvstaged"))
+    r = subprocess.run([bench, "--json", *args], capture_output=True, text=True, env=env)
+    if r.returncode:
+        sys.exit(f"ab: {bench} {' '.join(args)} failed ({r.returncode}):\n{r.stderr}")
+    return json.loads(r.stdout)
+
+
+def figure(point, path):
+    v = point
+    for k in path:
+        if not isinstance(v, dict) or k not in v:
+            return None
+        v = v[k]
+    return v if isinstance(v, (int, float)) else None
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], usage=__doc__.split("\n\n")[1])
+    ap.add_argument("-n", "--runs", type=int, default=7)
+    ap.add_argument("a")
+    ap.add_argument("b")
+    ap.add_argument("bench", nargs=argparse.REMAINDER)
+    o = ap.parse_args()
+    bench_args = o.bench[1:] if o.bench[:1] == ["--"] else o.bench
+    if o.runs < 1 or not bench_args:
+        ap.error("want RUNS >= 1 and a kvstage-bench command after --")
+    sides = {"A": build_of(o.a), "B": build_of(o.b)}
+    runs = {"A": [], "B": []}
+    for i in range(o.runs):
+        for s in ("A", "B"):
+            print(f"ab: run {i + 1}/{o.runs} {s}", file=sys.stderr)
+            runs[s].append(run(sides[s], bench_args))
+    print(f"A = {o.a} ({sides['A']})\nB = {o.b} ({sides['B']})\n"
+          f"kvstage-bench {' '.join(bench_args)}, {o.runs} runs each, alternated")
+    npoints = len(runs["A"][0].get("points", []))
+    for k in range(npoints):
+        p0 = runs["A"][0]["points"][k]
+        print(f"\npoint {k}: chunk {p0.get('chunk_bytes', '?')} bytes")
+        for label, path, higher in FIGURES:
+            va = [figure(r["points"][k], path) for r in runs["A"]]
+            vb = [figure(r["points"][k], path) for r in runs["B"]]
+            if any(v is None for v in va + vb):
+                continue
+            ma, mb = statistics.median(va), statistics.median(vb)
+            ratio = mb / ma if ma else float("nan")
+            better = "better" if (ratio > 1) == higher else "worse"
+            print(f"  {label:15s} A {' '.join(f'{v:.4g}' for v in va)}  median {ma:.4g}")
+            print(f"  {'':15s} B {' '.join(f'{v:.4g}' for v in vb)}  median {mb:.4g}  "
+                  f"B/A {ratio:.3f} ({better if abs(ratio - 1) > 0.005 else 'same'})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
