@@ -19,6 +19,7 @@
 #include "core/clients.h"
 #include "core/ops.h"
 #include "core/rooms.h"
+#include "core/xport.h"
 #include "host/loop.h"
 #include "ring.h"
 
@@ -224,6 +225,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 			fp->err = -5;
 			fp->match_set = false;
 			P.local->ops->poll(P.local);
+			kvsp_rooms_settle(&P); /* as the loop does after a transport's poll */
 			break;
 		}
 		case 6: /* the client reads its events, or scribbles on its ring */
@@ -269,6 +271,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 		if (cl[i])
 			reborn(cl[i]);
 	P.local->ops->poll(P.local);
+	kvsp_rooms_settle(&P);
 	check();
 	if (P.stats->slots[KVS_SLOT_FREE] != NSLOTS)
 		die("slots leaked after every client left", 0);
