@@ -144,6 +144,30 @@ void hp_in_sync(struct hpeer *h)
 	cr_assert_eq(le64toh(f.body.ping.value), 0x5eed);
 }
 
+int hp_hold_silent(const char *endpoint, char (*src)[20], unsigned n, int rd, int wr)
+{
+	struct pollfd p[HP_SILENT_MAX + 1];
+	if (n > HP_SILENT_MAX)
+		return 2;
+	for (unsigned i = 0; i < n; i++)
+		p[i] = (struct pollfd){ hp_connect(endpoint, src[i]), POLLIN, 0 };
+	p[n] = (struct pollfd){ rd, POLLIN, 0 };
+	chan_put(wr, "ready", 5);
+	for (;;) {
+		if (poll(p, n + 1, -1) < 0)
+			return 1;
+		if (p[n].revents)
+			return 0; /* told to stop */
+		for (unsigned i = 0; i < n; i++) {
+			char b[64];
+			if (!p[i].revents || recv(p[i].fd, b, sizeof(b), MSG_DONTWAIT) > 0)
+				continue;
+			close(p[i].fd); /* dropped: straight back */
+			p[i].fd = hp_connect(endpoint, src[i]);
+		}
+	}
+}
+
 struct kvs_wire_room hp_room(const struct kvs_desc_wire *d)
 {
 	struct kvs_wire_room n = { d->room, d->gen, { 0 } };

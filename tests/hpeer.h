@@ -49,6 +49,12 @@ bool hp_recv_or_closed(struct hpeer *h, struct kvsp_frame *f);
 void hp_in_sync(struct hpeer *h);
 /* Barrier: the proxy closes fd's connection (whatever it sends first is read and dropped). */
 void hp_wait_closed(int fd);
+#define HP_SILENT_MAX 256
+/* For a child process (child_start): holds n (at most HP_SILENT_MAX)
+ * connections to endpoint that never say a word, the i-th from src[i],
+ * each opened again as soon as the proxy drops it; writes "ready" to wr
+ * once all are open. Returns 0 once rd is readable (the parent closed it). */
+int hp_hold_silent(const char *endpoint, char (*src)[20], unsigned n, int rd, int wr);
 /* The room a descriptor names, in the wire's form. */
 struct kvs_wire_room hp_room(const struct kvs_desc_wire *d);
 /* The endpoint a descriptor names, without "tcp:". */

@@ -193,29 +193,10 @@ struct silent {
 static int silent_child(int rd, int wr, void *arg)
 {
 	const struct silent *s = arg;
-	struct pollfd p[257];
-	char src[s->n][20];
-	for (unsigned i = 0; i < s->n; i++) {
+	char src[HP_SILENT_MAX][20];
+	for (unsigned i = 0; i < s->n && i < HP_SILENT_MAX; i++)
 		snprintf(src[i], sizeof(src[i]), "127.0.0.%u", i < 40 ? 1 : 2 + (i - 40) / 5);
-		p[i] = (struct pollfd){ hp_connect(s->ep, src[i]), POLLIN, 0 };
-	}
-	p[s->n] = (struct pollfd){ rd, POLLIN, 0 };
-	chan_put(wr, "ready", 5);
-	for (;;) {
-		if (poll(p, s->n + 1, -1) < 0)
-			return 1;
-		if (p[s->n].revents)
-			return 0; /* told to stop */
-		for (unsigned i = 0; i < s->n; i++) {
-			if (!p[i].revents)
-				continue;
-			char b[64];
-			if (recv(p[i].fd, b, sizeof(b), MSG_DONTWAIT) > 0)
-				continue;
-			close(p[i].fd);
-			p[i].fd = hp_connect(s->ep, src[i]);
-		}
-	}
+	return hp_hold_silent(s->ep, src, s->n, rd, wr);
 }
 
 /* 240 connections that never say a word, reopened whenever dropped: real

@@ -323,27 +323,10 @@ static int attacker(int rd, int wr, void *arg)
 	int nsfd = open(path, O_RDONLY | O_CLOEXEC);
 	if (nsfd < 0 || setns(nsfd, CLONE_NEWNET) < 0)
 		return 2;
-	struct pollfd p[257];
-	char src[a->n][20];
-	for (unsigned i = 0; i < a->n; i++) {
+	char src[HP_SILENT_MAX][20];
+	for (unsigned i = 0; i < a->n && i < HP_SILENT_MAX; i++)
 		snprintf(src[i], sizeof(src[i]), "10.77.0.%u", 100 + i % 20);
-		p[i] = (struct pollfd){ hp_connect(a->target, src[i]), POLLIN, 0 };
-	}
-	p[a->n] = (struct pollfd){ rd, POLLIN, 0 };
-	chan_put(wr, "ready", 5);
-	for (;;) {
-		if (poll(p, a->n + 1, -1) < 0)
-			return 1;
-		if (p[a->n].revents)
-			return 0;
-		for (unsigned i = 0; i < a->n; i++) {
-			char b[64];
-			if (!p[i].revents || recv(p[i].fd, b, sizeof(b), MSG_DONTWAIT) > 0)
-				continue;
-			close(p[i].fd);
-			p[i].fd = hp_connect(a->target, src[i]);
-		}
-	}
+	return hp_hold_silent(a->target, src, a->n, rd, wr);
 }
 
 /* A third host opens 240 connections to B from twenty addresses and never

@@ -415,15 +415,17 @@ int proom_on_frame(struct proom_table *t, struct psess *s, const struct kvsp_fra
 
 /* ------------------------------------------------------------ counts */
 
-unsigned proom_rooms_on(void *arg, uint32_t id)
+void proom_rooms_on(void *arg, const struct psess_table *st, unsigned rides[])
 {
 	struct proom_table *t = arg;
-	unsigned n = 0;
+	memset(rides, 0, PSESS_MAX * sizeof(*rides));
 	for (uint32_t i = 0; i < t->n; i++) {
 		const struct proom *r = &t->r[i];
-		n += r->sess == id && (r->on_owe || kvsp_room_live(t->p, i, r->gen));
+		unsigned k = r->sess & 0xff;
+		if (r->sess && k < PSESS_MAX && st->s[k].id == r->sess &&
+		    (r->on_owe || kvsp_room_live(t->p, i, r->gen)))
+			rides[k]++;
 	}
-	return n;
 }
 
 uint32_t proom_overdue(struct proom_table *t, uint64_t now, uint64_t timeout_ns)

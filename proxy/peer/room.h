@@ -88,8 +88,9 @@ int proom_on_frame(struct proom_table *t, struct psess *s, const struct kvsp_fra
  * there is one). Returns true if so. */
 bool proom_next_frame(struct proom_table *t, struct psess *s, uint64_t now, uint16_t *type,
 		      void *body);
-/* How many rooms ride on session id (live here, or with frames owed). */
-unsigned proom_rooms_on(void *t, uint32_t id);
+/* How many rooms ride on each session of st (live here, or with frames
+ * owed): rides[i] for the session at index i. One look at every room. */
+void proom_rooms_on(void *t, const struct psess_table *st, unsigned rides[]);
 /* A session with an answer overdue (an OPEN_ACK or an ENDED past timeout), or 0. */
 uint32_t proom_overdue(struct proom_table *t, uint64_t now, uint64_t timeout_ns);
 

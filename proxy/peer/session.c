@@ -198,22 +198,27 @@ void psess_fini(struct psess_table *t)
 
 /* --------------------------------------------------------- a new one */
 
+/* How many rooms ride on session s (one look at every room: not a pass's work). */
 static unsigned rooms_on(struct psess_table *t, const struct psess *s)
 {
-	return t->rooms_on(t->rooms_arg, s->id);
+	unsigned rides[PSESS_MAX];
+	t->rooms_on(t->rooms_arg, t, rides);
+	return rides[s->idx];
 }
 
 /* The session to evict for a new one: an accepted one still joining, the
  * longest silent; else an up one with nothing on it, the longest idle. */
 static struct psess *victim(struct psess_table *t)
 {
+	unsigned rides[PSESS_MAX];
+	t->rooms_on(t->rooms_arg, t, rides);
 	struct psess *joining = NULL, *idle = NULL;
 	for (unsigned i = 0; i < PSESS_MAX; i++) {
 		struct psess *s = &t->s[i];
 		if (s->state == PSESS_JOINING && !s->dialer &&
 		    (!joining || s->since_ns < joining->since_ns))
 			joining = s;
-		else if (s->state == PSESS_UP && !rooms_on(t, s) &&
+		else if (s->state == PSESS_UP && !rides[i] &&
 			 (!idle || s->last_tx_ns < idle->last_tx_ns))
 			idle = s;
 	}
@@ -459,8 +464,9 @@ void psess_drain(struct psess_table *t)
 
 /* ----------------------------------------------------------- deadlines */
 
-/* An up session: silence, pings, and what to do when nothing rides on it. */
-static bool up_tick(struct psess_table *t, struct psess *s, uint64_t now)
+/* An up session: silence, pings, and what to do when nothing rides on it
+ * (rides: how many rooms do). */
+static bool up_tick(struct psess_table *t, struct psess *s, uint64_t now, unsigned rides)
 {
 	/* The peer speaks on stream 0 at least (PONG, PING): its silence
 	 * anywhere but there says nothing. */
@@ -477,7 +483,7 @@ static bool up_tick(struct psess_table *t, struct psess *s, uint64_t now)
 		s->owe_ping = true;
 	if (s->closing)
 		return false;
-	if (rooms_on(t, s)) {
+	if (rides) {
 		s->idle_since_ns = 0;
 		return false;
 	}
@@ -496,14 +502,15 @@ static bool up_tick(struct psess_table *t, struct psess *s, uint64_t now)
 
 unsigned psess_tick(struct psess_table *t, uint64_t now)
 {
-	unsigned lost = 0;
+	unsigned lost = 0, rides[PSESS_MAX];
+	t->rooms_on(t->rooms_arg, t, rides);
 	for (unsigned i = 0; i < PSESS_MAX; i++) {
 		struct psess *s = &t->s[i];
 		if (s->state == PSESS_JOINING && now - s->since_ns > t->hs_ns) {
 			psess_lost(t, s, -ETIMEDOUT);
 			lost++;
 		} else if (s->state == PSESS_UP) {
-			lost += up_tick(t, s, now);
+			lost += up_tick(t, s, now, rides[i]);
 		}
 	}
 	return lost;

@@ -78,8 +78,9 @@ struct psess_table {
 	uint64_t hs_ns;          /* handshake and joining */
 	uint64_t idle_ns;        /* a dialed session with nothing on it closes after this */
 	bool draining;
-	/* How many rooms ride on session id (the room protocol's count). */
-	unsigned (*rooms_on)(void *arg, uint32_t id);
+	/* How many rooms ride on each session (the room protocol's count, one
+	 * look at every room): rides[i] for the session at index i. */
+	void (*rooms_on)(void *arg, const struct psess_table *t, unsigned rides[]);
 	void *rooms_arg;
 };
 
