@@ -298,9 +298,16 @@ ParameterizedTest(struct abort_case *c, conformance, an_abort_at_every_phase_fro
 	}
 	if (c->phase == P_BETWEEN_CHUNKS)
 		sends = 1; /* two went; the third never will */
+	uint64_t aborted = stat_get(holder(x), "rooms_aborted");
 	cr_assert_eq(kvs_abort(c->from_receiver ? r.rr : r.sr), 0);
-	if (held)
+	if (held) {
+		/* Barrier: the proxy that holds the chunk knows of the abort (its
+		 * own side's, or the peer's ABORT) before the chunk goes on: else a
+		 * chunk let go first may complete the room, which is another
+		 * (legitimate) ending than this test's. */
+		stat_wait(holder(x), "rooms_aborted", 1, aborted + 1);
 		let_go(x);
+	}
 	struct kvs_event et = wait_event(tx), er = wait_event(rx);
 	cr_assert_eq(et.type, KVS_EV_ABORTED, "%s, abort %s from the %s: sender got %u (%s)",
 		     kind_name[c->kind], phase_name[c->phase], c->from_receiver ? "receiver" : "sender",
