@@ -94,6 +94,14 @@ struct kvs_stats {
 	uint64_t peer_evicted;        /* joining or idle sessions dropped to make room for a new one */
 	uint64_t peer_closed;         /* sessions closed quietly: idle, or the peer restarted */
 	uint64_t peer_pings;          /* PINGs sent: a quiet session's keep-alive */
+	/* appended: older readers stop at peer_pings */
+	uint64_t rdma_binds;          /* chunk keys granted by binding a memory window */
+	uint64_t rdma_invalidates;    /* window keys revoked by a local invalidate (completed) */
+	uint64_t rdma_regions;        /* chunk keys granted by registering a region (no windows) */
+	uint64_t rdma_region_frees;   /* region keys revoked by deregistering */
+	uint64_t rdma_reads_refused;  /* peers' READs our NIC refused (a key not held, or past it) */
+	uint64_t rdma_links_lost;     /* queue pairs that failed under a live session (made again) */
+	uint64_t rdma_sessions;       /* sessions whose chunks go by RDMA READ now (both ends connected) */
 };
 
 /* The proxy is the counters' only writer, so a plain load and store (no
@@ -110,10 +118,14 @@ struct kvs_peer {
 	uint64_t instance;  /* the peer's */
 	uint64_t bytes_tx, bytes_rx;
 	uint64_t chunks_sunk; /* its chunks the fence kept out */
-	uint32_t flags;     /* KVS_PEER_RDMA */
-	uint32_t rsvd;
+	uint32_t flags;     /* KVS_PEER_* */
+	uint32_t reads_refused; /* its READs our NIC refused */
 };
-#define KVS_PEER_RDMA 1u /* chunks from us to it go by its RDMA READ */
+#define KVS_PEER_RDMA 1u        /* chunks from us to it go by its RDMA READ */
+#define KVS_PEER_KEYS_WINDOW 2u /* ... each under a memory window's key */
+#define KVS_PEER_KEYS_REGION 4u /* ... each under a region's key; with _WINDOW: the window is
+				 * over a region of the chunk's own (the device does not keep
+				 * a READ in a window's bytes) */
 #define KVS_MAX_PEERS 64
 
 /* One client attached to the proxy, as kvstage-stat shows it: row i is the

@@ -35,6 +35,9 @@ static const struct kvs_stat_name kvs_stat_names[] = {
 	KVS_STAT(peer_frames_ignored), KVS_STAT(peer_crc_errors), KVS_STAT(tcp_bytes_tx),
 	KVS_STAT(tcp_bytes_rx), KVS_STAT(peer_byes), KVS_STAT(rdma_reads), KVS_STAT(rdma_bytes_rx),
 	KVS_STAT(peer_timeouts), KVS_STAT(peer_evicted), KVS_STAT(peer_closed), KVS_STAT(peer_pings),
+	KVS_STAT(rdma_binds), KVS_STAT(rdma_invalidates), KVS_STAT(rdma_regions),
+	KVS_STAT(rdma_region_frees), KVS_STAT(rdma_reads_refused), KVS_STAT(rdma_links_lost),
+	KVS_STAT(rdma_sessions),
 };
 
 /* Returns the counter's offset in struct kvs_stats, or -1. */

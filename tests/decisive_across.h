@@ -60,12 +60,27 @@ static inline struct decisive decisive_hold(struct proxy *pa, struct proxy *pb, 
 
 	struct kvs_lease bl[DECISIVE_SLOTS];
 	o.b_slots = xroom_drain_pool(b, bl, DECISIVE_SLOTS, B_OWNER, o.victim, &o.b_got_victim);
-	/* The late bytes go, and have arrived: read off the socket, or READ. */
+	/* The late bytes go, and have arrived: read off the socket. By READ:
+	 * once the abort reached the sender, which revoked the chunk's key
+	 * (the slot was only ever readable under it), the late READ goes and
+	 * the sender's NIC refuses it; the posted slot, a tombstone till the
+	 * READ's completion, is reaped then and the chunk counted discarded. */
 	bool rdma = hold_px == pb;
-	const char *arrived = rdma ? "rdma_reads" : "tcp_bytes_rx";
-	uint64_t before = stat_get(pb, arrived);
+	if (rdma) {
+		if (stat_get(pa, "rdma_binds"))
+			stat_wait(pa, "rdma_invalidates", 1, 1);
+		else
+			stat_wait(pa, "rdma_region_frees", 1, 1);
+	}
+	uint64_t before = stat_get(pb, "tcp_bytes_rx"), refused = stat_get(pa, "rdma_reads_refused"),
+		 failed = stat_get(pb, "rdma_links_lost");
 	fp_set(hold_px, hold_fp, "off", NULL);
-	stat_wait(pb, arrived, 1, before + (rdma ? 1 : SLOT));
+	if (rdma) {
+		stat_wait(pa, "rdma_reads_refused", 1, refused + 1); /* by the NIC, not by a word */
+		stat_wait(pb, "rdma_links_lost", 1, failed + 1);     /* the READ's failure, reaped */
+	} else {
+		stat_wait(pb, "tcp_bytes_rx", 1, before + SLOT);
+	}
 
 	o.rx_final = wait_event(rx).type;
 	o.tx_final = wait_event(tx).type;

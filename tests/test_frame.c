@@ -627,7 +627,8 @@ Test(frame, malformed_handshake_messages)
 		int size, err;
 	} bad[] = {
 		{ offsetof(struct kvs_wire_hello, magic), 0x12345678, 4, -EPROTO },
-		{ offsetof(struct kvs_wire_hello, version), 2, 2, -EPROTONOSUPPORT },
+		{ offsetof(struct kvs_wire_hello, version), KVS_WIRE_VERSION + 1, 2, -EPROTONOSUPPORT },
+		{ offsetof(struct kvs_wire_hello, version), KVS_WIRE_VERSION - 1, 2, -EPROTONOSUPPORT },
 		{ offsetof(struct kvs_wire_hello, type), KVS_WIRE_PROOF, 2, -EPROTO },
 		{ offsetof(struct kvs_wire_hello, role), KVS_WIRE_LISTENER, 4, -EPROTO },
 		{ offsetof(struct kvs_wire_hello, role), 0, 4, -EPROTO },

@@ -257,11 +257,12 @@ Test(peers, rdma_frames_to_a_proxy_without_a_device)
 	uint64_t ignored = stat_get(&pb, "peer_frames_ignored");
 	struct kvs_wire_rdma_hello hello = { .qpn = htole32(0x11), .psn = htole32(0x22),
 					     .pool_addr = htole64(0x7f0000000000ull),
-					     .pool_len = htole64(64 * SLOT), .rkey = htole32(0x33),
+					     .pool_len = htole64(64 * SLOT), .keys = htole32(1),
 					     .mtu = htole32(IBV_MTU_1024) };
 	hp_send(&h, KVS_WIRE_RDMA_HELLO, &hello, 0, NULL);
 	struct kvs_wire_chunk_read rd = { .room = room_name(), .chunk = 0, .len = htole32(SLOT),
-					  .xfer_ref = htole64(0xabcdef), .offset = 0 };
+					  .xfer_ref = htole64(0xabcdef), .offset = 0,
+					  .rkey = htole32(0x33) };
 	hp_send(&h, KVS_WIRE_CHUNK_READ, &rd, 0, NULL);
 	struct kvsp_frame f = hp_recv(&h);
 	cr_assert_eq(f.type, KVS_WIRE_CHUNK_ACK, "got frame type %u", f.type);
@@ -283,8 +284,9 @@ Test(peers, rdma_frames_to_a_proxy_without_a_device)
  * guest, where tools/run-tests.sh gives every proxy --rdma-device rxe0): a
  * CHUNK_READ past the pool the peer's HELLO named drops the connection;
  * a READ towards a queue pair that answers nothing (the HELLO named none
- * of ours) fails, the session is lost only once that READ has completed,
- * and the slot posted for it comes back. The real room arrives. */
+ * of ours) fails: that costs the session its RDMA (the chunk is answered
+ * "not supported", so a sender would send it by TCP), not the session, and
+ * the slot posted for it comes back. The real room arrives. */
 Test(peers, rdma_frames_to_a_proxy_with_a_device)
 {
 	if (!proxies_have_rdma())
@@ -293,27 +295,34 @@ Test(peers, rdma_frames_to_a_proxy_with_a_device)
 	open_room();
 	struct kvs_wire_rdma_hello hello = { .qpn = htole32(0x7777), .psn = htole32(0x22),
 					     .pool_addr = htole64(0x7f0000000000ull),
-					     .pool_len = htole64(64 * SLOT), .rkey = htole32(0x33),
+					     .pool_len = htole64(64 * SLOT), .keys = htole32(1),
 					     .mtu = htole32(IBV_MTU_1024) };
 	uint64_t lost = stat_get(&pb, "peer_lost");
 	struct hpeer h;
 	join_b(&h, &good);
 	hp_send(&h, KVS_WIRE_RDMA_HELLO, &hello, 0, NULL);
 	struct kvs_wire_chunk_read rd = { .room = room_name(), .chunk = 0, .len = htole32(SLOT),
-					  .xfer_ref = htole64(1), .offset = htole64(64 * SLOT) };
+					  .xfer_ref = htole64(1), .offset = htole64(64 * SLOT),
+					  .rkey = htole32(0x33) };
 	hp_send(&h, KVS_WIRE_CHUNK_READ, &rd, 0, NULL); /* one byte past the pool */
 	hp_wait_closed(h.fd);
 	close(h.fd);
 	stat_wait(&pb, "peer_lost", 1, lost + 1);
 
+	uint64_t links = stat_get(&pb, "rdma_links_lost");
 	join_b(&h, &good);
 	hp_send(&h, KVS_WIRE_RDMA_HELLO, &hello, 0, NULL);
 	rd.offset = 0;
 	hp_send(&h, KVS_WIRE_CHUNK_READ, &rd, 0, NULL); /* in range, to nobody */
-	stat_wait(&pb, "peer_lost", 1, lost + 2);        /* the READ failed: the queue pair is dead */
-	hp_wait_closed(h.fd);
-	close(h.fd);
+	struct kvsp_frame f = hp_recv(&h);              /* the READ failed: by TCP instead */
+	cr_assert_eq(f.type, KVS_WIRE_CHUNK_ACK, "got frame type %u", f.type);
+	cr_assert_eq((int32_t)le32toh((uint32_t)f.body.chunk_ack.status), -EOPNOTSUPP);
+	cr_assert_eq(le64toh(f.body.chunk_ack.xfer_ref), 1);
+	stat_wait(&pb, "rdma_links_lost", 1, links + 1);
+	hp_in_sync(&h); /* the session lives on */
+	cr_assert_eq(stat_get(&pb, "peer_lost"), lost + 1, "the session was not lost");
 	cr_assert_eq(stat_get(&pb, "slots.recv_posted"), 0, "the slot posted for it came back");
+	close(h.fd);
 	cr_assert_eq(stat_get(&pb, "rooms_aborted"), 0, "the real room was not touched");
 	real_room_arrives();
 }

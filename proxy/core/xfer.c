@@ -271,6 +271,22 @@ void kvsp_chunk_discard(struct kvsp *p, struct kvsp_xfer *x, int status)
 	kvsp_room_abort(p, i, status ? status : -EIO, KVS_EV_FAILED, false);
 }
 
+bool kvsp_chunk_unpost(struct kvsp *p, struct kvsp_xfer *x)
+{
+	if (x->dir != KVSP_XFER_RECV)
+		return false;
+	uint32_t i = x->room, gen = x->room_gen, slot = x->slot, chunk = x->chunk;
+	struct kvsp_room *r = &p->rooms[i];
+	if (recv_quiesce(p, x) == KVS_SLOT_RECV_POSTED)
+		kvsp_slot_kill(&p->slots, slot);
+	if (r->gen != gen || r->state != KVSP_ROOM_OPEN) {
+		KVS_STAT_ADD(p->stats->chunks_discarded, 1);
+		return false;
+	}
+	r->claimed_bits[chunk / 64] &= ~(1ull << (chunk % 64));
+	return true;
+}
+
 void kvsp_chunk_sunk(struct kvsp *p, uint64_t bytes)
 {
 	(void)bytes;

@@ -161,6 +161,11 @@ int kvsp_chunk_land(struct kvsp *p, struct kvsp_xfer *x);
 /* x's writer quiesced and its bytes will never land (status says why:
  * the room fails unless it is over already). */
 void kvsp_chunk_discard(struct kvsp *p, struct kvsp_xfer *x, int status);
+/* x's writer quiesced without writing it: its slot goes back. Returns
+ * true if the chunk may be posted anew (its room is open: the peer may
+ * resend it another way; the room goes on), false if its room is over
+ * (the chunk is discarded, counted). */
+bool kvsp_chunk_unpost(struct kvsp *p, struct kvsp_xfer *x);
 /* Counts a chunk read into a discard sink without a posted slot. */
 void kvsp_chunk_sunk(struct kvsp *p, uint64_t bytes);
 

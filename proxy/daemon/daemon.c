@@ -96,10 +96,22 @@ static void usage(FILE *f)
 "                           TCP; the log says which a peer gets\n"
 "      --rdma-device NAME   move chunks by RDMA READ on this device with peers\n"
 "                           that have one too (the others: by TCP); the pool\n"
-"                           is registered for local write and remote read\n"
-"                           only. Needs the peer secret (control stays on TCP)\n"
+"                           is registered for local access only, and a peer\n"
+"                           reads each chunk under a key of its own (see\n"
+"                           --rdma-keys). Needs the peer secret (control\n"
+"                           stays on TCP)\n"
 "      --rdma-gid-index N   the GID to use (default: the first RoCE v2 one,\n"
 "                           IPv4-mapped first)\n"
+"      --rdma-keys KIND     how each chunk's key is made: auto | windows |\n"
+"                           regions (default auto: windows if the device has\n"
+"                           type-2 memory windows, else regions). windows: a\n"
+"                           window bound on the peer's queue pair, invalidated\n"
+"                           at the chunk's ack or its room's abort (the NIC\n"
+"                           refuses it to any other peer); no RDMA on a\n"
+"                           device without them. regions: a memory region\n"
+"                           registered per chunk, deregistered at its end\n"
+"                           (costs a registration per chunk; any peer with\n"
+"                           the key may use it till then)\n"
 "      --metrics-listen [HOST:]PORT  serve Prometheus metrics over HTTP at\n"
 "                           GET /metrics (HOST numeric; default 127.0.0.1;\n"
 "                           port 0: any free one, logged); default: off\n"
@@ -151,7 +163,7 @@ static int bad(const char *opt, const char *val, const char *why)
 enum {
 	O_HUGE = 256, O_NOLOCK, O_UID, O_GID, O_ROOMS, O_CROOMS, O_CLIENTS, O_RING, O_TIMEOUT,
 	O_GRACE, O_SPIN, O_FP, O_READY, O_SMODE, O_SGROUP, O_LISTEN, O_ADVERTISE, O_SECRET,
-	O_STREAMS, O_PTIMEOUT, O_CSUM, O_RDMA, O_GIDX, O_METRICS, O_TRANSPORT,
+	O_STREAMS, O_PTIMEOUT, O_CSUM, O_RDMA, O_GIDX, O_KEYS, O_METRICS, O_TRANSPORT,
 };
 
 /* The --config FILE argument, if any, before anything is parsed: the
@@ -207,6 +219,7 @@ int kvsp_daemon_main(int argc, char **argv, const struct kvsp_daemon_hooks *hook
 		{ "transport", required_argument, NULL, O_TRANSPORT },
 		{ "rdma-device", required_argument, NULL, O_RDMA },
 		{ "rdma-gid-index", required_argument, NULL, O_GIDX },
+		{ "rdma-keys", required_argument, NULL, O_KEYS },
 		{ "metrics-listen", required_argument, NULL, O_METRICS },
 		{ "ready-fd", required_argument, NULL, O_READY },
 		{ "log-level", required_argument, NULL, 'l' },
@@ -407,6 +420,16 @@ int kvsp_daemon_main(int argc, char **argv, const struct kvsp_daemon_hooks *hook
 				return bad("--rdma-gid-index", optarg, "want 0 to 255");
 			peer.rdma_gid_index = (int)v;
 			break;
+		case O_KEYS:
+			if (!strcmp(optarg, "auto"))
+				peer.rdma_keys = KVSP_KEYS_AUTO;
+			else if (!strcmp(optarg, "windows"))
+				peer.rdma_keys = KVSP_KEYS_WINDOW;
+			else if (!strcmp(optarg, "regions"))
+				peer.rdma_keys = KVSP_KEYS_REGION;
+			else
+				return bad("--rdma-keys", optarg, "want auto, windows or regions");
+			break;
 		case O_METRICS: {
 			struct kvsp_endpoint ep;
 			if (kvsp_metrics_parse(optarg, &ep) < 0)
@@ -466,6 +489,11 @@ int kvsp_daemon_main(int argc, char **argv, const struct kvsp_daemon_hooks *hook
 	} else if (peer.listen) {
 		fprintf(stderr, "kvstaged: --listen needs the deployment's peer secret: "
 			"--peer-secret-file PATH or $KVSTAGE_PEER_SECRET\nTry 'kvstaged --help'.\n");
+		return 2;
+	}
+	if (peer.rdma_keys != KVSP_KEYS_AUTO && peer.data == KVSP_DATA_TCP) {
+		fprintf(stderr, "kvstaged: --transport tcp never uses RDMA: drop --rdma-keys, or "
+			"say --transport verbs or auto\nTry 'kvstaged --help'.\n");
 		return 2;
 	}
 	if (peer.rdma_device && peer.data == KVSP_DATA_TCP) {

@@ -75,6 +75,13 @@ static const struct metric plain[] = {
 	{ "kvstage_tcp_received_bytes_total", "counter", "Bytes read from peer connections.", ST(tcp_bytes_rx) },
 	{ "kvstage_rdma_reads_total", "counter", "Chunks pulled by RDMA READ (landed or not).", ST(rdma_reads) },
 	{ "kvstage_rdma_received_bytes_total", "counter", "Bytes pulled by RDMA READ.", ST(rdma_bytes_rx) },
+	{ "kvstage_rdma_window_binds_total", "counter", "Chunk keys granted by binding a memory window.", ST(rdma_binds) },
+	{ "kvstage_rdma_window_invalidates_total", "counter", "Window keys revoked by a local invalidate.", ST(rdma_invalidates) },
+	{ "kvstage_rdma_region_registrations_total", "counter", "Chunk keys granted by registering a memory region (no windows).", ST(rdma_regions) },
+	{ "kvstage_rdma_region_deregistrations_total", "counter", "Region keys revoked by deregistering.", ST(rdma_region_frees) },
+	{ "kvstage_rdma_reads_refused_total", "counter", "Peers' READs our NIC refused: a key not held, or past its chunk.", ST(rdma_reads_refused) },
+	{ "kvstage_rdma_links_lost_total", "counter", "Queue pairs that failed under a live session: its chunks went by TCP until a new one was connected.", ST(rdma_links_lost) },
+	{ "kvstage_rdma_sessions", "gauge", "Peer sessions whose chunks go by RDMA READ now.", ST(rdma_sessions) },
 };
 
 static uint64_t ld(const uint64_t *v)
@@ -136,6 +143,7 @@ static void peers(FILE *f, const struct kvs_ctrl *c)
 		{ "kvstage_peer_sent_bytes_total", "counter", "Bytes sent to the peer.", offsetof(struct kvs_peer, bytes_tx) },
 		{ "kvstage_peer_received_bytes_total", "counter", "Bytes received from the peer.", offsetof(struct kvs_peer, bytes_rx) },
 		{ "kvstage_peer_chunks_discarded_total", "counter", "The peer's chunks the fence kept out.", offsetof(struct kvs_peer, chunks_sunk) },
+		{ "kvstage_peer_rdma_reads_refused_total", "counter", "The peer's READs our NIC refused.", 0 },
 	};
 	for (unsigned k = 0; k < sizeof(cols) / sizeof(cols[0]); k++) {
 		bool any = false;
@@ -147,14 +155,18 @@ static void peers(FILE *f, const struct kvs_ctrl *c)
 			if (!any)
 				head(f, cols[k].name, cols[k].type, cols[k].help);
 			any = true;
+			uint32_t fl = __atomic_load_n(&e->flags, __ATOMIC_RELAXED);
 			uint64_t v = k == 0 ? state == KVS_PEER_UP
 				   : k == 1 ? __atomic_load_n(&e->streams, __ATOMIC_RELAXED)
+				   : k == 5 ? __atomic_load_n(&e->reads_refused, __ATOMIC_RELAXED)
 					    : ld((const uint64_t *)((const char *)e + cols[k].off));
 			fprintf(f, "%s{peer=\"", cols[k].name);
 			label(f, e->endpoint, sizeof(e->endpoint));
-			fprintf(f, "\",peer_instance=\"%016llx\",rdma=\"%s\"} %llu\n",
-				(unsigned long long)ld(&e->instance),
-				__atomic_load_n(&e->flags, __ATOMIC_RELAXED) & KVS_PEER_RDMA ? "yes" : "no",
+			fprintf(f, "\",peer_instance=\"%016llx\",rdma=\"%s\",keys=\"%s\"} %llu\n",
+				(unsigned long long)ld(&e->instance), fl & KVS_PEER_RDMA ? "yes" : "no",
+				!(fl & KVS_PEER_RDMA) ? "none"
+				: !(fl & KVS_PEER_KEYS_REGION) ? "windows"
+				: !(fl & KVS_PEER_KEYS_WINDOW) ? "regions" : "windows+regions",
 				(unsigned long long)v);
 		}
 	}

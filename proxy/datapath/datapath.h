@@ -103,6 +103,10 @@ struct kvsp_dp_ops {
 	int (*poll)(struct kvsp_dp *dp);
 	/* True while poll has work that needs no outside event. */
 	bool (*pending)(const struct kvsp_dp *dp);
+	/* Optional: an fd that wakes the loop for it (its device's completion
+	 * channel), or -1; on_fd runs when it did. */
+	int (*loop_fd)(const struct kvsp_dp *dp);
+	void (*on_fd)(struct kvsp_dp *dp);
 };
 
 /* The data paths, in the order they are asked; NULL-terminated. */

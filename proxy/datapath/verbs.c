@@ -4,7 +4,9 @@
 #include <fcntl.h>
 #include <stdio.h>
 #include <string.h>
+#include <stdlib.h>
 #include <sys/random.h>
+#include <time.h>
 
 #include "datapath/verbs.h"
 
@@ -38,8 +40,103 @@ static int fail(char *why, size_t len, int err, const char *fmt, const char *arg
 	return -err;
 }
 
+uint32_t kvsp_verbs_keys_wire(const struct kvsp_verbs *v)
+{
+	return v->keys == KVSP_KEYS_REGION ? KVSP_KEYS_WIRE_REGION
+	       : v->window_on_region ? KVSP_KEYS_WIRE_WINDOW_ON_REGION : KVSP_KEYS_WIRE_WINDOW;
+}
+
+const char *kvsp_keys_wire_name(uint32_t w)
+{
+	return w == KVSP_KEYS_WIRE_WINDOW ? "windows" : w == KVSP_KEYS_WIRE_REGION ? "regions"
+	       : w == KVSP_KEYS_WIRE_WINDOW_ON_REGION ? "windows over chunk regions" : "unknown keys";
+}
+
+/* Type-2 windows (2A or 2B: either binds through a queue pair, and only
+ * that queue pair's peer may use the key), enough of them for cq_depth. */
+static bool has_windows(const struct ibv_device_attr *da)
+{
+	uint64_t f = da->device_cap_flags;
+	return (f & IBV_DEVICE_MEM_WINDOW) &&
+	       (f & (IBV_DEVICE_MEM_WINDOW_TYPE_2A | IBV_DEVICE_MEM_WINDOW_TYPE_2B)) && da->max_mw > 0;
+}
+
+static struct ibv_qp *qp_make(struct kvsp_verbs *v, struct ibv_cq *cq, uint32_t depth,
+			      struct kvsp_verbs_ep *ep);
+
+/* One completion on cq within 2 s. Returns its status, or -1. */
+static int one_completion(struct ibv_cq *cq)
+{
+	struct timespec t0, t;
+	clock_gettime(CLOCK_MONOTONIC, &t0);
+	for (;;) {
+		struct ibv_wc wc;
+		int n = ibv_poll_cq(cq, 1, &wc);
+		if (n < 0)
+			return -1;
+		if (n == 1)
+			return (int)wc.status;
+		clock_gettime(CLOCK_MONOTONIC, &t);
+		if (t.tv_sec - t0.tv_sec > 2)
+			return -1;
+	}
+}
+
+/* Whether the device keeps a window's READs inside the window's bytes,
+ * tried on two of its queue pairs connected to each other: a window over
+ * the first half of a buffer, a READ of the second half with its key.
+ * (rxe does not: it checks the READ against the region under the window,
+ * so there each chunk gets a region of its own under its window.)
+ * Returns 1 (it refused the READ), 0 (the READ got through), or -1
+ * (the try did not come to an end: assume not). */
+static int windows_confine(struct kvsp_verbs *v)
+{
+	enum { HALF = 4096 };
+	int verdict = -1;
+	uint8_t *buf = aligned_alloc(4096, 2 * HALF);
+	struct ibv_mr *mr = buf ? ibv_reg_mr(v->pd, buf, 2 * HALF,
+					     IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_MW_BIND) : NULL;
+	struct ibv_cq *cq = mr ? ibv_create_cq(v->ctx, 8, NULL, NULL, 0) : NULL;
+	struct kvsp_verbs_ep ea, eb;
+	struct ibv_qp *a = cq ? qp_make(v, cq, 4, &ea) : NULL;
+	struct ibv_qp *b = a ? qp_make(v, cq, 4, &eb) : NULL;
+	struct ibv_mw *mw = b ? ibv_alloc_mw(v->pd, IBV_MW_TYPE_2) : NULL;
+	if (mw && !kvsp_verbs_qp_connect(v, a, &ea, &eb) && !kvsp_verbs_qp_connect(v, b, &eb, &ea)) {
+		uint32_t key = mw->rkey;
+		if (!kvsp_verbs_bind(v, a, 1, mw, mr, buf, HALF, &key) &&
+		    one_completion(cq) == IBV_WC_SUCCESS) {
+			struct ibv_sge sge = { (uint64_t)(uintptr_t)(buf + HALF), 64, mr->lkey };
+			struct ibv_send_wr wr = { .wr_id = 2, .sg_list = &sge, .num_sge = 1,
+						  .opcode = IBV_WR_RDMA_READ,
+						  .send_flags = IBV_SEND_SIGNALED,
+						  .wr.rdma = { (uint64_t)(uintptr_t)(buf + HALF), key } },
+					   *bad;
+			if (!ibv_post_send(b, &wr, &bad)) {
+				int st = one_completion(cq);
+				verdict = st < 0 ? -1 : st != IBV_WC_SUCCESS;
+			}
+		}
+	}
+	if (a)
+		kvsp_verbs_qp_error(a);
+	if (b)
+		kvsp_verbs_qp_error(b);
+	/* The window first: a queue pair a window is bound through is not
+	 * destroyed while it is (rxe waits for it, for ever). */
+	if (mw)
+		ibv_dealloc_mw(mw);
+	kvsp_verbs_qp_destroy(a);
+	kvsp_verbs_qp_destroy(b);
+	if (cq)
+		ibv_destroy_cq(cq);
+	if (mr)
+		ibv_dereg_mr(mr);
+	free(buf);
+	return verdict;
+}
+
 int kvsp_verbs_open(struct kvsp_verbs *v, const char *name, int gid_index, void *pool, size_t len,
-		    uint32_t cq_depth, char *why, size_t why_len)
+		    uint32_t cq_depth, enum kvsp_keys keys, char *why, size_t why_len)
 {
 	memset(v, 0, sizeof(*v));
 	v->gid_index = -1;
@@ -72,6 +169,15 @@ int kvsp_verbs_open(struct kvsp_verbs *v, const char *name, int gid_index, void 
 		kvsp_verbs_close(v);
 		return fail(why, why_len, e, "ibv_query_device %s", v->name);
 	}
+	v->max_mw = da.max_mw > 0 ? (uint32_t)da.max_mw : 0;
+	if (keys == KVSP_KEYS_WINDOW && !has_windows(&da)) {
+		snprintf(why, why_len, "%s has no type-2 memory windows (--rdma-keys windows)", v->name);
+		kvsp_verbs_close(v);
+		return -EOPNOTSUPP;
+	}
+	v->keys = keys == KVSP_KEYS_REGION || !has_windows(&da) ? KVSP_KEYS_REGION : KVSP_KEYS_WINDOW;
+	if ((int)cq_depth > da.max_cqe)
+		cq_depth = (uint32_t)da.max_cqe;
 	struct ibv_port_attr pa;
 	for (uint8_t p = 1; p <= da.phys_port_cnt && !v->port; p++)
 		if (!ibv_query_port(v->ctx, p, &pa) && pa.state == IBV_PORT_ACTIVE)
@@ -90,10 +196,14 @@ int kvsp_verbs_open(struct kvsp_verbs *v, const char *name, int gid_index, void 
 		return -EADDRNOTAVAIL;
 	}
 	v->pd = ibv_alloc_pd(v->ctx);
-	/* Local write (READs land here) and remote read (peers pull from
-	 * here); never remote write: see verbs.h. */
-	v->mr = v->pd ? ibv_reg_mr(v->pd, pool, len, IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_READ)
-		      : NULL;
+	/* Local write (READs land here), and windows may be bound over it;
+	 * no remote access with the pool's own key: see verbs.h. */
+	int access = IBV_ACCESS_LOCAL_WRITE | (v->keys == KVSP_KEYS_WINDOW ? IBV_ACCESS_MW_BIND : 0);
+	v->mr = v->pd ? ibv_reg_mr(v->pd, pool, len, access) : NULL;
+	if (v->mr && v->keys == KVSP_KEYS_WINDOW) {
+		v->window_confines = windows_confine(v);
+		v->window_on_region = v->window_confines != 1;
+	}
 	v->chan = v->mr ? ibv_create_comp_channel(v->ctx) : NULL;
 	v->cq_depth = cq_depth;
 	v->cq = v->chan ? ibv_create_cq(v->ctx, (int)cq_depth, NULL, v->chan, 0) : NULL;
@@ -123,11 +233,12 @@ void kvsp_verbs_close(struct kvsp_verbs *v)
 	memset(v, 0, sizeof(*v));
 }
 
-struct ibv_qp *kvsp_verbs_qp_new(struct kvsp_verbs *v, uint32_t depth, struct kvsp_verbs_ep *ep)
+static struct ibv_qp *qp_make(struct kvsp_verbs *v, struct ibv_cq *cq, uint32_t depth,
+			      struct kvsp_verbs_ep *ep)
 {
 	struct ibv_qp_init_attr ia = {
-		.send_cq = v->cq,
-		.recv_cq = v->cq,
+		.send_cq = cq,
+		.recv_cq = cq,
 		.cap = { .max_send_wr = depth, .max_recv_wr = 1, .max_send_sge = 1, .max_recv_sge = 1 },
 		.qp_type = IBV_QPT_RC,
 		.sq_sig_all = 0,
@@ -148,9 +259,15 @@ struct ibv_qp *kvsp_verbs_qp_new(struct kvsp_verbs *v, uint32_t depth, struct kv
 		psn = 0;
 	*ep = (struct kvsp_verbs_ep){ .qpn = qp->qp_num, .psn = psn & 0xffffff,
 				      .pool_addr = (uint64_t)(uintptr_t)v->mr->addr,
-				      .pool_len = v->mr->length, .rkey = v->mr->rkey, .mtu = v->mtu };
+				      .pool_len = v->mr->length, .keys = kvsp_verbs_keys_wire(v),
+				      .mtu = v->mtu };
 	memcpy(ep->gid, v->gid.raw, sizeof(ep->gid));
 	return qp;
+}
+
+struct ibv_qp *kvsp_verbs_qp_new(struct kvsp_verbs *v, uint32_t depth, struct kvsp_verbs_ep *ep)
+{
+	return qp_make(v, v->cq, depth, ep);
 }
 
 int kvsp_verbs_qp_connect(struct kvsp_verbs *v, struct ibv_qp *qp, const struct kvsp_verbs_ep *local,
@@ -213,6 +330,72 @@ int kvsp_verbs_read(struct kvsp_verbs *v, struct ibv_qp *qp, uint64_t wr_id, voi
 	}, *bad = NULL;
 	int rc = ibv_post_send(qp, &wr, &bad);
 	return rc ? -rc : 0;
+}
+
+int kvsp_verbs_sentinel(struct ibv_qp *qp, uint64_t wr_id)
+{
+	struct ibv_recv_wr wr = { .wr_id = wr_id, .sg_list = NULL, .num_sge = 0 }, *bad = NULL;
+	int rc = ibv_post_recv(qp, &wr, &bad);
+	return rc ? -rc : 0;
+}
+
+struct ibv_mw *kvsp_verbs_mw_new(struct kvsp_verbs *v)
+{
+	return ibv_alloc_mw(v->pd, IBV_MW_TYPE_2);
+}
+
+void kvsp_verbs_mw_free(struct ibv_mw *mw)
+{
+	if (mw)
+		ibv_dealloc_mw(mw);
+}
+
+int kvsp_verbs_bind(struct kvsp_verbs *v, struct ibv_qp *qp, uint64_t wr_id, struct ibv_mw *mw,
+		    struct ibv_mr *mr, void *addr, uint32_t len, uint32_t *rkey)
+{
+	/* A fresh tag each bind: a key of an earlier bind of this window
+	 * names it no more. (Tags are 8 bits: after 256 binds of one window a
+	 * tag comes back, but only for the chunk then bound, on the same
+	 * peer's queue pair: never for bytes that peer was not sent.) */
+	uint32_t key = ibv_inc_rkey(*rkey);
+	struct ibv_send_wr wr = {
+		.wr_id = wr_id,
+		.opcode = IBV_WR_BIND_MW,
+		.send_flags = IBV_SEND_SIGNALED,
+		.bind_mw = { .mw = mw, .rkey = key,
+			     .bind_info = { .mr = mr ? mr : v->mr, .addr = (uint64_t)(uintptr_t)addr,
+					    .length = len,
+					    .mw_access_flags = IBV_ACCESS_REMOTE_READ } },
+	}, *bad = NULL;
+	int rc = ibv_post_send(qp, &wr, &bad);
+	if (rc)
+		return -rc;
+	/* The next bind names the window by this key: the provider sends
+	 * mw->rkey, and the device checks it is the window's current one. */
+	mw->rkey = key;
+	*rkey = key;
+	return 0;
+}
+
+int kvsp_verbs_invalidate(struct ibv_qp *qp, uint64_t wr_id, uint32_t rkey)
+{
+	struct ibv_send_wr wr = { .wr_id = wr_id, .opcode = IBV_WR_LOCAL_INV,
+				  .send_flags = IBV_SEND_SIGNALED, .invalidate_rkey = rkey },
+			   *bad = NULL;
+	int rc = ibv_post_send(qp, &wr, &bad);
+	return rc ? -rc : 0;
+}
+
+struct ibv_mr *kvsp_verbs_region_new(struct kvsp_verbs *v, void *addr, uint32_t len, bool under_window)
+{
+	return ibv_reg_mr(v->pd, addr, len,
+			  under_window ? IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_MW_BIND : IBV_ACCESS_REMOTE_READ);
+}
+
+void kvsp_verbs_region_free(struct ibv_mr *mr)
+{
+	if (mr)
+		ibv_dereg_mr(mr);
 }
 
 int kvsp_verbs_poll(struct kvsp_verbs *v, struct ibv_wc *wc, int n)

@@ -41,6 +41,7 @@
 
 #define TAG_LISTEN UINT64_MAX
 #define TAG_TIMER (UINT64_MAX - 1)
+#define TAG_DP0 (UINT64_MAX - 2 - MAX_DPS) /* data path k's fd: TAG_DP0 + k */
 #define BURST 64
 #define MAX_DPS 4
 
@@ -82,18 +83,16 @@ static uint64_t now_of(const struct peer *pr)
  * stream 0, its chunks). out NULL: only whether there is one. */
 static bool next_frame(struct peer *pr, struct psess *s, struct pconn *c, struct kvsp_dp_frame *out)
 {
+	if (out) /* a frame without a payload sets none of these */
+		*out = (struct kvsp_dp_frame){ .payload = NULL, .plen = 0, .x = NULL };
 	if (c->stream == 0) {
 		uint64_t now = out ? now_of(pr) : 0; /* a PING's value, an OPEN's time */
 		union kvs_wire_body *body = out ? &out->body : NULL;
 		uint16_t type;
 		if (psess_next_frame(s, now, &type, body) ||
 		    proom_next_frame(&pr->rooms, s, now, &type, body)) {
-			if (out) {
+			if (out)
 				out->type = type;
-				out->payload = NULL;
-				out->plen = 0;
-				out->x = NULL;
-			}
 			return true;
 		}
 	}
@@ -422,6 +421,9 @@ static int peer_poll(struct kvsp_transport *t)
 			on_accept(pr);
 		} else if (tag == TAG_TIMER) {
 			on_timer(pr);
+		} else if (tag >= TAG_DP0 && tag < TAG_DP0 + pr->ndps) {
+			struct kvsp_dp *dp = pr->dps[tag - TAG_DP0];
+			dp->ops->on_fd(dp); /* its poll, next pass, reaps what woke it */
 		} else {
 			struct pconn *c = pconn_of_tag(&pr->conns, tag);
 			if (c)
@@ -577,7 +579,13 @@ static int open_datapaths(struct peer *pr, const struct kvsp_peer_opts *o, char 
 				return err;
 			continue; /* not on this proxy */
 		}
+		int fd = dp->ops->loop_fd ? dp->ops->loop_fd(dp) : -1;
+		struct epoll_event ev = { .events = EPOLLIN, .data.u64 = TAG_DP0 + pr->ndps };
 		pr->dps[pr->ndps++] = dp;
+		if (fd >= 0 && epoll_ctl(pr->epfd, EPOLL_CTL_ADD, fd, &ev) < 0) {
+			snprintf(why, len, "%s data path: epoll: %s", dp->ops->name, strerror(errno));
+			return -errno;
+		}
 		for (const uint16_t *ty = dp->ops->types; *ty; ty++)
 			if (*ty < KVS_WIRE_NTYPES)
 				pr->by_type[*ty] = dp;

@@ -51,7 +51,7 @@
 #include <assert.h>
 #include <stdint.h>
 
-#define KVS_WIRE_VERSION 1
+#define KVS_WIRE_VERSION 2 /* 2: CHUNK_READ carries the chunk's own key */
 
 /* --------------------------------------------------------------- handshake */
 
@@ -222,29 +222,33 @@ struct kvs_wire_bye {
 };
 static_assert(sizeof(struct kvs_wire_bye) == 8, "bye is 8 bytes");
 
-/* RDMA_HELLO: how to reach the speaker's queue pair for this session and
- * read its pool (struct kvsp_verbs_ep on the wire). A proxy without RDMA
- * ignores it, and chunks go on the sockets. */
+/* RDMA_HELLO: how to reach the speaker's queue pair for this session
+ * (struct kvsp_verbs_ep on the wire). No key: each CHUNK_READ carries its
+ * chunk's own. A proxy without RDMA ignores it, and chunks go on the sockets. */
 struct kvs_wire_rdma_hello {
 	uint32_t qpn, psn;
 	uint8_t gid[16];
 	uint64_t pool_addr, pool_len;
-	uint32_t rkey, mtu;
+	uint32_t keys; /* the speaker's chunk keys: 1 windows, 2 regions, 3 windows over regions */
+	uint32_t mtu;
 };
 static_assert(sizeof(struct kvs_wire_rdma_hello) == 48, "rdma hello is 48 bytes");
 
 /* CHUNK_READ: a chunk to pull by RDMA READ from the sender's pool at
- * offset (within the pool its RDMA_HELLO named). The sender's slot stays
- * its transport's until the CHUNK_ACK that echoes xfer_ref, or until the
- * session is lost and its queue pair is dead. */
+ * offset (within the pool its RDMA_HELLO named), with rkey: a key that
+ * covers exactly these len bytes, for this session's queue pair, until
+ * the CHUNK_ACK that echoes xfer_ref, the room's abort or the session's
+ * loss. The sender's slot stays its transport's until that key is revoked. */
 struct kvs_wire_chunk_read {
 	struct kvs_wire_room room;
 	uint32_t chunk;
 	uint32_t len;
 	uint64_t xfer_ref;
 	uint64_t offset;
+	uint32_t rkey;
+	uint32_t rsvd; /* 0 */
 };
-static_assert(sizeof(struct kvs_wire_chunk_read) == 48, "chunk read is 48 bytes");
+static_assert(sizeof(struct kvs_wire_chunk_read) == 56, "chunk read is 56 bytes");
 
 /* Any body, for buffers that must hold the largest. */
 union kvs_wire_body {
@@ -260,10 +264,10 @@ union kvs_wire_body {
 	struct kvs_wire_ended ended;
 	struct kvs_wire_rdma_hello rdma_hello;
 	struct kvs_wire_chunk_read chunk_read;
-	uint8_t bytes[48];
+	uint8_t bytes[56];
 };
-#define KVS_WIRE_BODY_MAX 48
-static_assert(sizeof(union kvs_wire_body) == KVS_WIRE_BODY_MAX, "largest body is 48 bytes");
+#define KVS_WIRE_BODY_MAX 56
+static_assert(sizeof(union kvs_wire_body) == KVS_WIRE_BODY_MAX, "largest body is 56 bytes");
 #define KVS_WIRE_FRAME_MAX (sizeof(struct kvs_wire_frame_hdr) + KVS_WIRE_BODY_MAX)
 
 #endif

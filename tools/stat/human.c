@@ -46,7 +46,10 @@ void print_human(const struct kvs_ctrl *c, size_t len, const char *path, int slo
 	       S(chunks_discarded), S(tcp_bytes_tx), S(tcp_bytes_rx));
 	printf("peers     deadlines %llu  evicted %llu  closed %llu  pings %llu\n", S(peer_timeouts),
 	       S(peer_evicted), S(peer_closed), S(peer_pings));
-	printf("rdma      reads %llu  rx %llu\n", S(rdma_reads), S(rdma_bytes_rx));
+	printf("rdma      sessions %llu  reads %llu  rx %llu  binds %llu  invalidates %llu  regions %llu"
+	       "  region-frees %llu  reads-refused %llu  links-lost %llu\n",
+	       S(rdma_sessions), S(rdma_reads), S(rdma_bytes_rx), S(rdma_binds), S(rdma_invalidates),
+	       S(rdma_regions), S(rdma_region_frees), S(rdma_reads_refused), S(rdma_links_lost));
 	if (r && r->have)
 		printf("rates     rooms/s %.1f  aborts/s %.1f  failures/s %.1f  chunks/s %.0f  GB/s %.3f"
 		       "  tcp tx %.3f rx %.3f GB/s  rdma rx %.3f GB/s\n",
@@ -56,11 +59,11 @@ void print_human(const struct kvs_ctrl *c, size_t len, const char *path, int slo
 	for (uint32_t i = 0; i < tb->npe; i++) {
 		const struct peer_row *k = &tb->pe[i];
 		printf("peer      %s  %s  streams %u  instance %016llx  tx %llu  rx %llu  sunk %llu  "
-		       "chunks by %s\n",
+		       "chunks by %s  reads-refused %u\n",
 		       k->ep[0] ? k->ep : "(joining)", peer_state(k->p.state), k->p.streams,
 		       (unsigned long long)k->p.instance, (unsigned long long)k->p.bytes_tx,
 		       (unsigned long long)k->p.bytes_rx, (unsigned long long)k->p.chunks_sunk,
-		       k->p.flags & KVS_PEER_RDMA ? "rdma" : "tcp");
+		       peer_link(k->p.flags), k->p.reads_refused);
 	}
 	if (!slots)
 		return;

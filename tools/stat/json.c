@@ -66,20 +66,31 @@ void print_json(const struct kvs_ctrl *c, size_t len, const char *path, int slot
 	       "\"frames_refused\":%llu,\"frames_ignored\":%llu,\"crc_errors\":%llu,"
 	       "\"chunks_discarded\":%llu,\"bytes_tx\":%llu,\"bytes_rx\":%llu,"
 	       "\"deadlines\":%llu,\"evicted\":%llu,\"closed\":%llu,\"pings\":%llu},"
-	       "\"rdma\":{\"reads\":%llu,\"bytes_rx\":%llu},\"peers\":[",
+	       "\"rdma\":{\"reads\":%llu,\"bytes_rx\":%llu,\"binds\":%llu,\"invalidates\":%llu,"
+	       "\"regions\":%llu,\"region_frees\":%llu,\"reads_refused\":%llu,"
+	       "\"links_lost\":%llu,\"sessions\":%llu},\"peers\":[",
 	       S(peer_sessions), S(peer_lost), S(peer_auth_failed), S(peer_refused),
 	       S(peer_frames_refused), S(peer_frames_ignored), S(peer_crc_errors),
 	       S(chunks_discarded), S(tcp_bytes_tx), S(tcp_bytes_rx), S(peer_timeouts),
-	       S(peer_evicted), S(peer_closed), S(peer_pings), S(rdma_reads), S(rdma_bytes_rx));
+	       S(peer_evicted), S(peer_closed), S(peer_pings), S(rdma_reads), S(rdma_bytes_rx),
+	       S(rdma_binds), S(rdma_invalidates), S(rdma_regions), S(rdma_region_frees),
+	       S(rdma_reads_refused), S(rdma_links_lost), S(rdma_sessions));
 	for (uint32_t i = 0; i < tb->npe; i++) {
 		const struct peer_row *k = &tb->pe[i];
 		printf("%s{\"endpoint\":", i ? "," : "");
 		kvs_json_string(stdout, k->ep);
 		printf(",\"state\":\"%s\",\"streams\":%u,\"instance\":\"%016llx\",\"bytes_tx\":%llu,"
-		       "\"bytes_rx\":%llu,\"chunks_sunk\":%llu,\"rdma\":%s}",
+		       "\"bytes_rx\":%llu,\"chunks_sunk\":%llu,\"rdma\":%s,\"reads_refused\":%u,"
+		       "\"keys\":",
 		       peer_state(k->p.state), k->p.streams, (unsigned long long)k->p.instance,
 		       (unsigned long long)k->p.bytes_tx, (unsigned long long)k->p.bytes_rx,
-		       (unsigned long long)k->p.chunks_sunk, k->p.flags & KVS_PEER_RDMA ? "true" : "false");
+		       (unsigned long long)k->p.chunks_sunk, k->p.flags & KVS_PEER_RDMA ? "true" : "false",
+		       k->p.reads_refused);
+		const char *keys = peer_keys(k->p.flags);
+		if (keys)
+			printf("\"%s\"}", keys);
+		else
+			printf("null}");
 	}
 	printf("]");
 	/* The clients, by id; with --watch each has its rates (null on the

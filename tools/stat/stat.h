@@ -67,6 +67,11 @@ uint32_t table_slots(const struct kvs_ctrl *c, size_t len);
 uint32_t peer_rows(const struct kvs_ctrl *c, size_t len, const struct kvs_peer **t);
 /* A peer row's state as a word: "up", "joining", else "?". */
 const char *peer_state(uint32_t st);
+/* How chunks go to a peer: "rdma (windows)", "tcp", ... */
+const char *peer_link(uint32_t flags);
+/* The keys a peer reads our chunks under: "windows", "regions",
+ * "windows+regions", or NULL (no RDMA). */
+const char *peer_keys(uint32_t flags);
 /* The proxy's state as a word: "serving" or "draining". */
 const char *state_word(const struct kvs_stats *st);
 /* Fills *r with the rates since the previous call for the same instance. */

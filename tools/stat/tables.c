@@ -42,6 +42,24 @@ uint32_t peer_rows(const struct kvs_ctrl *c, size_t len, const struct kvs_peer *
 	return c->peer_count < fit ? c->peer_count : (uint32_t)fit;
 }
 
+const char *peer_keys(uint32_t flags)
+{
+	uint32_t k = flags & (KVS_PEER_KEYS_WINDOW | KVS_PEER_KEYS_REGION);
+	return !(flags & KVS_PEER_RDMA) ? NULL
+	       : k == KVS_PEER_KEYS_WINDOW ? "windows" : k == KVS_PEER_KEYS_REGION ? "regions"
+	       : k ? "windows+regions" : NULL;
+}
+
+const char *peer_link(uint32_t flags)
+{
+	if (!(flags & KVS_PEER_RDMA))
+		return "tcp";
+	uint32_t k = flags & (KVS_PEER_KEYS_WINDOW | KVS_PEER_KEYS_REGION);
+	return k == KVS_PEER_KEYS_WINDOW ? "rdma (windows)"
+	       : k == KVS_PEER_KEYS_REGION ? "rdma (regions)"
+	       : k ? "rdma (windows over chunk regions)" : "rdma";
+}
+
 const char *peer_state(uint32_t st)
 {
 	return st == KVS_PEER_UP ? "up" : st == KVS_PEER_JOINING ? "joining" : "?";
@@ -220,6 +238,7 @@ void tables_take(const struct kvs_ctrl *c, size_t len, struct tables *tb)
 		k->p.bytes_rx = LD(p->bytes_rx);
 		k->p.chunks_sunk = LD(p->chunks_sunk);
 		k->p.flags = LD(p->flags);
+		k->p.reads_refused = LD(p->reads_refused);
 		k->row = i;
 		for (uint32_t j = 0; rates && j < prev.npe; j++) {
 			const struct peer_row *o = &prev.pe[j];

@@ -89,13 +89,15 @@ void print_top(FILE *f, const struct kvs_ctrl *c, const char *path, int restarte
 		S(rooms_open), S(rooms_done), S(rooms_aborted), S(rooms_failed), S(rooms_timed_out),
 		tb->ncl, tb->npe);
 	if (tb->npe) {
-		fprintf(f, "\n%-32s %-7s %7s %4s %7s %7s %7s %7s %6s\n", "PEER", "STATE", "STREAMS",
+		fprintf(f, "\n%-32s %-7s %7s %7s %7s %7s %7s %7s %6s\n", "PEER", "STATE", "STREAMS",
 			"LINK", "TX", "TX/s", "RX", "RX/s", "SUNK");
 		for (uint32_t i = 0; i < tb->npe; i++) {
 			const struct peer_row *k = &tb->pe[i];
-			fprintf(f, "%-32s %-7s %7u %4s %7s %7s %7s %7s %6llu\n",
+			fprintf(f, "%-32s %-7s %7u %7s %7s %7s %7s %7s %6llu\n",
 				k->ep[0] ? k->ep : "(joining)", peer_state(k->p.state), k->p.streams,
-				k->p.flags & KVS_PEER_RDMA ? "rdma" : "tcp",
+				!(k->p.flags & KVS_PEER_RDMA) ? "tcp"
+				: !(k->p.flags & KVS_PEER_KEYS_REGION) ? "rdma/w"
+				: !(k->p.flags & KVS_PEER_KEYS_WINDOW) ? "rdma/r" : "rdma/wr",
 				compact((double)k->p.bytes_tx, a, sizeof(a)),
 				k->have ? compact(k->tx_s, b, sizeof(b)) : "-",
 				compact((double)k->p.bytes_rx, d, sizeof(d)),
