@@ -42,7 +42,10 @@ for suite in peers hostile; do
   RXE_WORKDIR="$PWD/build/rxe" tests/rxe/run.sh --timeout 600 --env "KVSTAGE_TEST_PROXY_ARGS=--rdma-device rxe0" \
     --env KVSTAGE_BUILD_DIR="$PWD/build" -- "build/tests/test-$suite" --jobs=1
 done
-echo "== under ASan+UBSan in that guest: verbs, conformance's verbs cases (the rest ran under ASan above), tcp, peers and hostile with rxe0"
+echo "== a hostile RDMA peer READing what it was not sent, against a proxy serving an honest one, in that guest"
+RXE_WORKDIR="$PWD/build/rxe" tests/rxe/run.sh --timeout 900 --env KVSTAGE_BUILD_DIR="$PWD/build" -- \
+  build/tests/test-hostile-rdma --jobs=1
+echo "== under ASan+UBSan in that guest: verbs, conformance's verbs cases (the rest ran under ASan above), tcp, peers, hostile and hostile-rdma with rxe0"
 asan_env=(--env ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 --env UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1)
 RXE_WORKDIR="$PWD/build/rxe" tests/rxe/run.sh --timeout 600 "${asan_env[@]}" -- build-asan/tests/test-verbs --jobs=1
 RXE_WORKDIR="$PWD/build/rxe" tests/rxe/run.sh --timeout 900 "${asan_env[@]}" --env KVSTAGE_TEST_RDMA_DEVICE=rxe0 \
@@ -51,6 +54,8 @@ for suite in tcp peers hostile; do
   RXE_WORKDIR="$PWD/build/rxe" tests/rxe/run.sh --timeout 900 "${asan_env[@]}" --env "KVSTAGE_TEST_PROXY_ARGS=--rdma-device rxe0" \
     --env KVSTAGE_BUILD_DIR="$PWD/build-asan" -- "build-asan/tests/test-$suite" --jobs=1
 done
+RXE_WORKDIR="$PWD/build/rxe" tests/rxe/run.sh --timeout 900 "${asan_env[@]}" --env KVSTAGE_BUILD_DIR="$PWD/build-asan" -- \
+  build-asan/tests/test-hostile-rdma --jobs=1
 echo "== kvstage-bench verbs in that guest (the output's shape; no speed means anything there)"
 RXE_WORKDIR="$PWD/build/rxe" tests/rxe/run.sh --timeout 300 -- tools/bench/smoke-verbs.sh build
 echo "== short fuzz pass (fuzz/run.sh: libFuzzer, clang, ASan+UBSan; see README for the long run)"

@@ -240,6 +240,8 @@ static int on_hello(struct rdma *r, struct psess *s, const struct kvs_wire_rdma_
 	memcpy(p.gid, b->gid, sizeof(p.gid));
 	if (p.pool_addr + p.pool_len < p.pool_addr)
 		return -EPROTO; /* a pool that wraps the address space names nothing */
+	if (!r->verbs.ctx && rs->hellos > 1)
+		return -EPROTO; /* once per session to a proxy that cannot READ */
 	if (!r->verbs.ctx || (!rs->qp && !rs->broken)) {
 		KVS_STAT_ADD(r->dp.st->peer_frames_ignored, 1);
 		if (rs->hellos == 1)

@@ -237,6 +237,8 @@ struct local_point {
 	double proxy_rx_cpu;          /* the receiving side's proxy, % of one core; < 0: n/a */
 	double tcp1_gbps, tcpn_gbps;  /* raw TCP, one stream and --tcp-streams; < 0: failed */
 	double rdma_gbps;             /* verbs: ib_read_bw on the same device; < 0: failed */
+	/* verbs: each chunk's key on the sending proxy, per chunk READ */
+	double binds, invalidates, regions, region_frees;
 };
 
 struct latency_result {

@@ -1,10 +1,19 @@
 /* SPDX-License-Identifier: MIT */
 /* What the tcp mode reports: the table, JSON and CSV. */
 #include <math.h>
+#include <string.h>
 #include <stdio.h>
 
 #include "kvstage.h"
 #include "output.h"
+
+/* The keys A's chunks went under, from what it did per chunk. */
+static const char *keys_name(const struct local_point *p)
+{
+	if (!(p->binds > 0) && !(p->regions > 0))
+		return "none counted";
+	return !(p->binds > 0) ? "regions" : p->regions > 0 ? "windows over chunk regions" : "windows";
+}
 
 /* What the path's hardware gives it: ib_read_bw in verbs mode, else the
  * better of the two raw TCP figures. */
@@ -96,6 +105,11 @@ static void table(const struct bench_opts *o, const struct local_point *pt, unsi
 		    NAN);
 		row("proxy B CPU (% of a core)", num(p->proxy_rx_cpu, a, sizeof(a)), NAN, NULL,
 		    "receivers' side", NAN);
+		if (o->mode == MODE_VERBS)
+			printf("  keys: %s; per chunk: %.2f binds, %.2f invalidates, %.2f region "
+			       "registrations, %.2f deregistrations (their cost is in the ratios to "
+			       "ib_read_bw, which reads one region under one key)\n",
+			       keys_name(p), p->binds, p->invalidates, p->regions, p->region_frees);
 		if (o->payload == PAYLOAD_VERIFY)
 			printf("  verified: %llu chunks, %llu with a wrong byte\n",
 			       (unsigned long long)p->chunks, (unsigned long long)p->errors);
@@ -119,8 +133,13 @@ static void table(const struct bench_opts *o, const struct local_point *pt, unsi
 	if (o->mode == MODE_VERBS)
 		printf("  verbs: the same two proxies with --rdma-device %s: every chunk is pulled by "
 		       "RDMA READ from A's slot into B's posted slot (the fence decides at the "
-		       "completion); the baselines below are the device's ib_read_bw and, for scale, "
-		       "raw TCP; latency floors and chunks/s use ib_read_bw.\n", o->rdma_device);
+		       "completion), under a key of its own that A grants before and revokes after "
+		       "(--proxy-arg=--rdma-keys=regions measures the fallback for a device without "
+		       "windows); the baselines below are the device's ib_read_bw and, for scale, "
+		       "raw TCP; latency floors and chunks/s use ib_read_bw.%s\n", o->rdma_device,
+		       strncmp(o->rdma_device, "rxe", 3) ? ""
+		       : " The device is soft-RoCE (rxe): the CPU does the NIC's work, so no figure "
+			 "here is a NIC's (and under emulation no speed means anything).");
 	for (size_t i = 0; i < sizeof(tcp_defs) / sizeof(tcp_defs[0]); i++)
 		printf("  %s: %s.\n", tcp_defs[i][0], tcp_defs[i][1]);
 }
@@ -167,6 +186,15 @@ static void json(const struct bench_opts *o, const struct local_point *pt, unsig
 		jw_num(&j, "room_p50_vs_floor", p->room_lat.n ? ratio(p->room_lat.p50, fl) : NAN);
 		jw_num(&j, "room_p99_vs_floor", p->room_lat.n ? ratio(p->room_lat.p99, fl) : NAN);
 		jw_close(&j, '}');
+		if (o->mode == MODE_VERBS) {
+			jw_open(&j, "keys", '{');
+			jw_str(&j, "kind", keys_name(p));
+			jw_num(&j, "binds_per_chunk", p->binds);
+			jw_num(&j, "invalidates_per_chunk", p->invalidates);
+			jw_num(&j, "regions_per_chunk", p->regions);
+			jw_num(&j, "region_frees_per_chunk", p->region_frees);
+			jw_close(&j, '}');
+		}
 		jw_close(&j, '}');
 	}
 	jw_close(&j, ']');

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # kvstage-bench verbs, briefly, where an RDMA device exists (tools/run-tests.sh
 # runs it on rxe0 in the soft-RoCE guest): it checks the output's shape and that
-# every byte was verified, never a speed (under emulation speed means nothing).
+# every byte was verified and each chunk went under a key of its own (binds and
+# invalidates counted), never a speed (under emulation speed means nothing).
 # ib_read_bw gets 2 s: under TCG a 1 s window sometimes sees no READ complete.
 # Usage: smoke-verbs.sh BUILD_DIR (with $RXE_DEV, and $RXE_GID_INDEX if known)
 set -euo pipefail
@@ -18,7 +19,7 @@ gid=()
 for k in '"mode": "verbs"' '"ib_read_bw_gbps"' '"gbps_vs_ib_read_bw"' '"errors": 0'; do
   grep -q "$k" "$out" || { cat "$out" >&2; echo "smoke-verbs: no $k in the JSON" >&2; exit 1; }
 done
-for k in gbps ib_read_bw_gbps; do
+for k in gbps ib_read_bw_gbps binds_per_chunk invalidates_per_chunk; do
   # (|| true: a missing or null figure is reported below, not a silent exit of set -e)
   v=$(grep -oE "\"$k\": [0-9][-0-9.e+]*" "$out" | head -1 | awk '{print $2}' || true)
   awk -v v="${v:-0}" 'BEGIN { exit !(v + 0 > 0) }' ||

@@ -8,6 +8,7 @@
  * (rawtcp.c), then the rooms (local_measure, the local mode's clients).
  */
 #include <errno.h>
+#include <math.h>
 #include <fcntl.h>
 #include <stdlib.h>
 #include <string.h>
@@ -226,6 +227,14 @@ static int point(const struct bench_opts *o, const struct tcp_env *e, struct loc
 	/* Every room crossed the wire (by READ in verbs mode): at least the
 	 * window's bytes went, or the figure is not this path's. */
 	uint64_t sent = verbs ? stat_of(b.sock, "rdma_bytes_rx") : stat_of(a.sock, "tcp_bytes_tx");
+	if (verbs) {
+		/* What each chunk's key cost A: its operations per chunk B READ. */
+		double reads = (double)stat_of(b.sock, "rdma_reads");
+		pt->binds = reads ? (double)stat_of(a.sock, "rdma_binds") / reads : NAN;
+		pt->invalidates = reads ? (double)stat_of(a.sock, "rdma_invalidates") / reads : NAN;
+		pt->regions = reads ? (double)stat_of(a.sock, "rdma_regions") / reads : NAN;
+		pt->region_frees = reads ? (double)stat_of(a.sock, "rdma_region_frees") / reads : NAN;
+	}
 	if (!rc && sent < pt->bytes) {
 		fprintf(stderr, "kvstage-bench: %llu bytes went %s, fewer than the %llu the receivers "
 				"counted: the rooms did not take this path\n",
