@@ -393,3 +393,13 @@ void proxy_log(const struct proxy *px, char *buf, size_t cap)
 	buf[n] = 0;
 	fclose(f);
 }
+
+unsigned proxy_log_count(const struct proxy *px, const char *what)
+{
+	static char log[1 << 20];
+	proxy_log(px, log, sizeof(log));
+	unsigned n = 0;
+	for (const char *p = log; (p = strstr(p, what)); p += strlen(what))
+		n++;
+	return n;
+}

@@ -96,5 +96,7 @@ int chan_get(int fd, void *b, size_t n);
 int run_cmd(const char *const *argv, char *out, size_t cap, char *err, size_t ecap);
 /* Reads px's log so far into buf (NUL-terminated, truncated to cap); fails the test if it cannot. */
 void proxy_log(const struct proxy *px, char *buf, size_t cap);
+/* Returns how many times what occurs in px's log so far (its first MiB). */
+unsigned proxy_log_count(const struct proxy *px, const char *what);
 
 #endif

@@ -93,17 +93,6 @@ static uint64_t rnd64(void)
 	return v;
 }
 
-/* Counts the lines of px's log that contain what. */
-static unsigned log_lines(const struct proxy *px, const char *what)
-{
-	static char log[1 << 20];
-	proxy_log(px, log, sizeof(log));
-	unsigned n = 0;
-	for (const char *p = log; (p = strstr(p, what)); p += strlen(what))
-		n++;
-	return n;
-}
-
 /* ------------------------------------------------------ 1: half joined */
 
 /* A peer with the secret joins 1 of 2 streams, says OPEN for a real room
@@ -251,7 +240,8 @@ Test(hostile, five_thousand_failed_handshakes_write_a_handful_of_lines)
 	 * burst, and no more. */
 	uint64_t ns = (uint64_t)(t1.tv_sec - t0.tv_sec) * 1000000000u + (uint64_t)t1.tv_nsec -
 		      (uint64_t)t0.tv_nsec;
-	unsigned windows = (unsigned)(ns / KVSP_RL_WINDOW_NS) + 2, lines = log_lines(&pb, "refused before joining");
+	unsigned windows = (unsigned)(ns / KVSP_RL_WINDOW_NS) + 2;
+	unsigned lines = proxy_log_count(&pb, "refused before joining");
 	cr_assert_leq(lines, KVSP_RL_BURST * windows,
 		      "%u log lines for 5000 failed handshakes in %.1f s", lines, ns / 1e9);
 	cr_assert_geq(stat_get(&pb, "log_suppressed"), suppressed + 5000 - lines,

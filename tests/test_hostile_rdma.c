@@ -79,16 +79,6 @@ static void start(const char *keys)
 	proxy_start(&ph, NULL, a);
 }
 
-static unsigned log_lines(const struct proxy *px, const char *what)
-{
-	static char log[1 << 20];
-	proxy_log(px, log, sizeof(log));
-	unsigned n = 0;
-	for (const char *p = log; (p = strstr(p, what)); p += strlen(what))
-		n++;
-	return n;
-}
-
 /* A room from V to H by READ, byte for byte: V still serves its honest peer. */
 static void honest(uint64_t owner)
 {
@@ -159,11 +149,11 @@ static void refused(struct hz *h, enum ibv_wc_status st, uint32_t len, const str
 	stat_wait(&pv, "rdma_reads_refused", 1, b->refused + 1);
 	if (lost) {
 		stat_wait(&pv, "peer_lost", 1, b->lost + 1);
-		cr_assert_geq(log_lines(&pv, "our NIC refused its READ: a key it does not hold"), 1);
+		cr_assert_geq(proxy_log_count(&pv, "our NIC refused its READ: a key it does not hold"), 1);
 	} else {
 		stat_wait(&pv, "rdma_links_lost", 1, b->links + 1);
 		cr_assert_eq(stat_get(&pv, "peer_lost"), b->lost, "the session was lost");
-		cr_assert_geq(log_lines(&pv, "whose key an abort revoked"), 1);
+		cr_assert_geq(proxy_log_count(&pv, "whose key an abort revoked"), 1);
 	}
 }
 
