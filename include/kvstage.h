@@ -15,7 +15,10 @@
  * fork(): a connection belongs to the process that made it. In a child,
  * every call on the parent's connections (and their rooms) fails with
  * -ECHILD and touches nothing the parent shares; kvs_close() there only
- * frees the child's copies. A child that wants the proxy connects anew.
+ * frees the child's copies. The child does not inherit the pool, nor the
+ * rings the connection shares with the proxy (MADV_DONTFORK): a pointer
+ * into a slot faults there instead of writing what was already sent. A
+ * child that wants the proxy connects anew.
  *
  * Sync calls (acquire, release, the opens, kvs_room_lease past chunk 0)
  * wait for the proxy's answer. They return -EAGAIN while so many events

@@ -357,14 +357,28 @@ static int sync_call_wait(kvs_client *c, struct kvs_sqe *q)
 
 static void unmap_all(kvs_client *c)
 {
+	if (c->ctrl)
+		munmap((void *)c->ctrl, c->ctrl_size);
+	/* A fork child never had the writable mappings (attach: DONTFORK);
+	 * what now lies at their addresses, if anything, is the child's own. */
+	if (c->forked)
+		return;
 	kvs_ring_unmap(&c->sq);
 	kvs_ring_unmap(&c->cq);
 	if (c->pool)
 		munmap(c->pool, c->pool_size);
-	if (c->ctrl)
-		munmap((void *)c->ctrl, c->ctrl_size);
 	if (c->cshm)
 		munmap(c->cshm, c->cmem_size);
+}
+
+/* A fork child must never reach a slot, nor the rings and replies the
+ * parent's connection shares with the proxy: without this it inherits a
+ * writable view of them, and a write there lands in a slot already sent
+ * (the receiver's completed chunk changes) or in the parent's rings. In the
+ * child these ranges are simply not mapped: a touch faults. */
+static int keep_from_children(void *p, size_t len)
+{
+	return madvise(p, len, MADV_DONTFORK) ? -errno : 0;
 }
 
 void kvs_close(kvs_client *c)
@@ -485,6 +499,9 @@ static int attach(kvs_client *c, const struct kvs_welcome *w, const int fds[KVS_
 	c->pool = map_fd(pool_fd, c->pool_size, PROT_READ | PROT_WRITE);
 	if (!c->pool)
 		return -ENOMEM;
+	int rc = keep_from_children(c->pool, c->pool_size);
+	if (rc < 0)
+		return rc;
 #ifndef MADV_POPULATE_WRITE
 #define MADV_POPULATE_WRITE 23
 #endif
@@ -502,11 +519,17 @@ static int attach(kvs_client *c, const struct kvs_welcome *w, const int fds[KVS_
 	if (!c->cshm)
 		return -ENOMEM;
 	c->reply_leases = (const struct kvs_lease *)((uint8_t *)c->cshm + l.reply_off);
-	int rc = kvs_ring_map(&c->sq, ctrl_fd, c->ctrl->sq_geom_off, cmem_fd, l.sq_off,
-			      l.cq_off - l.sq_off);
+	rc = kvs_ring_map(&c->sq, ctrl_fd, c->ctrl->sq_geom_off, cmem_fd, l.sq_off,
+			  l.cq_off - l.sq_off);
 	if (rc == 0)
 		rc = kvs_ring_map(&c->cq, ctrl_fd, c->ctrl->cq_geom_off, cmem_fd, l.cq_off,
 				  l.size - l.cq_off);
+	if (rc == 0)
+		rc = keep_from_children(c->cshm, c->cmem_size);
+	if (rc == 0)
+		rc = keep_from_children(c->sq.map, c->sq.map_len);
+	if (rc == 0)
+		rc = keep_from_children(c->cq.map, c->cq.map_len);
 	if (rc < 0)
 		return rc;
 

@@ -11,6 +11,7 @@
 #include <signal.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <sys/time.h>
 #include <sys/wait.h>
 #include <time.h>
@@ -165,6 +166,52 @@ Test(client, null_arguments_are_refused_not_followed)
 	cr_assert_eq(kvs_send(s, NULL, 0, SLOT), -EINVAL);
 	kvs_close(c);
 	wait_idle(&px, 0);
+}
+
+/* A child that writes through a pointer its parent had into slots (the
+ * sent one, the received one) faults: the pool is not mapped in a child,
+ * and the receiver's completed room keeps what was sent. */
+Test(client, a_fork_child_cannot_reach_a_slot)
+{
+	kvs_client *rx = connect_ok(&px), *tx = connect_ok(&px);
+	kvs_room *r, *s;
+	struct kvs_room_desc d;
+	struct kvs_lease l, got;
+	cr_assert_eq(kvs_recv_open(rx, SLOT, 1, &r, &d), 0);
+	cr_assert_eq(kvs_send_open(tx, &d, 1, &s), 0);
+	cr_assert_eq(kvs_acquire(tx, 1, &l), 0);
+	uint8_t *sent = kvs_lease_ptr(tx, &l);
+	cr_assert_not_null(sent);
+	memset(sent, 0x5a, SLOT);
+	cr_assert_eq(kvs_send(s, &l, 0, SLOT), 0);
+	struct kvs_event ev = wait_event(rx);
+	cr_assert_eq(ev.type, KVS_EV_RECV_DONE, "%u %s", ev.type, kvs_strerror(ev.status));
+	cr_assert_eq(kvs_room_lease(r, 0, &got), 0);
+	uint8_t *recvd = kvs_lease_ptr(rx, &got);
+	cr_assert_not_null(recvd);
+	uint8_t *targets[] = { sent, recvd };
+	for (unsigned t = 0; t < 2; t++) {
+		fflush(NULL);
+		pid_t pid = fork();
+		cr_assert_neq(pid, -1);
+		if (pid == 0) {
+			setrlimit(RLIMIT_CORE, &(struct rlimit){ 0, 0 });
+			signal(SIGSEGV, SIG_DFL); /* (ASan's handler would exit 1) */
+			memset(targets[t], 0xee, SLOT);
+			_exit(0);
+		}
+		int st;
+		cr_assert_eq(reap(pid, &st), pid);
+		cr_assert(WIFSIGNALED(st) && WTERMSIG(st) == SIGSEGV,
+			  "the child's write to the %s slot: %s %d", t ? "received" : "sent",
+			  WIFSIGNALED(st) ? "signal" : "exit", WIFSIGNALED(st) ? WTERMSIG(st) : WEXITSTATUS(st));
+	}
+	for (unsigned i = 0; i < SLOT; i++)
+		cr_assert_eq(recvd[i], 0x5a, "byte %u of the received chunk changed", i);
+	cr_assert_eq(kvs_room_close(r), 0);
+	cr_assert_eq(kvs_room_close(s), 0);
+	kvs_close(rx);
+	kvs_close(tx);
 }
 
 Test(client, a_fork_child_cannot_use_or_disturb_its_parents_connection)
