@@ -9,7 +9,8 @@
 #    and the example config; no installed program or library keeps a path
 #    into the build tree;
 #  - the Python package (every module of python/kvstage) under the
-#    interpreter's directory for the prefix;
+#    interpreter's directory for the prefix, with its kvstage-VERSION.dist-info
+#    (importlib.metadata finds the SGLang plugin entry point through it);
 #  - a program (check-install.c) built with nothing but the installed
 #    pkg-config file and header (-std=c11 -pedantic -Werror), linked to the
 #    installed libkvstage.so.0, runs against the installed kvstaged: one
@@ -138,6 +139,29 @@ else
 	for m in "$src"/python/kvstage/*.py; do
 		[ -f "$D$pydir/kvstage/${m##*/}" ] || fail "python/kvstage/${m##*/} is not installed (list it in python/meson.build)"
 	done
+	# Its distribution metadata next to it: SGLang finds kvstage's plugin (entry point group
+	# sglang.srt.plugins) through importlib.metadata, in every process it starts (python/SGLANG.md).
+	ver=$(meson introspect --projectinfo "$build" | python3 -c 'import json, sys; print(json.load(sys.stdin)["version"])')
+	if [ ! -f "$D$pydir/kvstage-$ver.dist-info/METADATA" ]; then
+		fail "no $pydir/kvstage-$ver.dist-info/METADATA (python/meson.build installs it)"
+	elif ! out=$(env PYTHONPATH="$D$pydir" "${KVSTAGE_PYTHON:-python3}" -c '
+import importlib.metadata as md, sys
+ver, where = sys.argv[1], sys.argv[2]
+d = md.distribution("kvstage")
+assert str(d.locate_file("")).rstrip("/") == where.rstrip("/"), ("not the installed kvstage", d.locate_file(""))
+assert d.version == ver, ("version", d.version, ver)
+try:
+    eps = md.entry_points(group="sglang.srt.plugins")
+except TypeError:  # Python < 3.10
+    eps = md.entry_points().get("sglang.srt.plugins", [])
+ours = [(e.name, e.value) for e in eps if e.name == "kvstage"]
+assert ours == [("kvstage", "kvstage.sglang_plugin:register")], ours
+print("kvstage", d.version, "entry point", ours[0][0], "=", ours[0][1])
+' "$ver" "$D$pydir" 2>&1); then
+		fail "the installed kvstage-$ver.dist-info: importlib.metadata does not find the SGLang plugin entry point: $out"
+	else
+		echo "ok: $out"
+	fi
 fi
 for f in "$prefix/lib/sysusers.d/kvstaged.conf" "$prefix/lib/tmpfiles.d/kvstaged.conf" \
 	"$datadir/doc/kvstage/kvstaged.conf.example"; do
@@ -218,7 +242,11 @@ $(cat "$tmp/kvstaged.log")"
 			"$py" -c '
 import sys, kvstage
 assert kvstage.__file__.startswith(sys.argv[2]), kvstage.__file__
-import kvstage.sglang, kvstage.vllm
+import kvstage.sglang
+try:
+    import kvstage.vllm  # a vLLM connector: without vLLM it must say so, and nothing else
+except ImportError as e:
+    assert "needs vLLM" in str(e), e
 with kvstage.Client(sys.argv[1]) as tx, kvstage.Client(sys.argv[1]) as rx:
     rroom, desc = rx.recv_open(5000)
     sroom = tx.send_open(desc)

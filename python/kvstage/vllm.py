@@ -1,32 +1,32 @@
 """vLLM KV connector over kvstage: ``kv_connector="KvstageConnector"``, ``kv_connector_module_path="kvstage.vllm"``.
 
-vLLM's interface, mirrored name for name and signature for signature, as read from vllm-project/vllm
-(the stored copies this was written against):
-  vllm/distributed/kv_transfer/kv_connector/v1/base.py             @ 003df2961dd8830c317a61f9745ccd557da9fa06
-      KVConnectorBase_V1 (__init__(vllm_config, role, kv_cache_config), the worker-side and scheduler-side
-      methods, has_pending_push_work), KVConnectorRole, KVConnectorMetadata, SupportsHMA
-  vllm/distributed/kv_transfer/kv_connector/factory.py             @ a4cd9d0d28bdb41db8dfe0acdafac2bf2f608630
-      (and the older 007c643b4abb7a79e69ef2b343b3dc80eb643c0d): an unregistered kv_connector is loaded with
-      importlib.import_module(kv_connector_module_path) and getattr(module, kv_connector); the class is called
-      (config, role, kv_cache_config) when its __init__ takes kv_cache_config, else (config, role); with the
-      hybrid KV cache manager on, a class that is not SupportsHMA is refused
-  vllm/distributed/kv_transfer/kv_connector/v1/nixl/connector.py   @ 01e4fce07423dafcc832600ba05159fb28dc1126
-  vllm/distributed/kv_transfer/kv_connector/v1/nixl/scheduler.py   @ 053da34be7ea27d508324a9a286be9907e27b8a6
-  vllm/distributed/kv_transfer/kv_connector/v1/nixl/push_scheduler.py @ 0316d25ab5286b130d7663b57959cc8a740b3864
-      a real connector's shape and its kv_transfer_params: do_remote_decode on the prefill request,
-      request_finished -> (delay, {do_remote_prefill, remote_engine_id, remote_request_id, remote_host,
-      remote_port, tp_size, ...}) that the router hands to the decode instance
-  vllm/distributed/kv_transfer/kv_connector/v1/example_connector.py @ 00231834dc62bb1127ec5c8f2e6762c87d2f477e
-      how build_connector_meta reads SchedulerOutput (scheduled_new_reqs[].block_ids, scheduled_cached_reqs)
-  vllm/config/kv_transfer.py                                       @ 007c643b4abb7a79e69ef2b343b3dc80eb643c0d
-      KVTransferConfig: kv_connector, kv_role, engine_id, kv_ip, kv_port, kv_connector_extra_config,
-      kv_connector_module_path
-  vllm/v1/core/sched/scheduler.py                                  @ 00024d314514900f361ad072af6931e403b7f589
+Needs vLLM (importing this module without it raises ImportError); built against vllm-project/vllm @ 9aaf83ef502f
+(May 2026), python/VLLM.md says what works with which vLLM. Read there:
+  vllm/distributed/kv_transfer/kv_connector/v1/base.py
+      KVConnectorBase_V1 (__init__(vllm_config, role, kv_cache_config): kv_cache_config required), handle_preemptions,
+      get_kv_connector_stats, build_kv_connector_stats, build_prom_metrics; KVConnectorRole, KVConnectorMetadata;
+      SupportsHMA / supports_hma (not claimed here)
+  vllm/distributed/kv_transfer/kv_connector/factory.py
+      an unregistered kv_connector is loaded with importlib.import_module(kv_connector_module_path) and
+      getattr(module, kv_connector); a class whose constructor lacks kv_cache_config is refused; it is called
+      (config, role, kv_cache_config); with the hybrid KV cache manager on, a class that is not SupportsHMA is refused
+  vllm/config/vllm.py
+      with no user preference, the hybrid KV cache manager is turned off for a connector that is not SupportsHMA
+      (v1/core/kv_cache_utils.py then unifies sliding-window layers into one full-attention group)
+  vllm/distributed/kv_transfer/kv_connector/v1/nixl/{connector,scheduler,stats}.py
+      request_finished's hand-off rule (FINISHED_LENGTH_CAPPED, FINISHED_STOPPED) and kv_transfer_params
+      (do_remote_prefill, do_remote_decode, remote_block_ids, remote_engine_id, remote_request_id, remote_host,
+      remote_port, tp_size, remote_num_tokens), which the router hands to the decode instance; the stats and
+      Prometheus classes' shape
+  vllm/distributed/kv_transfer/kv_connector/v1/metrics.py, kv_connector/utils.py (KVOutputAggregator)
+      KVConnectorStats (aggregate, reduce, is_empty), KVConnectorPromMetrics, how workers' stats are aggregated
+  vllm/v1/core/sched/scheduler.py, vllm/v1/worker/gpu_model_runner.py, vllm/v1/worker/gpu/kv_connector.py
       how the scheduler drives a connector: update_state_after_alloc(request, get_blocks(id), n_external);
-      _connector_finished -> request_finished(request, block_ids[0]) or request_finished_all_groups;
-      finish_requests delays the blocks of a WAITING_FOR_REMOTE_KVS request until finished_recving names it;
-      _update_from_kv_xfer_finished frees on finished_sending, and on finished_recving of a finished request;
-      _update_waiting_for_remote_kv (num_computed_tokens = all blocks, minus the last token)
+      _connector_finished -> request_finished(request, block_ids[0]) (not SupportsHMA: one group);
+      _preempt_request frees the blocks at once and names the request in preempted_req_ids; the worker calls
+      handle_preemptions(metadata) before binding it and before the forward; finish_requests delays the blocks of a
+      WAITING_FOR_REMOTE_KVS request until finished_recving names it; _update_from_kv_xfer_finished frees on
+      finished_sending, and on finished_recving of a finished request
 
 How a request moves (python/VLLM.md has the picture):
   prefill  The router sends the request with kv_transfer_params {"do_remote_decode": True}. In the forward
@@ -78,8 +78,16 @@ Settings: kv_connector_extra_config keys kvstage_socket ($KVSTAGE_SOCKET), kvsta
 else kv_ip), kvstage_port (else kv_port), kvstage_stage_timeout, kvstage_load_timeout (s, default 120);
 per request, kv_transfer_params may carry kvstage_stage_timeout (prefill) and kvstage_load_timeout (decode).
 
-Not supported (refused with a reason): more than one KV cache group (hybrid models), prefill and decode
-with different TP sizes or block sizes or cache layouts, pipeline parallelism.
+Preemption: vLLM frees a preempted request's blocks at once; handle_preemptions voids its stage and returns only
+once no copy of those blocks into slots can run (queued copies cancelled, a running one finished).
+
+Metrics: get_kv_connector_stats -> KvstageKVConnectorStats per worker (aggregated by vLLM); build_prom_metrics ->
+vllm:kvstage_{transfers,bytes}_{sent,received}, vllm:kvstage_num_failed_transfers, vllm:kvstage_num_stale_rejections
+(counters), vllm:kvstage_abort_to_free_seconds (histogram), per engine with vLLM's labels.
+
+Not supported (refused with a reason): more than one KV cache group (not SupportsHMA: vLLM runs hybrid models with
+its hybrid KV cache manager off, one group; Mamba hybrids vLLM itself then refuses), prefill and decode with
+different TP sizes or block sizes or cache layouts, pipeline parallelism.
 """
 from __future__ import annotations
 
@@ -87,7 +95,6 @@ import base64
 import collections
 import dataclasses
 import errno as _errno
-import inspect
 import itertools
 import json
 import logging
@@ -97,7 +104,6 @@ import socket
 import threading
 import time
 import typing
-from abc import ABC, abstractmethod
 from typing import Optional
 
 from .client import Client, EventType
@@ -109,109 +115,18 @@ from .sglang import CpuCopier, CudaCopier, FrameListener, _frame, _pieces, _runs
 logger = logging.getLogger(__name__)
 
 # ---------------------------------------------------------------------------------------------
-# vLLM's base classes when vLLM is importable; otherwise stand-ins with the same names and abstract
-# methods (vLLM is not installable on the development machine).
+# vLLM's own base classes: this module is a vLLM connector and needs vLLM (the tests put a stand-in package,
+# python/tests/stubs, on sys.path).
 # ---------------------------------------------------------------------------------------------
-SupportsHMA = None
 try:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # type: ignore
         KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole)
-    try:
-        from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA  # type: ignore
-    except ImportError:  # older vLLM
-        SupportsHMA = None
-    HAVE_VLLM = True
-except Exception as _e:  # not installed, or it failed to import: run standalone
-    logger.debug("kvstage.vllm: vLLM not importable (%s); using stand-in base classes", _e)
-    HAVE_VLLM = False
-    import enum
-
-    class KVConnectorRole(enum.Enum):
-        SCHEDULER = 0
-        WORKER = 1
-
-    class KVConnectorMetadata(ABC):  # noqa: B024
-        """Scheduler connector -> worker connector, once per step."""
-
-    class KVConnectorBase_V1(ABC):
-        """Stand-in of vLLM's KVConnectorBase_V1: the bookkeeping of its __init__ and metadata binding."""
-
-        def __init__(self, vllm_config, role, kv_cache_config=None):
-            self._connector_metadata = None
-            self._vllm_config = vllm_config
-            if getattr(vllm_config, "kv_transfer_config", None) is None:
-                raise ValueError("kv_transfer_config must be set for KVConnectorBase_V1")
-            self._kv_transfer_config = vllm_config.kv_transfer_config
-            self._kv_cache_config = kv_cache_config
-            self._role = role
-
-        @property
-        def role(self):
-            return self._role
-
-        def bind_connector_metadata(self, connector_metadata):
-            self._connector_metadata = connector_metadata
-
-        def clear_connector_metadata(self):
-            self._connector_metadata = None
-
-        def _get_connector_metadata(self):
-            assert self._connector_metadata is not None
-            return self._connector_metadata
-
-        def has_connector_metadata(self):
-            return self._connector_metadata is not None
-
-        def register_kv_caches(self, kv_caches):
-            return
-
-        @abstractmethod
-        def start_load_kv(self, forward_context, **kwargs): ...
-
-        @abstractmethod
-        def wait_for_layer_load(self, layer_name): ...
-
-        @abstractmethod
-        def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs): ...
-
-        @abstractmethod
-        def wait_for_save(self): ...
-
-        def get_finished(self, finished_req_ids):
-            return None, None
-
-        def get_block_ids_with_load_errors(self):
-            return set()
-
-        def shutdown(self):
-            return None
-
-        @abstractmethod
-        def get_num_new_matched_tokens(self, request, num_computed_tokens): ...
-
-        @abstractmethod
-        def update_state_after_alloc(self, request, blocks, num_external_tokens): ...
-
-        @abstractmethod
-        def build_connector_meta(self, scheduler_output): ...
-
-        def update_connector_output(self, connector_output):
-            return
-
-        def request_finished(self, request, block_ids):
-            return False, None
-
-        def has_pending_push_work(self):
-            return False
-
-        @classmethod
-        def get_required_kvcache_layout(cls, vllm_config):
-            return None
-
-if SupportsHMA is None:
-    class SupportsHMA(ABC):  # noqa: F811 - vLLM's shape
-        @abstractmethod
-        def request_finished_all_groups(self, request, block_ids): ...
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (  # type: ignore
+        KVConnectorPromMetrics, KVConnectorStats)
+except ImportError as _e:
+    raise ImportError(
+        f"kvstage.vllm is a vLLM KV connector and needs vLLM importable: {_e}. Install "
+        "vLLM (python/VLLM.md says which versions), or use kvstage.client / kvstage.sglang without it.") from _e
 
 STAGE_TIMEOUT_S = 120.0
 LOAD_TIMEOUT_S = 120.0
@@ -356,14 +271,29 @@ class VllmLayout:
             out.extend(self._region_extents(k, nblocks, blocks, first_pos))
         return out
 
+    def check(self, blocks):
+        """Raises ValueError unless every block id is an integer in [0, blocks of the smallest cache)."""
+        for b in blocks:
+            if isinstance(b, bool) or int(b) != b:
+                raise ValueError(f"block id {b!r} is not an integer")
+        for r in self.regions:
+            bad = [int(b) for b in blocks if not 0 <= int(b) < r.nblocks]
+            if bad:
+                raise ValueError(f"block {bad[0]} is outside the cache of layer {r.layer} ({r.nblocks} blocks)")
+
     def _region_extents(self, k, nblocks, blocks, first_pos):
         r = self.regions[k]
-        runs = _runs(blocks) if r.stride == r.item else [(i, int(b), 1) for i, b in enumerate(blocks)]
+        blocks = [int(b) for b in blocks]
+        for b in blocks:  # every cache shape, before any address is computed (a strided cache's -1 is addressable)
+            if not 0 <= b < r.nblocks:
+                raise ValueError(f"block {b} is outside the cache of layer {r.layer} ({r.nblocks} blocks)")
+        runs = _runs(blocks) if r.stride == r.item else [(i, b, 1) for i, b in enumerate(blocks)]
         base = self._off[k] * nblocks
         out = []
         for pos, blk, n in runs:
-            if blk + n > r.nblocks:
-                raise ValueError(f"block {blk + n - 1} is past the cache of layer {r.layer} ({r.nblocks} blocks)")
+            if blk < 0 or blk + n > r.nblocks:
+                raise ValueError(f"blocks {blk}..{blk + n - 1} are outside the cache of layer {r.layer} "
+                                 f"({r.nblocks} blocks)")
             out.append((base + (first_pos + pos) * r.item, r.ptr + blk * r.stride, n * r.item, r.device))
         return out
 
@@ -390,7 +320,7 @@ class VllmLayout:
             base, groups = self._off[k] * nblocks, []  # groups: [slot, slot_off, block ids], or a cut block's piece
             for i, b in enumerate(blocks):
                 if not 0 <= b < r.nblocks:
-                    raise ValueError(f"block {b} is past the cache of layer {r.layer} ({r.nblocks} blocks)")
+                    raise ValueError(f"block {b} is outside the cache of layer {r.layer} ({r.nblocks} blocks)")
                 room = base + (first_pos + i) * r.item
                 s, so = divmod(room, slot_size)
                 if so + r.item > slot_size:  # cut by a slot boundary: its parts on either side are plain copies
@@ -408,6 +338,99 @@ class VllmLayout:
             for s in sorted(gathers):  # the same bytes either way: whichever takes fewer calls (a tie: the gather)
                 out.extend(gathers[s] if len(gathers[s]) <= len(runs[s]) else runs[s])
         return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Metrics: vLLM's KVConnectorStats (per worker, aggregated across workers by vLLM) and vllm:kvstage_* families.
+# ---------------------------------------------------------------------------------------------
+
+_STAT_KEYS = ("bytes_sent", "bytes_received", "num_failed_transfers", "num_stale_rejections", "abort_to_free_seconds")
+
+
+@dataclasses.dataclass
+class KvstageKVConnectorStats(KVConnectorStats):
+    """One worker's observations since its last report, as lists (NixlKVConnectorStats' shape, so vLLM's
+    KVOutputAggregator and stat loggers aggregate and reduce them): bytes_sent (one entry per request whose staged KV
+    the decode side received), bytes_received (per load copied into its blocks), num_failed_transfers (1 per stage or
+    load that failed: refused, expired, timed out, lost), num_stale_rejections (1 per chunk the proxy refused as stale
+    or not ours), abort_to_free_seconds (per aborted or preempted request: from the scheduler's request_finished, or
+    the preemption, to the worker reporting its blocks free)."""
+
+    def __post_init__(self):
+        if not self.data:
+            self.reset()
+
+    def reset(self):
+        self.data = {k: [] for k in _STAT_KEYS}
+
+    def clone_and_reset(self):
+        old = KvstageKVConnectorStats(data={k: list(v) for k, v in self.data.items()})
+        self.reset()
+        return old
+
+    def is_empty(self):
+        return not any(self.data.get(k) for k in _STAT_KEYS)
+
+    def aggregate(self, other):
+        if not other.is_empty():
+            for k, v in other.data.items():
+                self.data.setdefault(k, []).extend(v)
+        return self
+
+    def reduce(self):
+        d = {k: self.data.get(k, []) for k in _STAT_KEYS}
+        waits = d["abort_to_free_seconds"]
+        return {
+            "Num transfers sent": len(d["bytes_sent"]),
+            "Num transfers received": len(d["bytes_received"]),
+            "MB sent": round(sum(d["bytes_sent"]) / 2 ** 20, 3),
+            "MB received": round(sum(d["bytes_received"]) / 2 ** 20, 3),
+            "Num failed transfers": len(d["num_failed_transfers"]),
+            "Num stale rejections": len(d["num_stale_rejections"]),
+            "Num aborts freed": len(waits),
+            "Max abort-to-free (ms)": round(max(waits) * 1e3, 3) if waits else 0,
+        }
+
+
+class KvstagePromMetrics(KVConnectorPromMetrics):
+    """vllm:kvstage_* families in vLLM's /metrics, one child per engine (vLLM's labelnames and per-engine values):
+    transfers_sent, transfers_received, bytes_sent, bytes_received, num_failed_transfers, num_stale_rejections
+    (counters: prometheus_client shows them with _total), abort_to_free_seconds (histogram)."""
+
+    COUNTERS = (  # (family, documentation, stats key, value added per entry: None = the entry itself)
+        ("vllm:kvstage_transfers_sent", "Requests whose KV the decode side received from kvstage slots.",
+         "bytes_sent", 1),
+        ("vllm:kvstage_transfers_received", "Requests whose KV was loaded from kvstage into their blocks.",
+         "bytes_received", 1),
+        ("vllm:kvstage_bytes_sent", "Bytes of KV sent through kvstage.", "bytes_sent", None),
+        ("vllm:kvstage_bytes_received", "Bytes of KV received through kvstage.", "bytes_received", None),
+        ("vllm:kvstage_num_failed_transfers", "kvstage stages or loads that failed.", "num_failed_transfers", 1),
+        ("vllm:kvstage_num_stale_rejections", "Chunks the kvstage proxy refused (stale lease or epoch).",
+         "num_stale_rejections", 1),
+    )
+    ABORT_BUCKETS = [0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0]
+
+    def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+        def per_engine(metric):  # vllm/v1/metrics/utils.py create_metric_per_engine
+            return {idx: metric.labels(*values) for idx, values in self.per_engine_labelvalues.items()}
+
+        self.counters = [(key, add, per_engine(self._counter_cls(name=name, documentation=doc, labelnames=labelnames)))
+                         for name, doc, key, add in self.COUNTERS]
+        self.abort_to_free = per_engine(self._histogram_cls(
+            name="vllm:kvstage_abort_to_free_seconds",
+            documentation="Time from a request's abort (or preemption) to its KV blocks being free, with kvstage.",
+            buckets=self.ABORT_BUCKETS, labelnames=labelnames))
+
+    def observe(self, transfer_stats_data, engine_idx=0):
+        for key, add, metric in self.counters:
+            vals = transfer_stats_data.get(key) or ()
+            n = len(vals) if add == 1 else sum(vals)
+            if n:
+                metric[engine_idx].inc(n)
+        for v in transfer_stats_data.get("abort_to_free_seconds") or ():
+            self.abort_to_free[engine_idx].observe(v)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -445,6 +468,7 @@ class KvstageConnectorMetadata(KVConnectorMetadata):
     reqs_to_recv: dict = dataclasses.field(default_factory=dict)     # D: req_id -> RecvSpec
     reqs_to_abort: set = dataclasses.field(default_factory=set)      # D: loads the scheduler gave up on
     reqs_to_drop: list = dataclasses.field(default_factory=list)     # D: (host, port, remote_request_id) never loaded
+    abort_times: dict = dataclasses.field(default_factory=dict)      # P, D: req_id -> time.time() of its abort
 
 
 # ---------------------------------------------------------------------------------------------
@@ -480,9 +504,10 @@ class _Settings:
         self.load_timeout = _float(extra.get("kvstage_load_timeout", LOAD_TIMEOUT_S), "kvstage_load_timeout")
         self.num_blocks = getattr(kv_cache_config, "num_blocks", None)
         groups = getattr(kv_cache_config, "kv_cache_groups", None)
-        if groups is not None and len(groups) > 1:
-            raise NotImplementedError(f"kvstage connector: {len(groups)} KV cache groups (a hybrid model): only one "
-                                      "is supported")
+        if groups is not None and len(groups) > 1:  # vLLM does not make one for a connector without SupportsHMA
+            raise ValueError(f"kvstage connector: {len(groups)} KV cache groups: it supports one (it is not "
+                             "SupportsHMA); run vLLM with the hybrid KV cache manager off "
+                             "(--disable-hybrid-kv-cache-manager, vLLM's default with this connector)")
 
     def tp_rank(self):
         try:
@@ -515,6 +540,7 @@ class _SchedulerSide:
     def _reset(self):
         self._saves, self._finished, self._unstage = {}, {}, set()
         self._recv, self._aborts, self._drops = {}, set(), []
+        self._abort_times = {}
 
     @staticmethod
     def _num_prompt(request):
@@ -605,6 +631,8 @@ class _SchedulerSide:
         nsched = getattr(so, "num_scheduled_tokens", None) or {}
         preempted = set(getattr(so, "preempted_req_ids", None) or ())
         for rid in preempted & set(self._p):
+            if self._p[rid].saved:
+                self._abort_times[rid] = time.time()
             self._restage(rid, [])
         for new in getattr(so, "scheduled_new_reqs", None) or ():
             st = self._p.get(new.req_id)
@@ -627,7 +655,7 @@ class _SchedulerSide:
                     st.blocks.extend(nb)
                 self._maybe_save(st, int(cached.num_computed_tokens[i]), int(nsched.get(rid, 0)))
         meta = KvstageConnectorMetadata(self._saves, self._finished, self._unstage, self._recv, self._aborts,
-                                        self._drops)
+                                        self._drops, self._abort_times)
         self._reset()
         return meta
 
@@ -648,6 +676,7 @@ class _SchedulerSide:
             # once the room's final event came and no copy-out can run (vLLM delays them too).
             self._d_loading.discard(rid)
             self._aborts.add(rid)
+            self._abort_times[rid] = time.time()
             return True, None
         if p.get("do_remote_prefill"):  # aborted before it was ever scheduled
             p["do_remote_prefill"] = False
@@ -660,11 +689,18 @@ class _SchedulerSide:
         self._finished[rid] = (handoff, True)
         self._p_delayed[rid] = handoff
         if not handoff:
+            self._abort_times[rid] = time.time()
             return True, None  # aborted while its copy may run: free once it cannot read the blocks any more
         nb = _cdiv(self._num_prompt(request), self.s.block_size)
-        return True, dict(do_remote_prefill=True, do_remote_decode=False, remote_engine_id=self.s.engine_id,
-                          remote_request_id=rid, remote_host=self.s.host, remote_port=self.s.base_port,
-                          tp_size=self.s.tp_size,
+        # NixlConnector's keys with its meanings (nixl/scheduler.py request_finished @ 9aaf83ef502f), so routers and
+        # vLLM's disaggregated-serving proxies pass them on unchanged; the decode side reads kvstage's own part.
+        # remote_block_ids: the prefill's blocks per KV cache group (informational here: the bytes travel through
+        # kvstage slots, not by block id); remote_num_tokens: the request's computed tokens at its finish.
+        return True, dict(do_remote_prefill=True, do_remote_decode=False,
+                          remote_block_ids=[[int(b) for b in (_group0(block_ids) or [])]],
+                          remote_engine_id=self.s.engine_id, remote_request_id=rid, remote_host=self.s.host,
+                          remote_port=self.s.base_port, tp_size=self.s.tp_size,
+                          remote_num_tokens=int(getattr(request, "num_computed_tokens", 0) or 0),
                           kvstage=dict(version=1, num_blocks=nb, num_tokens=self._num_prompt(request),
                                        block_size=self.s.block_size))
 
@@ -747,6 +783,8 @@ class _Agent:
         self._stages, self._loads, self._by_uid = {}, {}, {}
         self._pending_pulls = collections.deque()
         self.ended = collections.OrderedDict()  # req_id -> why its stage or load ended (the last 4096)
+        self.stats = KvstageKVConnectorStats()  # under _lock: taken by the worker thread (take_stats)
+        self._abort_t = {}  # req_id -> time.time() of its abort or preemption (the scheduler's), till its blocks are free
         self._uids = itertools.count(1)
         self._peers, self._dead_until = {}, {}
         self._client = None
@@ -800,6 +838,30 @@ class _Agent:
             out = self._finished_sending, self._finished_recving, self._load_errors
             self._finished_sending, self._finished_recving, self._load_errors = set(), set(), set()
         return out
+
+    def take_stats(self):
+        """Returns the observations since the last call (a KvstageKVConnectorStats) or None if there are none."""
+        with self._lock:
+            return None if self.stats.is_empty() else self.stats.clone_and_reset()
+
+    STATS_MAX = 65536  # entries per key kept between two takes (vLLM takes them every step)
+
+    def _record(self, key, value=1):
+        with self._lock:
+            v = self.stats.data[key]
+            v.append(value)
+            if len(v) > self.STATS_MAX:
+                del v[:len(v) - self.STATS_MAX]
+
+    def cmd_abort_times(self, times):
+        for rid, t in times.items():
+            self._abort_t.setdefault(rid, t)
+
+    def _freed(self, req):
+        """req's blocks are free for vLLM now (reported, or no copy reads them after a preemption)."""
+        t = self._abort_t.pop(req, None)
+        if t is not None:
+            self._record("abort_to_free_seconds", max(0.0, time.time() - t))
 
     def stage_state(self, req_id):
         """The prefill stage's state (staging, ready, sending, done, failed) or None, and why (tests, logs)."""
@@ -978,7 +1040,7 @@ class _Agent:
     def cmd_stage(self, spec):
         if spec.req_id in self._stages:
             old = self._stages.pop(spec.req_id)  # a restage after a preemption
-            self._stage_fail(old, "staged again")
+            self._stage_fail(old, "staged again", failure=False)
         try:
             c = self._c()
         except KvstageError as e:  # no proxy: nothing is staged (the blocks are freed when the request ends)
@@ -986,14 +1048,23 @@ class _Agent:
             return self._end(spec.req_id, f"no connection to kvstaged: {e}")
         st = _Stage(spec, self.layout, c.slot_size)
         self._stages[st.req] = st
+        try:
+            self.layout.check(st.blocks)
+        except ValueError as e:
+            return self._stage_fail(st, f"refused: {e}")
         if st.chunks > c.slot_count:
             self._stage_fail(st, f"{st.nbytes} bytes do not fit the pool ({c.slot_count} slots)")
+
+    def cmd_barrier(self, event):
+        """Sets event once every command posted before it has run (handle_preemptions waits on it)."""
+        event.set()
 
     def cmd_unstage(self, req):
         st = self._stages.pop(req, None)
         if st is not None:
-            self._stage_fail(st, "preempted: its blocks were freed")
+            self._stage_fail(st, "preempted: its blocks were freed", failure=False)
             self._end(req, "preempted")
+        self._freed(req)  # no copy reads its blocks any more (_stage_fail cancelled or waited for them)
 
     def _plan(self, nblocks, blocks, first_pos, ss, layer=None):
         """The copies for these blocks: gathers into (scatters out of) slots when the copier has them (the CUDA
@@ -1030,10 +1101,11 @@ class _Agent:
             if delayed:
                 with self._lock:
                     self._finished_sending.add(req)
+            self._freed(req)
             return
         st.finish_known, st.handoff, st.delayed = True, handoff, delayed
         if not handoff:
-            self._stage_fail(st, "the request ended without a hand-off")
+            self._stage_fail(st, "the request ended without a hand-off", failure=False)
         self._stage_report(st)
 
     def _stage_progress(self, st):
@@ -1113,13 +1185,17 @@ class _Agent:
                 if st.state == "staging" and st.copied:
                     st.state = "ready"
                 self._finished_sending.add(st.req)
+            self._freed(st.req)
         if (st.terminal and st.final is not None and (st.reported or (st.finish_known and not st.delayed))
                 and self._stages.get(st.req) is st):
             del self._stages[st.req]
 
-    def _stage_fail(self, st, why):
+    def _stage_fail(self, st, why, failure=True):
+        """Fails a stage; failure: it counts in num_failed_transfers (not for an abort, preemption or release)."""
         if st.terminal:
             return
+        if failure:
+            self._record("num_failed_transfers")
         logger.debug("kvstage connector: stage of %s failed: %s", st.req, why)
         st.state, st.why = "failed", why
         self._end(st.req, why)
@@ -1154,14 +1230,16 @@ class _Agent:
             lease = next((l for l in (st.leases or ()) if (l.slot, l.epoch) == tuple(ev.lease)), None)
             if lease is not None and self._client is not None:
                 st.sent.discard(st.leases.index(lease))
+            self._record("num_stale_rejections")
             return self._stage_fail(st, f"the proxy refused a chunk: {ev.error}")
         st.final = ev
         if ev.type == EventType.SEND_DONE and not st.terminal:
             st.state = "done"
             self._end(st.req, "sent")
+            self._record("bytes_sent", st.nbytes)
         elif not st.terminal:
             why = "aborted by the decode side, the proxy or a timeout" if ev.type == EventType.ABORTED else f"failed: {ev.error}"
-            self._stage_fail(st, f"the room was {why}")
+            self._stage_fail(st, f"the room was {why}", failure=ev.type != EventType.ABORTED)
         try:
             st.room.close()
         except Exception:
@@ -1179,7 +1257,7 @@ class _Agent:
                 return
             st = self._stages.get(msg["req"])
             if st is not None and st.room is None:
-                self._stage_fail(st, "released: the decode side will not load it")
+                self._stage_fail(st, "released: the decode side will not load it", failure=False)
             return
         self._pull(msg)
 
@@ -1234,6 +1312,10 @@ class _Agent:
         self._loads[ld.req] = ld
         if spec.error:
             return self._load_fail(ld, spec.error)
+        try:
+            self.layout.check(spec.local_block_ids)
+        except ValueError as e:
+            return self._load_fail(ld, f"refused: {e}")
         if spec.skip + len(spec.local_block_ids) != spec.num_blocks:
             return self._load_fail(ld, f"{len(spec.local_block_ids)} blocks after {spec.skip} cached, the room has "
                                        f"{spec.num_blocks}")
@@ -1264,6 +1346,7 @@ class _Agent:
     def cmd_abort(self, req):
         ld = self._loads.get(req)
         if ld is None or ld.reported:
+            self._abort_t.pop(req, None)
             return  # never had it, or already reported: the scheduler has its blocks already
         ld.aborted = True
         self._stop_load(ld)
@@ -1279,6 +1362,7 @@ class _Agent:
 
     def _load_event(self, ld, ev):
         if ev.type == EventType.REJECTED:
+            self._record("num_stale_rejections")
             return
         ld.final = ev
         if ev.type == EventType.RECV_DONE and not ld.aborted and not ld.failed:
@@ -1328,12 +1412,14 @@ class _Agent:
             elif j.state == "done" and not ld.aborted and not ld.failed:
                 ld.state = "done"
                 self._end(ld.req, "loaded")
+                self._record("bytes_received", ld.nbytes)
             self._load_report(ld)
 
     def _load_fail(self, ld, why):
         if ld.failed or ld.aborted or ld.reported:
             return
         logger.info("kvstage connector: load of %s failed: %s", ld.req, why)
+        self._record("num_failed_transfers")
         ld.failed, ld.state, ld.why = True, "failed", why
         self._stop_load(ld)
         self._load_report(ld)
@@ -1346,6 +1432,7 @@ class _Agent:
             return
         ld.reported = True
         self._end(ld.req, ld.why or ld.state)
+        self._freed(ld.req)
         with self._lock:
             self._finished_recving.add(ld.req)
             if ld.failed and not ld.aborted:
@@ -1458,6 +1545,7 @@ class _WorkerSide:
         self.agent = None
         self.tp_rank = s.tp_rank()
         self._load_errors = set()
+        self._preempted_done = None  # id of the metadata whose preemptions handle_preemptions has handled
 
     def register_kv_caches(self, kv_caches):
         if self.agent is not None:
@@ -1484,12 +1572,36 @@ class _WorkerSide:
         ev.record()
         return ev
 
+    PREEMPT_WAIT_S = 300.0
+
+    def handle_preemptions(self, meta):
+        """Before the forward that may reuse a preempted request's blocks (vLLM freed them when it preempted it):
+        voids its stage and returns only once no copy reads those blocks - a queued copy cancelled, a running one
+        finished (the CUDA copier's stream synchronised) - on the agent thread, which alone runs copies."""
+        a = self.agent
+        if a is None or meta is None or not meta.reqs_to_unstage:
+            return
+        done = threading.Event()
+        if meta.abort_times:
+            a.post(a.cmd_abort_times, dict(meta.abort_times))
+        for rid in meta.reqs_to_unstage:
+            a.post(a.cmd_unstage, rid)
+        a.post(a.cmd_barrier, done)
+        if not done.wait(self.PREEMPT_WAIT_S):  # never returns with a copy that may still read the blocks
+            raise RuntimeError(f"kvstage connector: the agent did not stop the copies of preempted requests "
+                               f"{sorted(meta.reqs_to_unstage)} within {self.PREEMPT_WAIT_S}s")
+        self._preempted_done = id(meta)
+
     def start_load_kv(self, meta):
         a = self.agent
         if a is None or meta is None:
             return
-        for rid in meta.reqs_to_unstage:
-            a.post(a.cmd_unstage, rid)
+        if self._preempted_done != id(meta):  # a vLLM that does not call handle_preemptions
+            if meta.abort_times:
+                a.post(a.cmd_abort_times, dict(meta.abort_times))
+            for rid in meta.reqs_to_unstage:
+                a.post(a.cmd_unstage, rid)
+        self._preempted_done = None
         for spec in meta.reqs_to_save.values():
             a.post(a.cmd_stage, spec)
         for rid, (handoff, delayed) in meta.reqs_finished.items():
@@ -1523,6 +1635,9 @@ class _WorkerSide:
         errs, self._load_errors = self._load_errors, set()
         return errs
 
+    def get_kv_connector_stats(self):
+        return self.agent.take_stats() if self.agent is not None else None
+
     def shutdown(self):
         if self.agent is not None:
             self.agent.close()
@@ -1537,16 +1652,17 @@ def _is_scheduler(role):
     return getattr(role, "name", str(role)).upper().endswith("SCHEDULER")
 
 
-class KvstageConnector(KVConnectorBase_V1, SupportsHMA):
-    """vLLM KV connector moving KV between prefill and decode instances through kvstage (module docstring)."""
+class KvstageConnector(KVConnectorBase_V1):
+    """vLLM KV connector moving KV between prefill and decode instances through kvstage (module docstring).
+
+    Not SupportsHMA: one KV cache group only. vLLM (config/vllm.py) then turns the hybrid KV cache manager off by
+    itself (sliding-window layers get full-attention blocks, one group) unless the user forced it on, which the
+    factory refuses with its own message."""
 
     agent_class = _Agent  # tests swap in a subclass
 
-    def __init__(self, vllm_config, role, kv_cache_config=None):
-        if "kv_cache_config" in inspect.signature(KVConnectorBase_V1.__init__).parameters:
-            super().__init__(vllm_config, role, kv_cache_config)
-        else:  # an older vLLM: __init__(vllm_config, role)
-            super().__init__(vllm_config, role)
+    def __init__(self, vllm_config, role, kv_cache_config):
+        super().__init__(vllm_config, role, kv_cache_config)
         self._settings = _Settings(vllm_config, kv_cache_config)
         if _is_scheduler(role):
             self.connector_scheduler, self.connector_worker = _SchedulerSide(self._settings), None
@@ -1561,6 +1677,15 @@ class KvstageConnector(KVConnectorBase_V1, SupportsHMA):
     def _meta(self):
         m = self._connector_metadata
         return m if isinstance(m, KvstageConnectorMetadata) else None
+
+    def handle_preemptions(self, kv_connector_metadata):
+        """vLLM calls this before binding the step's metadata and before the forward: the blocks of requests preempted
+        in this step were freed and may be written by this forward, so it returns only once no copy of a preempted
+        request's blocks into slots can run any more (its stage is void; the request is staged again when
+        recomputed)."""
+        assert self.connector_worker is not None
+        m = kv_connector_metadata
+        self.connector_worker.handle_preemptions(m if isinstance(m, KvstageConnectorMetadata) else None)
 
     def start_load_kv(self, forward_context, **kwargs):
         """Hands this step's work to the agent: stages to make, loads to start, aborts, releases. Loads run
@@ -1592,6 +1717,19 @@ class KvstageConnector(KVConnectorBase_V1, SupportsHMA):
     def get_block_ids_with_load_errors(self):
         return self.connector_worker.get_block_ids_with_load_errors() if self.connector_worker else set()
 
+    def get_kv_connector_stats(self):
+        """This worker's KvstageKVConnectorStats since the last call (None: nothing happened); vLLM aggregates the
+        workers' (KVOutputAggregator), logs them and feeds build_prom_metrics' families."""
+        return self.connector_worker.get_kv_connector_stats() if self.connector_worker is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data=None):
+        return KvstageKVConnectorStats(data=data) if data is not None else KvstageKVConnectorStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        return KvstagePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
     def shutdown(self):
         if self.connector_worker is not None:
             self.connector_worker.shutdown()
@@ -1617,11 +1755,6 @@ class KvstageConnector(KVConnectorBase_V1, SupportsHMA):
         assert self.connector_scheduler is not None
         return self.connector_scheduler.request_finished(request, block_ids)
 
-    def request_finished_all_groups(self, request, block_ids):
-        if len(block_ids) != 1:
-            raise NotImplementedError("kvstage connector: one KV cache group only")
-        return self.request_finished(request, block_ids[0])
-
     def has_pending_push_work(self):
         return self.connector_scheduler is not None and self.connector_scheduler.has_pending_push_work()
 
@@ -1631,5 +1764,6 @@ class KvstageConnector(KVConnectorBase_V1, SupportsHMA):
 
 
 __all__ = ["KvstageConnector", "KvstageConnectorMetadata", "SaveSpec", "RecvSpec", "VllmLayout", "KVRegion",
-           "Pages", "KVConnectorBase_V1", "KVConnectorMetadata", "KVConnectorRole", "SupportsHMA", "HAVE_VLLM",
+           "Pages", "KVConnectorBase_V1", "KVConnectorMetadata", "KVConnectorRole", "KvstageKVConnectorStats",
+           "KvstagePromMetrics",
            "STAGE_TIMEOUT_S", "LOAD_TIMEOUT_S"]

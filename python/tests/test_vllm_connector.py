@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+import vllm_stubs  # vLLM's stand-ins where vllm is not importable, before kvstage.vllm
 from kvstage import vllm as kv
 from kvstage.sglang import CpuCopier, _host
 from conftest import Proxy
@@ -26,123 +27,73 @@ try:
 except ImportError:  # pragma: no cover
     torch = None
 
-# KVConnectorBase_V1's methods as vllm/distributed/kv_transfer/kv_connector/v1/base.py @ 003df2961dd8 has them
+# KVConnectorBase_V1's methods as vllm/distributed/kv_transfer/kv_connector/v1/base.py @ 9aaf83ef502f has them
 VLLM_SIGNATURES = {
     "__init__": ["self", "vllm_config", "role", "kv_cache_config"],
     "register_kv_caches": ["self", "kv_caches"],
+    "handle_preemptions": ["self", "kv_connector_metadata"],
     "start_load_kv": ["self", "forward_context", "kwargs"],
     "wait_for_layer_load": ["self", "layer_name"],
     "save_kv_layer": ["self", "layer_name", "kv_layer", "attn_metadata", "kwargs"],
     "wait_for_save": ["self"],
     "get_finished": ["self", "finished_req_ids"],
     "get_block_ids_with_load_errors": ["self"],
+    "get_kv_connector_stats": ["self"],
     "shutdown": ["self"],
     "get_num_new_matched_tokens": ["self", "request", "num_computed_tokens"],
     "update_state_after_alloc": ["self", "request", "blocks", "num_external_tokens"],
     "build_connector_meta": ["self", "scheduler_output"],
     "update_connector_output": ["self", "connector_output"],
     "request_finished": ["self", "request", "block_ids"],
-    "request_finished_all_groups": ["self", "request", "block_ids"],  # SupportsHMA
-    "has_pending_push_work": ["self"],
-    "get_required_kvcache_layout": ["vllm_config"],  # a classmethod
+    "has_pending_push_work": ["self"],  # not in vLLM's base at 9aaf83ef502f: harmless
+    "get_required_kvcache_layout": ["vllm_config"],  # classmethods
+    "build_kv_connector_stats": ["data"],
+    "build_prom_metrics": ["vllm_config", "metric_types", "labelnames", "per_engine_labelvalues"],
 }
 
 
 def test_interface_matches_vllm():
+    from vllm.distributed.kv_transfer.kv_connector.v1 import base
     C = kv.KvstageConnector
-    assert issubclass(C, kv.KVConnectorBase_V1) and issubclass(C, kv.SupportsHMA)
+    assert C.__mro__[1] is base.KVConnectorBase_V1 and kv.KVConnectorBase_V1 is base.KVConnectorBase_V1
     assert not getattr(C, "__abstractmethods__", None)
     for name, params in VLLM_SIGNATURES.items():
         assert list(inspect.signature(getattr(C, name)).parameters) == params, name
-    assert issubclass(kv.KvstageConnectorMetadata, kv.KVConnectorMetadata)
+        if hasattr(base.KVConnectorBase_V1, name):  # the same as the base's (the stand-in's where vllm is absent)
+            assert list(inspect.signature(getattr(base.KVConnectorBase_V1, name)).parameters) == params, name
+    # kv_cache_config is required, as vLLM's base has it (factory.py refuses a 2-argument constructor)
+    assert inspect.signature(C.__init__).parameters["kv_cache_config"].default is inspect.Parameter.empty
+    assert issubclass(kv.KvstageConnectorMetadata, base.KVConnectorMetadata)
     assert [r.name for r in kv.KVConnectorRole] == ["SCHEDULER", "WORKER"]
-    # factory.py: importlib.import_module(kv_connector_module_path), getattr(module, kv_connector)
     import importlib
     assert getattr(importlib.import_module("kvstage.vllm"), "KvstageConnector") is C
 
 
-STAND_IN_BASE = '''
-import enum
-from abc import ABC, abstractmethod
-class KVConnectorRole(enum.Enum):
-    SCHEDULER = 0
-    WORKER = 1
-class KVConnectorMetadata(ABC):
-    pass
-class KVConnectorBase_V1(ABC):
-    def __init__(self, vllm_config, role{kw}):
-        self._connector_metadata = None
-        self._vllm_config = vllm_config
-        self._kv_transfer_config = vllm_config.kv_transfer_config
-        self._role = role
-        self.stand_in = True
-    @property
-    def role(self):
-        return self._role
-    def bind_connector_metadata(self, m):
-        self._connector_metadata = m
-    def clear_connector_metadata(self):
-        self._connector_metadata = None
-    @abstractmethod
-    def start_load_kv(self, forward_context, **kwargs): ...
-    @abstractmethod
-    def wait_for_layer_load(self, layer_name): ...
-    @abstractmethod
-    def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs): ...
-    @abstractmethod
-    def wait_for_save(self): ...
-    @abstractmethod
-    def get_num_new_matched_tokens(self, request, num_computed_tokens): ...
-    @abstractmethod
-    def update_state_after_alloc(self, request, blocks, num_external_tokens): ...
-    @abstractmethod
-    def build_connector_meta(self, scheduler_output): ...
-{hma}
-'''
-HMA = '''
-class SupportsHMA(ABC):
-    @abstractmethod
-    def request_finished_all_groups(self, request, block_ids): ...
-'''
-# factory.py's loading of an unregistered connector, and its HMA check (a4cd9d0d28bd)
-LOADER = '''
-import importlib, inspect, sys, types
-sys.path.insert(0, {tests!r})
-import vllm_engine as E
-from vllm.distributed.kv_transfer.kv_connector.v1 import base
-kt = E.vllm_config("/nonexistent", 0).kv_transfer_config
-module = importlib.import_module(kt.kv_connector_module_path)
-cls = getattr(module, kt.kv_connector)
-assert module.HAVE_VLLM and issubclass(cls, base.KVConnectorBase_V1), cls.__mro__
-compat = "kv_cache_config" not in inspect.signature(cls).parameters
-assert not compat
-if hasattr(base, "SupportsHMA"):
-    assert issubclass(cls, base.SupportsHMA)
-c = cls(E.vllm_config("/nonexistent", 0), base.KVConnectorRole.SCHEDULER, E.kv_cache_config(16))
-assert c.stand_in and c.role is base.KVConnectorRole.SCHEDULER
-print("loaded", cls.__name__, [b.__module__ for b in cls.__mro__[1:3]])
-'''
-
-
 @NEED_TORCH
-@pytest.mark.parametrize("variant", ["current", "old-base"])
-def test_loads_under_a_stand_in_vllm(tmp_path, variant):
-    """kvstage.vllm takes vLLM's own base classes when vllm imports (here a stand-in package), for the current
-    base (__init__ takes kv_cache_config, SupportsHMA exists) and an older one (neither)."""
-    pkg = tmp_path / "vllm" / "distributed" / "kv_transfer" / "kv_connector" / "v1"
-    pkg.mkdir(parents=True)
-    d = tmp_path
-    for part in pkg.relative_to(tmp_path).parts:
-        d = d / part
-        (d / "__init__.py").write_text("")
-    kw = ", kv_cache_config" if variant == "current" else ""
-    (pkg / "base.py").write_text(STAND_IN_BASE.format(kw=kw, hma=HMA if variant == "current" else ""))
-    here = Path(__file__).resolve().parent
-    env = dict(os.environ, PYTHONPATH=f"{tmp_path}:{here.parent}")
-    out = subprocess.run([sys.executable, "-c", LOADER.format(tests=str(here))], env=env, capture_output=True,
-                         text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
-    assert "loaded KvstageConnector ['vllm.distributed.kv_transfer.kv_connector.v1.base'" in out.stdout, out.stdout
+def test_created_by_vllms_factory():
+    """factory.py @ 9aaf83ef502f: loaded by kv_connector_module_path, kv_cache_config required, called with three
+    arguments; with the hybrid KV cache manager explicitly on, a connector without SupportsHMA is refused by vLLM."""
+    import vllm_engine as E
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    cfg = E.vllm_config("/nonexistent", 7600)
+    assert KVConnectorFactory.get_connector_class(cfg.kv_transfer_config) is kv.KvstageConnector
+    c = KVConnectorFactory.create_connector(cfg, kv.KVConnectorRole.SCHEDULER, E.kv_cache_config(16))
+    assert isinstance(c, kv.KvstageConnector) and c._kv_cache_config.num_blocks == 16
+    with pytest.raises(TypeError):
+        kv.KvstageConnector(cfg, kv.KVConnectorRole.SCHEDULER)  # the two-argument form is gone from vLLM
+    cfg.scheduler_config.disable_hybrid_kv_cache_manager = False
+    with pytest.raises(ValueError, match="does not support HMA"):
+        KVConnectorFactory.create_connector(cfg, kv.KVConnectorRole.SCHEDULER, E.kv_cache_config(16))
+
+
+@pytest.mark.skipif(not vllm_stubs.STAND_IN, reason="vLLM is installed: its absence cannot be shown")
+def test_needs_vllm():
+    """Without vLLM (and without the tests' stand-ins on the path) kvstage.vllm says it needs vLLM."""
+    env = dict(os.environ, PYTHONPATH=str(Path(kv.__file__).resolve().parent.parent))
+    out = subprocess.run([sys.executable, "-c", "import kvstage.vllm"], env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode != 0 and "ImportError: kvstage.vllm is a vLLM KV connector and needs vLLM" in out.stderr, \
+        out.stderr
 
 
 # ----------------------------------------------------------------------------------------------------------- layout
@@ -221,6 +172,7 @@ def test_scheduler_side_prefill():
     assert delay is True and c.has_pending_push_work()
     assert params == dict(do_remote_prefill=True, do_remote_decode=False, remote_engine_id=c._settings.engine_id,
                           remote_request_id="p1", remote_host="127.0.0.1", remote_port=7600, tp_size=1,
+                          remote_block_ids=[[3, 9, 4]], remote_num_tokens=0,
                           kvstage=dict(version=1, num_blocks=3, num_tokens=10, block_size=4))
     assert _step(c, finished=["p1"]).reqs_finished == {"p1": (True, True)}
     c.update_connector_output(E.KVConnectorOutput({"p1"}, set(), set()))
@@ -254,13 +206,11 @@ def test_scheduler_side_prefill():
     # requests without our params are not ours
     n = E.Request("x", 5, None, 5)
     assert c.get_num_new_matched_tokens(n, 0) == (0, False) and c.request_finished(n, [1]) == (False, None)
-    # one KV cache group only
-    assert c.request_finished_all_groups(n, ([1],)) == (False, None)
-    with pytest.raises(NotImplementedError):
-        c.request_finished_all_groups(n, ([1], [2]))
+    # one KV cache group only (vLLM makes no more for a connector without SupportsHMA; refused should one come)
+    assert not hasattr(c, "request_finished_all_groups")
     cfg = E.kv_cache_config(8)
     cfg.kv_cache_groups.append(cfg.kv_cache_groups[0])
-    with pytest.raises(NotImplementedError, match="hybrid"):
+    with pytest.raises(ValueError, match="2 KV cache groups.*hybrid KV cache manager off"):
         kv.KvstageConnector(E.vllm_config("/x", 1), kv.KVConnectorRole.SCHEDULER, cfg)
 
 

@@ -14,6 +14,7 @@ the engine writes the blocks it got back; the queued copy-out, or a RECV_DONE re
 Both engines run in this process, each with its own connector pair and kvstage connection to one real kvstaged."""
 import pytest
 
+import vllm_stubs  # noqa: F401 - vLLM's stand-ins where vllm is not importable, before kvstage.vllm
 from kvstage import vllm as kv
 from sglang_common import NEED_TORCH, assert_pool_free, kv_proxy  # noqa: F401 (fixture)
 

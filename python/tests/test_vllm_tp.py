@@ -10,6 +10,7 @@ import random
 
 import pytest
 
+import vllm_stubs  # noqa: F401 - vLLM's stand-ins where vllm is not importable, before kvstage.vllm
 from kvstage import vllm as kv
 from sglang_common import NEED_TORCH, assert_pool_free, kv_proxy  # noqa: F401 (fixture)
 

@@ -27,6 +27,7 @@ import uuid
 
 import torch
 
+import vllm_stubs  # noqa: F401 - vLLM's stand-ins where vllm is not importable, before kvstage.vllm
 from kvstage import vllm as kv
 from kvstage.sglang import CopyHandle, CpuCopier
 
@@ -453,6 +454,7 @@ class Engine:
             meta = so.kv_connector_metadata
             if self.tp > 1:  # MultiprocExecutor sends each worker process its own serialised copy
                 meta = pickle.loads(pickle.dumps(meta))
+            w.handle_preemptions(meta)  # gpu_model_runner / gpu/kv_connector.py pre_forward: before binding it
             w.bind_connector_metadata(meta)
             w.start_load_kv(None)
             if self.scheduled:

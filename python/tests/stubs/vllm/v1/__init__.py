@@ -1,0 +1,1 @@
+"""Stand-in (tests only): see python/tests/stubs/README.md."""
