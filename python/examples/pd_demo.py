@@ -45,6 +45,12 @@ PYDIR = Path(__file__).resolve().parent.parent  # python/: the kvstage package
 ROOT = PYDIR.parent                             # the repository
 if str(PYDIR) not in sys.path:
     sys.path.insert(0, str(PYDIR))
+# kvstage.sglang builds on SGLang's base classes: the real ones when SGLang is importable, else the copies of
+# their interface the tests use (python/tests/sglang_stubs); the demo says which in its report.
+SGLANG_STUBS = PYDIR / "tests" / "sglang_stubs"
+REAL_SGLANG = importlib.util.find_spec("sglang") is not None
+if not REAL_SGLANG and str(SGLANG_STUBS) not in sys.path:
+    sys.path.append(str(SGLANG_STUBS))
 
 CORRUPT_ENV = "KVSTAGE_PD_DEMO_CORRUPT"  # test only: see --help
 STATES = ("Failed", "Bootstrapping", "WaitingForInput", "Transferring", "Success")  # KVPoll's values 0..4
@@ -816,6 +822,7 @@ def main(argv=None):
     report["problems"] = report.get("problems", []) + problems
     report["ok"] = bool(report.get("ok")) and not problems
     report["kvstaged"] = "own" if proxy is not None else socket_path
+    report["sglang"] = "real" if REAL_SGLANG else "its interface's stand-ins (python/tests/sglang_stubs)"
     print_report(a, geo, report, slots if proxy is not None else None)
     return 0 if report["ok"] else 1
 

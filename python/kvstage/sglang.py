@@ -87,7 +87,6 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from abc import ABC, abstractmethod
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Dict, List, NamedTuple, Optional, Tuple
 
@@ -99,8 +98,9 @@ from .errors import KvstageError, NotConnected, PoolExhausted, Timeout
 logger = logging.getLogger(__name__)
 
 # ---------------------------------------------------------------------------------------------
-# SGLang's base classes when SGLang is importable; otherwise stand-ins with the same names,
-# values and abstract methods (SGLang is not installable on the development machine).
+# SGLang's base classes. Without SGLang this module still imports (kvstage.vllm uses its engine-neutral
+# pieces: copiers, runs/pieces, copy_room_out, FrameListener, _frame), but the backend classes refuse to be
+# instantiated. The test suite puts SGLang stand-ins on sys.path instead (python/tests/sglang_stubs).
 # ---------------------------------------------------------------------------------------------
 try:
     from sglang.srt.disaggregation.base.conn import (  # type: ignore
@@ -110,108 +110,21 @@ try:
     except ImportError:  # older SGLang
         KVTransferMetric = None
     HAVE_SGLANG = True
-except Exception as _e:  # not installed, or it failed to import: run standalone
-    logger.debug("kvstage.sglang: SGLang not importable (%s); using stand-in base classes", _e)
+    _NO_SGLANG = None
+except Exception as _e:  # not installed, or it failed to import
+    logger.debug("kvstage.sglang: SGLang not importable (%s); the backend classes are unusable", _e)
     HAVE_SGLANG = False
+    _NO_SGLANG = f"{type(_e).__name__}: {_e}"
 
-    class KVArgs:
-        """Stand-in of sglang's KVArgs: a plain attribute bag the engine fills."""
-        engine_rank: int
-        kv_data_ptrs: List[int]
-        kv_data_lens: List[int]
-        kv_item_lens: List[int]
-        aux_data_ptrs: List[int]
-        aux_data_lens: List[int]
-        aux_item_lens: List[int]
-        state_types: List[str]
-        state_data_ptrs: List[List[int]]
-        state_data_lens: List[List[int]]
-        state_item_lens: List[List[int]]
-        ib_device: str
-        ib_traffic_class: str
-        gpu_id: int
-        kv_head_num: int
-        total_kv_head_num: int
-        page_size: int
-        system_dp_rank: int
-        pp_rank: int
-        prefill_start_layer: int
-        dcp_size: int = 1
-        dcp_rank: int = 0
+    class _NeedsSGLang:
+        """Base of the backend classes when SGLang is not importable: instantiating one raises ImportError."""
 
-    class KVPoll:
-        """SGLang's KVPoll: plain ints (SGLang MIN-reduces them across ranks)."""
-        Failed = 0
-        Bootstrapping = 1
-        WaitingForInput = 2
-        Transferring = 3
-        Success = 4
+        def __new__(cls, *a, **kw):
+            raise ImportError(f"kvstage.sglang.{cls.__name__} is an SGLang transfer backend class and needs SGLang "
+                              f"importable ({_NO_SGLANG}); python/SGLANG.md says which versions")
 
-    class BaseKVManager(ABC):
-        @abstractmethod
-        def __init__(self, args, disaggregation_mode, server_args, is_mla_backend=False): ...
-
-        @abstractmethod
-        def register_to_bootstrap(self): ...
-
-    class BaseKVSender(ABC):
-        @abstractmethod
-        def __init__(self, mgr, bootstrap_addr, bootstrap_room, dest_tp_ranks, pp_rank,
-                     req_has_disagg_prefill_dp_rank=False): ...
-
-        @abstractmethod
-        def init(self, num_kv_indices, aux_index=None): ...
-
-        @abstractmethod
-        def send(self, kv_indices, state_indices=None, token_position_offset=0): ...
-
-        def pop_decode_prefix_len(self):
-            return 0
-
-        def should_send_kv_chunk(self, num_pages, last_chunk):
-            return num_pages > 0
-
-        @abstractmethod
-        def get_transfer_metric(self): ...
-
-        @abstractmethod
-        def poll(self): ...
-
-        @abstractmethod
-        def failure_exception(self): ...
-
-        def clear(self):
-            pass
-
-        def abort(self):
-            pass
-
-    class BaseKVReceiver(ABC):
-        @abstractmethod
-        def __init__(self, mgr, bootstrap_addr, bootstrap_room=None): ...
-
-        @abstractmethod
-        def init(self, prefill_dp_rank): ...
-
-        @abstractmethod
-        def send_metadata(self, kv_indices, aux_index=None, state_indices=None, decode_prefix_len=None): ...
-
-        @abstractmethod
-        def poll(self): ...
-
-        @abstractmethod
-        def failure_exception(self): ...
-
-        def clear(self):
-            pass
-
-        def abort(self):
-            pass
-
-    class BaseKVBootstrapServer(ABC):
-        @abstractmethod
-        def __init__(self, host, port): ...
-
+    BaseKVBootstrapServer = BaseKVManager = BaseKVReceiver = BaseKVSender = KVArgs = _NeedsSGLang
+    KVPoll = None
     KVTransferMetric = None
 
 if KVTransferMetric is None:
@@ -738,6 +651,84 @@ class FrameListener:
         self._sock.close()
 
 
+# Bounds of a side-channel message's numbers: far above any real request, low enough that nothing computed from
+# them (room bytes, layout offsets) can overflow or allocate absurdly.
+_MAX_ROOM_ID = (1 << 63) - 1
+_MAX_PAGES = 1 << 31
+_MAX_NBYTES = 1 << 50
+_MAX_LIST = 4096
+
+
+def _is_int(v, lo=0, hi=_MAX_NBYTES):
+    return isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi
+
+
+def _int_list(v, hi=_MAX_NBYTES):
+    return isinstance(v, list) and len(v) <= _MAX_LIST and all(_is_int(x, 0, hi) for x in v)
+
+
+def _desc_bytes(d):
+    """Returns the decoded room descriptor of a message's desc (a base64 str), or raises ValueError."""
+    from ._lib import KVS_ROOM_DESC_SIZE
+    if not isinstance(d, str) or len(d) > 4 * KVS_ROOM_DESC_SIZE:
+        raise ValueError("desc is not a base64 string of a room descriptor")
+    try:
+        raw = base64.b64decode(d, validate=True)
+    except (ValueError, TypeError):
+        raise ValueError("desc is not valid base64") from None
+    if len(raw) != KVS_ROOM_DESC_SIZE:
+        raise ValueError(f"desc is {len(raw)} bytes, a room descriptor {KVS_ROOM_DESC_SIZE}")
+    return raw
+
+
+def check_side_message(msg):
+    """Returns None if msg is a well-formed side-channel message (decode -> prefill rank), else why not.
+    meta: {t, room, npages, aux, state_counts, nbytes, prefix_len, layout, desc, from}; abort: {t, room}.
+    Every field is checked for presence, type and range, so nothing downstream can raise on a message."""
+    if not isinstance(msg, dict):
+        return "not a JSON object"
+    if not _is_int(msg.get("room"), 0, _MAX_ROOM_ID):
+        return f"room must be an integer in [0, 2^63), not {msg.get('room')!r:.40}"
+    t = msg.get("t")
+    if t == "abort":
+        return None
+    if t != "meta":
+        return f"unknown message type {t!r:.40}"
+    if not _is_int(msg.get("npages"), 0, _MAX_PAGES):
+        return f"npages must be an integer in [0, 2^31], not {msg.get('npages')!r:.40}"
+    if not isinstance(msg.get("aux"), bool):
+        return f"aux must be true or false, not {msg.get('aux')!r:.40}"
+    if not _int_list(msg.get("state_counts"), _MAX_PAGES):
+        return "state_counts must be a list of integers in [0, 2^31]"
+    if not _is_int(msg.get("nbytes")):
+        return f"nbytes must be an integer in [0, 2^50], not {msg.get('nbytes')!r:.40}"
+    if not _is_int(msg.get("prefix_len", 0), 0, _MAX_PAGES * 1024):
+        return f"prefix_len must be a non-negative integer, not {msg.get('prefix_len')!r:.40}"
+    lay = msg.get("layout")
+    if not isinstance(lay, dict):
+        return "layout must be an object"
+    if not (_int_list(lay.get("kv_item_lens")) and _int_list(lay.get("aux_item_lens"))):
+        return "layout.kv_item_lens and layout.aux_item_lens must be lists of non-negative integers"
+    sil = lay.get("state_item_lens")
+    if not (isinstance(sil, list) and len(sil) <= _MAX_LIST and all(_int_list(c) for c in sil)):
+        return "layout.state_item_lens must be a list of lists of non-negative integers"
+    st = lay.get("state_types", [])
+    if not (isinstance(st, list) and len(st) <= _MAX_LIST and all(isinstance(x, str) for x in st)):
+        return "layout.state_types must be a list of strings"
+    if "from" in msg and not isinstance(msg["from"], str):
+        return "from must be a string"
+    d = msg.get("desc")
+    if d is None:
+        if msg["nbytes"]:
+            return "desc missing for a room of more than 0 bytes"
+    else:
+        try:
+            _desc_bytes(d)
+        except ValueError as e:
+            return str(e)
+    return None
+
+
 def _http(method, url, body=None, timeout=5.0):
     """Returns (status, parsed JSON or text) of one HTTP request; (None, reason) if it could not be made."""
     data = None if body is None else json.dumps(body).encode()
@@ -982,7 +973,7 @@ class KvstageKVManager(BaseKVManager):
             self._inbox = queue.SimpleQueue()
             self.local_ip = _local_host(server_args)
             self._listener = FrameListener(self.local_ip, 0, self._inbox.put,
-                                           lambda m: isinstance(m.get("room"), int), "sglang")
+                                           lambda m: True, "sglang")  # each message checked in _drain_inbox
             self.rank_port = self._listener.port
             self.senders: Dict[int, "KvstageKVSender"] = {}
             self.pending_meta: Dict[int, tuple] = {}   # bootstrap_room -> (meta, arrival time)
@@ -993,6 +984,9 @@ class KvstageKVManager(BaseKVManager):
             self.connection_pool: Dict[str, dict] = {}
             self._peers: Dict[str, socket.socket] = {}
             self._dead_until: Dict[str, float] = {}
+            self._recompute_pool = None                # retract rebootstrap: POSTs /generate off the scheduler thread
+            self._recompute_lock = threading.Lock()
+            self._recompute_failed = queue.SimpleQueue()  # (receiver, reason), applied by pump()
         self.client()  # connect now: a missing proxy is a start-up error, not a per-request one
 
     @staticmethod
@@ -1042,6 +1036,8 @@ class KvstageKVManager(BaseKVManager):
         """Takes the side channel's messages and the proxy's events, and hands each to its request (never blocks)."""
         if self.mode == "prefill":
             self._drain_inbox()
+        else:
+            self._drain_recompute_failures()
         if self._client is None:
             return
         try:
@@ -1085,6 +1081,8 @@ class KvstageKVManager(BaseKVManager):
         if self.mode == "prefill":
             self._listener.close()
         else:
+            if self._recompute_pool is not None:
+                self._recompute_pool.shutdown(wait=False, cancel_futures=True)
             for s in self._peers.values():
                 s.close()
             self._peers.clear()
@@ -1129,6 +1127,10 @@ class KvstageKVManager(BaseKVManager):
                 msg = self._inbox.get_nowait()
             except queue.Empty:
                 break
+            why = check_side_message(msg)
+            if why is not None:
+                self._reject_malformed(msg, why)
+                continue
             room = msg["room"]
             kind = msg.get("t")
             if kind == "meta":
@@ -1158,6 +1160,19 @@ class KvstageKVManager(BaseKVManager):
             if now - t > self.bootstrap_timeout:
                 del self.tombstones[room]
 
+    def _reject_malformed(self, msg, why):
+        """A message that fails check_side_message: the request it names (if its descriptor can be read) is refused
+        (its decode room aborted, so the decode side fails at once); nothing else changes on this rank."""
+        room = msg.get("room") if isinstance(msg, dict) else None
+        logger.warning("kvstage backend: refused a malformed side-channel message (bootstrap_room %.40r, from %.80r): %s",
+                       room, msg.get("from") if isinstance(msg, dict) else None, why)
+        if isinstance(msg, dict) and msg.get("desc") is not None:
+            try:
+                _desc_bytes(msg.get("desc"))
+            except ValueError:
+                return  # no room to abort: the decode side learns at its timeout
+            self._reject(msg, f"malformed transfer request: {why}")
+
     def _reject(self, msg, why):
         """Aborts the decode room a message names (so the decode side fails at once, not at its timeout)."""
         logger.info("kvstage backend: refusing the transfer of bootstrap_room %s: %s", msg.get("room"), why)
@@ -1165,7 +1180,7 @@ class KvstageKVManager(BaseKVManager):
         if not desc:
             return
         try:
-            r = self.client().send_open(base64.b64decode(desc), user_data=0)
+            r = self.client().send_open(_desc_bytes(desc), user_data=0)
             r.abort()
             r.close()
         except (KvstageError, ValueError) as e:
@@ -1203,6 +1218,62 @@ class KvstageKVManager(BaseKVManager):
                 return None
             hit = self.connection_pool[key] = data
         return f"{_url_host(hit['rank_ip'])}:{hit['rank_port']}"
+
+    def submit_prefill_recompute(self, kv_receiver, payload: dict) -> None:
+        """PD retract rebootstrap (SGLang's CommonKVManager.submit_prefill_recompute; decode.py calls it right after
+        send_metadata for a request bootstrapped again after pause_generation(mode="retract")): asks the original
+        prefill server to recompute the request's prefix KV (POST payload to its /generate, at the bootstrap
+        address's host and the HTTP port the prefill registered), which then sends it into the room kv_receiver
+        has just opened. Never blocks: the POST runs on a small pool. Only the decode leader (attention TP/CP rank
+        0, first PP stage) posts; the other ranks just receive. Any failure (no prefill HTTP port known, an HTTP
+        error, no answer) fails kv_receiver through the usual path (poll() says Failed, the reason names the
+        rebootstrap), unless its transfer has completed already."""
+        if self.attn_tp_rank != 0 or self.attn_cp_rank != 0 or self.pp_rank != 0:
+            return
+        url = self._rebootstrap_prefill_url(kv_receiver)
+        if not url:
+            logger.error("kvstage backend: PD retract rebootstrap: no prefill /generate URL for bootstrap_room %s "
+                         "(bootstrap_addr %s)", getattr(kv_receiver, "bootstrap_room", None),
+                         getattr(kv_receiver, "bootstrap_addr", None))
+            return kv_receiver._fail("PD retract rebootstrap could not resolve the prefill /generate URL from "
+                                     "bootstrap info (the prefill server registered no HTTP port)")
+        with self._recompute_lock:
+            if self._recompute_pool is None:
+                import concurrent.futures
+                n = os.environ.get("SGLANG_DISAGGREGATION_THREAD_POOL_SIZE")
+                self._recompute_pool = concurrent.futures.ThreadPoolExecutor(
+                    max_workers=max(1, int(n) if n and n.isdigit() else 16), thread_name_prefix="kvstage-rebootstrap")
+            pool = self._recompute_pool
+        pool.submit(self._run_prefill_recompute, kv_receiver, url, payload)
+
+    def _rebootstrap_prefill_url(self, kv_receiver):
+        info = self.prefill_info_table.get(getattr(kv_receiver, "bootstrap_addr", None))
+        if info is None or not info.prefill_http_port:
+            return None
+        host = kv_receiver.bootstrap_addr.rsplit(":", 1)[0]
+        return f"http://{_url_host(host)}:{int(info.prefill_http_port)}"
+
+    def _run_prefill_recompute(self, kv_receiver, url, payload):
+        """A pool thread: the POST; a failure is handed to the scheduler thread (pump)."""
+        rid = payload.get("rid") if isinstance(payload, dict) else None
+        try:
+            status, body = _http("POST", url + "/generate", payload, timeout=self.waiting_timeout)
+        except Exception as e:  # e.g. a payload that is not JSON
+            status, body = None, repr(e)
+        if status is None or status >= 400:
+            why = (f"PD retract rebootstrap /generate failed for rid={rid} (status={status})" if status is not None
+                   else f"PD retract rebootstrap /generate request errored for rid={rid}: {body}")
+            logger.error("kvstage backend: %s: %s", why, str(body)[:512])
+            self._recompute_failed.put((kv_receiver, why))
+
+    def _drain_recompute_failures(self):
+        while True:
+            try:
+                r, why = self._recompute_failed.get_nowait()
+            except queue.Empty:
+                return
+            if r._status != KVPoll.Success:  # a transfer that completed stays complete
+                r._fail(why)
 
     def send_to(self, endpoint, msg):
         """Sends one message to a prefill rank (one cached connection each, reconnected once); raises OSError.
@@ -1362,8 +1433,8 @@ class KvstageKVSender(BaseKVSender):
             try:
                 c = self.kv_mgr.client()
                 self._uid = self.kv_mgr._register_obj(self)
-                self._room = c.send_open(base64.b64decode(meta["desc"]), user_data=self._uid)
-            except KvstageError as e:
+                self._room = c.send_open(_desc_bytes(meta["desc"]), user_data=self._uid)
+            except (KvstageError, ValueError) as e:
                 return self._fail(f"could not open the decode side's room: {e}")
             if self._room.nbytes != int(meta["nbytes"]):
                 return self._fail(f"the room has {self._room.nbytes} bytes, the request {meta['nbytes']}")

@@ -1,6 +1,13 @@
-"""Makes ``kvstage`` one of SGLang's PD transfer backends, at import time.
+"""Makes ``kvstage`` one of SGLang's PD transfer backends, at import time: the fallback for SGLang without
+the plugin framework.
 
-SGLang has no plugin registry: its backend lookup is an if/elif in
+SGLang since the plugin framework (sgl-project/sglang #21388, commit 7ca356613, 2026-04-20) loads kvstage
+by itself: the installed ``kvstage-<version>.dist-info`` declares the entry point ``kvstage =
+kvstage.sglang_plugin:register`` in the group ``sglang.srt.plugins`` (see ``kvstage.sglang_plugin``); no
+shim, no launcher. This module is for older SGLang (or kvstage used from a source tree, without the
+installed metadata); with a plugin-capable SGLang it still works (both paths answer the same classes).
+
+Older SGLang has no plugin registry: its backend lookup is an if/elif in
 ``sglang/srt/disaggregation/utils.py`` (``TransferBackend`` enum, ``get_kv_class``), and the CLI
 choices are the list ``DISAGG_TRANSFER_BACKEND_CHOICES`` (``sglang.srt.server_args``, or
 ``sglang.srt.arg_groups.choices`` in newer trees). Importing this module, when SGLang is
@@ -21,39 +28,13 @@ import functools
 import logging
 import sys
 
+from .sglang_plugin import _add_member  # noqa: F401 - no side effects at import (the plugin registers when called)
+
 logger = logging.getLogger(__name__)
 
 NAME, VALUE = "KVSTAGE", "kvstage"
 _CHOICE_MODULES = ("sglang.srt.server_args", "sglang.srt.arg_groups.choices")
 installed = False
-
-
-def _add_member(enum_cls, name, value):
-    """Adds name = value to an Enum class (no public API for it; works on Python 3.8-3.13); returns the member."""
-    try:
-        return enum_cls(value)
-    except ValueError:
-        pass
-    member_type = getattr(enum_cls, "_member_type_", object)
-    member = (object.__new__(enum_cls) if member_type is object else member_type.__new__(enum_cls, value))
-    member._name_, member._value_ = name, value
-    member.__objclass__ = enum_cls
-    try:
-        member.__init__(*((value,) if not isinstance(value, tuple) else value))
-    except TypeError:
-        pass
-    if hasattr(next(iter(enum_cls), member), "_sort_order_"):
-        member._sort_order_ = len(enum_cls._member_names_)
-    add = getattr(enum_cls, "_add_member_", None)  # 3.13
-    if add is not None:
-        add(name, member)
-    else:
-        type.__setattr__(enum_cls, name, member)  # past EnumType.__setattr__, which refuses new members
-        enum_cls._member_map_[name] = member
-        if name not in enum_cls._member_names_:
-            enum_cls._member_names_.append(name)
-    enum_cls._value2member_map_[value] = member
-    return member
 
 
 def _is_kvstage(backend):

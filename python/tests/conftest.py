@@ -1,6 +1,9 @@
-"""Fixtures: a real kvstaged per test, in a fresh temp dir, killed at teardown."""
+"""Fixtures: a real kvstaged per test, in a fresh temp dir, killed at teardown. Without a real SGLang,
+the SGLang stand-ins (sglang_stubs/) go on sys.path: kvstage.sglang builds on SGLang's base classes."""
+import importlib.util
 import os
 import shutil
+import sys
 import tempfile
 import time
 import weakref
@@ -10,6 +13,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent.parent  # the repository
 SLOTS, SLOT_SIZE = 64, 65536
+SGLANG_STUBS = Path(__file__).resolve().parent / "sglang_stubs"
+REAL_SGLANG = importlib.util.find_spec("sglang") is not None
+if not REAL_SGLANG:
+    sys.path.append(str(SGLANG_STUBS))
 
 
 def kvstaged_path():

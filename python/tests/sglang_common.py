@@ -56,7 +56,8 @@ class Pair:
     """A prefill and a decode manager in this process, each with its own connection to one proxy, and the
     bootstrap server; .pc/.dc their KVCaches, .P/.D the managers, .addr the bootstrap address."""
 
-    def __init__(self, socket_path, prefill_pages=64, decode_pages=64, prefill_cache=None, decode_cache=None):
+    def __init__(self, socket_path, prefill_pages=64, decode_pages=64, prefill_cache=None, decode_cache=None,
+                 prefill_args=None):
         import sglang_engine as E
         from kvstage import sglang as ks
         self.pc = prefill_cache or E.KVCache(prefill_pages)
@@ -65,7 +66,7 @@ class Pair:
         self.addr = f"127.0.0.1:{self.server.port}"
         self.P = self.D = None
         self.P = ks.KvstageKVManager(self.pc.kv_args(), ks.DisaggregationMode.PREFILL,
-                                     E.server_args(socket_path, self.server.port))
+                                     E.server_args(socket_path, self.server.port, **(prefill_args or {})))
         self.D = ks.KvstageKVManager(self.dc.kv_args(), ks.DisaggregationMode.DECODE, E.server_args(socket_path, 0))
         assert self.D.try_ensure_parallel_info(self.addr)
 

@@ -374,3 +374,45 @@ def prefill_main(conn, socket_path, reqs, flags, acks, cache_pages):
 
 def decode_main(conn, socket_path, reqs, flags, acks, cache_pages, bootstrap_addr):
     _serve("decode", conn, socket_path, reqs, flags, acks, cache_pages, {"bootstrap_addr": bootstrap_addr})
+
+
+class PrefillFrontend:
+    """The prefill server's HTTP API as far as a PD retract rebootstrap uses it (SGLang's decode leader POSTs the
+    retracted request to http://<bootstrap host>:<prefill port>/generate): each POST /generate body goes to
+    .requests (a queue.Queue: the test's barrier), answered with .status (200). .port, close()."""
+
+    def __init__(self, status=200):
+        import json
+        import queue
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+        self.requests, self.status = queue.Queue(), status
+        fe = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def do_POST(self):
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                fe.requests.put((self.path, json.loads(body)))
+                out = json.dumps({"text": ""}).encode()
+                self.send_response(fe.status)
+                self.send_header("Content-Length", str(len(out)))
+                self.end_headers()
+                self.wfile.write(out)
+
+        self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._httpd.daemon_threads = True
+        self.port = self._httpd.server_address[1]
+        threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+
+    def close(self):
+        self._httpd.shutdown()
+        self._httpd.server_close()
+
+
+def rebootstrap_payload(rid, room, input_ids):
+    """What Req.build_rebootstrap_payload gives SGLang's decode scheduler (the fields a prefill /generate needs)."""
+    return {"rid": rid, "input_ids": list(input_ids), "sampling_params": {"max_new_tokens": 0},
+            "bootstrap_host": "127.0.0.1", "bootstrap_room": room, "stream": False}

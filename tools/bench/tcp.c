@@ -178,8 +178,10 @@ static int point(const struct bench_opts *o, const struct tcp_env *e, struct loc
 		     o->baseline_sec < 1 ? 1 : o->baseline_sec);
 		pt->rdma_gbps = baseline_ib_read_bw(o->rdma_device, o->rdma_gid_index, chunk,
 						    o->baseline_sec, why, sizeof(why));
-		if (pt->rdma_gbps <= 0)
-			note(o, "baseline: %s; its ratio is n/a", why);
+		if (pt->rdma_gbps <= 0) { /* said even with -q: a figure is missing */
+			progress_clear();
+			fprintf(stderr, "kvstage-bench: baseline: %s; its ratio is n/a\n", why);
+		}
 	}
 	note(o, "baseline: raw TCP %s, one stream, writes of %s (%.2f s)", listen, cs, o->baseline_sec);
 	pt->tcp1_gbps = baseline_raw_tcp(&raw);

@@ -1,0 +1,44 @@
+"""kvstage.sglang without SGLang: SGLang's base classes are not copied into kvstage (the test
+suite's stand-ins live in python/tests/sglang_stubs); the module still imports, with the engine-neutral pieces
+kvstage.vllm takes from it, and a backend class says plainly that it needs SGLang."""
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from conftest import ROOT
+
+pytest.importorskip("numpy", reason="kvstage.sglang needs numpy (Debian: python3-numpy)")
+
+SCRIPT = textwrap.dedent("""
+    import sys
+    sys.modules["sglang"] = None  # import sglang -> ImportError, whatever is installed
+    from kvstage.sglang import CpuCopier, CudaCopier, FrameListener, _frame, _pieces, _runs, copy_room_out
+    from kvstage import sglang as ks
+    assert not ks.HAVE_SGLANG and ks.KVPoll is None
+    assert _runs([3, 4, 5, 9]) == [(0, 3, 3), (3, 9, 1)]
+    for cls in (ks.KvstageKVManager, ks.KvstageKVSender, ks.KvstageKVReceiver, ks.KvstageKVBootstrapServer, ks.KVArgs):
+        try:
+            cls()
+        except ImportError as e:
+            assert "needs SGLang" in str(e), e
+        else:
+            raise AssertionError(f"{cls.__name__}() without SGLang")
+    print("ok")
+""")
+
+
+def test_without_sglang_imports_and_refuses_clearly():
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "python"))
+    out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stdout + out.stderr
+
+
+def test_no_sglang_stand_ins_in_the_package():
+    src = (ROOT / "python" / "kvstage" / "sglang.py").read_text()
+    for name in ("class KVPoll", "class BaseKVManager", "class BaseKVSender", "class BaseKVReceiver",
+                 "class BaseKVBootstrapServer", "class KVArgs"):
+        assert name not in src, name
+    assert (ROOT / "python" / "tests" / "sglang_stubs" / "sglang" / "srt" / "disaggregation" / "base" / "conn.py").is_file()
