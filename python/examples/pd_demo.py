@@ -31,6 +31,7 @@ import multiprocessing as mp
 import multiprocessing.connection
 import os
 import random
+import secrets
 import select
 import shutil
 import subprocess
@@ -693,6 +694,25 @@ class Proxy:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
+def own_peer_secret(a):
+    """The engines' side channel needs the deployment's peer secret (kvstage.sidechannel). Without
+    $KVSTAGE_PEER_SECRET_FILE or $KVSTAGE_PEER_SECRET the demo makes one of its own, in a 0600 file in a temp dir
+    of its own that the workers inherit through $KVSTAGE_PEER_SECRET_FILE, and says so; returns that dir (None:
+    the environment had one)."""
+    if os.environ.get("KVSTAGE_PEER_SECRET_FILE") or os.environ.get("KVSTAGE_PEER_SECRET"):
+        return None
+    d = tempfile.mkdtemp(prefix="kvs-pd-secret-")
+    path = os.path.join(d, "peer.secret")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32) + "\n")
+    os.environ["KVSTAGE_PEER_SECRET_FILE"] = path
+    if not a.quiet:
+        print(f"pd_demo: no KVSTAGE_PEER_SECRET_FILE or KVSTAGE_PEER_SECRET: the workers' side channel uses a "
+              f"secret of the demo's own ({path}, removed at the end)", file=sys.stderr)
+    return d
+
+
 def stat(exe, socket_path):
     out = subprocess.run([exe, "--socket", socket_path, "--json"], capture_output=True, text=True, timeout=10)
     if out.returncode != 0:
@@ -797,6 +817,7 @@ def main(argv=None):
             return 1
         socket_path = proxy.socket
     procs, conns, problems, report = [], [], [], None
+    secret_dir = own_peer_secret(a)
     try:
         before = stat(stat_exe, socket_path)
         report = run(a, geo, reqs, socket_path, procs, conns, problems, stat_exe, before, proxy is not None, t_start)
@@ -817,6 +838,8 @@ def main(argv=None):
             if rc != 0:
                 problems.append(f"kvstaged exited with status {rc} at SIGTERM; its log ends:\n{proxy.log_tail()}")
             proxy.remove()
+        if secret_dir is not None:
+            shutil.rmtree(secret_dir, ignore_errors=True)
     if report is None:
         report = dict(requests=a.requests, ok=False)
     report["problems"] = report.get("problems", []) + problems

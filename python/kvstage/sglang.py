@@ -17,7 +17,7 @@ sgl-project/sglang main (the stored copies this was written against):
 
 How it moves bytes. The decode side opens one kvstage room per request (recv_open) when SGLang
 calls send_metadata, and sends the room's descriptor (128 bytes) to the prefill rank over a small
-TCP side channel; the prefill rank's address comes from the bootstrap server, which speaks
+TCP side channel (kvstage.sidechannel: mutual handshake and per-message MACs keyed by the peer secret); the prefill rank's address comes from the bootstrap server, which speaks
 SGLang's own HTTP routes. The prefill side copies its pages into leased slots (host memory:
 runs of contiguous pages merged into one copy; device memory: one gather per buffer and slot)
 and sends each slot once it is full; the proxy moves the slots; the decode side, on RECV_DONE,
@@ -62,6 +62,8 @@ between the two sides (item lengths), decode-context parallelism (dcp_size > 1).
 
 Settings (environment): KVSTAGE_SOCKET (the proxy; default /run/kvstage/kvstaged.sock),
 KVSTAGE_SGLANG_HOST (the address the prefill rank's side channel binds and advertises),
+KVSTAGE_PEER_SECRET_FILE or KVSTAGE_PEER_SECRET (the deployment's peer secret: the side channel, kvstage.sidechannel,
+authenticates both ends and every message with it; without one the manager refuses to start),
 KVSTAGE_SGLANG_CUDA=1, KVSTAGE_SGLANG_CLEAR_TIMEOUT (s, default 10), and SGLang's own
 SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT / SGLANG_DISAGGREGATION_WAITING_TIMEOUT (s, default 300).
 See python/SGLANG.md.
@@ -81,7 +83,6 @@ import os
 import queue
 import select
 import socket
-import struct
 import threading
 import time
 import urllib.error
@@ -99,7 +100,7 @@ logger = logging.getLogger(__name__)
 
 # ---------------------------------------------------------------------------------------------
 # SGLang's base classes. Without SGLang this module still imports (kvstage.vllm uses its engine-neutral
-# pieces: copiers, runs/pieces, copy_room_out, FrameListener, _frame), but the backend classes refuse to be
+# pieces: copiers, runs/pieces, copy_room_out), but the backend classes refuse to be
 # instantiated. The test suite puts SGLang stand-ins on sys.path instead (python/tests/sglang_stubs).
 # ---------------------------------------------------------------------------------------------
 try:
@@ -570,85 +571,11 @@ class CudaCopier(CpuCopier):
 
 
 # ---------------------------------------------------------------------------------------------
-# The side channel: length-prefixed JSON over TCP, decode -> prefill rank only.
+# The side channel: authenticated length-prefixed JSON over TCP, decode -> prefill rank only
+# (kvstage.sidechannel; re-exported here for the older imports).
 # ---------------------------------------------------------------------------------------------
-_MAX_MSG = 1 << 20
-_HDR = struct.Struct("!I")
-
-
-def _frame(msg):
-    body = json.dumps(msg, separators=(",", ":")).encode()
-    if len(body) > _MAX_MSG:
-        raise ValueError("side-channel message too large")
-    return _HDR.pack(len(body)) + body
-
-
-def _recv_exact(sock, n):
-    buf = bytearray()
-    while len(buf) < n:
-        got = sock.recv(n - len(buf))
-        if not got:
-            return None
-        buf += got
-    return bytes(buf)
-
-
-class FrameListener:
-    """A side channel's listening end: accepts connections on (host, port) and hands every
-    length-prefixed JSON message that valid(msg) accepts to deliver(msg), a thread per
-    connection; anything else drops that connection (logged). Shared by the SGLang backend
-    and the vLLM connector."""
-
-    def __init__(self, host, port, deliver, valid, name):
-        self._deliver = deliver
-        self._valid = valid
-        fam = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self._sock = socket.socket(fam, socket.SOCK_STREAM)
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._sock.bind((host.strip("[]"), port))
-        self._sock.listen(128)
-        self.port = self._sock.getsockname()[1]
-        self._closed = False
-        self._name = name
-        threading.Thread(target=self._accept, name=f"kvstage-{name}-listen", daemon=True).start()
-
-    def _accept(self):
-        while not self._closed:
-            try:
-                conn, _ = self._sock.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(conn,), name=f"kvstage-{self._name}-conn",
-                             daemon=True).start()
-
-    def _serve(self, conn):
-        with conn:
-            while not self._closed:
-                try:
-                    hdr = _recv_exact(conn, _HDR.size)
-                    if hdr is None:
-                        return
-                    (n,) = _HDR.unpack(hdr)
-                    if n > _MAX_MSG:
-                        raise ValueError(f"{n}-byte message")
-                    body = _recv_exact(conn, n)
-                    if body is None:
-                        return
-                    msg = json.loads(body)
-                    if not isinstance(msg, dict) or not self._valid(msg):
-                        raise ValueError("not a kvstage message")
-                except (OSError, ValueError) as e:
-                    logger.warning("kvstage side channel: dropped a connection: %s", e)
-                    return
-                self._deliver(msg)
-
-    def close(self):
-        self._closed = True
-        try:
-            self._sock.shutdown(socket.SHUT_RDWR)  # wakes the accept() of the other thread; close() alone does not
-        except OSError:
-            pass
-        self._sock.close()
+from .sidechannel import _HDR, _MAX_MSG, FrameListener, SecretError, _frame, _recv_exact  # noqa: E402,F401
+from . import sidechannel as _sidechannel  # noqa: E402
 
 
 # Bounds of a side-channel message's numbers: far above any real request, low enough that nothing computed from
@@ -941,6 +868,8 @@ class KvstageKVManager(BaseKVManager):
         self.is_mla_backend = bool(is_mla_backend)
         if int(getattr(args, "dcp_size", 1) or 1) > 1:
             raise RuntimeError("kvstage backend: decode-context parallelism (dcp_size > 1) is not supported")
+        # the side channel's key: no peer secret (or a refused one) is a start-up error, not a per-request one
+        self._side_key = _sidechannel.load_key(getattr(server_args, "kvstage_peer_secret_file", None))
         kv_device = self._kv_on_device(server_args)
         self.mem = MemoryMap(args, kv_device)
         if kv_device:
@@ -973,7 +902,8 @@ class KvstageKVManager(BaseKVManager):
             self._inbox = queue.SimpleQueue()
             self.local_ip = _local_host(server_args)
             self._listener = FrameListener(self.local_ip, 0, self._inbox.put,
-                                           lambda m: True, "sglang")  # each message checked in _drain_inbox
+                                           lambda m: True, "sglang",  # each message checked in _drain_inbox
+                                           self._side_key)
             self.rank_port = self._listener.port
             self.senders: Dict[int, "KvstageKVSender"] = {}
             self.pending_meta: Dict[int, tuple] = {}   # bootstrap_room -> (meta, arrival time)
@@ -982,7 +912,7 @@ class KvstageKVManager(BaseKVManager):
         else:
             self.prefill_info_table: Dict[str, PrefillServerInfo] = {}
             self.connection_pool: Dict[str, dict] = {}
-            self._peers: Dict[str, socket.socket] = {}
+            self._peers: Dict[str, _sidechannel.SideConnection] = {}
             self._dead_until: Dict[str, float] = {}
             self._recompute_pool = None                # retract rebootstrap: POSTs /generate off the scheduler thread
             self._recompute_lock = threading.Lock()
@@ -1276,9 +1206,10 @@ class KvstageKVManager(BaseKVManager):
                 r._fail(why)
 
     def send_to(self, endpoint, msg):
-        """Sends one message to a prefill rank (one cached connection each, reconnected once); raises OSError.
-        After a failure the endpoint is given up on for 5 s, so a dead rank costs one connect timeout, not one per request."""
-        data = _frame(msg)
+        """Sends one message to a prefill rank (one cached authenticated connection each, reconnected once); raises
+        OSError (sidechannel.HandshakeError when the rank did not prove it holds the peer secret). After a failure
+        the endpoint is given up on for 5 s, so a dead rank costs one connect timeout, not one per request."""
+        _frame(msg)  # too large: ValueError before anything is sent
         if time.monotonic() < self._dead_until.get(endpoint, 0):
             raise OSError(_errno.EHOSTUNREACH, f"{endpoint} failed moments ago")
         for attempt in (0, 1):
@@ -1290,10 +1221,9 @@ class KvstageKVManager(BaseKVManager):
             try:
                 if s is None:
                     host, port = endpoint.rsplit(":", 1)
-                    s = socket.create_connection((host.strip("[]"), int(port)), timeout=5)
-                    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                    s = _sidechannel.connect(host, int(port), self._side_key, timeout=5)
                     self._peers[endpoint] = s
-                s.sendall(data)
+                s.send(msg)
                 return
             except OSError:
                 self._peers.pop(endpoint, None)

@@ -75,7 +75,9 @@ libkvstage_cuda (kvstage.cuda), one gather (scatter) per layer part and slot (Vl
 KVSTAGE_VLLM_CUDA=1: that path is written and checked against a stand-in device, never run on a GPU.
 
 Settings: kv_connector_extra_config keys kvstage_socket ($KVSTAGE_SOCKET), kvstage_host ($KVSTAGE_VLLM_HOST,
-else kv_ip), kvstage_port (else kv_port), kvstage_stage_timeout, kvstage_load_timeout (s, default 120);
+else kv_ip), kvstage_port (else kv_port), kvstage_stage_timeout, kvstage_load_timeout (s, default 120),
+kvstage_peer_secret_file ($KVSTAGE_PEER_SECRET_FILE, else $KVSTAGE_PEER_SECRET: the deployment's peer secret, which
+the side channel needs; without it the worker connector refuses to start, kvstage.sidechannel says how);
 per request, kv_transfer_params may carry kvstage_stage_timeout (prefill) and kvstage_load_timeout (decode).
 
 Preemption: vLLM frees a preempted request's blocks at once; handle_preemptions voids its stage and returns only
@@ -100,7 +102,6 @@ import json
 import logging
 import os
 import select
-import socket
 import threading
 import time
 import typing
@@ -109,8 +110,10 @@ from typing import Optional
 from .client import Client, EventType
 from .errors import Again, KvstageError, NotConnected, PoolExhausted, Timeout
 # Shared with the SGLang backend (unchanged there): runs of consecutive blocks, cutting extents at slot
-# boundaries, the host/CUDA copiers and copy-out handles, and the side channel's framing.
-from .sglang import CpuCopier, CudaCopier, FrameListener, _frame, _pieces, _runs, copy_room_out
+# boundaries, the host/CUDA copiers and copy-out handles; the side channel is kvstage.sidechannel (authenticated).
+from . import sidechannel as _sidechannel
+from .sglang import CpuCopier, CudaCopier, _pieces, _runs, copy_room_out
+from .sidechannel import FrameListener, _frame
 
 logger = logging.getLogger(__name__)
 
@@ -497,6 +500,7 @@ class _Settings:
                 break
         self.dp_rank = dp
         self.socket_path = extra.get("kvstage_socket") or os.environ.get("KVSTAGE_SOCKET")
+        self.peer_secret_file = extra.get("kvstage_peer_secret_file") or None
         self.host = str(extra.get("kvstage_host") or os.environ.get("KVSTAGE_VLLM_HOST")
                         or getattr(kt, "kv_ip", None) or "127.0.0.1")
         self.base_port = int(extra.get("kvstage_port", getattr(kt, "kv_port", 14579))) + dp * self.tp_size
@@ -714,7 +718,7 @@ class _SchedulerSide:
         return bool(self._p_delayed)
 
 
-# The side channel (decode worker -> prefill worker only) is sglang.py's FrameListener.
+# The side channel (decode worker -> prefill worker only) is kvstage.sidechannel's: authenticated by the peer secret.
 
 # ---------------------------------------------------------------------------------------------
 # The worker's agent: one thread owning the kvstage connection (a Client is not thread-safe).
@@ -773,8 +777,9 @@ class _Agent:
 
     IDLE_S, BUSY_S = 0.05, 0.002
 
-    def __init__(self, socket_path, layout, copier, tp_rank, listen, stage_timeout):
+    def __init__(self, socket_path, layout, copier, tp_rank, listen, stage_timeout, side_key=None):
         self.socket_path, self.layout, self.copier, self.tp_rank = socket_path, layout, copier, tp_rank
+        self.side_key = side_key if side_key is not None else _sidechannel.load_key()
         self.stage_timeout = stage_timeout
         self.hold_send = None
         self._lock = threading.Lock()
@@ -799,7 +804,8 @@ class _Agent:
             if listen is not None:
                 self._listener = FrameListener(
                     listen[0], listen[1], self._on_msg,
-                    lambda m: m.get("t") in ("pull", "drop") and isinstance(m.get("req"), str), "vllm")
+                    lambda m: m.get("t") in ("pull", "drop") and isinstance(m.get("req"), str), "vllm",
+                    self.side_key)
             self._thread = threading.Thread(target=self._main, name="kvstage-vllm-agent", daemon=True)
             self._thread.start()
             self._started.wait()
@@ -1458,8 +1464,9 @@ class _Agent:
 
     # -- the side channel's sending end ----------------------------------------------------------
     def _send_msg(self, endpoint, msg):
-        """Sends one message to a prefill worker (one cached connection each, reconnected once); raises OSError."""
-        data = _frame(msg)
+        """Sends one message to a prefill worker (one cached authenticated connection each, reconnected once); raises
+        OSError (sidechannel.HandshakeError when the worker did not prove it holds the peer secret)."""
+        _frame(msg)  # too large: ValueError before anything is sent
         if time.monotonic() < self._dead_until.get(endpoint, 0):
             raise OSError(_errno.EHOSTUNREACH, f"{endpoint[0]}:{endpoint[1]} failed moments ago")
         for attempt in (0, 1):
@@ -1470,10 +1477,9 @@ class _Agent:
                 s = None
             try:
                 if s is None:
-                    s = socket.create_connection((endpoint[0].strip("[]"), endpoint[1]), timeout=5)
-                    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                    s = _sidechannel.connect(endpoint[0], endpoint[1], self.side_key, timeout=5)
                     self._peers[endpoint] = s
-                s.sendall(data)
+                s.send(msg)
                 return
             except OSError:
                 self._peers.pop(endpoint, None)
@@ -1546,6 +1552,8 @@ class _WorkerSide:
         self.tp_rank = s.tp_rank()
         self._load_errors = set()
         self._preempted_done = None  # id of the metadata whose preemptions handle_preemptions has handled
+        # the side channel's key: no peer secret (or a refused one) is a start-up error, not a per-request one
+        self.side_key = _sidechannel.load_key(s.peer_secret_file)
 
     def register_kv_caches(self, kv_caches):
         if self.agent is not None:
@@ -1562,7 +1570,7 @@ class _WorkerSide:
             copier = CpuCopier()
         listen = (self.s.host, self.s.base_port + self.tp_rank) if self.s.producer else None
         self.agent = self.agent_class(self.s.socket_path, self.layout, copier, self.tp_rank, listen,
-                                      self.s.stage_timeout)
+                                      self.s.stage_timeout, side_key=self.side_key)
 
     def _event(self):
         if not self.layout.device:

@@ -12,6 +12,11 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent.parent  # the repository
+# The engines' side channel needs the deployment's peer secret: every test (and every process it starts) gets
+# this one unless the environment names one; test_sidechannel.py takes it away or changes it where it tests that.
+TEST_PEER_SECRET = "kvstage-test-peer-secret-not-for-production"
+if not (os.environ.get("KVSTAGE_PEER_SECRET_FILE") or os.environ.get("KVSTAGE_PEER_SECRET")):
+    os.environ["KVSTAGE_PEER_SECRET"] = TEST_PEER_SECRET
 SLOTS, SLOT_SIZE = 64, 65536
 SGLANG_STUBS = Path(__file__).resolve().parent / "sglang_stubs"
 REAL_SGLANG = importlib.util.find_spec("sglang") is not None

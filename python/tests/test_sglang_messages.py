@@ -6,7 +6,6 @@ Ordering: after each malformed message, a well-formed abort for a sentinel room 
 once the prefill rank has the sentinel (a tombstone), it has handled the message before it (one connection, one
 inbox, in order) - and the connection survived it."""
 import base64
-import socket
 
 import pytest
 
@@ -84,11 +83,13 @@ class Peer:
     """One side-channel connection to the prefill rank, with the sentinel barrier."""
 
     def __init__(self, P):
-        self.P, self.sock = P, socket.create_connection(("127.0.0.1", P.rank_port), timeout=10)
+        from kvstage import sidechannel
+        self.P, self.conn = P, sidechannel.connect("127.0.0.1", P.rank_port, P._side_key, timeout=10)
+        self.sock = self.conn.sock  # authenticated: what these messages test is what comes after the MAC
         self.sentinel = 10 ** 9
 
     def send(self, msg):
-        self.sock.sendall(ks._frame(msg))
+        self.conn.send(msg)
 
     def handled(self):
         """Sends the sentinel and pumps until the prefill rank has it (so everything before it is handled)."""
