@@ -5,7 +5,7 @@ Needs vLLM (importing this module without it raises ImportError); built against 
   vllm/distributed/kv_transfer/kv_connector/v1/base.py
       KVConnectorBase_V1 (__init__(vllm_config, role, kv_cache_config): kv_cache_config required), handle_preemptions,
       get_kv_connector_stats, build_kv_connector_stats, build_prom_metrics; KVConnectorRole, KVConnectorMetadata;
-      SupportsHMA / supports_hma (not claimed here)
+      SupportsHMA / supports_hma (claimed: request_finished_all_groups)
   vllm/distributed/kv_transfer/kv_connector/factory.py
       an unregistered kv_connector is loaded with importlib.import_module(kv_connector_module_path) and
       getattr(module, kv_connector); a class whose constructor lacks kv_cache_config is refused; it is called
@@ -22,7 +22,12 @@ Needs vLLM (importing this module without it raises ImportError); built against 
       KVConnectorStats (aggregate, reduce, is_empty), KVConnectorPromMetrics, how workers' stats are aggregated
   vllm/v1/core/sched/scheduler.py, vllm/v1/worker/gpu_model_runner.py, vllm/v1/worker/gpu/kv_connector.py
       how the scheduler drives a connector: update_state_after_alloc(request, get_blocks(id), n_external);
-      _connector_finished -> request_finished(request, block_ids[0]) (not SupportsHMA: one group);
+      _connector_finished -> remove_skipped_blocks, then request_finished_all_groups(request, block ids per group);
+  vllm/v1/kv_cache_interface.py, vllm/v1/core/single_type_kv_cache_manager.py, kv_cache_manager.py
+      KVCacheConfig.kv_cache_groups (layer_names, kv_cache_spec: FullAttentionSpec, SlidingWindowSpec, MambaSpec);
+      a sliding window's skipped blocks (get_num_skipped_tokens(n) // block_size) are vLLM's null block;
+      get_unhashed_block_ids_all_groups skips them. nixl/scheduler.py get_sw_clipped_blocks sends a window's last
+      cdiv(window, block_size) + 1 blocks; kvstage sends the ones vLLM keeps (a subset that never includes a freed one)
       _preempt_request frees the blocks at once and names the request in preempted_req_ids; the worker calls
       handle_preemptions(metadata) before binding it and before the forward; finish_requests delays the blocks of a
       WAITING_FOR_REMOTE_KVS request until finished_recving names it; _update_from_kv_xfer_finished frees on
@@ -87,9 +92,16 @@ Metrics: get_kv_connector_stats -> KvstageKVConnectorStats per worker (aggregate
 vllm:kvstage_{transfers,bytes}_{sent,received}, vllm:kvstage_num_failed_transfers, vllm:kvstage_num_stale_rejections
 (counters), vllm:kvstage_abort_to_free_seconds (histogram), per engine with vLLM's labels.
 
-Not supported (refused with a reason): more than one KV cache group (not SupportsHMA: vLLM runs hybrid models with
-its hybrid KV cache manager off, one group; Mamba hybrids vLLM itself then refuses), prefill and decode with
-different TP sizes or block sizes or cache layouts, pipeline parallelism.
+KV cache groups (SupportsHMA): full-attention, sliding-window and chunked-local-attention groups, each with its own
+block ids and block size (a chunked-local group moves like a sliding one: the blocks vLLM keeps, from
+get_num_skipped_tokens(n) // block_size on, with that kind's own count).
+The room holds, per layer part, its group's blocks: all cdiv(n, block_size) of a full-attention group; of a
+sliding-window group those from get_num_skipped_tokens(n) // block_size on (the blocks vLLM keeps; the prefill params
+name them in kvstage.groups, which the decode side checks). With one group (any model run with the hybrid manager
+off) everything is as before: plain block lists.
+
+Not supported (refused with a reason): state (Mamba) groups and other group kinds among several (ValueError at start,
+naming the group), prefill and decode with different TP sizes or block sizes or cache layouts, pipeline parallelism.
 """
 from __future__ import annotations
 
@@ -123,7 +135,7 @@ logger = logging.getLogger(__name__)
 # ---------------------------------------------------------------------------------------------
 try:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # type: ignore
-        KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole)
+        KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole, SupportsHMA)
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (  # type: ignore
         KVConnectorPromMetrics, KVConnectorStats)
 except ImportError as _e:
@@ -152,6 +164,15 @@ def _group0(ids):
     if ids and isinstance(ids[0], (list, tuple)):
         return list(ids[0])
     return ids
+
+
+def _unhashed_groups(blocks):
+    """Per KV cache group, the block ids of a KVCacheBlocks that hold no cached content and are not vLLM's null
+    (skipped) block: the ones a load fills."""
+    f = getattr(blocks, "get_unhashed_block_ids_all_groups", None)
+    if f is not None:
+        return [list(g) for g in f()]
+    return [list(g) for g in blocks.get_block_ids()]
 
 
 def _unhashed(blocks):
@@ -219,14 +240,34 @@ class KVRegion:
     item: int
     nblocks: int
     device: bool
+    group: int = 0  # the KV cache group of its layer: its blocks are that group's block ids
+
+
+def _flat(blocks):
+    """Block ids of a flat list or of per-group lists, as one list."""
+    blocks = list(blocks)
+    if blocks and isinstance(blocks[0], (list, tuple)):
+        return [b for g in blocks for b in g]
+    return blocks
 
 
 class VllmLayout:
-    """The registered KV caches as regions (layer order, K before V), the room offsets of a request's blocks."""
+    """The registered KV caches as regions (layer order, K before V), the room offsets of a request's blocks.
 
-    def __init__(self, kv_caches, num_blocks=None):
+    With several KV cache groups (layer_groups: layer name -> group index), a room holds counts[g] blocks of each
+    group g; a region's part of the room is counts[its group] x its block bytes, and the block arguments of nbytes,
+    extents, plan are per group (counts, one block list per group, one first position per group). With one group
+    they are plain (an int, a list, an int), as before."""
+
+    def __init__(self, kv_caches, num_blocks=None, layer_groups=None):
         self.layer_names = list(kv_caches)
         self.index = {n: i for i, n in enumerate(self.layer_names)}
+        if layer_groups is not None:
+            missing = [n for n in self.layer_names if n not in layer_groups]
+            if missing:
+                raise ValueError(f"layer {missing[0]} is in no KV cache group of the KV cache config")
+        groups = [int(layer_groups[n]) if layer_groups is not None else 0 for n in self.layer_names]
+        self.ngroups = max(layer_groups.values(), default=0) + 1 if layer_groups is not None else 1
         self.regions, fp = [], []
         for li, name in enumerate(self.layer_names):
             t = kv_caches[name]
@@ -246,36 +287,64 @@ class VllmLayout:
                 if stride < item:
                     raise ValueError(f"layer {name}: blocks overlap (stride {stride} < {item} bytes)")
                 self.regions.append(KVRegion(li, int(p.data_ptr()), stride, item, int(p.shape[0]),
-                                             bool(getattr(t, "is_cuda", False))))
+                                             bool(getattr(t, "is_cuda", False)), groups[li]))
                 order = sorted(range(sub.dim()), key=lambda d: -sub.stride(d))
                 fp.append([item, str(t.dtype), list(sub.shape), order])
         self.device = any(r.device for r in self.regions)
         self._fp = {"regions": fp, "layers": len(self.layer_names)}
+        if self.ngroups > 1:
+            self._fp["groups"] = groups
         self._off = list(itertools.accumulate([0] + [r.item for r in self.regions]))
 
     def fingerprint(self):
         """The layout facts both sides must share (JSON-native)."""
         return json.loads(json.dumps(self._fp))
 
+    def _norm(self, nblocks, blocks, first_pos):
+        """(counts, per-group block lists, per-group first positions) of the plain (one group) or per-group form."""
+        if isinstance(nblocks, int):
+            if self.ngroups != 1:
+                raise ValueError(f"{self.ngroups} KV cache groups: block counts, ids and positions go per group")
+            counts, blocks, first = (nblocks,), ([int(b) for b in blocks],), (int(first_pos),)
+        else:
+            counts = tuple(int(n) for n in nblocks)
+            blocks = tuple([int(b) for b in g] for g in blocks)
+            first = (int(first_pos),) * len(counts) if isinstance(first_pos, int) else tuple(int(f) for f in first_pos)
+            if not len(counts) == len(blocks) == len(first) == self.ngroups:
+                raise ValueError(f"{len(counts)} block counts, {len(blocks)} block lists, {len(first)} positions for "
+                                 f"{self.ngroups} KV cache groups")
+        for g in range(len(counts)):
+            if first[g] + len(blocks[g]) > counts[g]:
+                raise ValueError(f"{first[g] + len(blocks[g])} blocks for a room of {counts[g]}"
+                                 + (f" (group {g})" if len(counts) > 1 else ""))
+        return counts, blocks, first
+
+    def _bases(self, counts):
+        """Room offset of each region's part for these per-group block counts."""
+        return list(itertools.accumulate([0] + [r.item * counts[r.group] for r in self.regions]))
+
     def nbytes(self, nblocks):
-        """Bytes of a room for nblocks blocks."""
-        return self._off[-1] * nblocks
+        """Bytes of a room for nblocks blocks (per group: a tuple of counts)."""
+        if isinstance(nblocks, int):
+            return self._off[-1] * nblocks
+        return self._bases(tuple(int(n) for n in nblocks))[-1]
 
     def extents(self, nblocks, blocks, first_pos=0, layer=None):
         """Returns [(room_off, addr, nbytes, device)] for blocks at request positions first_pos... (one layer,
         or all), a run of consecutive blocks one extent; raises ValueError for a block outside a cache."""
+        counts, blocks, first = self._norm(nblocks, blocks, first_pos)
+        bases = self._bases(counts)
         out = []
-        blocks = list(blocks)
-        if first_pos + len(blocks) > nblocks:
-            raise ValueError(f"{first_pos + len(blocks)} blocks for a room of {nblocks}")
         for k, r in enumerate(self.regions):
             if layer is not None and r.layer != layer:
                 continue
-            out.extend(self._region_extents(k, nblocks, blocks, first_pos))
+            out.extend(self._region_extents(k, bases[k], blocks[r.group], first[r.group]))
         return out
 
     def check(self, blocks):
-        """Raises ValueError unless every block id is an integer in [0, blocks of the smallest cache)."""
+        """Raises ValueError unless every block id (a list, or per-group lists) is an integer in [0, blocks of the
+        smallest cache)."""
+        blocks = _flat(blocks)
         for b in blocks:
             if isinstance(b, bool) or int(b) != b:
                 raise ValueError(f"block id {b!r} is not an integer")
@@ -284,14 +353,13 @@ class VllmLayout:
             if bad:
                 raise ValueError(f"block {bad[0]} is outside the cache of layer {r.layer} ({r.nblocks} blocks)")
 
-    def _region_extents(self, k, nblocks, blocks, first_pos):
+    def _region_extents(self, k, base, blocks, first_pos):
         r = self.regions[k]
         blocks = [int(b) for b in blocks]
         for b in blocks:  # every cache shape, before any address is computed (a strided cache's -1 is addressable)
             if not 0 <= b < r.nblocks:
                 raise ValueError(f"block {b} is outside the cache of layer {r.layer} ({r.nblocks} blocks)")
         runs = _runs(blocks) if r.stride == r.item else [(i, b, 1) for i, b in enumerate(blocks)]
-        base = self._off[k] * nblocks
         out = []
         for pos, blk, n in runs:
             if blk < 0 or blk + n > r.nblocks:
@@ -310,17 +378,17 @@ class VllmLayout:
         without gather. Raises ValueError for a block outside a cache or more blocks than the room has."""
         if not gather:
             return list(_pieces(self.extents(nblocks, blocks, first_pos, layer), slot_size))
-        blocks = [int(b) for b in blocks]
-        if first_pos + len(blocks) > nblocks:
-            raise ValueError(f"{first_pos + len(blocks)} blocks for a room of {nblocks}")
+        counts, gblocks, gfirst = self._norm(nblocks, blocks, first_pos)
+        bases = self._bases(counts)
         out = []
         for k, r in enumerate(self.regions):
             if layer is not None and r.layer != layer:
                 continue
+            blocks, first_pos = gblocks[r.group], gfirst[r.group]
             if not r.device:
-                out.extend(_pieces(self._region_extents(k, nblocks, blocks, first_pos), slot_size))
+                out.extend(_pieces(self._region_extents(k, bases[k], blocks, first_pos), slot_size))
                 continue
-            base, groups = self._off[k] * nblocks, []  # groups: [slot, slot_off, block ids], or a cut block's piece
+            base, groups = bases[k], []  # groups: [slot, slot_off, block ids], or a cut block's piece
             for i, b in enumerate(blocks):
                 if not 0 <= b < r.nblocks:
                     raise ValueError(f"block {b} is outside the cache of layer {r.layer} ({r.nblocks} blocks)")
@@ -336,7 +404,7 @@ class VllmLayout:
             for g in groups:
                 gathers[g[0]].append(Pages(g[0], g[1], r.ptr, r.stride, tuple(g[2]), r.item) if isinstance(g, list)
                                      else g)
-            for p in _pieces(self._region_extents(k, nblocks, blocks, first_pos), slot_size):
+            for p in _pieces(self._region_extents(k, bases[k], blocks, first_pos), slot_size):
                 runs[p[0]].append(p)
             for s in sorted(gathers):  # the same bytes either way: whichever takes fewer calls (a tie: the gather)
                 out.extend(gathers[s] if len(gathers[s]) <= len(runs[s]) else runs[s])
@@ -478,6 +546,62 @@ class KvstageConnectorMetadata(KVConnectorMetadata):
 # Settings.
 # ---------------------------------------------------------------------------------------------
 
+class _Group(typing.NamedTuple):
+    kind: str            # "full", "sw" (sliding window) or "local" (chunked local attention)
+    block_size: int
+    window: int          # tokens: the sliding window (sw), the attention chunk (local); 0 (full)
+    layer_names: tuple
+
+    def skipped(self, n):
+        """vLLM's get_num_skipped_tokens(n) for this kind (v1/core/single_type_kv_cache_manager.py): the tokens
+        whose blocks it has given back (made its null block) once n are computed."""
+        if self.kind == "sw":
+            return max(0, n - self.window + 1)
+        if self.kind == "local":
+            return (n // self.window) * self.window
+        return 0
+
+
+def _spec_kind(spec):
+    """A KVCacheSpec's kind by its class (vllm/v1/kv_cache_interface.py): mamba, sw, full, or its class name."""
+    names = [c.__name__ for c in type(spec).__mro__]
+    for name, kind in (("MambaSpec", "mamba"), ("SlidingWindowSpec", "sw"), ("ChunkedLocalAttentionSpec", "local"),
+                       ("FullAttentionSpec", "full")):
+        if name in names:
+            return kind
+    return type(spec).__name__
+
+
+def _groups(kv_cache_config, block_size):
+    """The KV cache groups as _Groups; raises ValueError (one line) for a group kind kvstage does not move."""
+    groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or ())
+    if not groups:
+        return [_Group("full", block_size, 0, ())]
+    out = []
+    for i, g in enumerate(groups):
+        spec = g.kv_cache_spec
+        kind = _spec_kind(spec)
+        names = tuple(getattr(g, "layer_names", None) or ())
+        where = f"KV cache group {i} ({type(spec).__name__}, layers {', '.join(names[:2])}{', ...' if len(names) > 2 else ''})"
+        if kind == "mamba":
+            raise ValueError(f"kvstage connector: {where} holds per-request state (Mamba): kvstage moves full-attention, "
+                             "sliding-window and chunked-local KV cache groups, not state groups")
+        if kind not in ("full", "sw", "local"):
+            if len(groups) == 1:  # one group: its blocks are the request's positions, as full attention's
+                kind = "full"
+            else:
+                raise ValueError(f"kvstage connector: {where} is not supported: kvstage moves full-attention, "
+                                 "sliding-window and chunked-local KV cache groups only; run vLLM with "
+                                 "--disable-hybrid-kv-cache-manager")
+        bs = int(getattr(spec, "block_size", None) or block_size)
+        window = {"sw": int(getattr(spec, "sliding_window", 0) or 0),
+                  "local": int(getattr(spec, "attention_chunk_size", 0) or 0)}.get(kind, 0)
+        if kind != "full" and window <= 0:
+            raise ValueError(f"kvstage connector: {where}: a window of {window} tokens")
+        out.append(_Group(kind, bs, window, names))
+    return out
+
+
 class _Settings:
     def __init__(self, vllm_config, kv_cache_config):
         kt = vllm_config.kv_transfer_config
@@ -507,11 +631,27 @@ class _Settings:
         self.stage_timeout = _float(extra.get("kvstage_stage_timeout", STAGE_TIMEOUT_S), "kvstage_stage_timeout")
         self.load_timeout = _float(extra.get("kvstage_load_timeout", LOAD_TIMEOUT_S), "kvstage_load_timeout")
         self.num_blocks = getattr(kv_cache_config, "num_blocks", None)
-        groups = getattr(kv_cache_config, "kv_cache_groups", None)
-        if groups is not None and len(groups) > 1:  # vLLM does not make one for a connector without SupportsHMA
-            raise ValueError(f"kvstage connector: {len(groups)} KV cache groups: it supports one (it is not "
-                             "SupportsHMA); run vLLM with the hybrid KV cache manager off "
-                             "(--disable-hybrid-kv-cache-manager, vLLM's default with this connector)")
+        self.groups = _groups(kv_cache_config, self.block_size)
+        # grouped: block ids per group everywhere (several groups, or one sliding-window group); else plain lists
+        self.grouped = len(self.groups) > 1 or self.groups[0].kind != "full"
+
+    def group_blocks(self, n):
+        """[(first, end)] per KV cache group: the request positions of the blocks a prompt of n tokens moves - all
+        cdiv(n, block_size) of a full-attention group; of a sliding-window group those vLLM's SlidingWindowManager
+        keeps once n tokens are computed (get_num_skipped_tokens(n) // block_size on: the blocks the last prompt
+        token's window reads, and the ones both sides still hold)."""
+        out = []
+        for g in self.groups:
+            nb = _cdiv(n, g.block_size)
+            first = min(nb, g.skipped(n) // g.block_size)
+            out.append((first, nb))
+        return out
+
+    def layer_groups(self):
+        """layer name -> group index for the layout (None with one group)."""
+        if not self.grouped:
+            return None
+        return {n: i for i, g in enumerate(self.groups) for n in g.layer_names}
 
     def tp_rank(self):
         try:
@@ -569,6 +709,9 @@ class _SchedulerSide:
         n = self._num_prompt(request)
         if int(kv.get("num_tokens", -1)) != n or int(kv.get("num_blocks", -1)) != _cdiv(n, self.s.block_size):
             return None, f"the prefill side staged {kv.get('num_tokens')} tokens, this prompt has {n}"
+        want = [[first, end] for first, end in self.s.group_blocks(n)] if self.s.grouped else None
+        if kv.get("groups") != want:
+            return None, f"the prefill side staged KV cache groups {kv.get('groups')}, this side has {want}"
         return kv, None
 
     def _warn(self, request, why):
@@ -599,20 +742,51 @@ class _SchedulerSide:
             return
         rid = request.request_id
         if p.get("do_remote_decode") and self.s.producer and rid not in self._p:
-            self._p[rid] = _PReq(request, _group0(blocks.get_block_ids()) if blocks is not None else [])
+            self._p[rid] = _PReq(request, self._ids(blocks.get_block_ids() if blocks is not None else None))
         if p.get("do_remote_prefill"):
             p["do_remote_prefill"] = False  # one load per request (also after a preemption)
             kv, why = self._remote(request)
             if kv is None or num_external_tokens <= 0:
                 self._drop(request)  # the prefill side can release its slots now
                 return
-            local = _unhashed(blocks)
-            skip = int(kv["num_blocks"]) - len(local)
-            err = None if 0 <= skip else f"{len(local)} blocks to fill, the prefill side staged {kv['num_blocks']}"
             timeout = _float(p.get("kvstage_load_timeout", self.s.load_timeout), "kvstage_load_timeout")
+            if self.s.grouped:
+                count, local, skip, err = self._recv_groups(request, blocks)
+            else:
+                local = tuple(_unhashed(blocks))
+                count, skip = int(kv["num_blocks"]), int(kv["num_blocks"]) - len(local)
+                err = None if 0 <= skip else f"{len(local)} blocks to fill, the prefill side staged {kv['num_blocks']}"
+                skip = max(skip, 0)
             self._recv[rid] = RecvSpec(rid, str(p["remote_request_id"]), str(p["remote_host"]), int(p["remote_port"]),
-                                       int(kv["num_blocks"]), tuple(local), max(skip, 0), timeout, err)
+                                       count, local, skip, timeout, err)
             self._d_loading.add(rid)
+
+    def _ids(self, ids):
+        """vLLM block ids (a tuple of per-group lists, or a flat list; None: none) as kept here: one list per group
+        when grouped, else group 0's list."""
+        if not self.s.grouped:
+            return _group0(ids) or []
+        ids = list(ids or ())
+        if ids and not isinstance(ids[0], (list, tuple)):
+            raise ValueError(f"kvstage connector: one block list for {len(self.s.groups)} KV cache groups")
+        return [list(g) for g in ids] + [[] for _ in range(len(self.s.groups) - len(ids))]
+
+    def _recv_groups(self, request, blocks):
+        """(room blocks per group, local block ids per group, skip per group, error) of a grouped load: in each
+        group the room holds the blocks group_blocks names; the unhashed ones fill its last positions."""
+        unhashed = _unhashed_groups(blocks)
+        counts, locals_, skips, err = [], [], [], None
+        for g, (first, end) in enumerate(self.s.group_blocks(self._num_prompt(request))):
+            k = end - first
+            loc = unhashed[g] if g < len(unhashed) else []
+            if self.s.groups[g].kind != "full":
+                loc = loc[max(0, len(loc) - k):]  # the window's (the chunk's) blocks only
+            elif len(loc) > k:
+                err = f"{len(loc)} blocks to fill in group {g}, the prefill side staged {k}"
+            counts.append(k)
+            locals_.append(tuple(loc))
+            skips.append(max(0, k - len(loc)))
+        return tuple(counts), tuple(locals_), tuple(skips), err
 
     def _maybe_save(self, st, computed, scheduled):
         if st.saved:
@@ -620,15 +794,25 @@ class _SchedulerSide:
         n = self._num_prompt(st.request)
         if computed + scheduled < n:
             return
-        nb = _cdiv(n, self.s.block_size)
-        if len(st.blocks) < nb:
-            logger.error("kvstage connector: request %s has %d blocks for %d tokens; not staged",
-                         st.request.request_id, len(st.blocks), n)
-            return
+        if self.s.grouped:
+            spans = self.s.group_blocks(n)
+            for g, (first, end) in enumerate(spans):
+                if len(st.blocks[g]) < end:
+                    logger.error("kvstage connector: request %s has %d blocks of group %d for %d tokens; not staged",
+                                 st.request.request_id, len(st.blocks[g]), g, n)
+                    return
+            ids = tuple(tuple(st.blocks[g][first:end]) for g, (first, end) in enumerate(spans))
+        else:
+            nb = _cdiv(n, self.s.block_size)
+            if len(st.blocks) < nb:
+                logger.error("kvstage connector: request %s has %d blocks for %d tokens; not staged",
+                             st.request.request_id, len(st.blocks), n)
+                return
+            ids = tuple(st.blocks[:nb])
         p = st.request.kv_transfer_params or {}
         timeout = _float(p.get("kvstage_stage_timeout", self.s.stage_timeout), "kvstage_stage_timeout")
         st.saved = True
-        self._saves[st.request.request_id] = SaveSpec(st.request.request_id, tuple(st.blocks[:nb]), n, timeout)
+        self._saves[st.request.request_id] = SaveSpec(st.request.request_id, ids, n, timeout)
 
     def build_connector_meta(self, scheduler_output):
         so = scheduler_output
@@ -637,11 +821,11 @@ class _SchedulerSide:
         for rid in preempted & set(self._p):
             if self._p[rid].saved:
                 self._abort_times[rid] = time.time()
-            self._restage(rid, [])
+            self._restage(rid, self._ids(None))
         for new in getattr(so, "scheduled_new_reqs", None) or ():
             st = self._p.get(new.req_id)
             if st is not None:
-                st.blocks = _group0(new.block_ids) or []
+                st.blocks = self._ids(new.block_ids)
                 self._maybe_save(st, int(new.num_computed_tokens), int(nsched.get(new.req_id, 0)))
         cached = getattr(so, "scheduled_cached_reqs", None)
         if cached is not None:
@@ -652,11 +836,14 @@ class _SchedulerSide:
                 if st is None:
                     continue
                 resumed = rid in resumed_ids or bool(resumed_flags[i] if resumed_flags else False)
-                nb = _group0(cached.new_block_ids[i]) if cached.new_block_ids else None
+                nb = cached.new_block_ids[i] if cached.new_block_ids else None
                 if resumed:
-                    self._restage(rid, nb or [])
+                    self._restage(rid, self._ids(nb))
+                elif nb and self.s.grouped:
+                    for g, new_ids in enumerate(self._ids(nb)):
+                        st.blocks[g].extend(new_ids)
                 elif nb:
-                    st.blocks.extend(nb)
+                    st.blocks.extend(_group0(nb) or [])
                 self._maybe_save(st, int(cached.num_computed_tokens[i]), int(nsched.get(rid, 0)))
         meta = KvstageConnectorMetadata(self._saves, self._finished, self._unstage, self._recv, self._aborts,
                                         self._drops, self._abort_times)
@@ -695,18 +882,26 @@ class _SchedulerSide:
         if not handoff:
             self._abort_times[rid] = time.time()
             return True, None  # aborted while its copy may run: free once it cannot read the blocks any more
-        nb = _cdiv(self._num_prompt(request), self.s.block_size)
+        n = self._num_prompt(request)
+        nb = _cdiv(n, self.s.block_size)
+        kvs = dict(version=1, num_blocks=nb, num_tokens=n, block_size=self.s.block_size)
+        if self.s.grouped:  # each group's staged positions [first, end); remote_block_ids: those blocks, as NIXL's
+            spans = self.s.group_blocks(n)
+            kvs["groups"] = [[first, end] for first, end in spans]
+            ids = self._ids(block_ids)
+            remote = [[int(b) for b in ids[g][first:end]] for g, (first, end) in enumerate(spans)]
+        else:
+            remote = [[int(b) for b in (_group0(block_ids) or [])]]
         # NixlConnector's keys with its meanings (nixl/scheduler.py request_finished @ 9aaf83ef502f), so routers and
         # vLLM's disaggregated-serving proxies pass them on unchanged; the decode side reads kvstage's own part.
         # remote_block_ids: the prefill's blocks per KV cache group (informational here: the bytes travel through
         # kvstage slots, not by block id); remote_num_tokens: the request's computed tokens at its finish.
         return True, dict(do_remote_prefill=True, do_remote_decode=False,
-                          remote_block_ids=[[int(b) for b in (_group0(block_ids) or [])]],
+                          remote_block_ids=remote,
                           remote_engine_id=self.s.engine_id, remote_request_id=rid, remote_host=self.s.host,
                           remote_port=self.s.base_port, tp_size=self.s.tp_size,
                           remote_num_tokens=int(getattr(request, "num_computed_tokens", 0) or 0),
-                          kvstage=dict(version=1, num_blocks=nb, num_tokens=self._num_prompt(request),
-                                       block_size=self.s.block_size))
+                          kvstage=kvs)
 
     def update_connector_output(self, connector_output):
         for rid in getattr(connector_output, "finished_sending", None) or ():
@@ -729,8 +924,9 @@ class _Stage:
 
     def __init__(self, spec, layout, ss):
         self.req = spec.req_id
-        self.blocks = list(spec.block_ids)
-        self.nblocks = len(self.blocks)
+        grouped = bool(spec.block_ids) and isinstance(spec.block_ids[0], (list, tuple))
+        self.blocks = [list(g) for g in spec.block_ids] if grouped else list(spec.block_ids)
+        self.nblocks = tuple(len(g) for g in self.blocks) if grouped else len(self.blocks)
         self.nbytes = layout.nbytes(self.nblocks)
         self.chunks = _cdiv(self.nbytes, ss)
         self.ss = ss
@@ -1322,9 +1518,14 @@ class _Agent:
             self.layout.check(spec.local_block_ids)
         except ValueError as e:
             return self._load_fail(ld, f"refused: {e}")
-        if spec.skip + len(spec.local_block_ids) != spec.num_blocks:
-            return self._load_fail(ld, f"{len(spec.local_block_ids)} blocks after {spec.skip} cached, the room has "
-                                       f"{spec.num_blocks}")
+        if isinstance(spec.num_blocks, int):
+            fits = spec.skip + len(spec.local_block_ids) == spec.num_blocks
+        else:
+            fits = len(spec.num_blocks) == len(spec.skip) == len(spec.local_block_ids) and all(
+                s + len(b) == n for n, b, s in zip(spec.num_blocks, spec.local_block_ids, spec.skip))
+        if not fits:
+            return self._load_fail(ld, f"{len(_flat(spec.local_block_ids))} blocks after {spec.skip} cached, the room "
+                                       f"has {spec.num_blocks}")
         self._load_open(ld)
 
     def _load_open(self, ld):
@@ -1442,7 +1643,7 @@ class _Agent:
         with self._lock:
             self._finished_recving.add(ld.req)
             if ld.failed and not ld.aborted:
-                self._load_errors.update(ld.spec.local_block_ids)
+                self._load_errors.update(_flat(ld.spec.local_block_ids))
         if ld.room is not None:
             try:
                 ld.room.close()
@@ -1558,7 +1759,7 @@ class _WorkerSide:
     def register_kv_caches(self, kv_caches):
         if self.agent is not None:
             raise RuntimeError("kvstage connector: register_kv_caches called twice")
-        self.layout = VllmLayout(kv_caches, self.s.num_blocks)
+        self.layout = VllmLayout(kv_caches, self.s.num_blocks, self.s.layer_groups())
         if self.layout.device:
             if os.environ.get("KVSTAGE_VLLM_CUDA") != "1":
                 raise RuntimeError(
@@ -1660,12 +1861,11 @@ def _is_scheduler(role):
     return getattr(role, "name", str(role)).upper().endswith("SCHEDULER")
 
 
-class KvstageConnector(KVConnectorBase_V1):
+class KvstageConnector(KVConnectorBase_V1, SupportsHMA):
     """vLLM KV connector moving KV between prefill and decode instances through kvstage (module docstring).
 
-    Not SupportsHMA: one KV cache group only. vLLM (config/vllm.py) then turns the hybrid KV cache manager off by
-    itself (sliding-window layers get full-attention blocks, one group) unless the user forced it on, which the
-    factory refuses with its own message."""
+    SupportsHMA: vLLM keeps its hybrid KV cache manager on; full-attention, sliding-window and chunked-local groups move (module
+    docstring), a state (Mamba) group or another kind among several is refused at construction."""
 
     agent_class = _Agent  # tests swap in a subclass
 
@@ -1762,6 +1962,11 @@ class KvstageConnector(KVConnectorBase_V1):
     def request_finished(self, request, block_ids):
         assert self.connector_scheduler is not None
         return self.connector_scheduler.request_finished(request, block_ids)
+
+    def request_finished_all_groups(self, request, block_ids):
+        """SupportsHMA: vLLM's call with every KV cache group's block ids (after dropping a sliding window's skipped
+        blocks); the same answer as request_finished."""
+        return self.request_finished(request, block_ids)
 
     def has_pending_push_work(self):
         return self.connector_scheduler is not None and self.connector_scheduler.has_pending_push_work()

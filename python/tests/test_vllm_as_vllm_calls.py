@@ -1,8 +1,8 @@
 """kvstage.vllm against vLLM @ 9aaf83ef502f, as vLLM there calls it: block ids outside the cache refused on every
 cache shape; kv_transfer_params as NixlConnector's (a router hands the prefill's to the decode side);
 handle_preemptions holds a preempted request's blocks until no copy reads them; vllm:kvstage_* metrics through
-get_kv_connector_stats / build_kv_connector_stats / build_prom_metrics; a hybrid model starts (no SupportsHMA:
-vLLM turns its hybrid KV cache manager off)."""
+get_kv_connector_stats / build_kv_connector_stats / build_prom_metrics; a hybrid model starts (SupportsHMA: vLLM
+keeps its hybrid KV cache manager on, two groups; test_vllm_groups.py moves their KV)."""
 import threading
 import time
 
@@ -226,10 +226,10 @@ def _vllm_kv_cache_groups(connector_cls, specs, disable_hybrid_kv_cache_manager=
 
 @NEED_TORCH
 def test_a_hybrid_model_starts(kv_proxy):
-    """A model with full-attention and sliding-window layers (gemma-like): vLLM, left to decide, turns its hybrid KV
-    cache manager off for this connector (not SupportsHMA), builds one KV cache group, and both roles start through
-    vLLM's factory; the KV moves as for any model. (Claiming SupportsHMA made vLLM keep two groups, which the
-    connector then refused: no hybrid model started.)"""
+    """A model with full-attention and sliding-window layers (gemma-like): vLLM, left to decide, keeps its hybrid KV
+    cache manager on for this connector (SupportsHMA), builds a full-attention and a sliding-window group, and both
+    roles start through vLLM's factory (test_vllm_groups.py moves such a model's KV); a one-group model's KV moves
+    as before. (Before: not SupportsHMA, the manager turned off, one group.)"""
     import types
     import vllm_engine as E
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
@@ -241,9 +241,12 @@ def test_a_hybrid_model_starts(kv_proxy):
     try:
         for eng in (pair.P, pair.D):
             eng.cfg.scheduler_config.disable_hybrid_kv_cache_manager = disabled
+            from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+            a = dict(block_size=E.BLOCK_SIZE, num_kv_heads=E.HEADS, head_size=E.HEAD_DIM, dtype="float16")
             kvcc = types.SimpleNamespace(num_blocks=eng.num_blocks, kv_cache_groups=[
-                types.SimpleNamespace(layer_names=g, kv_cache_spec=types.SimpleNamespace(block_size=E.BLOCK_SIZE))
-                for g in groups])
+                types.SimpleNamespace(layer_names=g, kv_cache_spec=(
+                    SlidingWindowSpec(sliding_window=8, **a) if specs[g[0]] == "sliding_window"
+                    else FullAttentionSpec(**a))) for g in groups])
             for role in (kv.KVConnectorRole.SCHEDULER, kv.KVConnectorRole.WORKER):
                 c = KVConnectorFactory.create_connector(eng.cfg, role, kvcc)
                 c.shutdown()
@@ -254,7 +257,7 @@ def test_a_hybrid_model_starts(kv_proxy):
     finally:
         pair.close()
     assert_pool_free(kv_proxy.socket)
-    assert not supports_hma(cls) and disabled and groups == [sorted(E.LAYER_NAMES)]
+    assert supports_hma(cls) and not disabled and len(groups) == 2
 
 
 # ------------------------------------------------------------------------------ 4. handle_preemptions during the copy
