@@ -414,8 +414,8 @@ class FrameListener:
             if len(self._conns) >= self.max_conns:
                 half = [c for c in self._conns.values() if c.sn is None]
                 if not half:
+                    self._count("refused_full")  # before the close a connector sees: counters lead what they count
                     sock.close()
-                    self._count("refused_full")
                     self._log("full", "kvstage %s side channel: %d connections open: refused one from %s",
                               self._name, len(self._conns), peer)
                     continue
@@ -433,13 +433,13 @@ class FrameListener:
             self._sel.unregister(c.sock)
         except (KeyError, ValueError, OSError):
             pass
-        c.sock.close()
         if kind is not None:
             self._count(kind)
             if why is not None:
                 self._log(kind, "kvstage %s side channel: dropped a connection from %s: %s", self._name, c.peer, why)
         else:
             self._count("closed_by_peer", 0)
+        c.sock.close()
 
     def _readable(self, c):
         try:

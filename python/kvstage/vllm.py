@@ -131,7 +131,7 @@ logger = logging.getLogger(__name__)
 
 # ---------------------------------------------------------------------------------------------
 # vLLM's own base classes: this module is a vLLM connector and needs vLLM (the tests put a stand-in package,
-# python/tests/stubs, on sys.path).
+# python/tests/vllm_stubs, on sys.path).
 # ---------------------------------------------------------------------------------------------
 try:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # type: ignore

@@ -1,10 +1,10 @@
-"""Puts the test stand-ins of vllm and prometheus_client (python/tests/stubs) on sys.path where the real package is
+"""Puts the test stand-ins of vllm and prometheus_client (this folder) on sys.path where the real package is
 not importable (vLLM is not installable on the development machine). Import this before kvstage.vllm."""
 import importlib.util
 import os
 import sys
 
-STUBS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "stubs")
+STUBS = os.path.dirname(os.path.abspath(__file__))
 
 
 def install():

@@ -1,2 +1,0 @@
-"""Stand-in (tests only): see python/tests/stubs/README.md."""
-STAND_IN = True

@@ -1,1 +1,0 @@
-"""Stand-in (tests only): see python/tests/stubs/README.md."""

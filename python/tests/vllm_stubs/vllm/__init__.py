@@ -1,0 +1,2 @@
+"""Stand-in (tests only): see python/tests/vllm_stubs/README.md."""
+STAND_IN = True

@@ -1,0 +1,1 @@
+"""Stand-in (tests only): see python/tests/vllm_stubs/README.md."""
