@@ -24,7 +24,10 @@ Needs vLLM (importing this module without it raises ImportError); built against 
       how the scheduler drives a connector: update_state_after_alloc(request, get_blocks(id), n_external);
       _connector_finished -> remove_skipped_blocks, then request_finished_all_groups(request, block ids per group);
   vllm/v1/kv_cache_interface.py, vllm/v1/core/single_type_kv_cache_manager.py, kv_cache_manager.py
-      KVCacheConfig.kv_cache_groups (layer_names, kv_cache_spec: FullAttentionSpec, SlidingWindowSpec, MambaSpec);
+      KVCacheConfig.kv_cache_groups (layer_names, kv_cache_spec: FullAttentionSpec, SlidingWindowSpec, MambaSpec:
+      shapes, dtypes, page_size_padded, mamba_cache_mode, num_speculative_blocks); MambaManager keeps the last computed
+      token's state block; gpu_model_runner.py _reshape_kv_cache_tensors gives a Mamba layer's cache as a list of
+      state tensors (num_blocks, *shape), page_size_bytes apart;
       a sliding window's skipped blocks (get_num_skipped_tokens(n) // block_size) are vLLM's null block;
       get_unhashed_block_ids_all_groups skips them. nixl/scheduler.py get_sw_clipped_blocks sends a window's last
       cdiv(window, block_size) + 1 blocks; kvstage sends the ones vLLM keeps (a subset that never includes a freed one)
@@ -53,8 +56,9 @@ How a request moves (python/VLLM.md has the picture):
 Room layout (both sides compute it from their registered KV caches and the block count; a fingerprint of
 it travels with the descriptor and the prefill worker refuses a room whose layout differs):
     for each layer, in register_kv_caches order, for each of its parts (K then V for a (2, num_blocks, ...)
-    cache; the whole block for a (num_blocks, ...) cache):  num_blocks * block_bytes; the request's j-th
-    block at j * block_bytes.
+    cache; the whole block for a (num_blocks, ...) cache; each state tensor, in order, of a Mamba layer's list
+    of (num_blocks, *shape) tensors, block_bytes its prod(shape) * element size):  num_blocks * block_bytes;
+    the request's j-th block at j * block_bytes.
 Chunk i of the room is slot i; the last one may be short.
 
 Aborts and when blocks are free again:
@@ -99,9 +103,18 @@ The room holds, per layer part, its group's blocks: all cdiv(n, block_size) of a
 sliding-window group those from get_num_skipped_tokens(n) // block_size on (the blocks vLLM keeps; the prefill params
 name them in kvstage.groups, which the decode side checks). With one group (any model run with the hybrid manager
 off) everything is as before: plain block lists.
+State (Mamba) groups (MambaSpec, mamba_cache_mode 'none': prefix caching off, one state block per request): the state
+moves once. As NixlConnector @ 9aaf83ef502f (nixl/scheduler.py _truncate_mamba_request_for_prefill,
+_mamba_prefill_token_count): the prefill side drops the prompt's last token (get_num_new_matched_tokens of a
+do_remote_decode request; max_tokens 1) and computes and stages n - 1 tokens; the decode side loads n - 1 tokens and
+computes the last one itself (vLLM recomputes the last token of a full prompt hit, which would step a state already
+past it). Of a state group the room holds the block MambaManager keeps (get_num_skipped_tokens(n) = n - 1: the one
+state block), each state tensor of each Mamba layer a part; the decode side writes it into the request's state block
+and nothing else of that group. A one-token prompt is not loaded (the decode side computes it).
 
-Not supported (refused with a reason): state (Mamba) groups and other group kinds among several (ValueError at start,
-naming the group), prefill and decode with different TP sizes or block sizes or cache layouts, pipeline parallelism.
+Not supported (refused with a reason): Mamba prefix caching (mamba_cache_mode 'all' or 'align') and speculative state
+blocks (num_speculative_blocks), other group kinds among several (ValueError at start, naming the group), prefill and
+decode with different TP sizes or block sizes or cache layouts, pipeline parallelism.
 """
 from __future__ import annotations
 
@@ -270,14 +283,25 @@ class VllmLayout:
         self.ngroups = max(layer_groups.values(), default=0) + 1 if layer_groups is not None else 1
         self.regions, fp = [], []
         for li, name in enumerate(self.layer_names):
-            t = kv_caches[name]
-            kv_first = t.dim() >= 3 and t.shape[0] == 2 and (num_blocks is None or t.shape[1] == num_blocks)
-            if not kv_first and num_blocks is not None and t.shape[0] != num_blocks:
-                raise ValueError(f"layer {name}: KV cache of shape {tuple(t.shape)} has no dimension of "
-                                 f"{num_blocks} blocks first")
-            parts = [t[0], t[1]] if kv_first else [t]  # (2, num_blocks, ...): K and V apart; (num_blocks, ...)
-            elt = t.element_size()
+            v = kv_caches[name]
+            if isinstance(v, (list, tuple)):  # a Mamba layer: its state tensors, each (num_blocks, *shape)
+                if not v:
+                    raise ValueError(f"layer {name}: an empty list of state tensors")
+                parts = list(v)
+                for t in parts:
+                    if num_blocks is not None and (t.dim() < 1 or t.shape[0] != num_blocks):
+                        raise ValueError(f"layer {name}: a state tensor of shape {tuple(t.shape)} has no dimension of "
+                                         f"{num_blocks} blocks first")
+            else:
+                t = v
+                kv_first = t.dim() >= 3 and t.shape[0] == 2 and (num_blocks is None or t.shape[1] == num_blocks)
+                if not kv_first and num_blocks is not None and t.shape[0] != num_blocks:
+                    raise ValueError(f"layer {name}: KV cache of shape {tuple(t.shape)} has no dimension of "
+                                     f"{num_blocks} blocks first")
+                parts = [t[0], t[1]] if kv_first else [t]  # (2, num_blocks, ...): K and V apart; (num_blocks, ...)
             for p in parts:
+                t = p if isinstance(v, (list, tuple)) else v
+                elt = t.element_size()
                 sub = p[0]
                 if not _dense(tuple(sub.shape), tuple(sub.stride())):
                     raise ValueError(f"layer {name}: a block of its KV cache is not one span of memory "
@@ -547,18 +571,21 @@ class KvstageConnectorMetadata(KVConnectorMetadata):
 # ---------------------------------------------------------------------------------------------
 
 class _Group(typing.NamedTuple):
-    kind: str            # "full", "sw" (sliding window) or "local" (chunked local attention)
+    kind: str            # "full", "sw" (sliding window), "local" (chunked local attention) or "mamba" (state)
     block_size: int
-    window: int          # tokens: the sliding window (sw), the attention chunk (local); 0 (full)
+    window: int          # tokens: the sliding window (sw), the attention chunk (local); 0 (full, mamba)
     layer_names: tuple
 
     def skipped(self, n):
         """vLLM's get_num_skipped_tokens(n) for this kind (v1/core/single_type_kv_cache_manager.py): the tokens
-        whose blocks it has given back (made its null block) once n are computed."""
+        whose blocks it has given back (made its null block) once n are computed. MambaManager keeps only the state
+        of the last computed token: n - 1."""
         if self.kind == "sw":
             return max(0, n - self.window + 1)
         if self.kind == "local":
             return (n // self.window) * self.window
+        if self.kind == "mamba":
+            return max(0, n - 1)
         return 0
 
 
@@ -584,19 +611,30 @@ def _groups(kv_cache_config, block_size):
         names = tuple(getattr(g, "layer_names", None) or ())
         where = f"KV cache group {i} ({type(spec).__name__}, layers {', '.join(names[:2])}{', ...' if len(names) > 2 else ''})"
         if kind == "mamba":
-            raise ValueError(f"kvstage connector: {where} holds per-request state (Mamba): kvstage moves full-attention, "
-                             "sliding-window and chunked-local KV cache groups, not state groups")
-        if kind not in ("full", "sw", "local"):
+            # MambaSpec @ 9aaf83ef502f: mamba_cache_mode 'none' (prefix caching off; block_size max_model_len) gives a
+            # request one state block; 'all' and 'align' (Mamba prefix caching) keep states at block boundaries and
+            # move the live one between blocks; num_speculative_blocks adds blocks holding draft states.
+            mode = str(getattr(spec, "mamba_cache_mode", "none") or "none")
+            if mode != "none":
+                raise ValueError(f"kvstage connector: {where} has mamba_cache_mode {mode!r} (Mamba prefix caching): "
+                                 "kvstage moves a state group's one state block per request, mamba_cache_mode 'none' "
+                                 "only; run vLLM without prefix caching (--no-enable-prefix-caching)")
+            spec_blocks = int(getattr(spec, "num_speculative_blocks", 0) or 0)
+            if spec_blocks:
+                raise ValueError(f"kvstage connector: {where} has {spec_blocks} speculative state blocks "
+                                 "(num_speculative_blocks, speculative decoding): kvstage moves a state group's one "
+                                 "state block per request, without speculative decoding only")
+        if kind not in ("full", "sw", "local", "mamba"):
             if len(groups) == 1:  # one group: its blocks are the request's positions, as full attention's
                 kind = "full"
             else:
                 raise ValueError(f"kvstage connector: {where} is not supported: kvstage moves full-attention, "
-                                 "sliding-window and chunked-local KV cache groups only; run vLLM with "
+                                 "sliding-window, chunked-local and state (Mamba) KV cache groups only; run vLLM with "
                                  "--disable-hybrid-kv-cache-manager")
         bs = int(getattr(spec, "block_size", None) or block_size)
         window = {"sw": int(getattr(spec, "sliding_window", 0) or 0),
                   "local": int(getattr(spec, "attention_chunk_size", 0) or 0)}.get(kind, 0)
-        if kind != "full" and window <= 0:
+        if kind in ("sw", "local") and window <= 0:
             raise ValueError(f"kvstage connector: {where}: a window of {window} tokens")
         out.append(_Group(kind, bs, window, names))
     return out
@@ -634,6 +672,18 @@ class _Settings:
         self.groups = _groups(kv_cache_config, self.block_size)
         # grouped: block ids per group everywhere (several groups, or one sliding-window group); else plain lists
         self.grouped = len(self.groups) > 1 or self.groups[0].kind != "full"
+        # a state (Mamba) group: as NixlConnector @ 9aaf83ef502f (nixl/scheduler.py _truncate_mamba_request_for_prefill,
+        # _mamba_prefill_token_count), the prefill side computes and stages the prompt's first n - 1 tokens, the decode
+        # side loads those and computes the last token itself (vLLM recomputes the last token of a full prompt hit,
+        # which would advance a state already past it)
+        self.state = any(g.kind == "mamba" for g in self.groups)
+
+    def staged_tokens(self, n):
+        """Tokens of a prompt of n tokens the prefill side stages: n, or n - 1 with a state group (none of a
+        one-token prompt: a decode side computes it)."""
+        if self.state:
+            return n - 1
+        return n
 
     def group_blocks(self, n):
         """[(first, end)] per KV cache group: the request positions of the blocks a prompt of n tokens moves - all
@@ -706,13 +756,40 @@ class _SchedulerSide:
             return None, f"prefill block size {kv.get('block_size')}, this side {self.s.block_size}"
         if int(p.get("tp_size", 1)) != self.s.tp_size:
             return None, f"prefill TP size {p.get('tp_size')}, this side {self.s.tp_size}"
-        n = self._num_prompt(request)
+        n = self._staged(request)
+        if n <= 0:
+            return None, "a one-token prompt of a model with a state (Mamba) group is computed here"
         if int(kv.get("num_tokens", -1)) != n or int(kv.get("num_blocks", -1)) != _cdiv(n, self.s.block_size):
-            return None, f"the prefill side staged {kv.get('num_tokens')} tokens, this prompt has {n}"
+            return None, (f"the prefill side staged {kv.get('num_tokens')} tokens, this side expects {n} "
+                          f"(a prompt of {self._num_prompt(request)})")
         want = [[first, end] for first, end in self.s.group_blocks(n)] if self.s.grouped else None
         if kv.get("groups") != want:
             return None, f"the prefill side staged KV cache groups {kv.get('groups')}, this side has {want}"
         return kv, None
+
+    def _staged(self, request):
+        """Decode side: the prompt tokens the prefill side staged for this request (settings.staged_tokens)."""
+        return self.s.staged_tokens(self._num_prompt(request))
+
+    def _truncate_for_state(self, request):
+        """Prefill side with a state group: drop the prompt's last token, once (NixlConnector's
+        _truncate_mamba_request_for_prefill @ 9aaf83ef502f), so the state staged is that before the last token, which
+        the decode side computes; the prefill request produces one token."""
+        p = request.kv_transfer_params
+        if p.get("_p_side_truncated") or self._num_prompt(request) <= 1:
+            return
+        if getattr(request, "prompt_token_ids", None) is not None:
+            request.prompt_token_ids.pop()
+        elif getattr(request, "prompt_embeds", None) is not None:
+            request.prompt_embeds = request.prompt_embeds[:-1]
+        else:
+            return
+        all_ids = getattr(request, "_all_token_ids", None)
+        if all_ids is not None:
+            all_ids.pop()
+        request.num_prompt_tokens -= 1
+        request.max_tokens = 1
+        p["_p_side_truncated"] = True
 
     def _warn(self, request, why):
         if request.request_id not in self._warned:
@@ -731,9 +808,11 @@ class _SchedulerSide:
             if kv is None:
                 self._warn(request, why)
                 return 0, False
-            count = self._num_prompt(request) - num_computed_tokens
+            count = self._staged(request) - num_computed_tokens
             if count > 0:
                 return count, True
+        if p and p.get("do_remote_decode") and self.s.state and self.s.producer:
+            self._truncate_for_state(request)
         return 0, False
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens):
@@ -776,11 +855,13 @@ class _SchedulerSide:
         group the room holds the blocks group_blocks names; the unhashed ones fill its last positions."""
         unhashed = _unhashed_groups(blocks)
         counts, locals_, skips, err = [], [], [], None
-        for g, (first, end) in enumerate(self.s.group_blocks(self._num_prompt(request))):
+        for g, (first, end) in enumerate(self.s.group_blocks(self._staged(request))):
             k = end - first
             loc = unhashed[g] if g < len(unhashed) else []
+            if self.s.groups[g].kind == "mamba" and len(loc) < k:
+                err = f"{len(loc)} state blocks to fill in group {g}, the prefill side staged {k}"
             if self.s.groups[g].kind != "full":
-                loc = loc[max(0, len(loc) - k):]  # the window's (the chunk's) blocks only
+                loc = loc[max(0, len(loc) - k):]  # the window's (the chunk's) blocks only; the state block
             elif len(loc) > k:
                 err = f"{len(loc)} blocks to fill in group {g}, the prefill side staged {k}"
             counts.append(k)
@@ -1765,7 +1846,8 @@ class _WorkerSide:
                 raise RuntimeError(
                     "kvstage connector: the KV cache is on a CUDA device; the CUDA path (libkvstage_cuda) is written "
                     "but untested (no GPU on the development machine). Set KVSTAGE_VLLM_CUDA=1 to use it anyway.")
-            gpu = next(t for t in kv_caches.values() if getattr(t, "is_cuda", False)).device.index or 0
+            tensors = [t for v in kv_caches.values() for t in (v if isinstance(v, (list, tuple)) else (v,))]
+            gpu = next(t for t in tensors if getattr(t, "is_cuda", False)).device.index or 0
             copier = _CudaCopier(gpu)  # a torch stream on that device
         else:
             copier = CpuCopier()
@@ -1864,8 +1946,9 @@ def _is_scheduler(role):
 class KvstageConnector(KVConnectorBase_V1, SupportsHMA):
     """vLLM KV connector moving KV between prefill and decode instances through kvstage (module docstring).
 
-    SupportsHMA: vLLM keeps its hybrid KV cache manager on; full-attention, sliding-window and chunked-local groups move (module
-    docstring), a state (Mamba) group or another kind among several is refused at construction."""
+    SupportsHMA: vLLM keeps its hybrid KV cache manager on; full-attention, sliding-window, chunked-local and state (Mamba,
+    without prefix caching or speculative state blocks) groups move (module docstring); another kind among several or an
+    unsupported Mamba configuration is refused at construction."""
 
     agent_class = _Agent  # tests swap in a subclass
 

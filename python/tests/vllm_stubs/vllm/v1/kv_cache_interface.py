@@ -40,6 +40,7 @@ class MambaSpec(KVCacheSpec):
     shapes: tuple
     dtypes: tuple
     page_size_padded: int | None = None
+    mamba_type: object = "MAMBA2"  # MambaAttentionBackendEnum.MAMBA2 there
     mamba_cache_mode: str = "none"
     num_speculative_blocks: int = 0
 
