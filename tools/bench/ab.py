@@ -9,7 +9,7 @@ tools/setup.sh). Each side runs its own kvstage-bench, which starts its own kvst
 client library and the proxy are both that side's. Runs go A, B, A, B, ... (RUNS each,
 default 7), so that a machine that drifts drifts for both; each is given --json.
 
-Prints, for every figure of every point (chunk size), each side's runs, their medians,
+Prints, for every figure of every point (chunk size; latency mode: its one result), each side's runs, their medians,
 and B's median over A's. A figure that moves less than the runs spread says nothing:
 the runs are printed so that the spread can be seen.
 """
@@ -32,6 +32,8 @@ FIGURES = [
     ("chunk p99 us", ("chunk_latency_us", "p99"), False),
     ("room p50 us", ("room_latency_us", "p50"), False),
     ("latency p50 us", ("latency_us", "p50"), False),
+    ("handoffs/s", ("handoffs_per_s",), True),
+    ("acquire p50 us", ("acquire_latency_us", "p50"), False),
     ("proxy cpu %", ("proxy_cpu_pct",), False),
     ("proxy A cpu %", ("proxy_a_cpu_pct",), False),
     ("proxy B cpu %", ("proxy_b_cpu_pct",), False),
@@ -81,6 +83,13 @@ def figure(point, path):
     return v if isinstance(v, (int, float)) else None
 
 
+def points(report):
+    """A report's points: its "points" (the throughput modes), or its one "result" (latency mode)."""
+    if "points" in report:
+        return report["points"]
+    return [report["result"]] if "result" in report else []
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], usage=__doc__.split("\n\n")[1])
     ap.add_argument("-n", "--runs", type=int, default=7)
@@ -99,13 +108,15 @@ def main():
             runs[s].append(run(sides[s], bench_args))
     print(f"A = {o.a} ({sides['A']})\nB = {o.b} ({sides['B']})\n"
           f"kvstage-bench {' '.join(bench_args)}, {o.runs} runs each, alternated")
-    npoints = len(runs["A"][0].get("points", []))
+    npoints = len(points(runs["A"][0]))
+    if not npoints:
+        sys.exit("ab: the bench's JSON has neither points nor a result: nothing to compare")
     for k in range(npoints):
-        p0 = runs["A"][0]["points"][k]
+        p0 = points(runs["A"][0])[k]
         print(f"\npoint {k}: chunk {p0.get('chunk_bytes', '?')} bytes")
         for label, path, higher in FIGURES:
-            va = [figure(r["points"][k], path) for r in runs["A"]]
-            vb = [figure(r["points"][k], path) for r in runs["B"]]
+            va = [figure(points(r)[k], path) for r in runs["A"]]
+            vb = [figure(points(r)[k], path) for r in runs["B"]]
             if any(v is None for v in va + vb):
                 continue
             ma, mb = statistics.median(va), statistics.median(vb)
