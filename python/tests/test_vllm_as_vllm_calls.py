@@ -403,7 +403,11 @@ def test_metrics_aggregated_across_workers_and_in_prometheus(kv_proxy):
         assert sorted(ps.data["bytes_sent"]) == sorted([nbytes[0], nbytes[1]] * 2)  # 2 requests x 2 ranks
         assert sorted(ds.data["bytes_received"]) == sorted([nbytes[0], nbytes[1]] * 2)
         assert ps.data["bytes_received"] == ds.data["bytes_sent"] == []
-        assert len(ds.data["num_failed_transfers"]) == 2 and ps.data["num_failed_transfers"] == []
+        # d9's load fails on each rank that finds out by itself; once the first rank's invalid blocks reach the
+        # scheduler, vLLM fails the request and aborts the other rank's load, which then is an abort, not a failure:
+        # which comes first is the ranks' race (CI's ASan run saw 1), so 1 or 2 are both right, never 0 or 3
+        failed = len(ds.data["num_failed_transfers"])
+        assert failed in (1, 2) and ps.data["num_failed_transfers"] == []
         assert len(ps.data["abort_to_free_seconds"]) == 2 and all(t >= 0 for t in ps.data["abort_to_free_seconds"])
         assert ps.data["num_stale_rejections"] == ds.data["num_stale_rejections"] == []
         # the logger process: rebuilt from the data that travelled, reduced
@@ -428,7 +432,7 @@ def test_metrics_aggregated_across_workers_and_in_prometheus(kv_proxy):
         assert val("vllm:kvstage_transfers_received_total", 1) == 4
         assert val("vllm:kvstage_bytes_sent_total", 0) == val("vllm:kvstage_bytes_received_total", 1) == \
             2 * (nbytes[0] + nbytes[1])
-        assert val("vllm:kvstage_num_failed_transfers_total", 1) == 2
+        assert val("vllm:kvstage_num_failed_transfers_total", 1) == failed
         assert val("vllm:kvstage_num_failed_transfers_total", 0) == 0
         assert val("vllm:kvstage_num_stale_rejections_total", 0) == val("vllm:kvstage_num_stale_rejections_total", 1) == 0
         assert val("vllm:kvstage_abort_to_free_seconds_count", 0) == 2
