@@ -24,8 +24,8 @@ length or a message valid() refuses; each is counted (FrameListener.stats()) and
 LOG_EVERY_S seconds with the number suppressed.
 
 The listener (FrameListener) is one thread running a selectors loop over every connection: at most
-max_conns (64) at once (a newcomer past that takes the place of the longest-idle connection that has not
-completed its handshake, else it is closed at once), a handshake deadline (5 s) and an idle deadline (60 s
+max_conns (64) at once (a newcomer past that takes the place of the oldest connection not yet proven, else it is
+closed at once), a handshake deadline (5 s) and an idle deadline (60 s
 without a complete frame). accept() errors never end it: they are logged (rate-limited) and, for
 EMFILE/ENFILE/ENOBUFS/ENOMEM, accepting pauses briefly while the loop keeps serving the connections it has.
 """
@@ -266,8 +266,8 @@ class _Conn:
     def __init__(self, sock, peer, now):
         self.sock, self.peer, self.since = sock, peer, now
         self.buf = bytearray()
-        self.cn = self.sn = None  # sn set: the handshake is complete
-        self.seq = 0
+        self.cn = self.sn = None  # sn set: the listener has answered the hello
+        self.seq = 0  # frames that passed their MAC: > 0, the connector is proven to hold the secret
 
 
 _PAUSE_ERRNOS = (_errno.EMFILE, _errno.ENFILE, _errno.ENOBUFS, _errno.ENOMEM)
@@ -381,7 +381,9 @@ class FrameListener:
         """Drops connections past their deadline; returns the seconds until the next deadline."""
         nxt = 1.0
         for c in list(self._conns.values()):
-            if c.sn is None:
+            # The hello alone proves nothing (anyone can send 24 bytes): until a frame passes its MAC a connection
+            # stays on the handshake deadline from its accept, and evictable.
+            if c.seq == 0:
                 left = c.since + self.handshake_timeout - now
                 kind = "handshake_timeouts"
             else:
@@ -412,7 +414,7 @@ class FrameListener:
                 continue  # ECONNABORTED, EPROTO, ...: that one connection is gone
             now = time.monotonic()
             if len(self._conns) >= self.max_conns:
-                half = [c for c in self._conns.values() if c.sn is None]
+                half = [c for c in self._conns.values() if c.seq == 0]
                 if not half:
                     self._count("refused_full")  # before the close a connector sees: counters lead what they count
                     sock.close()
@@ -467,7 +469,7 @@ class FrameListener:
                 sent = 0
             if sent != NONCE_SIZE + MAC_SIZE:
                 return self._drop(c, "closed_by_peer")
-            c.sn, c.since = sn, time.monotonic()
+            c.sn = sn
             self._count("handshakes")
         while len(c.buf) >= _HDR.size:
             (n,) = _HDR.unpack_from(c.buf)

@@ -212,13 +212,40 @@ def test_a_full_table_of_live_connections_refuses_the_newcomer():
     L = sc.FrameListener("127.0.0.1", 0, sink, lambda m: True, "test", KEY, max_conns=4)
     try:
         live = [sc.connect("127.0.0.1", L.port, KEY) for _ in range(4)]
+        for k, c in enumerate(live):  # a frame that passes its MAC: proven (the hello alone proves nothing)
+            c.send({"t": "abort", "room": k})
+        assert sink.wait(4)
         with pytest.raises(sc.HandshakeError, match="closed the connection"):
             sc.connect("127.0.0.1", L.port, KEY)
         assert L.stats()["refused_full"] == 1
-        live[0].send({"t": "abort", "room": 1})
-        assert sink.wait(1)
+        live[0].send({"t": "abort", "room": 9})
+        assert sink.wait(5)
         for c in live:
             c.close()
+    finally:
+        L.close()
+
+
+def test_a_hello_without_a_frame_pins_nothing():
+    """Anyone can send the 24-byte hello and get the answer: connections that stop there (no frame, so no proof of
+    the secret) are evicted by a newcomer, as silent ones are, and meet the handshake deadline (at its default)."""
+    sink = Sink()
+    L = sc.FrameListener("127.0.0.1", 0, sink, lambda m: True, "test", KEY, max_conns=4)
+    try:
+        squat = []
+        for _ in range(4):  # the hello, raw: no secret needed to get the listener's answer
+            s = _raw(L.port)
+            s.sendall(sc.MAGIC + bytes(sc.NONCE_SIZE))
+            squat.append(s)
+        assert L.wait_stats(lambda st: st["handshakes"] == 4, T)
+        c = sc.connect("127.0.0.1", L.port, KEY)
+        c.send({"t": "abort", "room": 1})
+        assert sink.wait(1) and L.stats()["evicted"] == 1 and L.stats()["refused_full"] == 0
+        assert L.wait_stats(lambda st: st["handshake_timeouts"] == 3, T)  # the 5 s deadline from their accept
+        assert L.stats()["open"] == 1
+        for s in squat:
+            s.close()
+        c.close()
     finally:
         L.close()
 
