@@ -81,7 +81,6 @@ import json
 import logging
 import os
 import queue
-import select
 import socket
 import threading
 import time
@@ -912,8 +911,7 @@ class KvstageKVManager(BaseKVManager):
         else:
             self.prefill_info_table: Dict[str, PrefillServerInfo] = {}
             self.connection_pool: Dict[str, dict] = {}
-            self._peers: Dict[str, _sidechannel.SideConnection] = {}
-            self._dead_until: Dict[str, float] = {}
+            self._peers = _sidechannel.Peers(self._side_key)  # one cached connection per prefill rank
             self._recompute_pool = None                # retract rebootstrap: POSTs /generate off the scheduler thread
             self._recompute_lock = threading.Lock()
             self._recompute_failed = queue.SimpleQueue()  # (receiver, reason), applied by pump()
@@ -1013,9 +1011,7 @@ class KvstageKVManager(BaseKVManager):
         else:
             if self._recompute_pool is not None:
                 self._recompute_pool.shutdown(wait=False, cancel_futures=True)
-            for s in self._peers.values():
-                s.close()
-            self._peers.clear()
+            self._peers.close()
 
     # -- prefill side ---------------------------------------------------------------------
     def register_to_bootstrap(self):
@@ -1206,32 +1202,10 @@ class KvstageKVManager(BaseKVManager):
                 r._fail(why)
 
     def send_to(self, endpoint, msg):
-        """Sends one message to a prefill rank (one cached authenticated connection each, reconnected once); raises
-        OSError (sidechannel.HandshakeError when the rank did not prove it holds the peer secret). After a failure
-        the endpoint is given up on for 5 s, so a dead rank costs one connect timeout, not one per request."""
-        _frame(msg)  # too large: ValueError before anything is sent
-        if time.monotonic() < self._dead_until.get(endpoint, 0):
-            raise OSError(_errno.EHOSTUNREACH, f"{endpoint} failed moments ago")
-        for attempt in (0, 1):
-            s = self._peers.get(endpoint)
-            if s is not None and select.select([s], [], [], 0)[0]:  # the rank never writes: readable means it hung up
-                self._peers.pop(endpoint, None)
-                s.close()
-                s = None
-            try:
-                if s is None:
-                    host, port = endpoint.rsplit(":", 1)
-                    s = _sidechannel.connect(host, int(port), self._side_key, timeout=5)
-                    self._peers[endpoint] = s
-                s.send(msg)
-                return
-            except OSError:
-                self._peers.pop(endpoint, None)
-                if s is not None:
-                    s.close()
-                if attempt or s is None:  # a fresh connection failed: no second try
-                    self._dead_until[endpoint] = time.monotonic() + 5
-                    raise
+        """Sends one message to a prefill rank at endpoint ("host:port"); raises OSError
+        (sidechannel.HandshakeError when the rank did not prove it holds the peer secret); see sidechannel.Peers."""
+        host, port = endpoint.rsplit(":", 1)
+        self._peers.send(host, int(port), msg)
 
 
 # ---------------------------------------------------------------------------------------------

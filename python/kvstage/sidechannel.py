@@ -38,6 +38,7 @@ import json
 import logging
 import os
 import secrets
+import select
 import selectors
 import socket
 import stat as _stat
@@ -204,6 +205,63 @@ class SideConnection:
 
     def close(self):
         self.sock.close()
+
+
+class Peers:
+    """A connector's cached connections, one per listener: send(host, port, msg) reuses one while it is fresh and
+    the listener has not hung up, else connects anew, once. A connection quiet for half the listener's idle deadline
+    is replaced before use: the listener may be closing it as we write, and a frame written into that close would be
+    lost without an error. After a failure the endpoint is given up on for DEAD_S, so a dead listener costs one
+    connect timeout, not one per message. For one thread."""
+
+    DEAD_S = 5.0
+
+    def __init__(self, key, idle_timeout=IDLE_TIMEOUT_S):
+        self._key, self._fresh_s = key, idle_timeout / 2
+        self._conns, self._last, self._dead_until = {}, {}, {}
+
+    def _usable(self, ep, now):
+        c = self._conns.get(ep)
+        if c is None:
+            return None
+        # The listener never writes after its hello: readable means it hung up.
+        if now - self._last[ep] < self._fresh_s and not select.select([c], [], [], 0)[0]:
+            return c
+        self._forget(ep)
+        return None
+
+    def _forget(self, ep):
+        c = self._conns.pop(ep, None)
+        self._last.pop(ep, None)
+        if c is not None:
+            c.close()
+
+    def send(self, host, port, msg, timeout=5.0):
+        """Sends msg; raises ValueError (too large, before anything is sent) or OSError (HandshakeError when the
+        listener did not prove it holds the secret)."""
+        _frame(msg)
+        ep = (str(host), int(port))
+        now = time.monotonic()
+        if now < self._dead_until.get(ep, 0):
+            raise OSError(_errno.EHOSTUNREACH, f"{host}:{port} failed moments ago")
+        for attempt in (0, 1):
+            c = self._usable(ep, now)
+            fresh = c is None
+            try:
+                if fresh:
+                    c = self._conns[ep] = connect(host, port, self._key, timeout=timeout)
+                c.send(msg)
+                self._last[ep] = time.monotonic()
+                return
+            except OSError:
+                self._forget(ep)
+                if attempt or fresh:  # a fresh connection failed: no second try
+                    self._dead_until[ep] = time.monotonic() + self.DEAD_S
+                    raise
+
+    def close(self):
+        for ep in list(self._conns):
+            self._forget(ep)
 
 
 def handshake(sock, key):

@@ -138,7 +138,7 @@ from .errors import Again, KvstageError, NotConnected, PoolExhausted, Timeout
 # boundaries, the host/CUDA copiers and copy-out handles; the side channel is kvstage.sidechannel (authenticated).
 from . import sidechannel as _sidechannel
 from .sglang import CpuCopier, CudaCopier, _pieces, _runs, copy_room_out
-from .sidechannel import FrameListener, _frame
+from .sidechannel import FrameListener
 
 logger = logging.getLogger(__name__)
 
@@ -1068,7 +1068,7 @@ class _Agent:
         self.stats = KvstageKVConnectorStats()  # under _lock: taken by the worker thread (take_stats)
         self._abort_t = {}  # req_id -> time.time() of its abort or preemption (the scheduler's), till its blocks are free
         self._uids = itertools.count(1)
-        self._peers, self._dead_until = {}, {}
+        self._peers = _sidechannel.Peers(self.side_key)  # one cached connection per prefill worker
         self._client = None
         self._stop = False
         self._r, self._w = os.pipe()
@@ -1315,9 +1315,7 @@ class _Agent:
             except Exception:
                 logger.exception("kvstage connector: closing the connection")
             self._client = None
-        for s in self._peers.values():
-            s.close()
-        self._peers.clear()
+        self._peers.close()
 
     # -- prefill: stages -----------------------------------------------------------------------
     def cmd_stage(self, spec):
@@ -1746,30 +1744,9 @@ class _Agent:
 
     # -- the side channel's sending end ----------------------------------------------------------
     def _send_msg(self, endpoint, msg):
-        """Sends one message to a prefill worker (one cached authenticated connection each, reconnected once); raises
-        OSError (sidechannel.HandshakeError when the worker did not prove it holds the peer secret)."""
-        _frame(msg)  # too large: ValueError before anything is sent
-        if time.monotonic() < self._dead_until.get(endpoint, 0):
-            raise OSError(_errno.EHOSTUNREACH, f"{endpoint[0]}:{endpoint[1]} failed moments ago")
-        for attempt in (0, 1):
-            s = self._peers.get(endpoint)
-            if s is not None and select.select([s], [], [], 0)[0]:  # the listener never writes: it hung up
-                self._peers.pop(endpoint, None)
-                s.close()
-                s = None
-            try:
-                if s is None:
-                    s = _sidechannel.connect(endpoint[0], endpoint[1], self.side_key, timeout=5)
-                    self._peers[endpoint] = s
-                s.send(msg)
-                return
-            except OSError:
-                self._peers.pop(endpoint, None)
-                if s is not None:
-                    s.close()
-                if attempt or s is None:
-                    self._dead_until[endpoint] = time.monotonic() + 5
-                    raise
+        """Sends one message to the prefill worker at endpoint (host, port); raises OSError
+        (sidechannel.HandshakeError when the worker did not prove it holds the peer secret); see sidechannel.Peers."""
+        self._peers.send(endpoint[0], endpoint[1], msg)
 
 
 def _copy_plan_out(room, plan, copier):

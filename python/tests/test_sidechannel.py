@@ -505,7 +505,7 @@ def test_sglang_failed_handshake_fails_the_request_cleanly(engines):
     from kvstage import sglang as ks
     from kvstage.sglang import KVPoll
     pc, dc, P, D, addr = engines
-    D._side_key = WRONG
+    D._peers = sc.Peers(WRONG)  # the decode rank's connections made with another secret
     r = ks.KvstageKVReceiver(D, addr, 31)
     r.init(0)
     r.send_metadata([1, 2], 3, [[3]])
@@ -523,7 +523,7 @@ def test_vllm_failed_handshake_fails_the_load_cleanly(kv_proxy):
     import vllm_engine as E
     pd = E.PD(kv_proxy.socket)
     try:
-        pd.D.agent.side_key = WRONG
+        pd.D.agent._peers = sc.Peers(WRONG)  # the decode worker's connections made with another secret
         pd.add(0, 10)
         pd.run(lambda: "d0" in pd.D.freed and "d0" in pd.D.agent.ended, what="failed")
         assert "side-channel handshake failed" in pd.D.agent.ended["d0"], pd.D.agent.ended
@@ -532,3 +532,17 @@ def test_vllm_failed_handshake_fails_the_load_cleanly(kv_proxy):
     finally:
         pd.close()
     assert_pool_free(kv_proxy.socket)
+
+
+def test_peers_replace_a_connection_quiet_for_half_the_idle_deadline(lis):
+    """A connector's cached connection is reused while fresh; one quiet for half the listener's idle deadline is
+    replaced before use (the listener may be closing it as the frame goes out, and that frame would be lost)."""
+    fresh, stale = sc.Peers(KEY), sc.Peers(KEY, idle_timeout=0)
+    for k in range(3):
+        fresh.send("127.0.0.1", lis.port, {"t": "abort", "room": k})
+    assert lis.sink.wait(3) and lis.stats()["handshakes"] == 1
+    for k in range(3):
+        stale.send("127.0.0.1", lis.port, {"t": "abort", "room": 10 + k})
+    assert lis.sink.wait(6) and lis.stats()["handshakes"] == 4
+    fresh.close()
+    stale.close()
