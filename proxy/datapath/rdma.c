@@ -523,7 +523,6 @@ static void rdma_sess_free(struct kvsp_dp *dp, struct psess *s)
 	rsend_link_dead(r, rs, NULL, false); /* its windows before its queue pair (verbs.h) */
 	kvsp_verbs_qp_destroy(rs->qp);
 	r->busy -= rs->posted - rs->sentinel;
-	rsend_sess_free(r, rs);
 	for (uint32_t slot = rs->held_head; slot != NONE; slot = r->rread[slot].next)
 		r->nheld--;
 	struct rwin *win = rs->win;

@@ -193,8 +193,6 @@ int rsend_pump(struct rdma *r, struct rsess *rs);
 void rsend_link_dead(struct rdma *r, struct rsess *rs, struct psess *s, bool link_lost);
 /* Whether ref was revoked before its ack; if so it is forgotten. */
 bool rsend_forget_revoked(struct rsess *rs, uint64_t ref);
-/* s is ended: forget what it sent (its pins are the core's). */
-void rsend_sess_free(struct rdma *r, struct rsess *rs);
 
 /* rdma_recv.c */
 int rrecv_on_read(struct rdma *r, struct psess *s, const struct kvs_wire_chunk_read *b);

@@ -143,6 +143,16 @@ static int carry_elsewhere(struct rdma *r, struct psess *s, struct kvsp_xfer *x,
 
 /* slot's key is dead (reuse: by its invalidate, so its window may be
  * bound again): its transfer ends as planned, or goes on by the stream. */
+/* Deregisters a chunk's region, if it has one: its key is dead once this returns. */
+static void region_drop(struct rdma *r, struct ibv_mr **mr)
+{
+	if (*mr) {
+		kvsp_verbs_region_free(*mr);
+		KVS_STAT_ADD(r->dp.st->rdma_region_frees, 1);
+		*mr = NULL;
+	}
+}
+
 static void finish(struct rdma *r, struct rsess *rs, uint32_t slot, bool reuse)
 {
 	struct rsend *e = &r->rsend[slot];
@@ -151,11 +161,7 @@ static void finish(struct rdma *r, struct rsess *rs, uint32_t slot, bool reuse)
 	keyed_del(r, rs, slot);
 	if (reuse)
 		win_put(rs, e->win);
-	if (e->region) { /* under its window, which is invalidated: it goes too */
-		kvsp_verbs_region_free(e->region);
-		KVS_STAT_ADD(r->dp.st->rdma_region_frees, 1);
-		e->region = NULL;
-	}
+	region_drop(r, &e->region); /* under its window, which is invalidated: it goes too */
 	e->state = S_NONE;
 	if (rs->lost)
 		return; /* the core ends the session's transfers (kvsp_peer_lost) */
@@ -174,11 +180,7 @@ static void revoke(struct rdma *r, struct rsess *rs, uint32_t slot)
 {
 	struct rsend *e = &r->rsend[slot];
 	if (r->verbs.keys == KVSP_KEYS_REGION || rs->keys_dead || e->gen != (uint16_t)rs->gen) {
-		if (e->region) {
-			kvsp_verbs_region_free(e->region);
-			KVS_STAT_ADD(r->dp.st->rdma_region_frees, 1);
-			e->region = NULL;
-		}
+		region_drop(r, &e->region);
 		finish(r, rs, slot, false);
 		return;
 	}
@@ -234,10 +236,7 @@ static int grant(struct rdma *r, struct rsess *rs, uint32_t slot)
 				 under, addr, x->len, &key);
 	if (rc < 0) {
 		win_put(rs, w);
-		if (under) {
-			kvsp_verbs_region_free(under);
-			KVS_STAT_ADD(r->dp.st->rdma_region_frees, 1);
-		}
+		region_drop(r, &under);
 		return rc;
 	}
 	e->region = under;
@@ -404,10 +403,10 @@ void rsend_cancel(struct rdma *r, uint32_t room, uint32_t gen)
 		struct rsess *rs = &r->rs[i];
 		if (!rs->id)
 			continue; /* no session's */
-		/* Not keyed yet: never leaves its slot. */
-		for (uint32_t slot = rs->q_head, next; slot != NONE; slot = next) {
+		/* Not keyed yet: never leaves its slot (a lost session's queue is its link's to settle). */
+		for (uint32_t slot = rs->lost ? NONE : rs->q_head, next; slot != NONE; slot = next) {
 			next = r->rsend[slot].next;
-			if (!of_room(r, slot, room, gen) || rs->lost)
+			if (!of_room(r, slot, room, gen))
 				continue;
 			list_del(r, &rs->q_head, &rs->q_tail, slot);
 			r->rsend[slot].state = S_NONE;
@@ -465,11 +464,7 @@ void rsend_link_dead(struct rdma *r, struct rsess *rs, struct psess *s, bool lin
 	uint32_t n = rs->nkeys, slot = rs->keyed;
 	for (uint32_t k = 0; k < n; k++, slot = r->rsend[slot].knext) {
 		struct rsend *e = &r->rsend[slot];
-		if (e->region) {
-			kvsp_verbs_region_free(e->region);
-			KVS_STAT_ADD(r->dp.st->rdma_region_frees, 1);
-			e->region = NULL;
-		}
+		region_drop(r, &e->region);
 	}
 	rs->keys_dead = true;
 	if (!link_lost) {
@@ -508,11 +503,4 @@ void rsend_link_dead(struct rdma *r, struct rsess *rs, struct psess *s, bool lin
 		if (rc < 0)
 			kvsp_xfer_quiesced(r->dp.p, x, rc);
 	}
-}
-
-void rsend_sess_free(struct rdma *r, struct rsess *rs)
-{
-	rs->nrevoked = 0;
-	rs->unacked = 0;
-	(void)r;
 }
