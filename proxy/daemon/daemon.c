@@ -491,14 +491,10 @@ int kvsp_daemon_main(int argc, char **argv, const struct kvsp_daemon_hooks *hook
 			"--peer-secret-file PATH or $KVSTAGE_PEER_SECRET\nTry 'kvstaged --help'.\n");
 		return 2;
 	}
-	if (peer.rdma_keys != KVSP_KEYS_AUTO && peer.data == KVSP_DATA_TCP) {
-		fprintf(stderr, "kvstaged: --transport tcp never uses RDMA: drop --rdma-keys, or "
-			"say --transport verbs or auto\nTry 'kvstaged --help'.\n");
-		return 2;
-	}
-	if (peer.rdma_device && peer.data == KVSP_DATA_TCP) {
-		fprintf(stderr, "kvstaged: --transport tcp never uses RDMA: drop --rdma-device, or "
-			"say --transport verbs or auto\nTry 'kvstaged --help'.\n");
+	if (peer.data == KVSP_DATA_TCP && (peer.rdma_device || peer.rdma_keys != KVSP_KEYS_AUTO)) {
+		fprintf(stderr, "kvstaged: --transport tcp never uses RDMA: drop %s, or "
+			"say --transport verbs or auto\nTry 'kvstaged --help'.\n",
+			peer.rdma_device ? "--rdma-device" : "--rdma-keys");
 		return 2;
 	}
 	if (peer.data == KVSP_DATA_VERBS && !peer.secret) {

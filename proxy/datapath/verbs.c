@@ -53,7 +53,9 @@ const char *kvsp_keys_wire_name(uint32_t w)
 }
 
 /* Type-2 windows (2A or 2B: either binds through a queue pair, and only
- * that queue pair's peer may use the key), enough of them for cq_depth. */
+ * that queue pair's peer may use the key). How many the device has is
+ * found at allocation (rdma_send.c win_take): a chunk then waits for one
+ * of its session's windows to come back, or fails over when it has none. */
 static bool has_windows(const struct ibv_device_attr *da)
 {
 	uint64_t f = da->device_cap_flags;
@@ -169,7 +171,6 @@ int kvsp_verbs_open(struct kvsp_verbs *v, const char *name, int gid_index, void 
 		kvsp_verbs_close(v);
 		return fail(why, why_len, e, "ibv_query_device %s", v->name);
 	}
-	v->max_mw = da.max_mw > 0 ? (uint32_t)da.max_mw : 0;
 	if (keys == KVSP_KEYS_WINDOW && !has_windows(&da)) {
 		snprintf(why, why_len, "%s has no type-2 memory windows (--rdma-keys windows)", v->name);
 		kvsp_verbs_close(v);

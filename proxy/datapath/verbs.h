@@ -65,7 +65,6 @@ struct kvsp_verbs {
 	int window_confines; /* windows: 1 the device keeps a READ in the window's bytes, 0 it
 			      * does not, -1 its try did not finish */
 	bool window_on_region; /* windows: each goes over a region of its chunk's own */
-	uint32_t max_mw;
 	struct ibv_comp_channel *chan;
 	struct ibv_cq *cq;
 	uint8_t port;
