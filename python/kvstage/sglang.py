@@ -575,6 +575,7 @@ class CudaCopier(CpuCopier):
 # ---------------------------------------------------------------------------------------------
 from .sidechannel import _HDR, _MAX_MSG, FrameListener, SecretError, _frame, _recv_exact  # noqa: E402,F401
 from . import sidechannel as _sidechannel  # noqa: E402
+from .sidechannel import desc_bytes as _desc_bytes  # noqa: E402
 
 
 # Bounds of a side-channel message's numbers: far above any real request, low enough that nothing computed from
@@ -592,19 +593,6 @@ def _is_int(v, lo=0, hi=_MAX_NBYTES):
 def _int_list(v, hi=_MAX_NBYTES):
     return isinstance(v, list) and len(v) <= _MAX_LIST and all(_is_int(x, 0, hi) for x in v)
 
-
-def _desc_bytes(d):
-    """Returns the decoded room descriptor of a message's desc (a base64 str), or raises ValueError."""
-    from ._lib import KVS_ROOM_DESC_SIZE
-    if not isinstance(d, str) or len(d) > 4 * KVS_ROOM_DESC_SIZE:
-        raise ValueError("desc is not a base64 string of a room descriptor")
-    try:
-        raw = base64.b64decode(d, validate=True)
-    except (ValueError, TypeError):
-        raise ValueError("desc is not valid base64") from None
-    if len(raw) != KVS_ROOM_DESC_SIZE:
-        raise ValueError(f"desc is {len(raw)} bytes, a room descriptor {KVS_ROOM_DESC_SIZE}")
-    return raw
 
 
 def check_side_message(msg):

@@ -31,6 +31,7 @@ EMFILE/ENFILE/ENOBUFS/ENOMEM, accepting pauses briefly while the loop keeps serv
 """
 from __future__ import annotations
 
+import base64
 import errno as _errno
 import hashlib
 import hmac
@@ -181,6 +182,21 @@ def _recv_exact(sock, n):
             return None
         buf += got
     return bytes(buf)
+
+
+def desc_bytes(d):
+    """Returns the room descriptor a message's desc (a base64 str) carries, or raises ValueError: the one check of
+    it, for both engines."""
+    from ._lib import KVS_ROOM_DESC_SIZE
+    if not isinstance(d, str) or len(d) > 4 * KVS_ROOM_DESC_SIZE:
+        raise ValueError("desc is not a base64 string of a room descriptor")
+    try:
+        raw = base64.b64decode(d, validate=True)
+    except (ValueError, TypeError):
+        raise ValueError("desc is not valid base64") from None
+    if len(raw) != KVS_ROOM_DESC_SIZE:
+        raise ValueError(f"desc is {len(raw)} bytes, a room descriptor {KVS_ROOM_DESC_SIZE}")
+    return raw
 
 
 class SideConnection:

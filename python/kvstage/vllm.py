@@ -1545,7 +1545,7 @@ class _Agent:
     def _reject(self, msg, why):
         logger.info("kvstage connector: refusing the load of %s: %s", msg.get("req"), why)
         try:
-            r = self._c().send_open(base64.b64decode(msg["desc"]), user_data=0)
+            r = self._c().send_open(_sidechannel.desc_bytes(msg.get("desc")), user_data=0)
             r.abort()
             r.close()
         except (KvstageError, ValueError, KeyError, TypeError) as e:
@@ -1567,8 +1567,12 @@ class _Agent:
         if msg.get("nbytes") != st.nbytes:
             return self._reject(msg, f"the decode side expects {msg.get('nbytes')} bytes, {st.nbytes} staged")
         try:
+            desc = _sidechannel.desc_bytes(msg.get("desc"))
+        except ValueError as e:
+            return self._reject(msg, str(e))
+        try:
             uid = next(self._uids)
-            room = self._c().send_open(base64.b64decode(msg["desc"]), user_data=uid)
+            room = self._c().send_open(desc, user_data=uid)
         except (NotConnected, Timeout):
             raise
         except KvstageError as e:

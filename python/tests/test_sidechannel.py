@@ -517,6 +517,34 @@ def test_sglang_failed_handshake_fails_the_request_cleanly(engines):
 
 
 @NEED_TORCH
+def test_vllm_a_pull_with_a_bad_descriptor_is_refused_and_changes_nothing(kv_proxy):
+    """A pull from a holder of the secret whose desc is not a room descriptor (not base64, or the wrong size) is
+    refused by the prefill worker with its reason; the staged request is untouched and the legit load completes."""
+    import vllm_engine as E
+    pd = E.PD(kv_proxy.socket)
+    try:
+        pd.P.add(E.Request("p0", 20, E.prefill_params(), 1000))
+        for _ in range(1000):
+            if "p0" in pd.P.done:
+                break
+            pd.P.step()
+        assert "p0" in pd.P.done
+        L = pd.P.agent._listener
+        peers = sc.Peers(sc.load_key())
+        for desc in ("!!! not base64 !!!", "AAAA", 7, None):
+            peers.send("127.0.0.1", L.port, {"t": "pull", "req": "p0", "desc": desc, "nbytes": 4096,
+                                             "layout": pd.D.agent.layout.fingerprint(), "tp_rank": 0})
+        peers.close()
+        assert L.wait_stats(lambda st: st["frames"] == 4, T), L.stats()
+        pd.run(lambda: "d0" in pd.D.freed and not pd.P.requests, what="loaded")
+        assert pd.D.loaded == {"d0": None}
+        assert pd.P.freed["p0"][1] == "finished_sending"
+    finally:
+        pd.close()
+    assert_pool_free(kv_proxy.socket)
+
+
+@NEED_TORCH
 def test_vllm_failed_handshake_fails_the_load_cleanly(kv_proxy):
     """A decode worker holding another secret: the prefill worker gets no pull, the load fails with the reason
     (vLLM recomputes it), both block pools and the kvstage pool end free."""
