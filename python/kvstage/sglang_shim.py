@@ -28,17 +28,14 @@ import functools
 import logging
 import sys
 
-from .sglang_plugin import _add_member  # noqa: F401 - no side effects at import (the plugin registers when called)
+# The plugin's names and its enum member (no side effects at import: the plugin registers only when called).
+from .sglang_plugin import NAME, VALUE, _add_member  # noqa: F401 - NAME, VALUE re-exported
+from .sglang_plugin import is_kvstage as _is_kvstage
 
 logger = logging.getLogger(__name__)
 
-NAME, VALUE = "KVSTAGE", "kvstage"
 _CHOICE_MODULES = ("sglang.srt.server_args", "sglang.srt.arg_groups.choices")
 installed = False
-
-
-def _is_kvstage(backend):
-    return getattr(backend, "value", backend) == VALUE
 
 
 def install():
