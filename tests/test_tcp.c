@@ -211,6 +211,13 @@ static void wave(unsigned nP, unsigned nD)
 		fp_wait(H[i], hold_fp(), 1); /* a victim's chunk is held on every holding proxy */
 	for (unsigned i = 0; i < WAVE_ROOMS; i += 3)
 		cr_assert_eq(kvs_abort(i % 2 ? x[i].sr : x[i].rr), 0);
+	/* kvs_abort only queues the op: let every proxy act on its clients'
+	 * aborts before the holds go, or a victim on a proxy slower than its
+	 * peer (ASan in the guest) completes first and its abort is too late. */
+	for (unsigned i = 0; i < nP; i++)
+		sync_barrier(tx[i]);
+	for (unsigned i = 0; i < nD; i++)
+		sync_barrier(rx[i]);
 	for (unsigned i = 0; i < nH; i++)
 		fp_set(H[i], hold_fp(), "off", NULL);
 
