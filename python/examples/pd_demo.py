@@ -412,7 +412,7 @@ class Worker:
         self.live = {}
         self.server = self.mgr = None
         if role == "prefill":
-            self.server = ks.KvstageKVBootstrapServer("127.0.0.1", 0)
+            self.server = ks.bootstrap_server_on_a_free_port("127.0.0.1")
             self.addr = f"127.0.0.1:{self.server.port}"
             self.mgr = ks.KvstageKVManager(self.cache.kv_args(ks), ks.DisaggregationMode.PREFILL,
                                            server_args(socket_path, self.server.port))

@@ -6,9 +6,11 @@ sgl-project/sglang main (the stored copies this was written against):
       KVArgs, KVPoll, KVTransferMetric, BaseKVManager, BaseKVSender, BaseKVReceiver, BaseKVBootstrapServer
   python/sglang/srt/disaggregation/utils.py        @ 0094505da74125a31ceb354f37ae7a1b6a97d3f5
       TransferBackend, KVClassType, get_kv_class (the if/elif the shim wraps), DisaggregationMode
-  python/sglang/srt/disaggregation/common/conn.py  @ 0094505da74125a31ceb354f37ae7a1b6a97d3f5
-      the bootstrap server's HTTP routes and JSON (PUT/GET /route, /health, /register_dp_rank,
-      /query_dp_ranks), PrefillServerInfo, try_ensure_parallel_info, KVTransferError
+  python/sglang/srt/disaggregation/common/conn.py  @ 8905cbd42f4a
+      CommonKVBootstrapServer (kvstage's bootstrap server is SGLang's own), PrefillServerInfo,
+      KVTransferError, and CommonKVManager's register_to_bootstrap payload, try_ensure_parallel_info
+      and submit_prefill_recompute (the manager itself is not subclassed: its constructor binds a
+      ZMQ socket and registers that as the rank's address; kvstage's side channel is its own)
   python/sglang/srt/disaggregation/decode.py, prefill.py: stored copies whose commit the index did not name
       (same period: init(prefill_dp_rank) + send_metadata; that decode.py also passes send_metadata a
       spec_metadata= keyword, hence **_kw) - how the scheduler drives the classes: DecodePreallocQueue,
@@ -85,9 +87,7 @@ import socket
 import threading
 import time
 import urllib.error
-import urllib.parse
 import urllib.request
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Dict, List, NamedTuple, Optional, Tuple
 
 import numpy as np
@@ -143,17 +143,43 @@ except Exception:
         DECODE = "decode"
 
 
-class KVTransferError(Exception):
-    """What failure_exception() raises: .bootstrap_room, .failure_reason (SGLang's attributes)."""
+# SGLang's common pieces (disaggregation/common/conn.py): the bootstrap server kvstage's prefill ranks register
+# with (see "Bootstrap server" below), the prefill info the decode side reads, the failure exception.
+try:
+    from sglang.srt.disaggregation.common.conn import (  # type: ignore
+        CommonKVBootstrapServer, KVTransferError, PrefillServerInfo)
+    _NO_COMMON = None
+except Exception as _e:  # no SGLang, or one older than common/conn.py (May 2025), or without aiohttp
+    _NO_COMMON = f"{type(_e).__name__}: {_e}"
 
-    def __init__(self, bootstrap_room, failure_reason, is_from_another_rank=False):
-        super().__init__(failure_reason)
-        self.bootstrap_room = bootstrap_room
-        self.failure_reason = failure_reason
-        self.is_from_another_rank = is_from_another_rank
+    class CommonKVBootstrapServer(BaseKVBootstrapServer):  # type: ignore[no-redef]
+        def __new__(cls, *a, **kw):
+            raise ImportError(f"kvstage's bootstrap server is SGLang's own CommonKVBootstrapServer and needs SGLang "
+                              f"with sglang.srt.disaggregation.common.conn importable ({_NO_COMMON})")
 
-    def __str__(self):
-        return f"KVTransferError(bootstrap_room={self.bootstrap_room}): {self.failure_reason}"
+    @dataclasses.dataclass
+    class PrefillServerInfo:  # type: ignore[no-redef] - SGLang's fields, for try_ensure_parallel_info
+        attn_tp_size: int
+        attn_cp_size: int
+        dp_size: int
+        pp_size: int
+        page_size: Optional[int]
+        kv_cache_dtype: Optional[str]
+        follow_bootstrap_room: bool
+        enable_dsa_cache_layer_split: bool = False
+        prefill_http_port: Optional[int] = None
+
+    class KVTransferError(Exception):
+        """What failure_exception() raises: .bootstrap_room, .failure_reason (SGLang's attributes)."""
+
+        def __init__(self, bootstrap_room, failure_reason, is_from_another_rank=False):
+            super().__init__(failure_reason)
+            self.bootstrap_room = bootstrap_room
+            self.failure_reason = failure_reason
+            self.is_from_another_rank = is_from_another_rank
+
+        def __str__(self):
+            return f"KVTransferError(bootstrap_room={self.bootstrap_room}): {self.failure_reason}"
 
 
 def _env_float(name, default):
@@ -231,7 +257,7 @@ class MemoryMap:
         self.state_types = [getattr(t, "value", t) for t in (getattr(args, "state_types", None) or [])]
 
     def fingerprint(self):
-        """The layout facts both sides must share (sent through the bootstrap server)."""
+        """The layout facts both sides must share (the decode side sends its own in its meta message)."""
         return {"kv_item_lens": [r.item for r in self.kv], "aux_item_lens": [r.item for r in self.aux],
                 "state_item_lens": [[r.item for r in comp] for comp in self.state],
                 "state_types": [str(t) for t in self.state_types]}
@@ -666,135 +692,34 @@ def _url_host(host):
 
 
 # ---------------------------------------------------------------------------------------------
-# Bootstrap server: SGLang's CommonKVBootstrapServer routes, on the stdlib.
+# Bootstrap server: SGLang's own (disaggregation/common/conn.py), as Mooncake and NIXL use it, so its
+# routes, health check, dp-rank registry and whatever SGLang adds there serve kvstage too. The prefill
+# rank registers its side channel's address there; the layout both sides must share travels in the
+# decode side's first side-channel message and is checked by the prefill rank (KvstageKVSender._adopt).
 # ---------------------------------------------------------------------------------------------
-
-@dataclasses.dataclass
-class PrefillServerInfo:
-    """What the decode side learns about a prefill server (SGLang's field names, plus the kvstage layout)."""
-    attn_tp_size: int
-    attn_cp_size: int
-    dp_size: int
-    pp_size: int
-    page_size: Optional[int]
-    kv_cache_dtype: Optional[str]
-    follow_bootstrap_room: bool
-    enable_dsa_cache_layer_split: bool = False
-    prefill_http_port: Optional[int] = None
-    kvstage_layout: Optional[dict] = None
+class KvstageKVBootstrapServer(CommonKVBootstrapServer):
+    """SGLang's CommonKVBootstrapServer, unchanged: kvstage's prefill ranks register their side-channel
+    address with it (PUT /route) as Mooncake's and NIXL's register theirs."""
 
 
-class KvstageKVBootstrapServer(BaseKVBootstrapServer):
-    """The prefill server's registry: its ranks PUT /route, decode ranks GET /route (SGLang's API). .port, close()."""
-
-    def __init__(self, host: str, port: int):
-        self.host, self.lock = host, threading.Lock()
-        self.ranks: Dict[tuple, dict] = {}  # (dp, cp, tp, pp) -> rank info
-        self.info: Optional[dict] = None
-        self.expected = None
-        self.room_to_dp_rank: Dict[int, dict] = {}
-        server = self
-
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, fmt, *a):
-                logger.debug("kvstage bootstrap: " + fmt, *a)
-
-            def _reply(self, status, obj):
-                body = (json.dumps(obj) if not isinstance(obj, str) else obj).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json" if not isinstance(obj, str) else "text/plain")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def _body(self):
-                n = int(self.headers.get("Content-Length") or 0)
-                if n > _MAX_MSG:
-                    raise ValueError("body too large")
-                return json.loads(self.rfile.read(n) or b"null")
-
-            def do_GET(self):
-                u = urllib.parse.urlsplit(self.path)
-                if u.path == "/health":
-                    return self._reply(200, "OK")
-                if u.path != "/route":
-                    return self._reply(404, "not found")
-                q = {k: v[0] for k, v in urllib.parse.parse_qs(u.query).items()}
-                try:
-                    key = tuple(int(q[k]) for k in ("prefill_dp_rank", "prefill_cp_rank", "target_tp_rank", "target_pp_rank"))
-                except (KeyError, ValueError):
-                    return self._reply(400, "Missing inputs for bootstrap server.")
-                with server.lock:
-                    if not server._ready():
-                        return self._reply(503, f"Prefill server not fully registered yet ({len(server.ranks)} workers registered).")
-                    if key == (-1, -1, -1, -1):
-                        return self._reply(200, dict(server.info))
-                    info = server.ranks.get(key)
-                if info is None:
-                    return self._reply(404, f"Bootstrap info not found for dp_rank={key[0]} cp_rank={key[1]} tp_rank={key[2]} pp_rank={key[3]}")
-                return self._reply(200, info)
-
-            def do_PUT(self):
-                if urllib.parse.urlsplit(self.path).path != "/route":
-                    return self._reply(404, "not found")
-                try:
-                    server._register(self._body())
-                except (KeyError, TypeError, ValueError) as e:
-                    return self._reply(400, f"bad registration: {e}")
-                return self._reply(200, "OK")
-
-            def do_POST(self):
-                path = urllib.parse.urlsplit(self.path).path
-                try:
-                    data = self._body()
-                    if path == "/register_dp_rank":
-                        with server.lock:
-                            server.room_to_dp_rank[int(data["bootstrap_room"])] = {
-                                "dp_rank": int(data["dp_rank"]), "timestamp": time.time()}
-                        return self._reply(200, "OK")
-                    if path == "/query_dp_ranks":
-                        with server.lock:
-                            out = {str(int(r)): server.room_to_dp_rank[int(r)]["dp_rank"]
-                                   for r in data["bootstrap_rooms"] if int(r) in server.room_to_dp_rank}
-                        return self._reply(200, out)
-                except (KeyError, TypeError, ValueError) as e:
-                    return self._reply(400, f"bad request: {e}")
-                return self._reply(404, "not found")
-
-        self._httpd = ThreadingHTTPServer((host, port), Handler)
-        self._httpd.daemon_threads = True
-        self.port = self._httpd.server_address[1]
-        self.thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.05},
-                                       name="kvstage-sglang-bootstrap", daemon=True)
-        self.thread.start()
-
-    def _ready(self):
-        return self.expected is not None and len(self.ranks) >= self.expected
-
-    def _register(self, d):
-        dp_group = d["attn_dp_rank"] if int(d.get("system_dp_size", 1)) == 1 else d["system_dp_rank"]
-        key = (int(dp_group), int(d["attn_cp_rank"]), int(d["attn_tp_rank"]), int(d["pp_rank"]))
-        with self.lock:
-            if self.info is None:
-                dp = int(d["attn_dp_size"]) if int(d.get("system_dp_size", 1)) == 1 else int(d["system_dp_size"])
-                self.info = dataclasses.asdict(PrefillServerInfo(
-                    attn_tp_size=int(d["attn_tp_size"]), attn_cp_size=int(d["attn_cp_size"]), dp_size=dp,
-                    pp_size=int(d["pp_size"]), page_size=d.get("page_size"), kv_cache_dtype=d.get("kv_cache_dtype"),
-                    follow_bootstrap_room=d.get("load_balance_method", "follow_bootstrap_room") == "follow_bootstrap_room",
-                    enable_dsa_cache_layer_split=bool(d.get("enable_dsa_cache_layer_split", False)),
-                    prefill_http_port=d.get("prefill_http_port"), kvstage_layout=d.get("kvstage_layout")))
-                self.expected = dp * int(d["attn_cp_size"]) * int(d["attn_tp_size"]) * int(d["pp_size"])
-            self.ranks[key] = {"rank_ip": str(d["rank_ip"]), "rank_port": int(d["rank_port"]), "kvstage": True}
-
-    def close(self):
-        """Stops serving."""
-        self._httpd.shutdown()
-        self._httpd.server_close()
-
-    def poll(self):
-        return None
+def bootstrap_server_on_a_free_port(host="127.0.0.1", tries=5, timeout=10.0):
+    """Starts a KvstageKVBootstrapServer on a free port of host and returns it once its /health answers
+    (.port is the port). For programs that play SGLang's launcher (python/examples/pd_demo.py, the tests):
+    SGLang's server takes a port and listens from a thread it starts, so the port is found first; if another
+    process takes it in between, another port is tried."""
+    for _ in range(tries):
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        server = KvstageKVBootstrapServer(host, port)
+        deadline = time.monotonic() + timeout
+        while server.thread.is_alive() and time.monotonic() < deadline:
+            if _http("GET", f"http://{_url_host(host)}:{port}/health", timeout=1)[0] == 200:
+                server.port = port
+                return server
+            time.sleep(0.01)  # a server that is starting: poll its readiness
+        server.close()
+    raise RuntimeError(f"the bootstrap server did not come up on {host} in {tries} tries")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1003,7 +928,8 @@ class KvstageKVManager(BaseKVManager):
 
     # -- prefill side ---------------------------------------------------------------------
     def register_to_bootstrap(self):
-        """Registers this prefill rank (its side-channel address and layout) with the bootstrap server (PUT /route)."""
+        """Registers this prefill rank (its side channel's address) with the bootstrap server (PUT /route), with
+        the payload SGLang's CommonKVManager sends (the server answers 500 to one that lacks a field)."""
         dist = getattr(self.server_args, "dist_init_addr", None)
         if dist:
             host = dist.rsplit(":", 1)[0].strip("[]")
@@ -1020,8 +946,8 @@ class KvstageKVManager(BaseKVManager):
             "page_size": getattr(self.kv_args, "page_size", None),
             "kv_cache_dtype": getattr(self.server_args, "kv_cache_dtype", None),
             "load_balance_method": getattr(self.server_args, "load_balance_method", "follow_bootstrap_room"),
+            "enable_dsa_cache_layer_split": getattr(self.server_args, "enable_dsa_cache_layer_split", False),
             "prefill_http_port": getattr(self.server_args, "port", None),
-            "kvstage_layout": self.mem.fingerprint(),
         }
         delay = 0.5
         for attempt in range(6):
@@ -1116,6 +1042,11 @@ class KvstageKVManager(BaseKVManager):
         if info.page_size is not None and ps is not None and int(info.page_size) != int(ps):
             raise RuntimeError(f"Page size mismatch: prefill server has page_size={info.page_size}, but decode "
                                f"server has page_size={ps}. Both servers must use the same --page-size value.")
+        dt = getattr(self.server_args, "kv_cache_dtype", None)
+        if info.kv_cache_dtype is not None and dt is not None and info.kv_cache_dtype != dt:
+            raise RuntimeError(f"KV cache dtype mismatch: prefill server has kv_cache_dtype={info.kv_cache_dtype}, "
+                               f"but decode server has kv_cache_dtype={dt}. Both servers must use the same "
+                               f"--kv-cache-dtype value.")
         self.prefill_info_table[bootstrap_addr] = info
         return True
 
@@ -1126,8 +1057,9 @@ class KvstageKVManager(BaseKVManager):
         if hit is None:
             status, data = _http("GET", f"http://{bootstrap_addr}/route?prefill_dp_rank={dp_rank}&prefill_cp_rank=0"
                                         f"&target_tp_rank={tp_rank}&target_pp_rank=0")
-            if status != 200 or not isinstance(data, dict) or not data.get("kvstage"):
-                logger.error("kvstage backend: no kvstage prefill rank dp=%s tp=%s at %s: %s %s",
+            if status != 200 or not isinstance(data, dict) or not _is_int(data.get("rank_port"), 1, 65535) \
+                    or not isinstance(data.get("rank_ip"), str):
+                logger.error("kvstage backend: no prefill rank dp=%s tp=%s at %s: %s %s",
                              dp_rank, tp_rank, bootstrap_addr, status, data)
                 return None
             hit = self.connection_pool[key] = data
@@ -1535,7 +1467,7 @@ class KvstageKVReceiver(BaseKVReceiver):
 
     # SGLang's calls ------------------------------------------------------------------------
     def init(self, prefill_dp_rank: int):
-        """Finds the prefill rank (through the bootstrap server) and checks both sides agree on the layout."""
+        """Finds the prefill rank through the bootstrap server (the prefill rank checks the layout at meta)."""
         if self._status != KVPoll.Bootstrapping:
             return
         mgr = self.kv_mgr
@@ -1551,9 +1483,6 @@ class KvstageKVReceiver(BaseKVReceiver):
                               "not supported by the kvstage backend")
         if int(info.pp_size) != 1 or int(info.attn_cp_size) != 1:
             return self._fail("prefill pipeline or context parallelism is not supported by the kvstage backend")
-        why = MemoryMap.mismatch(mgr.mem.fingerprint(), info.kvstage_layout or {})
-        if why:
-            return self._fail(f"layout mismatch with the prefill side: {why}")
         self.prefill_dp_rank = prefill_dp_rank
         self._endpoint = mgr.rank_endpoint(self.bootstrap_addr, prefill_dp_rank, int(mgr.kv_args.engine_rank) % mgr.attn_tp_size)
         if self._endpoint is None:
@@ -1742,6 +1671,6 @@ def kv_class(class_type):
     return CLASSES.get(name)
 
 
-__all__ = ["KvstageKVManager", "KvstageKVSender", "KvstageKVReceiver", "KvstageKVBootstrapServer", "KVArgs", "KVPoll",
+__all__ = ["KvstageKVManager", "KvstageKVSender", "KvstageKVReceiver", "KvstageKVBootstrapServer", "bootstrap_server_on_a_free_port", "KVArgs", "KVPoll",
            "KVTransferError", "KVTransferMetric", "PrefillServerInfo", "RoomLayout", "MemoryMap", "Paged", "Gather",
            "Piece", "CpuCopier", "CudaCopier", "CopyHandle", "kv_class", "HAVE_SGLANG", "DisaggregationMode"]

@@ -62,7 +62,7 @@ class Pair:
         from kvstage import sglang as ks
         self.pc = prefill_cache or E.KVCache(prefill_pages)
         self.dc = decode_cache or E.KVCache(decode_pages)
-        self.server = ks.KvstageKVBootstrapServer("127.0.0.1", 0)
+        self.server = ks.bootstrap_server_on_a_free_port()
         self.addr = f"127.0.0.1:{self.server.port}"
         self.P = self.D = None
         self.P = ks.KvstageKVManager(self.pc.kv_args(), ks.DisaggregationMode.PREFILL,

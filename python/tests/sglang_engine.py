@@ -345,7 +345,7 @@ def _serve(role, conn, socket_path, reqs, flags, acks, cache_pages, extra):
     try:
         cache = KVCache(cache_pages)
         if role == "prefill":
-            server = ks.KvstageKVBootstrapServer("127.0.0.1", 0)
+            server = ks.bootstrap_server_on_a_free_port()
             addr = f"127.0.0.1:{server.port}"
             mgr = ks.KvstageKVManager(cache.kv_args(), ks.DisaggregationMode.PREFILL, server_args(socket_path, server.port))
             conn.send(("ready", addr))

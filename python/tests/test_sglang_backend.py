@@ -104,32 +104,53 @@ def test_kv_class_mapping():
     assert list(inspect.signature(ks.KvstageKVBootstrapServer).parameters) == ["host", "port"]
 
 
-# ------------------------------------------------------------------------------------- bootstrap server (HTTP only)
-def test_bootstrap_server_routes():
-    srv = ks.KvstageKVBootstrapServer("127.0.0.1", 0)
+# ------------------------------------------------------------------------------------- bootstrap server (SGLang's)
+def test_the_bootstrap_server_is_sglangs():
+    """kvstage adds no bootstrap server of its own: the class the backend names is SGLang's
+    CommonKVBootstrapServer with nothing overridden, so SGLang's routes, health check and checks apply."""
+    from sglang.srt.disaggregation.common.conn import CommonKVBootstrapServer
+    assert ks.KvstageKVBootstrapServer.__mro__[1] is CommonKVBootstrapServer
+    assert [k for k in vars(ks.KvstageKVBootstrapServer) if not k.startswith(("__", "_abc_"))] == []
+
+
+@NEED_TORCH
+def test_registration_is_what_sglangs_server_reads(kv_proxy):
+    """A prefill rank registers with the payload SGLang's CommonKVManager sends: the server counts it, the
+    decode side reads the server's info and the rank's side-channel address from it; one field short and
+    SGLang's server refuses the registration (500: its handler reads every field)."""
+    import sglang_engine as E
+    srv = ks.bootstrap_server_on_a_free_port()
     base = f"http://127.0.0.1:{srv.port}"
+    P = D = None
     try:
-        assert ks._http("GET", base + "/health") == (200, "OK")
         q = "/route?prefill_dp_rank=-1&prefill_cp_rank=-1&target_tp_rank=-1&target_pp_rank=-1"
         assert ks._http("GET", base + q)[0] == 503  # nobody registered yet
-        assert ks._http("GET", base + "/route?prefill_dp_rank=0")[0] == 400
-        reg = dict(attn_tp_size=2, attn_tp_rank=0, attn_cp_size=1, attn_cp_rank=0, attn_dp_size=1, attn_dp_rank=0,
-                   pp_size=1, pp_rank=0, system_dp_size=1, system_dp_rank=0, rank_ip="10.1.2.3", rank_port=4567,
-                   page_size=4, kv_cache_dtype="auto", load_balance_method="round_robin",
-                   kvstage_layout={"kv_item_lens": [1]})
-        assert ks._http("PUT", base + "/route", reg)[0] == 200
-        assert ks._http("GET", base + q)[0] == 503  # 1 of 2 TP ranks
-        assert ks._http("PUT", base + "/route", dict(reg, attn_tp_rank=1, rank_port=4568))[0] == 200
+        cache = E.KVCache(8)
+        P = ks.KvstageKVManager(cache.kv_args(), ks.DisaggregationMode.PREFILL,
+                                E.server_args(kv_proxy.socket, srv.port, port=30000, kv_cache_dtype="fp8_e4m3"))
         st, info = ks._http("GET", base + q)
-        assert st == 200 and info["attn_tp_size"] == 2 and info["dp_size"] == 1 and info["page_size"] == 4
-        assert info["follow_bootstrap_room"] is False and info["kvstage_layout"] == {"kv_item_lens": [1]}
-        st, rank = ks._http("GET", base + "/route?prefill_dp_rank=0&prefill_cp_rank=0&target_tp_rank=1&target_pp_rank=0")
-        assert st == 200 and (rank["rank_ip"], rank["rank_port"], rank["kvstage"]) == ("10.1.2.3", 4568, True)
-        assert ks._http("GET", base + "/route?prefill_dp_rank=3&prefill_cp_rank=0&target_tp_rank=0&target_pp_rank=0")[0] == 404
-        assert ks._http("PUT", base + "/route", {"rank_ip": "x"})[0] == 400
-        assert ks._http("POST", base + "/register_dp_rank", {"bootstrap_room": 77, "dp_rank": 1})[0] == 200
-        assert ks._http("POST", base + "/query_dp_ranks", {"bootstrap_rooms": [77, 78]}) == (200, {"77": 1})
+        assert st == 200 and (info["attn_tp_size"], info["dp_size"], info["page_size"]) == (1, 1, cache.page_size)
+        assert (info["kv_cache_dtype"], info["prefill_http_port"]) == ("fp8_e4m3", 30000)
+        st, rank = ks._http("GET", base + "/route?prefill_dp_rank=0&prefill_cp_rank=0&target_tp_rank=0"
+                                          "&target_pp_rank=0")
+        assert st == 200 and (rank["rank_ip"], rank["rank_port"]) == (P.local_ip, P.rank_port)
+        D = ks.KvstageKVManager(cache.kv_args(), ks.DisaggregationMode.DECODE,
+                                E.server_args(kv_proxy.socket, 0, kv_cache_dtype="fp8_e4m3"))
+        assert D.try_ensure_parallel_info(f"127.0.0.1:{srv.port}")
+        assert D.rank_endpoint(f"127.0.0.1:{srv.port}", 0, 0) == f"{P.local_ip}:{P.rank_port}"
+        D.prefill_info_table.clear()
+        D.server_args.kv_cache_dtype = "auto"
+        with pytest.raises(RuntimeError, match="KV cache dtype mismatch"):  # SGLang's check and words
+            D.try_ensure_parallel_info(f"127.0.0.1:{srv.port}")
+        reg = dict(attn_tp_size=1, attn_tp_rank=0, attn_cp_size=1, attn_cp_rank=0, attn_dp_size=1, attn_dp_rank=0,
+                   pp_size=1, pp_rank=0, system_dp_size=1, system_dp_rank=0, rank_ip="10.1.2.3", rank_port=4567,
+                   page_size=4, kv_cache_dtype="auto")
+        del reg["system_dp_size"]
+        assert ks._http("PUT", base + "/route", reg)[0] == 500
     finally:
+        for m in (P, D):
+            if m is not None:
+                m.close()
         srv.close()
 
 
@@ -194,12 +215,14 @@ def test_layout_mismatch_is_refused(kv_proxy):
         s = ks.KvstageKVSender(P, addr, 5, [0], 0)
         r = ks.KvstageKVReceiver(D, addr, 5)
         r.init(0)
-        assert r.poll() == KVPoll.Failed
-        with pytest.raises(ks.KVTransferError, match="layout mismatch.*kv_item_lens"):
-            r.failure_exception()
+        assert r.poll() == KVPoll.WaitingForInput  # the layout travels in the decode side's message
+        r.send_metadata([1, 2], 3, [[3]])
+        assert P.wait_until(lambda: s.poll() == KVPoll.Failed, 10), s
+        with pytest.raises(ks.KVTransferError, match="layout mismatch with the decode side.*kv_item_lens"):
+            s.failure_exception()
+        assert D.wait_until(lambda: r.poll() == KVPoll.Failed, 10), r  # refused: its room aborted at once
         r.clear()
-        s.abort()
-        assert s.poll() == KVPoll.Failed
+        assert r.pages_released
         s.clear()
     finally:
         pair.close()
@@ -233,14 +256,15 @@ def test_unreachable_prefill_rank(engines):
     """The bootstrap server names a rank whose side channel is gone: the request fails with the reason, its
     room is aborted, and the next one to that rank fails at once instead of waiting out a connect timeout."""
     import socket
+    import sglang_engine as E
     pc, dc, P, D, addr = engines
-    srv = ks.KvstageKVBootstrapServer("127.0.0.1", 0)
+    srv = ks.bootstrap_server_on_a_free_port()
     with socket.socket() as free:
         free.bind(("127.0.0.1", 0))
         port = free.getsockname()[1]
     reg = dict(attn_tp_size=1, attn_tp_rank=0, attn_cp_size=1, attn_cp_rank=0, attn_dp_size=1, attn_dp_rank=0,
                pp_size=1, pp_rank=0, system_dp_size=1, system_dp_rank=0, rank_ip="127.0.0.1", rank_port=port,
-               page_size=dc.page_size, kv_cache_dtype="auto", kvstage_layout=D.mem.fingerprint())
+               page_size=dc.page_size, kv_cache_dtype="auto")
     try:
         assert ks._http("PUT", f"http://127.0.0.1:{srv.port}/route", reg)[0] == 200
         gone = f"127.0.0.1:{srv.port}"
@@ -667,7 +691,7 @@ def test_across_two_proxies_over_tcp():
         pb = Proxy(args + ["--listen", "127.0.0.1:0"])
         import sglang_engine as E
         pc, dc = E.KVCache(64), E.KVCache(64)
-        server = ks.KvstageKVBootstrapServer("127.0.0.1", 0)
+        server = ks.bootstrap_server_on_a_free_port()
         addr = f"127.0.0.1:{server.port}"
         pair = types.SimpleNamespace(pc=pc, dc=dc, addr=addr, server=server,
                                      P=ks.KvstageKVManager(pc.kv_args(), ks.DisaggregationMode.PREFILL, E.server_args(pa.socket, server.port)),
