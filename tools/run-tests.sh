@@ -58,6 +58,6 @@ RXE_WORKDIR="$PWD/build/rxe" tests/rxe/run.sh --timeout 900 "${asan_env[@]}" --e
   build-asan/tests/test-hostile-rdma --jobs=1
 echo "== kvstage-bench verbs in that guest (the output's shape; no speed means anything there)"
 RXE_WORKDIR="$PWD/build/rxe" tests/rxe/run.sh --timeout 300 -- tools/bench/smoke-verbs.sh build
-echo "== short fuzz pass (fuzz/run.sh: libFuzzer, clang, ASan+UBSan; see README for the long run)"
+echo "== short fuzz pass (fuzz/run.sh: libFuzzer, clang, ASan+UBSan; see docs/testing.md for the long run)"
 FUZZ_RUNS=${FUZZ_RUNS:-100000} fuzz/run.sh
 echo "== all tests passed"

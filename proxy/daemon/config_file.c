@@ -9,7 +9,8 @@
  * Lines reach inih one at a time, read whole here: one longer than inih
  * takes is refused with its own number (never cut in two, which once made
  * its tail a line of its own), and a comment after a value ('#' or ';'
- * after a blank) is dropped before inih sees the line, as the README says.
+ * after a blank) is dropped before inih sees the line, as
+ * docs/operations.md says.
  */
 #include <errno.h>
 #include <ini.h>
