@@ -198,46 +198,6 @@ Test(netns, a_link_cut_mid_transfer_fails_the_room_on_both_sides)
 	kvs_close(rx);
 }
 
-/* DESIGN's scenario between hosts: the payload held on the prefill host
- * after its header left, the room aborted on the decode host (the rest of
- * the payload to the sink, the posted slot back at once), the pool drained
- * by another client there, then the payload let go: never in B's slots. */
-Test(netns, decisive_late_payload_never_lands_in_a_reused_slot)
-{
-	hosts_with(2, "16");
-	struct decisive o = decisive_across(&px[0], &px[1]);
-	decisive_expect_sunk(&o);
-	wait_idle(&px[0], 0);
-	wait_idle(&px[1], 0);
-}
-
-/* The decode host's proxy SIGSTOPped past --peer-timeout (1 s here, so
- * that a loaded machine never loses a live peer): the prefill host fails
- * the room; the stopped one wakes to a closed session and fails its half;
- * a new session serves the next room. */
-Test(netns, a_peer_stopped_past_the_peer_timeout_is_lost_on_both_sides)
-{
-	hosts(2);
-	kvs_client *tx = connect_ok(&px[0]), *rx = connect_ok(&px[1]);
-	one_room(rx, tx, 0x40); /* the session is up */
-	struct xroom x;
-	xroom_open(&x, rx, tx, 2 * SLOT, 0x41);
-	proxy_freeze(&px[1]);
-	xroom_send(&x, tx);
-	struct kvs_event e = wait_event(tx);
-	cr_assert_eq(e.type, KVS_EV_FAILED, "sender got %u", e.type);
-	cr_assert_eq(e.status, -ETIMEDOUT, "got %s", kvs_strerror(e.status));
-	kill(px[1].pid, SIGCONT);
-	e = wait_event(rx);
-	cr_assert_eq(e.type, KVS_EV_FAILED, "receiver got %u", e.type);
-	xroom_close(&x);
-	wait_idle(&px[0], 1);
-	wait_idle(&px[1], 1);
-	one_room(rx, tx, 0x42);
-	kvs_close(tx);
-	kvs_close(rx);
-}
-
 /* The decode host's proxy SIGKILLed with a chunk in flight to it: the
  * prefill host fails the room, releases the slot, and serves the other
  * decode host as before. */

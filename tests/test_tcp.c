@@ -41,42 +41,29 @@ TestSuite(tcp, .init = setup, .fini = teardown, .timeout = 120);
 		"64K", "--listen", "127.0.0.1:0", NULL })
 #define LISTEN(px) LISTEN_N(px, "64")
 
-Test(tcp, rooms_of_one_byte_to_many_chunks_arrive_byte_for_byte)
+/* Rooms of every size byte for byte are the conformance suite's; here: one
+ * session carries every room, its bytes are counted by the path that moved
+ * them, and kvstage-stat shows the session on both sides. */
+Test(tcp, one_session_serves_every_room_and_kvstage_stat_shows_it)
 {
 	LISTEN(&pb);
 	LISTEN(&pa);
 	kvs_client *rx = connect_ok(&pb), *tx = connect_ok(&pa);
-	/* A first room of four chunks (by RDMA READ in the soft-RoCE guest) is
-	 * over before either proxy had a quiet quarter of --peer-timeout to
-	 * send a PING in: nothing it needs waits for one. */
-	struct xroom first;
-	xroom_open(&first, rx, tx, 4 * SLOT, 0xf00);
-	xroom_send(&first, tx);
-	cr_assert_eq(wait_event(tx).type, KVS_EV_SEND_DONE);
-	cr_assert_eq(wait_event(rx).type, KVS_EV_RECV_DONE);
-	cr_assert_eq(stat_get(&pa, "peer_pings") + stat_get(&pb, "peer_pings"), 0,
-		     "the room waited for a PING");
-	xroom_verify(&first, rx);
-	xroom_close(&first);
-	const uint64_t sizes[] = { 1, 7, SLOT - 1, SLOT, SLOT + 1, 5 * SLOT + 4096 + 3, 20 * SLOT };
+	const uint64_t sizes[] = { 1, SLOT + 1, 5 * SLOT + 4096 + 3 };
+	uint64_t total = 0;
 	for (unsigned i = 0; i < sizeof(sizes) / sizeof(sizes[0]); i++) {
 		struct xroom x;
 		xroom_open(&x, rx, tx, sizes[i], 0x100 + i);
 		xroom_send(&x, tx);
-		struct kvs_event e = wait_event(tx);
-		cr_assert_eq(e.type, KVS_EV_SEND_DONE, "room of %llu bytes: sender got %u (%d)",
-			     (unsigned long long)sizes[i], e.type, e.status);
-		e = wait_event(rx);
+		cr_assert_eq(wait_event(tx).type, KVS_EV_SEND_DONE);
+		struct kvs_event e = wait_event(rx);
 		cr_assert_eq(e.type, KVS_EV_RECV_DONE, "room of %llu bytes: receiver got %u (%d)",
 			     (unsigned long long)sizes[i], e.type, e.status);
-		cr_assert_eq(e.bytes, sizes[i]);
 		xroom_verify(&x, rx);
 		xroom_close(&x);
+		total += sizes[i];
 	}
 	cr_assert_eq(stat_get(&pa, "peer_sessions"), 1, "one session, reused by every room");
-	uint64_t total = 0;
-	for (unsigned i = 0; i < sizeof(sizes) / sizeof(sizes[0]); i++)
-		total += sizes[i];
 	const char *extra = getenv("KVSTAGE_TEST_PROXY_ARGS");
 	if (extra && strstr(extra, "--rdma-device")) {
 		/* The RDMA data path (run in the soft-RoCE guest): B pulled every byte. */
@@ -86,7 +73,6 @@ Test(tcp, rooms_of_one_byte_to_many_chunks_arrive_byte_for_byte)
 		cr_assert_geq(stat_get(&pa, "tcp_bytes_tx"), total, "the bytes went over tcp");
 		cr_assert_geq(stat_get(&pb, "tcp_bytes_rx"), total);
 	}
-	/* kvstage-stat shows the session on both sides */
 	static char out[8192], err[1024];
 	cr_assert_eq(run_cmd((const char *[]){ build_path("tools/kvstage-stat"), "--socket", pa.sock,
 					       NULL }, out, sizeof(out), err, sizeof(err)), 0, "%s", err);
@@ -132,17 +118,6 @@ static struct decisive decisive_loopback(const char *rx_bin)
 						   "127.0.0.1:0", "--tcp-streams", "1", NULL });
 	LISTEN(&pa);
 	return decisive_hold(&pa, &pb, hold_px(&pa, &pb), hold_fp());
-}
-
-Test(tcp, decisive_late_payload_never_lands_in_a_reused_slot)
-{
-	struct decisive o = decisive_loopback(NULL);
-	if (by_rdma())
-		decisive_expect_tombstone(&o);
-	else
-		decisive_expect_sunk(&o);
-	wait_idle(&pa, 0);
-	wait_idle(&pb, 0);
 }
 
 /* The red half: a receiving proxy that lets go of the slot at the abort
