@@ -10,6 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <sodium.h>
@@ -117,27 +118,47 @@ static struct kvsp_frame frame_from(struct hz *z, unsigned i)
 	return f;
 }
 
-struct kvsp_frame hz_recv(struct hz *z)
+bool hz_recv_for(struct hz *z, int ms, struct kvsp_frame *out)
 {
 	if (z->stashed) {
 		z->stashed = false;
-		return z->stash;
+		*out = z->stash;
+		return true;
 	}
-	for (;;) {
+	struct timespec t0, t;
+	clock_gettime(CLOCK_MONOTONIC, &t0);
+	for (int left = ms; left >= 0;) {
 		struct pollfd p[HZ_STREAMS];
 		for (unsigned i = 0; i < z->nstreams; i++)
 			p[i] = (struct pollfd){ z->conn[i].fd, POLLIN, 0 };
-		cr_assert_gt(poll(p, z->nstreams, WAIT_MS), 0, "the proxy said nothing");
+		int n = poll(p, z->nstreams, left);
+		cr_assert_geq(n, 0);
+		if (n == 0)
+			return false;
 		for (unsigned i = 0; i < z->nstreams; i++) {
+			char c;
 			if (!p[i].revents)
 				continue;
+			if (recv(z->conn[i].fd, &c, 1, MSG_PEEK | MSG_DONTWAIT) == 0)
+				return false; /* the proxy hung up */
 			struct kvsp_frame f = frame_from(z, i);
 			if (f.type == KVS_WIRE_PING || f.type == KVS_WIRE_PONG)
 				continue;
 			cr_assert_eq(i, 0, "frame type %u on stream %u", f.type, i);
-			return f;
+			*out = f;
+			return true;
 		}
+		clock_gettime(CLOCK_MONOTONIC, &t);
+		left = ms - (int)((t.tv_sec - t0.tv_sec) * 1000 + (t.tv_nsec - t0.tv_nsec) / 1000000);
 	}
+	return false;
+}
+
+struct kvsp_frame hz_recv(struct hz *z)
+{
+	struct kvsp_frame f;
+	cr_assert(hz_recv_for(z, WAIT_MS, &f), "the proxy said nothing");
+	return f;
 }
 
 void hz_accept(struct hz *z)

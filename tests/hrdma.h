@@ -47,6 +47,9 @@ struct kvs_room_desc hz_desc(const struct hz *z, uint32_t room, uint32_t gen, ui
 void hz_accept(struct hz *z);
 /* The next frame on stream 0 that is not a PING (PINGs on every stream are answered). */
 struct kvsp_frame hz_recv(struct hz *z);
+/* As hz_recv, for at most ms: returns false (answering PINGs meanwhile) if no other frame came
+ * or the proxy hung up. */
+bool hz_recv_for(struct hz *z, int ms, struct kvsp_frame *out);
 /* Answers the proxy's OPEN (the next frame must be one) with OPEN_ACK 0. */
 void hz_ack_open(struct hz *z);
 /* The next CHUNK_READ (the frame must be one). */

@@ -12,6 +12,10 @@
  *   (e) one byte past its chunk;
  *   (f) its chunk through another session's queue pair.
  *
+ * and (g) leaves the CHUNK_READ of an aborted room unacknowledged while
+ * answering everything else, which would hold a place of V's READ window
+ * for good: past --peer-timeout V loses the session.
+ *
  * Every READ fails at V's NIC (the hostile peer's buffer stays as it was);
  * V counts it (rdma_reads_refused) and says so in its log; for (a), (b),
  * (d), (e) and (f) the hostile session is lost. For (c) it is not: a READ
@@ -66,17 +70,32 @@ static void teardown(void)
 
 TestSuite(hostile_rdma, .init = setup, .fini = teardown, .timeout = 240);
 
-/* V and H on the guest's device; keys: --rdma-keys, NULL for the default. */
-static void start(const char *keys)
+/* V and H on the guest's device; keys: --rdma-keys, NULL for the default;
+ * timeout: --peer-timeout, NULL for the default. */
+static void start_with(const char *keys, const char *timeout)
 {
 	const char *dev = getenv("RXE_DEV");
 	if (!(dev && *dev))
 		cr_skip_test("no RDMA device here ($RXE_DEV unset): tools/run-tests.sh runs this "
 			     "suite in the soft-RoCE guest: tests/rxe/run.sh -- build/tests/test-hostile-rdma");
-	const char *a[] = { "--slots", "64", "--slot-size", "64K", "--listen", "127.0.0.1:0",
-			    "--rdma-device", dev, keys ? "--rdma-keys" : NULL, keys, NULL };
+	const char *a[12] = { "--slots", "64", "--slot-size", "64K", "--listen", "127.0.0.1:0",
+			      "--rdma-device", dev };
+	unsigned n = 8;
+	if (keys) {
+		a[n++] = "--rdma-keys";
+		a[n++] = keys;
+	}
+	if (timeout) {
+		a[n++] = "--peer-timeout";
+		a[n++] = timeout;
+	}
 	proxy_start(&pv, NULL, a);
 	proxy_start(&ph, NULL, a);
+}
+
+static void start(const char *keys)
+{
+	start_with(keys, NULL);
 }
 
 /* A room from V to H by READ, byte for byte: V still serves its honest peer. */
@@ -242,6 +261,36 @@ Test(hostile_rdma, a_chunk_after_its_rooms_abort)
 	cr_assert_eq(kvs_room_close(sr), 0);
 	honest(V_OWNER + 1);
 	hz_close(&z); /* it hangs up: V's session with it ends, and what V held for it comes back */
+	pools_end_free((kvs_client *[]){ tx }, 1);
+}
+
+/* (g) z answers V's ABORT with ENDED (a receiver whose READs are done) and
+ * every PING, but never the CHUNK_READ's ack. At 2 s of --peer-timeout (the
+ * other cases run at the default), so that the wait is short. */
+Test(hostile_rdma, a_chunk_read_never_acknowledged)
+{
+	start_with(NULL, "2000");
+	hz_listen(&z, &good, randombytes_random());
+	kvs_client *tx = connect_ok(&pv);
+	kvs_room *sr = room_to(&z, tx, 1, 2 * SLOT);
+	send_chunk(&z, tx, sr, Z_OWNER + 1, 0, SLOT);
+	struct before b = before();
+	cr_assert_eq(kvs_abort(sr), 0);
+	struct kvsp_frame f = hz_recv(&z);
+	cr_assert_eq(f.type, KVS_WIRE_ABORT, "V's next frame is type %u", f.type);
+	struct kvs_wire_ended e = { .room = f.body.abort.room, .sender_ref = f.body.abort.sender_ref,
+				    .from = htole32(KVS_WIRE_FROM_RECV) };
+	hp_send(&z.conn[0], KVS_WIRE_ENDED, &e, 0, NULL);
+	cr_assert_eq(wait_event(tx).type, KVS_EV_ABORTED);
+	cr_assert_eq(kvs_room_close(sr), 0);
+	/* Barrier: z keeps the session alive (PONGs) until V gives it up. */
+	for (unsigned waited = 0; stat_get(&pv, "peer_lost") == b.lost; waited += 100) {
+		cr_assert_lt(waited, WAIT_MS, "V kept the session with an unacknowledged READ");
+		if (hz_recv_for(&z, 100, &f))
+			cr_assert_eq(f.type, KVS_WIRE_ENDED, "V said type %u", f.type); /* it quiesced */
+	}
+	cr_assert_geq(proxy_log_count(&pv, "unacknowledged past --peer-timeout"), 1);
+	honest(V_OWNER + 1);
 	pools_end_free((kvs_client *[]){ tx }, 1);
 }
 

@@ -86,6 +86,11 @@ struct kvsp_dp_ops {
 			const struct kvsp_frame *f);
 	/* Optional: the payload its frame announced is all in (c->rx_*). */
 	void (*payload_end)(struct kvsp_dp *dp, struct psess *s, struct pconn *c);
+	/* Optional: a frame about s itself it owes on stream 0 (RDMA: its
+	 * HELLO), into *out; out NULL: only whether. Said before any room's
+	 * frame, so that a peer hears how to reach us before it hears that a
+	 * room is open (and carries its first chunks the best way). */
+	bool (*next_control)(struct kvsp_dp *dp, struct psess *s, struct kvsp_dp_frame *out);
 	/* The next frame it owes on c (control on stream 0, then chunks),
 	 * into *out; out NULL: only whether there is one. Returns true if so. */
 	bool (*next_frame)(struct kvsp_dp *dp, struct psess *s, struct pconn *c,
@@ -99,6 +104,9 @@ struct kvsp_dp_ops {
 	void (*sess_force)(struct kvsp_dp *dp, struct psess *s);
 	/* s is ended: its state goes (no call into the core). */
 	void (*sess_free)(struct kvsp_dp *dp, struct psess *s);
+	/* Optional: every eighth of --peer-timeout (timeout_ns): a session whose
+	 * peer owes this data path an answer longer than that is lost. */
+	void (*tick)(struct kvsp_dp *dp, uint64_t now, uint64_t timeout_ns);
 	/* Reaps completions. Returns KVSP_BUSY or KVSP_IDLE. */
 	int (*poll)(struct kvsp_dp *dp);
 	/* True while poll has work that needs no outside event. */

@@ -282,8 +282,29 @@ static int rdma_on_frame(struct kvsp_dp *dp, struct psess *s, struct pconn *c,
 	return -EPROTO;
 }
 
-/* On stream 0, in order: our HELLO, the acks we owe (each lands its chunk
- * as it is sealed), then the chunks we send, within the window. */
+/* Our HELLO, before the rooms' frames: a sender that hears our OPEN_ACK
+ * has heard it, and READs the room's first chunks. */
+static bool rdma_next_control(struct kvsp_dp *dp, struct psess *s, struct kvsp_dp_frame *out)
+{
+	struct rdma *r = rdma_of(dp);
+	struct rsess *rs = &r->rs[s->idx];
+	if (rs->id != s->id || !rs->owe_hello)
+		return false;
+	if (out) {
+		rs->owe_hello = false;
+		const struct kvsp_verbs_ep *e = &rs->local;
+		out->type = KVS_WIRE_RDMA_HELLO;
+		out->body.rdma_hello = (struct kvs_wire_rdma_hello){
+			.qpn = htole32(e->qpn), .psn = htole32(e->psn),
+			.pool_addr = htole64(e->pool_addr), .pool_len = htole64(e->pool_len),
+			.keys = htole32(e->keys), .mtu = htole32(e->mtu) };
+		memcpy(out->body.rdma_hello.gid, e->gid, sizeof(e->gid));
+	}
+	return true;
+}
+
+/* On stream 0, in order: the acks we owe (each lands its chunk as it is
+ * sealed), then the chunks we send, within the window. */
 static bool rdma_next_frame(struct kvsp_dp *dp, struct psess *s, struct pconn *c,
 			    struct kvsp_dp_frame *out)
 {
@@ -291,19 +312,6 @@ static bool rdma_next_frame(struct kvsp_dp *dp, struct psess *s, struct pconn *c
 	struct rsess *rs = &r->rs[s->idx];
 	if (c->stream != 0 || rs->id != s->id)
 		return false;
-	if (rs->owe_hello) {
-		if (out) {
-			rs->owe_hello = false;
-			const struct kvsp_verbs_ep *e = &rs->local;
-			out->type = KVS_WIRE_RDMA_HELLO;
-			out->body.rdma_hello = (struct kvs_wire_rdma_hello){
-				.qpn = htole32(e->qpn), .psn = htole32(e->psn),
-				.pool_addr = htole64(e->pool_addr), .pool_len = htole64(e->pool_len),
-				.keys = htole32(e->keys), .mtu = htole32(e->mtu) };
-			memcpy(out->body.rdma_hello.gid, e->gid, sizeof(e->gid));
-		}
-		return true;
-	}
 	return rrecv_next(r, rs, out) || rsend_next(r, rs, out);
 }
 
@@ -467,6 +475,31 @@ static void rdma_on_fd(struct kvsp_dp *dp)
 	r->armed = false;
 }
 
+/* A CHUNK_READ whose key an abort revoked keeps its window place until the
+ * peer acknowledges it; a peer that never does would stall the session's
+ * READs for good. Past --peer-timeout it loses the session instead. */
+static void rdma_tick(struct kvsp_dp *dp, uint64_t now, uint64_t timeout_ns)
+{
+	struct rdma *r = rdma_of(dp);
+	for (unsigned i = 0; i < PSESS_MAX; i++) {
+		struct rsess *rs = &r->rs[i];
+		struct psess *s = rs->nrevoked && !rs->lost ? rs_session(r, rs) : NULL;
+		if (!s)
+			continue;
+		uint64_t oldest = now;
+		for (unsigned k = 0; k < rs->nrevoked; k++)
+			if (rs->revoked[k].at_ns < oldest)
+				oldest = rs->revoked[k].at_ns;
+		if (now - oldest <= timeout_ns)
+			continue;
+		RLOG(r, KVSP_LOG_WARN,
+		     "peer %s: %u CHUNK_READs of aborted rooms unacknowledged past --peer-timeout "
+		     "(%llu ms): session lost", s->ep.text, rs->nrevoked,
+		     (unsigned long long)(timeout_ns / 1000000));
+		psess_lost(dp->sessions, s, -ETIMEDOUT);
+	}
+}
+
 /* ------------------------------------------------------- a session's end */
 
 static bool rdma_sess_quiesce(struct kvsp_dp *dp, struct psess *s)
@@ -544,10 +577,12 @@ const struct kvsp_dp_ops kvsp_dp_rdma = {
 	.send = rdma_send,
 	.cancel = rdma_cancel,
 	.on_frame = rdma_on_frame,
+	.next_control = rdma_next_control,
 	.next_frame = rdma_next_frame,
 	.sess_quiesce = rdma_sess_quiesce,
 	.sess_force = rdma_sess_force,
 	.sess_free = rdma_sess_free,
+	.tick = rdma_tick,
 	.poll = rdma_poll,
 	.pending = rdma_pending,
 	.loop_fd = rdma_loop_fd,

@@ -123,7 +123,9 @@ struct rsess {
 	uint32_t keyed;                  /* every chunk holding a key (a circle, by kprev/knext) */
 	unsigned unacked;                /* CHUNK_READs sent whose ack has not come (revoked too) */
 	unsigned nkeys;                  /* chunks holding a key */
-	uint64_t revoked[WINDOW];        /* xfer refs revoked before their ack came */
+	struct {
+		uint64_t ref, at_ns;     /* an xfer ref revoked before its ack came, and when */
+	} revoked[WINDOW];               /* each holds a window place: owed within --peer-timeout */
 	unsigned nrevoked;
 	bool revoked_early;              /* ... one was, on this queue pair: a READ of it
 					  * may have been on its way, and refused */

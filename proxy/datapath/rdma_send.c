@@ -349,7 +349,7 @@ bool rsend_next(struct rdma *r, struct rsess *rs, struct kvsp_dp_frame *out)
 bool rsend_forget_revoked(struct rsess *rs, uint64_t ref)
 {
 	for (unsigned i = 0; i < rs->nrevoked; i++)
-		if (rs->revoked[i] == ref) {
+		if (rs->revoked[i].ref == ref) {
 			rs->revoked[i] = rs->revoked[--rs->nrevoked];
 			return true;
 		}
@@ -429,10 +429,12 @@ void rsend_cancel(struct rdma *r, uint32_t room, uint32_t gen)
 					revoke(r, rs, slot);
 					break;
 				case S_ANNOUNCED:
-					/* Its ack may still come: it frees its window
-					 * place. (At most WINDOW are unacknowledged.) */
-					if (rs->nrevoked < WINDOW)
-						rs->revoked[rs->nrevoked++] = (uint64_t)x->epoch << 32 | slot;
+					/* Its ack frees its window place, and is owed
+					 * within --peer-timeout (rdma_tick). Each entry
+					 * is an unacknowledged READ: never more than
+					 * WINDOW of them. */
+					rs->revoked[rs->nrevoked].ref = (uint64_t)x->epoch << 32 | slot;
+					rs->revoked[rs->nrevoked++].at_ns = kvsp_xport_now(r->dp.p);
 					rs->revoked_early |= e->gen == (uint16_t)rs->gen;
 					e->then = T_CANCELLED;
 					revoke(r, rs, slot);

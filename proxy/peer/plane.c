@@ -78,9 +78,10 @@ static uint64_t now_of(const struct peer *pr)
 /* ---------------------------------------------------- what is owed where */
 
 /* The next frame c owes, in the order the peer must hear them: on stream
- * 0 the session's own (PONG, PING, BYE), then the rooms' (refusals, OPEN,
- * OPEN_ACK, ABORT, DONE, ENDED); then each data path's (its control on
- * stream 0, its chunks). out NULL: only whether there is one. */
+ * 0 the session's own (PONG, PING, BYE), the data paths' about the session
+ * (an RDMA HELLO), then the rooms' (refusals, OPEN, OPEN_ACK, ABORT, DONE,
+ * ENDED); then each data path's (its control on stream 0, its chunks).
+ * out NULL: only whether there is one. */
 static bool next_frame(struct peer *pr, struct psess *s, struct pconn *c, struct kvsp_dp_frame *out)
 {
 	if (out) /* a frame without a payload sets none of these */
@@ -89,8 +90,16 @@ static bool next_frame(struct peer *pr, struct psess *s, struct pconn *c, struct
 		uint64_t now = out ? now_of(pr) : 0; /* a PING's value, an OPEN's time */
 		union kvs_wire_body *body = out ? &out->body : NULL;
 		uint16_t type;
-		if (psess_next_frame(s, now, &type, body) ||
-		    proom_next_frame(&pr->rooms, s, now, &type, body)) {
+		if (psess_next_frame(s, now, &type, body)) {
+			if (out)
+				out->type = type;
+			return true;
+		}
+		for (unsigned k = 0; k < pr->ndps; k++)
+			if (pr->dps[k]->ops->next_control &&
+			    pr->dps[k]->ops->next_control(pr->dps[k], s, out))
+				return true;
+		if (proom_next_frame(&pr->rooms, s, now, &type, body)) {
 			if (out)
 				out->type = type;
 			return true;
@@ -320,6 +329,9 @@ static void on_timer(struct peer *pr)
 			conn_fail(pr, c, -ETIMEDOUT);
 	}
 	psess_tick(&pr->sessions, now);
+	for (unsigned k = 0; k < pr->ndps; k++)
+		if (pr->dps[k]->ops->tick)
+			pr->dps[k]->ops->tick(pr->dps[k], now, pr->timeout_ns);
 	uint32_t id;
 	while ((id = proom_overdue(&pr->rooms, now, pr->timeout_ns))) {
 		struct psess *s = psess_get(&pr->sessions, id);
