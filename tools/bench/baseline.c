@@ -24,7 +24,8 @@
 #include <rte_ring.h>
 #include <rte_ring_elem.h>
 
-#include "bench.h"
+#include "kvstage.h"
+#include "report.h"
 
 /* ------------------------------------------------------------- memcpy */
 
@@ -405,6 +406,53 @@ int baseline_wake(unsigned samples, uint64_t gap_ns, struct lat *out)
 }
 
 /* ---------------------------------------------------------------- mode */
+
+static int report_baseline(const struct bench_opts *o, const struct baseline_point *pt,
+			   unsigned n, const struct ring_base *ring)
+{
+	char a[16];
+	struct doc *d = calloc(1, sizeof(*d));
+	struct point *pts = calloc(n, sizeof(*pts));
+	if (!d || !pts) {
+		free(d);
+		free(pts);
+		return 1;
+	}
+	CAT(d->head, "kvstage-bench %s baseline: %.2f s per figure\n", KVS_VERSION_STRING,
+	    o->baseline_sec);
+	doc_head(d, o, NULL, NULL, true, ring);
+	put(&d->top, "points", U_POINTS);
+	d->csv = "mode,chunk_bytes,memcpy_gbps,tcp_gbps,ring_rt_per_s,ring_rtt_p50_us,"
+		 "ring_rtt_p99_us,ring_rtt_p999_us,ring_batched_records_per_s";
+	d->col0 = "chunk";
+	d->pt = pts;
+	d->npt = n;
+	CAT(d->tail, "\nmemcpy: one thread, chunk-sized buffers around a %s ring each way.\n"
+		     "TCP: one connection on 127.0.0.1, writes of the chunk size, two processes.\n",
+	    bench_size_str(o->wset, a, sizeof(a)));
+	for (unsigned i = 0; i < n; i++) {
+		bench_size_str(pt[i].chunk, pts[i].name, sizeof(pts[i].name));
+		put_int(&pts[i], "chunk_bytes", pt[i].chunk);
+		fig(&pts[i], NULL, "memcpy GB/s", U_NUM, pt[i].memcpy_gbps, "memcpy_gbps");
+		fig(&pts[i], NULL, "TCP GB/s", U_NUM, pt[i].tcp_gbps, "tcp_gbps");
+	}
+	report(d);
+	free(pts);
+	free(d);
+	if (!o->plot)
+		return 0;
+	uint64_t x[BENCH_MAX_CHUNKS];
+	double mc[BENCH_MAX_CHUNKS], tc[BENCH_MAX_CHUNKS];
+	for (unsigned i = 0; i < n; i++) {
+		x[i] = pt[i].chunk;
+		mc[i] = pt[i].memcpy_gbps;
+		tc[i] = pt[i].tcp_gbps;
+	}
+	const double *cols[] = { mc, tc };
+	const char *names[] = { "memcpy, one thread", "TCP, one loopback connection" };
+	const char *styles[] = { "linespoints lw 2 pt 7", "linespoints lw 2 pt 5" };
+	return plot(o, "kvstage-bench baselines", x, n, cols, names, styles, 2);
+}
 
 int run_baseline(const struct bench_opts *o)
 {

@@ -55,6 +55,15 @@ struct bench_opts {
 	unsigned tcp_streams; /* tcp: --tcp-streams of the proxies, and of the raw baseline */
 	const char *rdma_device; /* verbs: the device both proxies and ib_read_bw use */
 	int rdma_gid_index;      /* verbs: -1: the proxies' and perftest's own choice */
+	/* gpu */
+	uint64_t gpu_size;       /* bytes per slot copy and per gather */
+	uint64_t psizes[16];     /* gather/scatter page sizes */
+	unsigned npsizes;
+	unsigned pages;          /* pages per gather; 0: a whole gpu_size */
+	uint64_t pool;           /* device page pool the tables draw from */
+	unsigned iters, reps;
+	bool gather_modes[3];    /* enum kvs_cuda_gather_mode */
+	int device;
 	int argc;
 	char **argv; /* as given, for --json */
 };
@@ -64,8 +73,8 @@ struct bench_opts {
 /* Parses the command line into o (defaults filled in). Returns 0, 1 when
  * --help or --version was served, or 2 after printing why the input is bad. */
 int bench_opts_parse(int argc, char **argv, struct bench_opts *o);
-/* True if the command line's mode word is "gpu" (looked for before any parsing). */
-bool bench_mode_is_gpu(int argc, char **argv);
+/* The mode's word ("local", ...). */
+const char *bench_mode_name(enum bench_mode m);
 /* Parses a decimal in [lo, hi] (digits only: no sign, space or suffix) into *out. Returns 0, or -1. */
 int bench_parse_uint(const char *s, unsigned lo, unsigned hi, unsigned *out);
 /* "64K", "1M", "1536K": the shortest exact binary-suffixed form of v, in buf. */
@@ -267,15 +276,6 @@ struct baseline_point {
 	double memcpy_gbps, tcp_gbps;
 };
 
-struct bench_proxy_info {
-	bool external;
-	const char *const *args; /* --proxy-arg, for the output */
-	unsigned nargs;
-	char bin[512];
-	char sock[128];
-	pid_t pid;
-};
-
 /* Runs the local mode over every chunk size. Returns the exit code. */
 int run_local(const struct bench_opts *o);
 /* Runs the single-chunk latency mode. Returns the exit code. */
@@ -286,28 +286,11 @@ int run_idle(const struct bench_opts *o);
 int run_tcp(const struct bench_opts *o);
 /* Runs the baselines alone. Returns the exit code. */
 int run_baseline(const struct bench_opts *o);
-/* The gpu mode (gpu.c with CUDA, else gpu_stub.c). argv is the command line
- * exactly as given (nothing parsed or permuted), so it may call
- * bench_opts_parse itself. Returns the exit code. */
-int kvs_bench_gpu_main(int argc, char **argv);
+/* Runs the gpu mode (gpu.c with CUDA, else gpu_stub.c). Returns the exit code. */
+int run_gpu(const struct bench_opts *o);
 
 /* ---------------------------------------------------------- report.c */
 
-/* Prints the local mode's result in o->fmt, and the plot if asked. Returns 0, or the exit code of a failed plot. */
-int report_local(const struct bench_opts *o, const struct local_point *pt, unsigned n,
-		 const struct ring_base *ring, const struct bench_proxy_info *px);
-/* Prints the tcp mode's result in o->fmt (report_tcp.c). */
-void report_tcp(const struct bench_opts *o, const struct local_point *pt, unsigned n,
-		const struct bench_proxy_info *px, const char *path);
-/* Prints the latency mode's result in o->fmt. */
-void report_latency(const struct bench_opts *o, const struct latency_result *r,
-		    const struct ring_base *ring, const struct bench_proxy_info *px);
-/* Prints the idle mode's result in o->fmt. */
-void report_idle(const struct bench_opts *o, const struct idle_result *r,
-		 const struct bench_proxy_info *px);
-/* Prints the baseline mode's result in o->fmt, and the plot if asked. Returns 0, or the exit code of a failed plot. */
-int report_baseline(const struct bench_opts *o, const struct baseline_point *pt, unsigned n,
-		    const struct ring_base *ring);
 /* True when the live progress line should be drawn (stderr a TTY or --progress, not --quiet). */
 bool progress_on(const struct bench_opts *o);
 /* Redraws the progress line on stderr (printf-style). */

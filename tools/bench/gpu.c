@@ -10,200 +10,26 @@
  */
 #include <cuda_runtime_api.h>
 #include <errno.h>
-#include <getopt.h>
 #include <inttypes.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "bench.h"
+#include "report.h"
 #include "kvstage.h"
 #include "kvstage_cuda.h"
 
-#define MAX_PSIZES 16
 #define TABLES 8            /* gather tables rotated through, each a different shuffle */
 #define TARGET_SLOT 0.90    /* slot copies, both directions, against cudaMallocHost */
 #define TARGET_GATHER 0.80  /* gather of 16 KiB pages */
 
-struct gopts {
-	uint64_t size;        /* bytes per slot copy; the slot size at least */
-	uint64_t psizes[MAX_PSIZES];
-	unsigned npsizes;
-	unsigned pages;       /* pages per gather; 0: a whole --size */
-	uint64_t pool;        /* device page pool the tables draw from */
-	unsigned iters, reps;
-	bool modes[3];        /* enum kvs_cuda_gather_mode */
-	const char *socket, *kvstaged;
-	int device;
-	bool json, quiet;
-};
-
 static const char *const mode_str[] = { "auto", "copy", "kernel" };
-
-static void usage(FILE *f)
-{
-	fprintf(f,
-"Usage: kvstage-bench gpu [OPTION]...\n"
-"GPU memory into and out of kvstaged slots (libkvstage_cuda): device->slot and\n"
-"slot->device GB/s, gather and scatter of paged GPU memory, each next to\n"
-"cudaMemcpy between the device and a cudaMallocHost buffer of as many bytes,\n"
-"measured in the same run (the PCIe limit), with the ratio.\n"
-"\n"
-"  -s, --socket PATH      use the kvstaged serving PATH (slot size >= the\n"
-"                         bytes of one copy); default: start one\n"
-"      --kvstaged PATH    the kvstaged to start (default: $KVSTAGED, else\n"
-"                         ../../proxy/kvstaged next to this binary, else PATH)\n"
-"      --size BYTES       bytes per slot copy and per gather (default 4M)\n"
-"      --page-size LIST   gather/scatter page sizes, multiples of 16\n"
-"                         (default 4K,8K,16K,32K,64K)\n"
-"      --pages N          pages per gather (default: --size / page size)\n"
-"      --pool BYTES       device page pool the page tables draw from\n"
-"                         (default 256M)\n"
-"      --modes LIST       gather modes to measure: auto, copy, kernel\n"
-"                         (default all three)\n"
-"      --iters N          copies per timed run (default 20)\n"
-"      --reps N           timed runs per figure, each beside a baseline run;\n"
-"                         the medians are printed (default 5)\n"
-"      --device N         CUDA device (default 0)\n"
-"      --json             one JSON object instead of the table\n"
-"  -q, --quiet            no notes on stderr\n"
-"  -h, --help             show this help\n"
-"\n"
-"Targets (printed, not enforced): slot copies >= %.2f of cudaMallocHost in both\n"
-"directions; gather of 16K pages >= %.2f.\n"
-"Exit status: 0 done, 1 a measurement or a byte check failed, 2 bad command line\n"
-"or no CUDA device.\n",
-		TARGET_SLOT, TARGET_GATHER);
-}
-
-static int bad(const char *opt, const char *val, const char *why)
-{
-	fprintf(stderr, "kvstage-bench gpu: %s '%s': %s\nTry 'kvstage-bench gpu --help'.\n", opt,
-		val, why);
-	return 2;
-}
-
-enum { O_KVSTAGED = 256, O_SIZE, O_PSIZE, O_PAGES, O_POOL, O_MODES, O_ITERS, O_REPS, O_DEV,
-       O_JSON };
-
-static int parse(int argc, char **argv, struct gopts *o)
-{
-	static const struct option lo[] = {
-		{ "socket", required_argument, NULL, 's' },
-		{ "kvstaged", required_argument, NULL, O_KVSTAGED },
-		{ "size", required_argument, NULL, O_SIZE },
-		{ "page-size", required_argument, NULL, O_PSIZE },
-		{ "pages", required_argument, NULL, O_PAGES },
-		{ "pool", required_argument, NULL, O_POOL },
-		{ "modes", required_argument, NULL, O_MODES },
-		{ "iters", required_argument, NULL, O_ITERS },
-		{ "reps", required_argument, NULL, O_REPS },
-		{ "device", required_argument, NULL, O_DEV },
-		{ "json", no_argument, NULL, O_JSON },
-		{ "quiet", no_argument, NULL, 'q' },
-		{ "help", no_argument, NULL, 'h' },
-		{ 0 },
-	};
-	static const uint64_t dflt_ps[] = { 4 << 10, 8 << 10, 16 << 10, 32 << 10, 64 << 10 };
-	*o = (struct gopts){ .size = 4 << 20, .pool = 256 << 20, .iters = 20, .reps = 5,
-			     .modes = { true, true, true } };
-	memcpy(o->psizes, dflt_ps, sizeof(dflt_ps));
-	o->npsizes = 5;
-	optind = 0; /* the whole command line is ours, as given */
-	int c;
-	unsigned u;
-	while ((c = getopt_long(argc, argv, "s:qh", lo, NULL)) != -1) {
-		switch (c) {
-		case 's':
-			o->socket = optarg;
-			break;
-		case O_KVSTAGED:
-			o->kvstaged = optarg;
-			break;
-		case O_SIZE:
-			if (kvs_parse_size(optarg, &o->size) || o->size < 4096 ||
-			    o->size > (1ull << 30) || o->size % 4096)
-				return bad("--size", optarg, "want a multiple of 4K from 4K to 1G");
-			break;
-		case O_PSIZE: {
-			o->npsizes = 0;
-			char buf[256];
-			snprintf(buf, sizeof(buf), "%s", optarg);
-			char *save = NULL;
-			for (char *t = strtok_r(buf, ",", &save); t; t = strtok_r(NULL, ",", &save)) {
-				uint64_t v;
-				if (kvs_parse_size(t, &v) || !v || v % 16 || v > (256u << 20))
-					return bad("--page-size", t, "want multiples of 16 up to 256M");
-				if (o->npsizes == MAX_PSIZES)
-					return bad("--page-size", optarg, "at most 16 sizes");
-				o->psizes[o->npsizes++] = v;
-			}
-			if (!o->npsizes)
-				return bad("--page-size", optarg, "no size given");
-			break;
-		}
-		case O_PAGES:
-			if (bench_parse_uint(optarg, 1, 1u << 20, &o->pages))
-				return bad("--pages", optarg, "want 1 to 1048576");
-			break;
-		case O_POOL:
-			if (kvs_parse_size(optarg, &o->pool) || o->pool < (1u << 20))
-				return bad("--pool", optarg, "want at least 1M");
-			break;
-		case O_MODES: {
-			memset(o->modes, 0, sizeof(o->modes));
-			char buf[64];
-			snprintf(buf, sizeof(buf), "%s", optarg);
-			char *save = NULL;
-			for (char *t = strtok_r(buf, ",", &save); t; t = strtok_r(NULL, ",", &save)) {
-				unsigned k;
-				for (k = 0; k < 3 && strcmp(t, mode_str[k]); k++)
-					;
-				if (k == 3)
-					return bad("--modes", t, "want auto, copy or kernel");
-				o->modes[k] = true;
-			}
-			break;
-		}
-		case O_ITERS:
-			if (bench_parse_uint(optarg, 1, 100000, &o->iters))
-				return bad("--iters", optarg, "want 1 to 100000");
-			break;
-		case O_REPS:
-			if (bench_parse_uint(optarg, 1, 1000, &o->reps))
-				return bad("--reps", optarg, "want 1 to 1000");
-			break;
-		case O_DEV:
-			if (bench_parse_uint(optarg, 0, 1024, &u))
-				return bad("--device", optarg, "want a device number");
-			o->device = (int)u;
-			break;
-		case O_JSON:
-			o->json = true;
-			break;
-		case 'q':
-			o->quiet = true;
-			break;
-		case 'h':
-			usage(stdout);
-			return 1;
-		default:
-			fprintf(stderr, "Try 'kvstage-bench gpu --help'.\n");
-			return 2;
-		}
-	}
-	/* The one word left is the mode word that brought us here. */
-	for (int i = optind; i < argc; i++)
-		if (strcmp(argv[i], "gpu"))
-			return bad("argument", argv[i], "unexpected (the gpu mode takes options only)");
-	return 0;
-}
 
 /* ------------------------------------------------------------ measuring */
 
 struct gctx {
-	const struct gopts *o;
+	const struct bench_opts *o;
 	kvs_client *c;
 	cudaStream_t s;
 	cudaEvent_t e0, e1;
@@ -477,72 +303,85 @@ static unsigned long pool_page_kb(kvs_client *c)
 	return kb;
 }
 
-static const char *verdict(double ratio, double target)
+/* The target a figure is held to (printed, not enforced): its JSON member and table text. */
+static void target(struct doc *d, struct point *t, const char *key, const char *txt,
+		   const struct figure *f, double min)
 {
-	return ratio >= target ? "met" : "MISSED";
-}
-
-static void print_table(const struct gopts *o, const struct cudaDeviceProp *p, const char *pool,
-			double reg_ms, unsigned long page_kb, const struct figure *f, unsigned n)
-{
-	char b1[32], b2[32];
-	printf("kvstage-bench gpu: %s (sm_%d%d, PCI %04x:%02x:%02x), %s per copy, %u copies x %u "
-	       "runs (medians)\n",
-	       p->name, p->major, p->minor, p->pciDomainID, p->pciBusID, p->pciDeviceID,
-	       bench_size_str(o->size, b1, sizeof(b1)), o->iters, o->reps);
-	printf("pool: %s, %lu KiB pages, registered with CUDA in %.1f ms\n", pool, page_kb, reg_ms);
-	printf("baseline: cudaMemcpy between the device and a cudaMallocHost buffer of the same "
-	       "bytes, measured beside each figure\n\n");
-	printf("%-24s %8s %10s %9s %7s  %s\n", "figure", "bytes", "GB/s", "base GB/s", "ratio",
-	       "bytes checked");
-	for (unsigned i = 0; i < n; i++) {
-		char name[64];
-		if (f[i].psize)
-			snprintf(name, sizeof(name), "%s %s %s", f[i].name,
-				 bench_size_str(f[i].psize, b1, sizeof(b1)), f[i].mode);
-		else
-			snprintf(name, sizeof(name), "%s", f[i].name);
-		printf("%-24s %8s %10.2f %5.2f %3s %7.3f  %s\n", name,
-		       bench_size_str(f[i].bytes, b2, sizeof(b2)), f[i].gbps, f[i].base_gbps,
-		       f[i].base, f[i].ratio, f[i].verified ? "ok" : "WRONG");
+	char k[72];
+	if (!f) {
+		CAT(d->tail, ", %s not measured (not in --page-size)", txt);
+		return;
 	}
-}
-
-/* Every string goes through kvs_json_string: the device name comes from the
- * driver and the pool description holds the --socket path as given. */
-static void print_json(const struct gopts *o, const struct cudaDeviceProp *p, const char *pool,
-		       double reg_ms, unsigned long page_kb, const struct figure *f, unsigned n)
-{
-	printf("{\"mode\":\"gpu\",\"device\":{\"name\":");
-	kvs_json_string(stdout, p->name);
-	printf(",\"sm\":%d%d,\"pci\":\"%04x:%02x:%02x\"},\"size\":%" PRIu64
-	       ",\"iters\":%u,\"reps\":%u,\"pool\":",
-	       p->major, p->minor, p->pciDomainID, p->pciBusID, p->pciDeviceID, o->size, o->iters,
-	       o->reps);
-	kvs_json_string(stdout, pool);
-	printf(",\"pool_page_kb\":%lu,\"register_ms\":%.3f,"
-	       "\"baseline\":\"cudaMemcpy device<->cudaMallocHost, same bytes\",\"results\":[",
-	       page_kb, reg_ms);
-	for (unsigned i = 0; i < n; i++) {
-		printf("%s{\"figure\":", i ? "," : "");
-		kvs_json_string(stdout, f[i].name);
-		if (f[i].psize) {
-			printf(",\"page_size\":%" PRIu64 ",\"gather_mode\":", f[i].psize);
-			kvs_json_string(stdout, f[i].mode);
-		}
-		printf(",\"bytes\":%" PRIu64 ",\"gbps\":%.3f,\"baseline\":", f[i].bytes, f[i].gbps);
-		kvs_json_string(stdout, f[i].base);
-		printf(",\"baseline_gbps\":%.3f,\"ratio\":%.4f,\"verified\":%s}", f[i].base_gbps,
-		       f[i].ratio, f[i].verified ? "true" : "false");
+	if (f->psize) {
+		snprintf(k, sizeof(k), "targets.%s.mode", key);
+		put_str(t, k, "%s", f->mode);
 	}
-	printf("]");
+	snprintf(k, sizeof(k), "targets.%s.min_ratio", key);
+	put_num(t, k, min);
+	snprintf(k, sizeof(k), "targets.%s.ratio", key);
+	put_num(t, k, f->ratio);
+	snprintf(k, sizeof(k), "targets.%s.met", key);
+	put_bool(t, k, f->ratio >= min);
+	CAT(d->tail, "%s%s%s%s %.3f (>= %.2f: %s)", d->tail[1] ? ", " : "targets: ", txt,
+	    f->psize ? " " : "", f->psize ? f->mode : "", f->ratio, min,
+	    f->ratio >= min ? "met" : "MISSED");
 }
 
-/* Target verdicts: slot copies both ways, gather of 16 KiB pages (auto). */
-static void targets(const struct gopts *o, const struct figure *f, unsigned n)
+static void report_gpu(const struct bench_opts *o, const struct cudaDeviceProp *p,
+		       const char *pool, double reg_ms, unsigned long page_kb, const struct figure *f,
+		       unsigned n)
 {
+	char b1[32];
+	struct doc *d = calloc(1, sizeof(*d));
+	struct point *pts = calloc(n, sizeof(*pts));
+	if (!d || !pts) {
+		free(d);
+		free(pts);
+		return;
+	}
+	struct point *t = &d->top;
+	d->o = o;
+	CAT(d->head, "kvstage-bench gpu: %s (sm_%d%d, PCI %04x:%02x:%02x), %s per copy, %u copies "
+		     "x %u runs (medians)\n", p->name, p->major, p->minor, p->pciDomainID, p->pciBusID,
+	    p->pciDeviceID, bench_size_str(o->gpu_size, b1, sizeof(b1)), o->iters, o->reps);
+	CAT(d->head, "pool: %s, %lu KiB pages, registered with CUDA in %.1f ms\n", pool, page_kb,
+	    reg_ms);
+	CAT(d->head, "baseline: cudaMemcpy between the device and a cudaMallocHost buffer of the "
+		     "same bytes, measured beside each figure\n");
+	put_str(t, "mode", "gpu");
+	put_str(t, "device.name", "%s", p->name);
+	put_int(t, "device.sm", (uint64_t)(p->major * 10 + p->minor));
+	put_str(t, "device.pci", "%04x:%02x:%02x", p->pciDomainID, p->pciBusID, p->pciDeviceID);
+	put_int(t, "size", o->gpu_size);
+	put_int(t, "iters", o->iters);
+	put_int(t, "reps", o->reps);
+	put_str(t, "pool", "%s", pool);
+	put_int(t, "pool_page_kb", page_kb);
+	put_num(t, "register_ms", reg_ms);
+	put_str(t, "baseline", "cudaMemcpy device<->cudaMallocHost, same bytes");
+	put(t, "results", U_POINTS);
+	d->csv = "figure,page_size,gather_mode,bytes,gbps,baseline,baseline_gbps,ratio,verified";
+	d->col0 = "figure";
+	d->pt = pts;
+	d->npt = n;
 	const struct figure *to = NULL, *from = NULL, *g16 = NULL;
 	for (unsigned i = 0; i < n; i++) {
+		struct point *q = &pts[i];
+		snprintf(q->name, sizeof(q->name), "%s", f[i].name);
+		put_str(q, "figure", "%s", f[i].name);
+		if (f[i].psize) {
+			cat(q->name, sizeof(q->name), " %s %s", bench_size_str(f[i].psize, b1, 32), f[i].mode);
+			put_int(q, "page_size", f[i].psize);
+			put_str(q, "gather_mode", "%s", f[i].mode);
+		}
+		fig(q, NULL, "bytes", U_SIZE, (double)f[i].bytes, "bytes");
+		struct fig *g = fig(q, NULL, "GB/s", U_NUM, f[i].gbps, "gbps");
+		g->bcol = "base GB/s";
+		vs(q, g, f[i].base_gbps, NULL, "baseline_gbps", "ratio");
+		fig(q, NULL, "base", U_STR, 0, NULL)->s = f[i].base;
+		put_str(q, "baseline", "%s", f[i].base);
+		fig(q, NULL, "bytes checked", U_STR, 0, NULL)->s = f[i].verified ? "ok" : "WRONG";
+		put_bool(q, "verified", f[i].verified);
 		if (!strcmp(f[i].name, "to_slot"))
 			to = &f[i];
 		else if (!strcmp(f[i].name, "from_slot"))
@@ -551,50 +390,34 @@ static void targets(const struct gopts *o, const struct figure *f, unsigned n)
 			 (!g16 || !strcmp(f[i].mode, "auto")))
 			g16 = &f[i];
 	}
-	if (o->json) {
-		printf(",\"targets\":{");
-		printf("\"to_slot\":{\"min_ratio\":%.2f,\"ratio\":%.4f,\"met\":%s},", TARGET_SLOT,
-		       to->ratio, to->ratio >= TARGET_SLOT ? "true" : "false");
-		printf("\"from_slot\":{\"min_ratio\":%.2f,\"ratio\":%.4f,\"met\":%s}", TARGET_SLOT,
-		       from->ratio, from->ratio >= TARGET_SLOT ? "true" : "false");
-		if (g16) {
-			printf(",\"gather_16k\":{\"mode\":");
-			kvs_json_string(stdout, g16->mode);
-			printf(",\"min_ratio\":%.2f,\"ratio\":%.4f,\"met\":%s}", TARGET_GATHER,
-			       g16->ratio, g16->ratio >= TARGET_GATHER ? "true" : "false");
-		}
-		printf("}}\n");
-		return;
-	}
-	printf("\ntargets: device->slot %.3f (>= %.2f: %s), slot->device %.3f (>= %.2f: %s)",
-	       to->ratio, TARGET_SLOT, verdict(to->ratio, TARGET_SLOT), from->ratio, TARGET_SLOT,
-	       verdict(from->ratio, TARGET_SLOT));
-	if (g16)
-		printf(", gather 16K %s %.3f (>= %.2f: %s)", g16->mode, g16->ratio, TARGET_GATHER,
-		       verdict(g16->ratio, TARGET_GATHER));
-	else
-		printf(", gather 16K not measured (not in --page-size)");
-	printf("\n");
+	CAT(d->tail, "\n");
+	target(d, t, "to_slot", "device->slot", to, TARGET_SLOT);
+	target(d, t, "from_slot", "slot->device", from, TARGET_SLOT);
+	target(d, t, "gather_16k", "gather 16K", g16, TARGET_GATHER);
+	CAT(d->tail, "\n");
+	report(d);
+	free(pts);
+	free(d);
 }
 
-static int run(const struct gopts *o, struct gctx *g, struct figure *figs, unsigned *nfig)
+static int run(const struct bench_opts *o, struct gctx *g, struct figure *figs, unsigned *nfig)
 {
 	unsigned n = 0;
-	g->bytes = o->size;
+	g->bytes = o->gpu_size;
 	struct figure *f = &figs[n++];
-	*f = (struct figure){ .name = "to_slot", .bytes = o->size, .base = "D2H" };
+	*f = (struct figure){ .name = "to_slot", .bytes = o->gpu_size, .base = "D2H" };
 	if (measure(g, op_to_slot, op_base_d2h, f) < 0)
 		return -1;
 	f->verified = check_to_slot(g) == 0;
 	f = &figs[n++];
-	*f = (struct figure){ .name = "from_slot", .bytes = o->size, .base = "H2D" };
+	*f = (struct figure){ .name = "from_slot", .bytes = o->gpu_size, .base = "H2D" };
 	if (measure(g, op_from_slot, op_base_h2d, f) < 0)
 		return -1;
 	f->verified = check_from_slot(g) == 0;
 
 	for (unsigned pi = 0; pi < o->npsizes; pi++) {
 		g->psize = o->psizes[pi];
-		g->npages = o->pages ? o->pages : (unsigned)(o->size / g->psize);
+		g->npages = o->pages ? o->pages : (unsigned)(o->gpu_size / g->psize);
 		g->bytes = (uint64_t)g->npages * g->psize;
 		uint64_t pool_pages = o->pool / g->psize;
 		if (!g->npages || g->npages > pool_pages) {
@@ -606,7 +429,7 @@ static int run(const struct gopts *o, struct gctx *g, struct figure *figs, unsig
 		if (make_tables(g, pool_pages) < 0)
 			return -1;
 		for (int m = 0; m < 3; m++) {
-			if (!o->modes[m])
+			if (!o->gather_modes[m])
 				continue;
 			if (kvs_cuda_set_gather_mode(g->c, m) < 0)
 				return -1;
@@ -633,7 +456,7 @@ static int run(const struct gopts *o, struct gctx *g, struct figure *figs, unsig
 	return 0;
 }
 
-static int setup(const struct gopts *o, struct gctx *g, uint64_t slot)
+static int setup(const struct bench_opts *o, struct gctx *g, uint64_t slot)
 {
 	CK(cudaSetDevice(o->device));
 	/* A blocking stream: the set-up and the byte checks fill buffers with
@@ -675,13 +498,9 @@ static void teardown(struct gctx *g)
 		cudaStreamDestroy(g->s);
 }
 
-int kvs_bench_gpu_main(int argc, char **argv)
+int run_gpu(const struct bench_opts *o)
 {
-	struct gopts o;
-	int rc = parse(argc, argv, &o);
-	if (rc)
-		return rc == 1 ? 0 : rc;
-	setvbuf(stdout, NULL, _IOLBF, 0);
+	int rc;
 
 	/* No device: say so plainly and stop before starting anything. */
 	int ndev = 0;
@@ -692,45 +511,42 @@ int kvs_bench_gpu_main(int argc, char **argv)
 			e ? cudaGetErrorString(e) : "no device visible");
 		return 2;
 	}
-	if (o.device >= ndev) {
-		fprintf(stderr, "kvstage-bench gpu: --device %d: there are %d\n", o.device, ndev);
+	if (o->device >= ndev) {
+		fprintf(stderr, "kvstage-bench gpu: --device %d: there are %d\n", o->device, ndev);
 		return 2;
 	}
 	struct cudaDeviceProp prop;
-	if (cudaGetDeviceProperties(&prop, o.device) != cudaSuccess)
+	if (cudaGetDeviceProperties(&prop, o->device) != cudaSuccess)
 		memset(&prop, 0, sizeof(prop));
 
 	/* A slot holds one copy and one gather of every page size. */
-	uint64_t slot = o.size;
-	for (unsigned i = 0; i < o.npsizes; i++) {
-		uint64_t b = (uint64_t)(o.pages ? o.pages : o.size / o.psizes[i]) * o.psizes[i];
+	uint64_t slot = o->gpu_size;
+	for (unsigned i = 0; i < o->npsizes; i++) {
+		uint64_t b = (uint64_t)(o->pages ? o->pages : o->gpu_size / o->psizes[i]) * o->psizes[i];
 		if (b > slot)
 			slot = b;
 	}
 	slot = (slot + 4095) / 4096 * 4096;
 
 	struct bench_proxy px;
-	struct bench_opts po;
-	memset(&po, 0, sizeof(po));
-	po.kvstaged = o.kvstaged;
 	char pooldesc[160];
-	if (o.socket) {
-		if (proxy_attach(&px, o.socket) < 0)
+	if (o->socket) {
+		if (proxy_attach(&px, o->socket) < 0)
 			return 1;
 		if (px.slot_size < slot) {
 			fprintf(stderr, "kvstage-bench gpu: the proxy at %s has %" PRIu64
 					"-byte slots; this run needs %" PRIu64 "\n",
-				o.socket, px.slot_size, slot);
+				o->socket, px.slot_size, slot);
 			return 2;
 		}
-	} else if (proxy_start(&px, &po, slot, 4) < 0) {
+	} else if (proxy_start(&px, o, slot, 4) < 0) {
 		return 1;
 	}
 	snprintf(pooldesc, sizeof(pooldesc), "%u slots of %" PRIu64 " bytes (%s)", px.slots,
-		 px.slot_size, o.socket ? o.socket : "kvstaged started here");
+		 px.slot_size, o->socket ? o->socket : "kvstaged started here");
 
-	struct gctx g = { .o = &o };
-	struct figure figs[2 + MAX_PSIZES * 6];
+	struct gctx g = { .o = o };
+	struct figure figs[2 + 16 * 6];
 	unsigned nfig = 0;
 	double reg_ms = 0;
 	if ((rc = kvs_connect(px.sock, &g.c)) < 0) {
@@ -743,7 +559,7 @@ int kvs_bench_gpu_main(int argc, char **argv)
 		fprintf(stderr, "kvstage-bench gpu: cannot lease 2 slots\n");
 		goto out;
 	}
-	if (setup(&o, &g, px.slot_size) < 0)
+	if (setup(o, &g, px.slot_size) < 0)
 		goto out;
 	uint64_t t0 = now_ns();
 	int r = kvs_cuda_register(g.c);
@@ -754,16 +570,12 @@ int kvs_bench_gpu_main(int argc, char **argv)
 		goto out;
 	}
 	unsigned long page_kb = pool_page_kb(g.c);
-	if (run(&o, &g, figs, &nfig) < 0) {
+	if (run(o, &g, figs, &nfig) < 0) {
 		fprintf(stderr, "kvstage-bench gpu: measurement failed%s%s\n", g.err ? ": " : "",
 			g.err ? kvs_cuda_last_error() : "");
 		goto out;
 	}
-	if (o.json)
-		print_json(&o, &prop, pooldesc, reg_ms, page_kb, figs, nfig);
-	else
-		print_table(&o, &prop, pooldesc, reg_ms, page_kb, figs, nfig);
-	targets(&o, figs, nfig);
+	report_gpu(o, &prop, pooldesc, reg_ms, page_kb, figs, nfig);
 	rc = 0;
 	for (unsigned i = 0; i < nfig; i++)
 		if (!figs[i].verified) {

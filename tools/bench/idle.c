@@ -6,6 +6,7 @@
  * (control segment) confirms it really was asleep before each sample.
  */
 #include <errno.h>
+#include <math.h>
 #include <signal.h>
 #include <stdlib.h>
 #include <string.h>
@@ -18,6 +19,7 @@
 #include "bench.h"
 #include "kvstage.h"
 #include "layout.h"
+#include "report.h"
 #include "sock.h"
 
 #define ASLEEP_WAIT_NS 200000000ull
@@ -172,12 +174,61 @@ out:
 	return ret;
 }
 
+static const char *const idle_defs[][2] = {
+	{ "wake_latency", "a kvs_acquire(1) round trip issued after gap_ms with no requests, once "
+			  "the proxy's control segment says it sleeps" },
+	{ "warm_latency", "the same round trip back to back (the proxy polling)" },
+	{ "eventfd_wake_rtt", "baseline: an eventfd round trip between two processes that both "
+			      "block (placed like the proxy and the client), after the same gap: "
+			      "two wake-ups, the kernel's floor for this path" },
+};
+
+static void report_idle(const struct bench_opts *o, const struct idle_result *r,
+			const struct bench_proxy *px)
+{
+	struct doc *d = calloc(1, sizeof(*d) + sizeof(struct point));
+	if (!d)
+		return;
+	struct point *p = (struct point *)(d + 1);
+	CAT(d->head, "kvstage-bench %s idle: %.2f s with no work, then %u wake-up samples %.1f ms "
+		     "apart\n", KVS_VERSION_STRING, r->window_s, r->samples, r->gap_ms);
+	doc_head(d, o, px, "", false, NULL);
+	put(&d->top, "result", U_POINTS);
+	put_defs(d, idle_defs, sizeof(idle_defs) / sizeof(idle_defs[0]));
+	d->csv = "mode,window_s,proxy_cpu_pct,proxy_sleeps,waiting_client_cpu_pct,samples,"
+		 "samples_not_asleep,gap_ms,wake_p50_us,wake_p99_us,wake_p999_us,warm_p50_us,"
+		 "warm_p99_us,warm_p999_us,eventfd_p50_us,eventfd_p99_us,eventfd_p999_us";
+	d->pt = p;
+	d->npt = 1;
+	d->sections = true;
+	put_num(p, "window_s", r->window_s);
+	vs(p, fig(p, "proxy CPU (% of one core)", NULL, U_NUM, r->proxy_cpu, "proxy_cpu_pct"), NAN,
+	   "(no baseline: lower is better)", NULL, NULL);
+	vs(p, fig(p, "times it went to sleep", NULL, U_INT, (double)r->proxy_sleeps, "proxy_sleeps"),
+	   NAN, "(0: it slept through the window)", NULL, NULL);
+	vs(p, fig(p, "kvs_wait client CPU (%)", NULL, U_NUM, r->client_cpu, "waiting_client_cpu_pct"),
+	   NAN, "(a client blocked in kvs_wait)", NULL, NULL);
+	put_int(p, "samples", r->samples);
+	put_int(p, "samples_not_asleep", r->not_asleep);
+	put_num(p, "gap_ms", r->gap_ms);
+	vs_lat(p, fig_lat(p, "wake-up latency", NULL, &r->wake, PALL, "wake_latency_us", "wake_%s_us"),
+	       &r->efd, "eventfd round trip, both asleep,", "eventfd_wake_rtt_us|eventfd_%s_us",
+	       "ratio.wake_%s_vs_eventfd");
+	vs(p, fig_lat(p, "awake latency", NULL, &r->warm, PALL, "warm_latency_us", "warm_%s_us"), NAN,
+	   "(the same request, back to back)", NULL, NULL);
+	vs_lat(p, fig_lat(p, NULL, NULL, &r->wake, PALL, NULL, NULL), &r->warm, NULL, NULL,
+	       "ratio.wake_%s_vs_warm");
+	CAT(d->tail, "\nproxy CPU: utime + stime from /proc/PID/stat over the idle window.\n");
+	if (r->not_asleep)
+		CAT(p->notes, "  %u of %u samples found the proxy not asleep after the gap (its flag)\n",
+		    r->not_asleep, r->samples);
+	report(d);
+	free(d);
+}
+
 int run_idle(const struct bench_opts *o)
 {
 	struct bench_proxy px;
-	struct bench_proxy_info info = { .external = o->socket != NULL,
-					  .args = o->proxy_args,
-					  .nargs = o->nproxy_args };
 	struct idle_result r = { 0 };
 	if (o->socket) {
 		if (proxy_attach(&px, o->socket) < 0)
@@ -187,9 +238,6 @@ int run_idle(const struct bench_opts *o)
 	} else if (proxy_start(&px, o, o->chunks[0], proxy_slots_for(o->chunks[0], 1)) < 0) {
 		return 1;
 	}
-	snprintf(info.bin, sizeof(info.bin), "%s", px.bin);
-	snprintf(info.sock, sizeof(info.sock), "%s", px.sock);
-	info.pid = px.cpu_pid;
 	const struct kvs_ctrl *ctrl;
 	size_t clen;
 	int rc = kvs_stat_map(px.sock, &ctrl, &clen);
@@ -206,6 +254,6 @@ int run_idle(const struct bench_opts *o)
 	munmap((void *)ctrl, clen);
 	proxy_stop(&px);
 	if (!rc)
-		report_idle(o, &r, &info);
+		report_idle(o, &r, &px);
 	return rc;
 }

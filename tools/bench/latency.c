@@ -6,6 +6,7 @@
  * scheduler wake-up.
  */
 #include <errno.h>
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -15,6 +16,7 @@
 #include "bench.h"
 #include "canary.h"
 #include "kvstage.h"
+#include "report.h"
 
 #define SPIN_LIMIT_NS 10000000000ull
 
@@ -159,12 +161,58 @@ static int cycles(const struct bench_opts *o, kvs_client *rx, kvs_client *tx, ui
 	return r->iters ? 0 : 1;
 }
 
+static const char *const latency_defs[][2] = {
+	{ "chunk_latency", "kvs_send to RECV_DONE seen by the receiver (one busy-polling process "
+			   "holds both connections): one submission, one proxy pass, one "
+			   "completion; its baseline is one raw rte_ring round trip between two "
+			   "processes (the same two ring hops, with nothing in between)" },
+	{ "room_latency", "kvs_recv_open to RECV_DONE: recv_open, send_open and acquire round "
+			  "trips, then the hand-off" },
+	{ "acquire_latency", "one kvs_acquire(1) round trip (a sync op)" },
+};
+
+static void report_latency(const struct bench_opts *o, const struct latency_result *r,
+			   const struct ring_base *ring, const struct bench_proxy *px)
+{
+	char a[16];
+	struct doc *d = calloc(1, sizeof(*d) + sizeof(struct point));
+	if (!d)
+		return;
+	struct point *p = (struct point *)(d + 1);
+	CAT(d->head, "kvstage-bench %s latency: one %s chunk in flight, payload %s, %.2f s, %llu "
+		     "hand-offs (one busy-polling client process)\n",
+	    KVS_VERSION_STRING, bench_size_str(r->chunk, a, sizeof(a)),
+	    bench_payload_str(o->payload), r->seconds, (unsigned long long)r->iters);
+	doc_head(d, o, px, "", true, ring);
+	put(&d->top, "result", U_POINTS);
+	put_defs(d, latency_defs, sizeof(latency_defs) / sizeof(latency_defs[0]));
+	d->csv = "mode,chunk_bytes,payload,seconds,handoffs,handoffs_per_s,chunk_p50_us,"
+		 "chunk_p99_us,chunk_p999_us,room_p50_us,room_p99_us,room_p999_us,"
+		 "acquire_p50_us,acquire_p99_us,acquire_p999_us,proxy_cpu_pct,ring_rt_per_s,"
+		 "ring_rtt_p50_us,ring_rtt_p99_us,ring_rtt_p999_us";
+	d->pt = p;
+	d->npt = 1;
+	d->sections = true;
+	put_int(p, "chunk_bytes", r->chunk);
+	put_num(p, "seconds", r->seconds);
+	put_int(p, "handoffs", r->iters);
+	vs(p, fig(p, "hand-offs/s (1 in flight)", NULL, U_RATE, r->handoffs_s, "handoffs_per_s"),
+	   ring ? ring->rt_per_s : -1, "rte_ring ping-pong round trips/s", NULL,
+	   "ratio.handoffs_per_s_vs_ring_rt");
+	vs_lat(p, fig_lat(p, "chunk latency", NULL, &r->chunk_lat, PALL, "chunk_latency_us", "chunk_%s_us"),
+	       ring ? &ring->rtt : NULL, "rte_ring round trip", NULL, "ratio.chunk_%s_vs_ring_rtt");
+	vs_lat(p, fig_lat(p, "room latency", NULL, &r->room_lat, PALL, "room_latency_us", "room_%s_us"),
+	       ring ? &ring->rtt : NULL, "rte_ring round trip", NULL, NULL);
+	vs_lat(p, fig_lat(p, "kvs_acquire", NULL, &r->sync_lat, PALL, "acquire_latency_us", "acquire_%s_us"),
+	       ring ? &ring->rtt : NULL, "rte_ring round trip", NULL, NULL);
+	fig(p, "proxy CPU (% of one core)", NULL, U_NUM, r->proxy_cpu, "proxy_cpu_pct");
+	report(d);
+	free(d);
+}
+
 int run_latency(const struct bench_opts *o)
 {
 	struct bench_proxy px;
-	struct bench_proxy_info info = { .external = o->socket != NULL,
-					  .args = o->proxy_args,
-					  .nargs = o->nproxy_args };
 	struct latency_result r = { 0 };
 	struct ring_base ring;
 
@@ -187,9 +235,6 @@ int run_latency(const struct bench_opts *o)
 	} else if (proxy_start(&px, o, chunk, proxy_slots_for(chunk, 2)) < 0) {
 		return 1;
 	}
-	snprintf(info.bin, sizeof(info.bin), "%s", px.bin);
-	snprintf(info.sock, sizeof(info.sock), "%s", px.sock);
-	info.pid = px.cpu_pid;
 	r.chunk = chunk;
 
 	kvs_client *rx = NULL, *tx = NULL;
@@ -215,6 +260,6 @@ int run_latency(const struct bench_opts *o)
 	free(h);
 	proxy_stop(&px);
 	if (!rc)
-		report_latency(o, &r, ring.done ? &ring : NULL, &info);
+		report_latency(o, &r, ring.done ? &ring : NULL, &px);
 	return rc;
 }

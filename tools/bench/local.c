@@ -6,6 +6,7 @@
  * children's shared records.
  */
 #include <errno.h>
+#include <math.h>
 #include <poll.h>
 #include <signal.h>
 #include <stdlib.h>
@@ -14,6 +15,7 @@
 #include <unistd.h>
 
 #include "local.h"
+#include "report.h"
 
 static volatile sig_atomic_t interrupted;
 
@@ -298,14 +300,169 @@ int local_measure(const struct bench_opts *o, const struct bench_ends *e, uint64
 	return rc || pt->errors ? 1 : 0;
 }
 
+/* -------------------------------------------------------------- report */
+
+static const char *const local_defs[][2] = {
+	{ "window", "opens once every receiver is past --warmup and has completed its first "
+		    "--rooms rooms (every slot in flight written and read once: first-touch "
+		    "costs stay out), and closes at the last room completed after --duration "
+		    "(or --bytes)" },
+	{ "gbps", "room bytes completed in the window / window; 1 GB = 1e9 bytes" },
+	{ "chunk_latency", "a room's last kvs_send to its SEND_DONE, seen by the sender: the "
+			   "hand-off through the proxy (with 1-chunk rooms, one chunk's); under "
+			   "load, so it includes queueing" },
+	{ "room_latency", "kvs_recv_open to RECV_DONE, seen by the receiver: the whole room "
+			  "(descriptor to the sender, its leases, fills and sends); under load" },
+	{ "bound", "payload copy or verify: each byte is written into a slot and read out of "
+		   "one, so with m = single-thread memcpy GB/s at this chunk size (over a --wset "
+		   "ring of buffers each way, larger than the cache) and both copies on one core "
+		   "the bound is 1 / (1/m + 1/m) = m/2; payload none: m itself" },
+	{ "pipe", "payload copy: the same two copies by two processes placed like the clients, "
+		  "through a shared memfd as large as the slots in flight, slot indices passed by "
+		  "two raw rte_rings (no kvstage): what this host gives the copy path; the ratio "
+		  "beside it is kvstage's share of that" },
+	{ "chunks_ratio", "chunks/s over the raw rte_ring's batched records/s (out and back)" },
+	{ "rooms_ratio", "rooms/s over the raw rte_ring's ping-pong round trips/s" },
+	{ "latency_ratio", "each percentile over the same percentile of the raw rte_ring "
+			   "ping-pong round trip" },
+	{ "proxy_cpu", "utime + stime of the proxy from /proc/PID/stat over the window, as % "
+		       "of one core" },
+};
+
+void local_doc_begin(struct doc *d, const struct bench_opts *o, unsigned n, const char *title)
+{
+	char a[16];
+	d->o = o;
+	d->npt = n;
+	d->sections = true;
+	d->col0 = "chunk";
+	CAT(d->head, "kvstage-bench %s %s, %u rooms in flight per sender, payload %s, ",
+	    KVS_VERSION_STRING, title, o->rooms, bench_payload_str(o->payload));
+	if (o->bytes)
+		CAT(d->head, "%s bytes per point\n", bench_size_str(o->bytes, a, sizeof(a)));
+	else
+		CAT(d->head, "%.2f s per point\n", o->duration);
+}
+
+void local_point_counts(struct point *p, const struct local_point *lp, const char *pool)
+{
+	char a[16], b[16];
+	bench_size_str(lp->chunk, p->name, sizeof(p->name));
+	snprintf(p->title, sizeof(p->title), "chunk %s: rooms of %u chunks (%s bytes), %u slots %s, "
+		 "%.2f s measured after %.2f s warm-up, %llu rooms", bench_size_str(lp->chunk, a, 16),
+		 lp->room_chunks, bench_size_str(lp->room_bytes, b, 16), lp->slots, pool,
+		 lp->seconds, lp->warmup_s, (unsigned long long)lp->rooms);
+	fig(p, NULL, NULL, U_SIZE, (double)lp->chunk, "chunk_bytes");
+	fig(p, NULL, NULL, U_SIZE, (double)lp->room_bytes, "room_bytes");
+	put_int(p, "room_chunks", lp->room_chunks);
+	put_int(p, "slots", lp->slots);
+	put_num(p, "warmup_s", lp->warmup_s);
+	put_num(p, "seconds", lp->seconds);
+	put_int(p, "bytes", lp->bytes);
+	put_int(p, "chunks", lp->chunks);
+	put_int(p, "rooms", lp->rooms);
+	put_int(p, "errors", lp->errors);
+}
+
+void local_point_notes(const struct bench_opts *o, struct point *p, const struct local_point *lp)
+{
+	if (o->payload == PAYLOAD_VERIFY)
+		CAT(p->notes, "  verified: %llu chunks, %llu with a wrong byte\n",
+		    (unsigned long long)lp->chunks, (unsigned long long)lp->errors);
+}
+
+static void describe(const struct bench_opts *o, struct point *p, const struct local_point *lp,
+		     const struct ring_base *ring)
+{
+	bool copy = o->payload == PAYLOAD_COPY, one = o->payload == PAYLOAD_NONE || o->payload == PAYLOAD_IN;
+	local_point_counts(p, lp, "in the pool");
+	struct fig *f = fig(p, "GB/s", "GB/s", U_NUM, lp->gbps, "gbps");
+	f->bcol = "bound";
+	vs(p, f, lp->bound_gbps, o->payload == PAYLOAD_NONE ? "memcpy (bytes untouched: 0 copies)"
+				 : one ? "memcpy (copy in; read in place)"
+				       : "memcpy / 2 (copy in + copy out, one core)",
+	   "baseline.bound_gbps", "ratio.gbps_vs_bound");
+	put_str(p, "baseline.bound", one ? "memcpy" : "memcpy/2");
+	vs(p, fig(p, "", NULL, U_NUM, lp->gbps, NULL), lp->memcpy_gbps,
+	   keep(p, "single-thread memcpy at %s", p->name), "baseline.memcpy_gbps", "ratio.gbps_vs_memcpy");
+	f = fig(p, copy ? "" : NULL, NULL, U_NUM, lp->gbps, NULL);
+	f->bcol = copy ? "pipe" : NULL;
+	vs(p, f, lp->pipe_gbps > 0 ? lp->pipe_gbps : -1, "same copies, 2 procs, raw rte_ring",
+	   "baseline.pipe_gbps", "ratio.gbps_vs_pipe");
+	vs(p, fig(p, "chunks/s", "chunks/s", U_RATE, lp->chunks_s, "chunks_per_s"),
+	   ring ? ring->batch_rec_per_s : -1, "rte_ring records/s, bursts of 32",
+	   "baseline.ring_batched_records_per_s", "ratio.chunks_per_s_vs_ring_batched|chunks_vs_ring");
+	vs(p, fig(p, "rooms/s", "rooms/s", U_RATE, lp->rooms_s, "rooms_per_s"),
+	   ring ? ring->rt_per_s : -1, "rte_ring ping-pong round trips/s", "baseline.ring_rt_per_s",
+	   "ratio.rooms_per_s_vs_ring_rt");
+	vs_lat(p, fig_lat(p, "chunk latency", "chunk p50/p99/p99.9 us", &lp->chunk_lat, PALL,
+			  "chunk_latency_us", "chunk_%s_us"),
+	       ring ? &ring->rtt : NULL, "rte_ring round trip", NULL, "ratio.chunk_%s_vs_ring_rtt");
+	vs_lat(p, fig_lat(p, "room latency", "room p50/p99/p99.9 us", &lp->room_lat, PALL,
+			  "room_latency_us", "room_%s_us"),
+	       ring ? &ring->rtt : NULL, "rte_ring round trip", NULL, "ratio.room_%s_vs_ring_rtt");
+	fig(p, "proxy CPU (% of one core)", "CPU%", U_NUM, lp->proxy_cpu, "proxy_cpu_pct");
+	local_point_notes(o, p, lp);
+}
+
+static int report_local(const struct bench_opts *o, const struct local_point *pt, unsigned n,
+			const struct ring_base *ring, const struct bench_proxy *px)
+{
+	char title[128];
+	struct doc *d = calloc(1, sizeof(*d));
+	struct point *pts = calloc(n, sizeof(*pts));
+	if (!d || !pts) {
+		free(d);
+		free(pts);
+		return 1;
+	}
+	snprintf(title, sizeof(title), "local: %u sender(s) x %u receiver(s)", o->senders, o->receivers);
+	local_doc_begin(d, o, n, title);
+	doc_head(d, o, px, ", started per point with --slot-size = chunk size", true, ring);
+	put_defs(d, local_defs, sizeof(local_defs) / sizeof(local_defs[0]));
+	put(&d->top, "points", U_POINTS);
+	d->csv = "mode,chunk_bytes,room_bytes,room_chunks,payload,pairs,rooms_in_flight,seconds,"
+		 "bytes,chunks,rooms,errors,gbps,chunks_per_s,rooms_per_s,chunk_p50_us,"
+		 "chunk_p99_us,chunk_p999_us,room_p50_us,room_p99_us,room_p999_us,proxy_cpu_pct,"
+		 "memcpy_gbps,bound_gbps,gbps_vs_bound,ring_batched_records_per_s,"
+		 "chunks_vs_ring,ring_rtt_p50_us,chunk_p50_vs_ring_rtt,pipe_gbps,gbps_vs_pipe";
+	d->pt = pts;
+	for (unsigned i = 0; i < n; i++)
+		describe(o, &pts[i], &pt[i], ring);
+	report(d);
+	free(pts);
+	free(d);
+	if (!o->plot)
+		return 0;
+	uint64_t x[BENCH_MAX_CHUNKS];
+	double kv[BENCH_MAX_CHUNKS], mc[BENCH_MAX_CHUNKS], bd[BENCH_MAX_CHUNKS], pp[BENCH_MAX_CHUNKS];
+	for (unsigned i = 0; i < n; i++) {
+		x[i] = pt[i].chunk;
+		kv[i] = pt[i].gbps;
+		mc[i] = pt[i].memcpy_gbps;
+		bd[i] = pt[i].bound_gbps;
+		pp[i] = pt[i].pipe_gbps;
+	}
+	char kname[64];
+	snprintf(title, sizeof(title), "kvstage local, payload %s, %u pair(s), %u rooms in flight",
+		 bench_payload_str(o->payload), o->senders, o->rooms);
+	snprintf(kname, sizeof(kname), "kvstage local (payload %s)", bench_payload_str(o->payload));
+	const double *cols[] = { kv, mc, bd, pp };
+	const char *names[] = { kname, "memcpy, one thread",
+				o->payload == PAYLOAD_NONE || o->payload == PAYLOAD_IN
+					? "bound = memcpy"
+					: "bound = memcpy/2 (copy in + out)",
+				"same copies, 2 processes, raw rte_ring" };
+	const char *styles[] = { "linespoints lw 2 pt 7", "lines dt 2 lw 2", "lines dt 3 lw 2",
+				 "linespoints dt 4 lw 2 pt 6" };
+	return plot(o, title, x, n, cols, names, styles, o->payload == PAYLOAD_COPY ? 4 : 3);
+}
+
 int run_local(const struct bench_opts *o)
 {
 	local_catch_signals();
 
 	struct local_point *pts = calloc(o->nchunks, sizeof(*pts));
-	struct bench_proxy_info info = { .external = o->socket != NULL,
-					  .args = o->proxy_args,
-					  .nargs = o->nproxy_args };
 	struct ring_base ring;
 	if (!pts)
 		return 1;
@@ -330,9 +487,6 @@ int run_local(const struct bench_opts *o)
 			free(pts);
 			return 2;
 		}
-		snprintf(info.bin, sizeof(info.bin), "%s", px.bin);
-		snprintf(info.sock, sizeof(info.sock), "%s", px.sock);
-		info.pid = px.cpu_pid;
 		pin_external(px.cpu_pid);
 	}
 
@@ -406,8 +560,6 @@ int run_local(const struct bench_opts *o)
 				break;
 			}
 			pt->slots = slots;
-			snprintf(info.bin, sizeof(info.bin), "%s", px.bin);
-			info.pid = px.pid;
 			note(o, "local %s: kvstaged pid %d, %u slots; %u pair(s), %u rooms x %u chunks, "
 				"payload %s",
 			     cs, (int)px.pid, slots, pairs, o->rooms, pt->room_chunks,
@@ -424,7 +576,7 @@ int run_local(const struct bench_opts *o)
 	if (interrupted)
 		rc = 130;
 	if (done) {
-		int prc = report_local(o, pts, done, ring.done ? &ring : NULL, &info);
+		int prc = report_local(o, pts, done, ring.done ? &ring : NULL, &px);
 		if (!rc)
 			rc = prc;
 	}

@@ -8,6 +8,7 @@
 
 #include "bench.h"
 #include "kvstage.h"
+#include "report.h"
 
 /* What a receiver sends its sender: the room and a sequence number that
  * names the room's canary. */
@@ -75,5 +76,13 @@ int local_receiver(struct lctx *x, int desc_wr, int ready_wr, int go_rd, int don
 /* A sender: connects, says ready, waits for go, then opens, fills and sends
  * every room whose descriptor arrives on desc_rd, until EOF. Returns the exit code. */
 int local_sender(struct lctx *x, int desc_rd, int ready_wr, int go_rd);
+
+/* The table's first line, "kvstage-bench VERSION " title ", N rooms in flight ...", and the
+ * summary; for local and tcp. */
+void local_doc_begin(struct doc *d, const struct bench_opts *o, unsigned n, const char *title);
+/* A local or tcp point's name, heading (its slots "pool"), sizes, window and counts. */
+void local_point_counts(struct point *p, const struct local_point *lp, const char *pool);
+/* The table's note on verified bytes. */
+void local_point_notes(const struct bench_opts *o, struct point *p, const struct local_point *lp);
 
 #endif

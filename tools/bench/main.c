@@ -7,11 +7,6 @@
 
 int main(int argc, char **argv)
 {
-	/* The gpu mode owns its whole command line (gpu.c may add options),
-	 * so it gets it untouched, before anything is parsed. */
-	if (bench_mode_is_gpu(argc, argv))
-		return kvs_bench_gpu_main(argc, argv);
-
 	/* getopt_long permutes argv; --json reports the command as given. */
 	char **orig = calloc((size_t)argc + 1, sizeof(*orig));
 	if (!orig)
@@ -25,7 +20,8 @@ int main(int argc, char **argv)
 		return rc == 1 ? 0 : rc;
 	}
 	o.argv = orig;
-	pin_init(&o);
+	if (o.mode != MODE_GPU)
+		pin_init(&o);
 	setvbuf(stdout, NULL, _IOLBF, 0);
 	switch (o.mode) {
 	case MODE_LOCAL: rc = run_local(&o); break;
@@ -34,7 +30,7 @@ int main(int argc, char **argv)
 	case MODE_LATENCY: rc = run_latency(&o); break;
 	case MODE_IDLE: rc = run_idle(&o); break;
 	case MODE_BASELINE: rc = run_baseline(&o); break;
-	case MODE_GPU: rc = kvs_bench_gpu_main(argc, orig); break;
+	case MODE_GPU: rc = run_gpu(&o); break;
 	}
 	free(orig);
 	return rc;

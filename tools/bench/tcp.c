@@ -149,7 +149,7 @@ static uint64_t stat_of(const char *sock, const char *name)
 }
 
 static int point(const struct bench_opts *o, const struct tcp_env *e, struct local_point *pt,
-		 struct bench_proxy_info *info)
+		 struct bench_proxy *shown)
 {
 	uint64_t chunk = pt->chunk;
 	unsigned pairs = o->senders;
@@ -219,7 +219,7 @@ static int point(const struct bench_opts *o, const struct tcp_env *e, struct loc
 		proxy_stop(&b);
 		return 1;
 	}
-	snprintf(info->bin, sizeof(info->bin), "%s", a.bin);
+	*shown = a; /* the report names A's binary */
 	note(o, "tcp %s: kvstaged A pid %d (senders) -> B pid %d (receivers, %s), %u slots each; "
 		"%u pair(s), %u rooms x %u chunks, payload %s",
 	     cs, (int)a.pid, (int)b.pid, listen, slots, pairs, o->rooms, pt->room_chunks,
@@ -249,12 +249,135 @@ static int point(const struct bench_opts *o, const struct tcp_env *e, struct loc
 	return rc;
 }
 
+/* -------------------------------------------------------------- report */
+
+static const char *const tcp_defs[][2] = {
+	{ "path", "proxy A (the senders' clients) dials proxy B (the receivers' clients) with the "
+		  "tcp transport: --tcp-streams connections, authenticated, frames MACed; every "
+		  "chunk is read off a socket into B's posted slot through the fence" },
+	{ "raw_tcp", "the same two endpoints with nothing of kvstage: one sender process and one "
+		     "receiver process placed like the proxies, each holding all its sockets in "
+		     "one thread, writes and reads of the chunk size from a 64 MiB ring of buffers; "
+		     "one stream, and --tcp-streams streams" },
+	{ "gbps", "room bytes completed in the window / window; 1 GB = 1e9 bytes; ratio over the "
+		  "raw figure" },
+	{ "chunks_per_s", "chunks completed per second; baseline: the better raw figure in "
+			  "chunks of this size" },
+	{ "room_latency", "kvs_recv_open on B to RECV_DONE, under load; baseline: the room bytes "
+			  "in flight (senders x --rooms x room bytes) over the better raw rate, "
+			  "the least a room can wait at that rate (Little's law)" },
+	{ "chunk_latency", "a room's last kvs_send on A to its SEND_DONE (the bytes left A's slot)" },
+	{ "proxy_cpu", "utime + stime of each proxy over the window, % of one core" },
+};
+
+/* The keys A's chunks went under, from what it did per chunk. */
+static const char *keys_name(const struct local_point *p)
+{
+	if (!(p->binds > 0) && !(p->regions > 0))
+		return "none counted";
+	return !(p->binds > 0) ? "regions" : p->regions > 0 ? "windows over chunk regions" : "windows";
+}
+
+static void describe(const struct bench_opts *o, struct point *p, const struct local_point *lp)
+{
+	bool verbs = o->mode == MODE_VERBS;
+	/* What the path's hardware gives it: ib_read_bw in verbs mode, else the better raw TCP. */
+	double raw = lp->rdma_gbps > 0 ? lp->rdma_gbps : fmax(lp->tcp1_gbps, lp->tcpn_gbps);
+	double raw_cps = raw > 0 ? raw * 1e9 / (double)lp->chunk : NAN;
+	/* Little's law: with this many room bytes in flight, a room waits at
+	 * least in_flight / rate, the floor for room latency at the raw rate. */
+	double floor = raw > 0 ? (double)o->senders * o->rooms * (double)lp->room_bytes / (raw * 1e3)
+			       : NAN;
+	local_point_counts(p, lp, "on each proxy");
+	struct fig *f = fig(p, "GB/s", "GB/s", U_NUM, lp->gbps, "gbps");
+	if (verbs) {
+		f->bcol = "ib_read_bw";
+		vs(p, f, lp->rdma_gbps > 0 ? lp->rdma_gbps : -1, keep(p, "ib_read_bw, %s", o->rdma_device),
+		   "baseline.ib_read_bw_gbps", "ratio.gbps_vs_ib_read_bw");
+		f = fig(p, "", NULL, U_NUM, lp->gbps, NULL);
+	}
+	f->bcol = "raw 1";
+	vs(p, f, lp->tcp1_gbps > 0 ? lp->tcp1_gbps : -1, "raw TCP, 1 stream", "baseline.raw_tcp_1_gbps",
+	   "ratio.gbps_vs_raw_tcp_1");
+	f = fig(p, o->tcp_streams > 1 ? "" : NULL, NULL, U_NUM, lp->gbps, NULL);
+	f->bcol = "raw N";
+	vs(p, f, lp->tcpn_gbps > 0 ? lp->tcpn_gbps : -1, keep(p, "raw TCP, %u streams", o->tcp_streams),
+	   "baseline.raw_tcp_n_gbps", "ratio.gbps_vs_raw_tcp_n");
+	vs(p, fig(p, "chunks/s", "chunks/s", U_RATE, lp->chunks_s, "chunks_per_s"), raw_cps,
+	   verbs ? "ib_read_bw, in chunks" : "raw TCP (better), in chunks",
+	   "baseline.raw_tcp_chunks_per_s", "ratio.chunks_per_s_vs_raw_tcp");
+	vs(p, fig_lat(p, "room latency", "room p50/p99 us", &lp->room_lat, P50 | P99, "room_latency_us",
+		      "room_%s_us"),
+	   floor, verbs ? "bytes in flight / ib_read_bw rate" : "bytes in flight / raw TCP rate",
+	   "baseline.room_latency_floor_us", "ratio.room_%s_vs_floor");
+	fig_lat(p, "chunk latency", NULL, &lp->chunk_lat, P50 | P99, "chunk_latency_us", "chunk_%s_us");
+	vs(p, fig(p, "proxy A CPU (% of a core)", "A CPU%", U_NUM, lp->proxy_cpu, "proxy_a_cpu_pct"),
+	   NAN, "senders' side", NULL, NULL);
+	vs(p, fig(p, "proxy B CPU (% of a core)", "B CPU%", U_NUM, lp->proxy_rx_cpu, "proxy_b_cpu_pct"),
+	   NAN, "receivers' side", NULL, NULL);
+	if (verbs) {
+		put_str(p, "keys.kind", "%s", keys_name(lp));
+		put_num(p, "keys.binds_per_chunk", lp->binds);
+		put_num(p, "keys.invalidates_per_chunk", lp->invalidates);
+		put_num(p, "keys.regions_per_chunk", lp->regions);
+		put_num(p, "keys.region_frees_per_chunk", lp->region_frees);
+		CAT(p->notes, "  keys: %s; per chunk: %.2f binds, %.2f invalidates, %.2f region "
+			      "registrations, %.2f deregistrations (their cost is in the ratios to "
+			      "ib_read_bw, which reads one region under one key)\n",
+		    keys_name(lp), lp->binds, lp->invalidates, lp->regions, lp->region_frees);
+	}
+	put_str(p, "|path", o->netns ? "veth" : "loopback");
+	local_point_notes(o, p, lp);
+}
+
+static void report_tcp(const struct bench_opts *o, const struct local_point *pt, unsigned n,
+		       const struct bench_proxy *px, const char *path)
+{
+	char title[160];
+	struct doc *d = calloc(1, sizeof(*d));
+	struct point *pts = calloc(n, sizeof(*pts));
+	if (!d || !pts) {
+		free(d);
+		free(pts);
+		return;
+	}
+	snprintf(title, sizeof(title), "%s: %u sender(s) on proxy A -> %u receiver(s) on proxy B "
+		 "over %s, --tcp-streams %u", bench_mode_name(o->mode), o->senders, o->receivers,
+		 path, o->tcp_streams);
+	local_doc_begin(d, o, n, title);
+	doc_head(d, o, px, ", two started per point with --slot-size = chunk size", false, NULL);
+	put_str(&d->top, "transport.path", "%s", path);
+	put_int(&d->top, "transport.tcp_streams", o->tcp_streams);
+	put_defs(d, tcp_defs, sizeof(tcp_defs) / sizeof(tcp_defs[0]));
+	put(&d->top, "points", U_POINTS);
+	d->csv = "mode,path,tcp_streams,chunk_bytes,room_bytes,payload,pairs,rooms_in_flight,seconds,"
+		 "bytes,chunks,rooms,errors,gbps,chunks_per_s,room_p50_us,room_p99_us,chunk_p50_us,"
+		 "chunk_p99_us,proxy_a_cpu_pct,proxy_b_cpu_pct,raw_tcp_1_gbps,raw_tcp_n_gbps,"
+		 "gbps_vs_raw_tcp_1,gbps_vs_raw_tcp_n";
+	if (o->mode == MODE_VERBS)
+		CAT(d->tail, "\nverbs: the same two proxies with --rdma-device %s: every chunk is pulled "
+			     "by RDMA READ from A's slot into B's posted slot (the fence decides at the "
+			     "completion), under a key of its own that A grants before and revokes "
+			     "after (--proxy-arg=--rdma-keys=regions measures the fallback for a device "
+			     "without windows); the baselines are the device's ib_read_bw and, for "
+			     "scale, raw TCP; latency floors and chunks/s use ib_read_bw.%s\n",
+		    o->rdma_device, strncmp(o->rdma_device, "rxe", 3) ? ""
+		    : " The device is soft-RoCE (rxe): the CPU does the NIC's work, so no figure "
+		      "here is a NIC's (and under emulation no speed means anything).");
+	d->pt = pts;
+	for (unsigned i = 0; i < n; i++)
+		describe(o, &pts[i], &pt[i]);
+	report(d);
+	free(pts);
+	free(d);
+}
+
 int run_tcp(const struct bench_opts *o)
 {
 	local_catch_signals();
 	struct tcp_env e = { .b_ip = "127.0.0.1" };
 	struct local_point *pts = calloc(o->nchunks, sizeof(*pts));
-	struct bench_proxy_info info = { .args = o->proxy_args, .nargs = o->nproxy_args };
+	struct bench_proxy shown = { .pid = 0 };
 	int rc = 0;
 	unsigned done = 0;
 	if (!pts || make_secret(&e) < 0 || (o->netns && make_netns(&e) < 0))
@@ -265,7 +388,7 @@ int run_tcp(const struct bench_opts *o)
 		pt->chunk = o->chunks[i];
 		pt->room_bytes = bench_room_bytes(o, pt->chunk);
 		pt->room_chunks = bench_room_chunks(o, pt->chunk);
-		rc = point(o, &e, pt, &info);
+		rc = point(o, &e, pt, &shown);
 		if (!rc)
 			done++;
 	}
@@ -274,7 +397,7 @@ int run_tcp(const struct bench_opts *o)
 	if (local_interrupted())
 		rc = 130;
 	if (done)
-		report_tcp(o, pts, done, &info,
+		report_tcp(o, pts, done, &shown,
 			   o->mode == MODE_VERBS ? "RDMA READ on the device, control on loopback TCP"
 			   : o->netns		 ? "veth between two network namespaces"
 						 : "loopback");
