@@ -15,7 +15,6 @@
 #include <string.h>
 #include <sys/eventfd.h>
 #include <sys/mman.h>
-#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -135,7 +134,7 @@ int baseline_ring(double sec, struct ring_base *out)
 	}
 	/* Two spinners must not share a CPU, or the figure is the scheduler's
 	 * time slice: the echo side takes the last allowed CPU, we the first. */
-	cpu_set_t all, one;
+	cpu_set_t all;
 	int first = -1, last = -1;
 	bool pin = g_pin.spread && sched_getaffinity(0, sizeof(all), &all) == 0;
 	for (int c = 0; pin && c < CPU_SETSIZE; c++)
@@ -144,26 +143,14 @@ int baseline_ring(double sec, struct ring_base *out)
 				first = c;
 			last = c;
 		}
-	fflush(NULL);
-	pid_t pid = fork();
+	pid_t pid = bench_fork(pin ? last : -1);
 	if (pid < 0) {
 		bench_free(m, 2 * each);
 		return -1;
 	}
-	if (pid == 0) {
-		prctl(PR_SET_PDEATHSIG, SIGKILL);
-		if (pin) {
-			CPU_ZERO(&one);
-			CPU_SET(last, &one);
-			sched_setaffinity(0, sizeof(one), &one);
-		}
+	if (pid == 0)
 		ring_echo(ping, pong);
-	}
-	if (pin) {
-		CPU_ZERO(&one);
-		CPU_SET(first, &one);
-		sched_setaffinity(0, sizeof(one), &one);
-	}
+	pin_one(pin ? first : -1);
 
 	/* Ping-pong: one record out, wait for it back. */
 	struct hist *h = malloc(sizeof(*h));
@@ -249,7 +236,6 @@ static void __attribute__((noreturn))
 pipe_side(bool in, int fd, size_t plen, uint64_t chunk, uint64_t wset, struct rte_ring *from,
 	  struct rte_ring *to, struct pipe_shared *ps)
 {
-	prctl(PR_SET_PDEATHSIG, SIGKILL);
 	pin_clients();
 	/* Its own mapping, populated, as a client's is at kvs_connect. */
 	uint8_t *pool = mmap(NULL, plen, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
@@ -310,9 +296,8 @@ double baseline_pipe(uint64_t chunk, uint64_t inflight, uint64_t wset, double se
 		goto out;
 	for (uint32_t i = 0; i < slots; i++)
 		rte_ring_sp_enqueue_bulk_elem(free_r, &i, sizeof(i), 1, NULL);
-	fflush(NULL);
 	for (int k = 0; k < 2; k++) {
-		pid[k] = fork();
+		pid[k] = bench_fork(-1);
 		if (pid[k] == 0)
 			pipe_side(k == 0, fd, plen, chunk, wset, k ? full : free_r, k ? free_r : full, ps);
 		if (pid[k] < 0)
@@ -361,16 +346,8 @@ int baseline_wake(unsigned samples, uint64_t gap_ns, struct lat *out)
 			close(back);
 		return -1;
 	}
-	fflush(NULL);
-	pid_t pid = fork();
+	pid_t pid = bench_fork(g_pin.on ? g_pin.proxy_cpu : -1);
 	if (pid == 0) {
-		prctl(PR_SET_PDEATHSIG, SIGKILL);
-		if (g_pin.on && g_pin.proxy_cpu >= 0) {
-			cpu_set_t one;
-			CPU_ZERO(&one);
-			CPU_SET(g_pin.proxy_cpu, &one);
-			sched_setaffinity(0, sizeof(one), &one);
-		}
 		for (;;) {
 			eventfd_t v;
 			if (eventfd_read(there, &v) < 0 && errno != EINTR)

@@ -149,6 +149,10 @@ int proxy_start_ex(struct bench_proxy *px, const struct bench_opts *o, uint64_t 
 /* Uses the running proxy at sock: reads its pool geometry and pid from its
  * control segment. Returns 0, or -1 after printing why. */
 int proxy_attach(struct bench_proxy *px, const char *sock);
+/* The proxy of a mode: the running one at --socket (its slot size the
+ * --chunk given, if one was; clients placed off its CPUs), else one started
+ * with slots x chunk. Returns 0, 1 (failed) or 2 (a --chunk it does not have), after saying why. */
+int proxy_open(struct bench_proxy *px, const struct bench_opts *o, uint64_t chunk, uint32_t slots);
 /* SIGTERMs and reaps a proxy we started, removes its directory; no-op for an external one. */
 void proxy_stop(struct bench_proxy *px);
 /* CPU placement. With two or more CPUs, the proxy we start takes the last
@@ -172,6 +176,10 @@ void pin_external(pid_t proxy_pid);
 void pin_clients(void);
 /* Moves the calling process back onto every CPU it may use. */
 void pin_all(void);
+/* Moves the calling process onto CPU cpu alone (-1: leaves it where it is). */
+void pin_one(int cpu);
+/* fork() for a helper process: the child dies with us and runs on CPU cpu (-1: where we may). */
+pid_t bench_fork(int cpu);
 /* "proxy on CPU 1, clients on 0" (or why not), for the output. */
 const char *pin_desc(char *buf, size_t len);
 /* CPU seconds (user + system) pid has used so far, or -1 if unknown. */

@@ -530,17 +530,12 @@ int run_gpu(const struct bench_opts *o)
 
 	struct bench_proxy px;
 	char pooldesc[160];
-	if (o->socket) {
-		if (proxy_attach(&px, o->socket) < 0)
-			return 1;
-		if (px.slot_size < slot) {
-			fprintf(stderr, "kvstage-bench gpu: the proxy at %s has %" PRIu64
-					"-byte slots; this run needs %" PRIu64 "\n",
-				o->socket, px.slot_size, slot);
-			return 2;
-		}
-	} else if (proxy_start(&px, o, slot, 4) < 0) {
-		return 1;
+	if ((rc = proxy_open(&px, o, slot, 4)))
+		return rc;
+	if (px.slot_size < slot) { /* a running one */
+		fprintf(stderr, "kvstage-bench gpu: the proxy at %s has %" PRIu64 "-byte slots; this run "
+				"needs %" PRIu64 "\n", o->socket, px.slot_size, slot);
+		return 2;
 	}
 	snprintf(pooldesc, sizeof(pooldesc), "%u slots of %" PRIu64 " bytes (%s)", px.slots,
 		 px.slot_size, o->socket ? o->socket : "kvstaged started here");

@@ -11,7 +11,6 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
-#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -42,10 +41,8 @@ static pid_t spawn_waiter(const char *sock)
 	int p[2];
 	if (pipe(p) < 0)
 		return -1;
-	fflush(NULL);
-	pid_t pid = fork();
+	pid_t pid = bench_fork(-1);
 	if (pid == 0) {
-		prctl(PR_SET_PDEATHSIG, SIGKILL);
 		close(p[0]);
 		kvs_client *c;
 		char b = kvs_connect(sock, &c) == 0 ? 'r' : 'x';
@@ -230,24 +227,20 @@ int run_idle(const struct bench_opts *o)
 {
 	struct bench_proxy px;
 	struct idle_result r = { 0 };
-	if (o->socket) {
-		if (proxy_attach(&px, o->socket) < 0)
-			return 1;
+	int rc = proxy_open(&px, o, o->chunks[0], proxy_slots_for(o->chunks[0], 1));
+	if (rc)
+		return rc;
+	if (o->socket)
 		note(o, "idle: the proxy at %s must have no other clients for this to mean anything",
 		     o->socket);
-	} else if (proxy_start(&px, o, o->chunks[0], proxy_slots_for(o->chunks[0], 1)) < 0) {
-		return 1;
-	}
 	const struct kvs_ctrl *ctrl;
 	size_t clen;
-	int rc = kvs_stat_map(px.sock, &ctrl, &clen);
+	rc = kvs_stat_map(px.sock, &ctrl, &clen);
 	if (rc < 0) {
 		ifail("mapping the control segment", rc);
 		proxy_stop(&px);
 		return 1;
 	}
-	if (o->socket)
-		pin_external(px.cpu_pid);
 	pin_clients();
 	rc = measure(o, &px, ctrl, &r);
 	pin_all();

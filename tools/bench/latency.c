@@ -221,25 +221,14 @@ int run_latency(const struct bench_opts *o)
 		note(o, "baseline: the rte_ring measurement failed; its ratios are n/a");
 
 	uint64_t chunk = o->chunks[0];
-	if (o->socket) {
-		if (proxy_attach(&px, o->socket) < 0)
-			return 1;
-		if (o->chunk_set && px.slot_size != chunk) {
-			fprintf(stderr, "kvstage-bench: the proxy at %s has %llu-byte slots; --chunk "
-					"must match it (or be left out)\n",
-				o->socket, (unsigned long long)px.slot_size);
-			return 2;
-		}
-		chunk = px.slot_size;
-		pin_external(px.cpu_pid);
-	} else if (proxy_start(&px, o, chunk, proxy_slots_for(chunk, 2)) < 0) {
-		return 1;
-	}
-	r.chunk = chunk;
+	int rc = proxy_open(&px, o, chunk, proxy_slots_for(chunk, 2));
+	if (rc)
+		return rc;
+	r.chunk = chunk = px.slot_size;
 
 	kvs_client *rx = NULL, *tx = NULL;
 	struct lat_hists *h = malloc(sizeof(*h));
-	int rc = h ? kvs_connect(px.sock, &rx) : -ENOMEM;
+	rc = h ? kvs_connect(px.sock, &rx) : -ENOMEM;
 	if (rc == 0)
 		rc = kvs_connect(px.sock, &tx);
 	if (rc < 0) {

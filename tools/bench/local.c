@@ -473,21 +473,11 @@ int run_local(const struct bench_opts *o)
 	struct bench_proxy px;
 	uint64_t ext_chunk = 0;
 	if (o->socket) {
-		if (proxy_attach(&px, o->socket) < 0) {
+		if ((rc = proxy_open(&px, o, o->chunks[0], 0))) {
 			free(pts);
-			return 1;
+			return rc;
 		}
 		ext_chunk = px.slot_size;
-		if (o->chunk_set && o->chunks[0] != ext_chunk) {
-			char a[16], b[16];
-			fprintf(stderr, "kvstage-bench: the proxy at %s has %s slots; --chunk %s must "
-					"match it (or be left out)\n",
-				o->socket, bench_size_str(ext_chunk, a, sizeof(a)),
-				bench_size_str(o->chunks[0], b, sizeof(b)));
-			free(pts);
-			return 2;
-		}
-		pin_external(px.cpu_pid);
 	}
 
 	note(o, "baseline: rte_ring round trips between two processes (%.2f s)", o->baseline_sec);

@@ -116,6 +116,27 @@ void pin_all(void)
 		sched_setaffinity(0, sizeof(g_pin.all), &g_pin.all);
 }
 
+void pin_one(int cpu)
+{
+	cpu_set_t one;
+	if (cpu < 0)
+		return;
+	CPU_ZERO(&one);
+	CPU_SET(cpu, &one);
+	sched_setaffinity(0, sizeof(one), &one);
+}
+
+pid_t bench_fork(int cpu)
+{
+	fflush(NULL);
+	pid_t pid = fork();
+	if (pid == 0) {
+		prctl(PR_SET_PDEATHSIG, SIGKILL);
+		pin_one(cpu);
+	}
+	return pid;
+}
+
 const char *pin_desc(char *buf, size_t len)
 {
 	char cl[128];
@@ -267,14 +288,7 @@ int proxy_start_ex(struct bench_proxy *px, const struct bench_opts *o, uint64_t 
 	if (pid == 0) {
 		/* A killed bench must not leave a proxy spinning on a core. */
 		prctl(PR_SET_PDEATHSIG, SIGTERM);
-		if (cpu < 0 && g_pin.on)
-			cpu = g_pin.proxy_cpu;
-		if (cpu >= 0) {
-			cpu_set_t one;
-			CPU_ZERO(&one);
-			CPU_SET(cpu, &one);
-			sched_setaffinity(0, sizeof(one), &one);
-		}
+		pin_one(cpu < 0 && g_pin.on ? g_pin.proxy_cpu : cpu);
 		if (bench_enter_netns(netns) < 0) {
 			dprintf(2, "kvstage-bench: cannot enter network namespace %s\n", netns);
 			_exit(127);
@@ -341,6 +355,23 @@ int proxy_attach(struct bench_proxy *px, const char *sock)
 			px->cpu_pid = pid;
 	}
 	snprintf(px->bin, sizeof(px->bin), "pid %d", (int)pid);
+	return 0;
+}
+
+int proxy_open(struct bench_proxy *px, const struct bench_opts *o, uint64_t chunk, uint32_t slots)
+{
+	char a[16], b[16];
+	if (!o->socket)
+		return proxy_start(px, o, chunk, slots) < 0 ? 1 : 0;
+	if (proxy_attach(px, o->socket) < 0)
+		return 1;
+	if (o->chunk_set && px->slot_size != chunk) {
+		fprintf(stderr, "kvstage-bench: the proxy at %s has %s slots; --chunk %s must match it "
+				"(or be left out)\n", o->socket, bench_size_str(px->slot_size, a, sizeof(a)),
+			bench_size_str(chunk, b, sizeof(b)));
+		return 2;
+	}
+	pin_external(px->cpu_pid);
 	return 0;
 }
 

@@ -14,11 +14,9 @@
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <poll.h>
-#include <sched.h>
 #include <signal.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -39,16 +37,6 @@ int bench_enter_netns(const char *ns)
 	int rc = setns(fd, CLONE_NEWNET) < 0 ? -errno : 0;
 	close(fd);
 	return rc;
-}
-
-static void place(int cpu)
-{
-	if (cpu < 0)
-		return;
-	cpu_set_t one;
-	CPU_ZERO(&one);
-	CPU_SET(cpu, &one);
-	sched_setaffinity(0, sizeof(one), &one);
 }
 
 /* A chunk-sized ring of buffers, at least 64 MiB: copies from and to
@@ -172,13 +160,10 @@ double baseline_raw_tcp(const struct raw_tcp *r)
 		close(port_pipe[1]);
 		return -1;
 	}
-	fflush(NULL);
-	pid_t rx = fork();
+	pid_t rx = bench_fork(r->rx_cpu);
 	if (rx == 0) {
-		prctl(PR_SET_PDEATHSIG, SIGKILL);
 		close(port_pipe[0]);
 		close(res_pipe[0]);
-		place(r->rx_cpu);
 		/* The listener lives in the receiver's namespace. */
 		int ls = bench_enter_netns(r->rx_ns) < 0 ? -1 : socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
 		socklen_t sl = sizeof(sa);
@@ -194,11 +179,8 @@ double baseline_raw_tcp(const struct raw_tcp *r)
 	pid_t tx = -1;
 	double gbps = -1;
 	if (rx > 0 && read(port_pipe[0], &sa.sin_port, sizeof(sa.sin_port)) == sizeof(sa.sin_port)) {
-		fflush(NULL);
-		tx = fork();
+		tx = bench_fork(r->tx_cpu);
 		if (tx == 0) {
-			prctl(PR_SET_PDEATHSIG, SIGKILL);
-			place(r->tx_cpu);
 			if (bench_enter_netns(r->tx_ns) < 0)
 				_exit(1);
 			sender(r, &sa);

@@ -14,7 +14,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -45,10 +44,8 @@ static bool listening(unsigned port)
 
 static pid_t run(const char *const *argv, int out_fd)
 {
-	fflush(NULL);
-	pid_t pid = fork();
+	pid_t pid = bench_fork(-1);
 	if (pid == 0) {
-		prctl(PR_SET_PDEATHSIG, SIGKILL);
 		int null = open("/dev/null", O_RDWR | O_CLOEXEC);
 		dup2(null, 0);
 		dup2(out_fd >= 0 ? out_fd : null, 1);
