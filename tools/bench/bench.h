@@ -22,6 +22,8 @@
 #define BENCH_MAX_CHUNKS 32
 #define BENCH_MAX_PAIRS 64
 #define BENCH_WSET_DEFAULT (256ull << 20)
+#define GPU_TARGET_SLOT 0.90   /* gpu: slot copies, both directions, against cudaMallocHost */
+#define GPU_TARGET_GATHER 0.80 /* gpu: gather of 16 KiB pages */
 
 enum bench_mode { MODE_LOCAL, MODE_LATENCY, MODE_IDLE, MODE_BASELINE, MODE_GPU, MODE_TCP, MODE_VERBS };
 enum bench_payload { PAYLOAD_NONE, PAYLOAD_COPY, PAYLOAD_VERIFY, PAYLOAD_IN };
@@ -220,7 +222,8 @@ double baseline_raw_tcp(const struct raw_tcp *r);
  * least 1): GB/s, or < 0 with why filled in. */
 double baseline_ib_read_bw(const char *dev, int gid_index, uint64_t chunk, double sec, char *why,
 			   size_t why_len);
-/* Moves the calling process into network namespace ns (/run/netns/NS); NULL or "": stays. Returns 0, or -errno. */
+/* Moves the calling process into network namespace ns (/run/netns/NS); NULL or "": stays.
+ * Returns 0, or -errno. */
 int bench_enter_netns(const char *ns);
 /* Eventfd ping-pong between two processes that both block (placed like the
  * proxy and a client), one round trip after each gap_ns of quiet: the

@@ -21,8 +21,6 @@
 #include "kvstage_cuda.h"
 
 #define TABLES 8            /* gather tables rotated through, each a different shuffle */
-#define TARGET_SLOT 0.90    /* slot copies, both directions, against cudaMallocHost */
-#define TARGET_GATHER 0.80  /* gather of 16 KiB pages */
 
 static const char *const mode_str[] = { "auto", "copy", "kernel" };
 
@@ -370,7 +368,8 @@ static void report_gpu(const struct bench_opts *o, const struct cudaDeviceProp *
 		snprintf(q->name, sizeof(q->name), "%s", f[i].name);
 		put_str(q, "figure", "%s", f[i].name);
 		if (f[i].psize) {
-			cat(q->name, sizeof(q->name), " %s %s", bench_size_str(f[i].psize, b1, 32), f[i].mode);
+			bench_size_str(f[i].psize, b1, sizeof(b1));
+			cat(q->name, sizeof(q->name), " %s %s", b1, f[i].mode);
 			put_int(q, "page_size", f[i].psize);
 			put_str(q, "gather_mode", "%s", f[i].mode);
 		}
@@ -391,9 +390,9 @@ static void report_gpu(const struct bench_opts *o, const struct cudaDeviceProp *
 			g16 = &f[i];
 	}
 	CAT(d->tail, "\n");
-	target(d, t, "to_slot", "device->slot", to, TARGET_SLOT);
-	target(d, t, "from_slot", "slot->device", from, TARGET_SLOT);
-	target(d, t, "gather_16k", "gather 16K", g16, TARGET_GATHER);
+	target(d, t, "to_slot", "device->slot", to, GPU_TARGET_SLOT);
+	target(d, t, "from_slot", "slot->device", from, GPU_TARGET_SLOT);
+	target(d, t, "gather_16k", "gather 16K", g16, GPU_TARGET_GATHER);
 	CAT(d->tail, "\n");
 	report(d);
 	free(pts);

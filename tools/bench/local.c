@@ -138,8 +138,8 @@ int local_measure(const struct bench_opts *o, const struct bench_ends *e, uint64
 		hist_init(&sh->rx[i].h);
 		hist_init(&sh->tx[i].h);
 	}
-	struct lctx x = { .o = o, .rx_sock = e->rx_sock, .tx_sock = e->tx_sock, .chunk = chunk, .room_bytes = pt->room_bytes,
-			  .room_chunks = pt->room_chunks, .sh = sh };
+	struct lctx x = { .o = o, .rx_sock = e->rx_sock, .tx_sock = e->tx_sock, .chunk = chunk,
+			  .room_bytes = pt->room_bytes, .room_chunks = pt->room_chunks, .sh = sh };
 	int go[2], ready[2], done[2];
 	if (pipe(go) < 0 || pipe(ready) < 0 || pipe(done) < 0) {
 		fprintf(stderr, "kvstage-bench: pipe: %s\n", strerror(errno));

@@ -165,7 +165,8 @@ double baseline_raw_tcp(const struct raw_tcp *r)
 		close(port_pipe[0]);
 		close(res_pipe[0]);
 		/* The listener lives in the receiver's namespace. */
-		int ls = bench_enter_netns(r->rx_ns) < 0 ? -1 : socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+		int ls = bench_enter_netns(r->rx_ns) < 0 ? -1
+						: socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
 		socklen_t sl = sizeof(sa);
 		if (ls < 0 || bind(ls, (struct sockaddr *)&sa, sizeof(sa)) < 0 || listen(ls, 16) < 0 ||
 		    getsockname(ls, (struct sockaddr *)&sa, &sl) < 0 ||

@@ -581,7 +581,8 @@ static unsigned sum_cells(const struct point *p, char (*cell)[SUM_W], const char
 		if (f->col && f->unit == U_LAT) {
 			for (int k = 0; k < 3; k++)
 				if (f->pct & (1u << k))
-					cat(cell[c], SUM_W, "%s%.1f", cell[c][0] ? "/" : "", pct_of(&f->l, k));
+					cat(cell[c], SUM_W, "%s%.1f", cell[c][0] ? "/" : "",
+					    pct_of(&f->l, k));
 		} else if (f->col) {
 			snprintf(cell[c], SUM_W, "%s", text(f, f->v, tmp, sizeof(tmp)));
 		}
