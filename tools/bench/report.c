@@ -613,10 +613,12 @@ static void summary(const struct doc *d)
 		for (unsigned r = 0; r < d->npt; r++)
 			w[c] = strlen(cell[r][c]) > w[c] ? (unsigned)strlen(cell[r][c]) : w[c];
 	}
-	for (unsigned r = 0; r <= d->npt; r++)
+	printf("\n");
+	for (unsigned r = 0; r <= d->npt; r++) { /* the heads, then a line per point */
 		for (unsigned c = 0; c < nc; c++)
-			printf(c ? "  %*s%s" : "\n%-*s%s", (int)w[c], r ? cell[r - 1][c] : head[c],
-			       c + 1 < nc ? "" : r == d->npt ? "\n" : "");
+			printf(c ? "  %*s" : "%-*s", (int)w[c], r ? cell[r - 1][c] : head[c]);
+		printf("\n");
+	}
 	free(cell);
 }
 

@@ -63,7 +63,7 @@ struct point {
 	unsigned nit;
 	struct fig fig[REPORT_FIGS];
 	unsigned nfig;
-	char arena[2048];  /* the strings members hold */
+	char arena[4096];  /* the strings members hold */
 	size_t used;
 };
 
