@@ -158,6 +158,8 @@ static int cycles(const struct bench_opts *o, kvs_client *rx, kvs_client *tx, ui
 	r->room_lat = hist_lat(&h->room);
 	r->sync_lat = hist_lat(&h->sync);
 	bench_free(buf, blen);
+	if (!r->iters)
+		fprintf(stderr, "kvstage-bench latency: no hand-off completed in the measured window\n");
 	return r->iters ? 0 : 1;
 }
 
