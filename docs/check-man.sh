@@ -8,8 +8,7 @@
 #     is documented by a definition line, one that starts with the option in
 #     bold at column 0 (`*-s*, *--socket* _PATH_`, then the indented text);
 #     a mention elsewhere does not count. Short options must pair with the
-#     same long ones in both. kvstage-bench's gpu mode has its own --help:
-#     its options are the ones under "# GPU MODE OPTIONS".
+#     same long ones in both.
 #  2. Functions: every function declared in include/kvstage.h has an entry
 #     in kvstage.3.scd (a line at column 0 such as
 #     `int *kvs_connect*(const char \*_socket_path_, ...`), and
@@ -146,32 +145,11 @@ for p in "${progs[@]}"; do
 		continue
 	fi
 	page_defs "$MAN/$page" >"$tmp/$prog.defs"
-	if [ "$prog" = kvstage-bench ]; then
-		grep -v '^GPU MODE OPTIONS	' "$tmp/$prog.defs" | cut -f2- >"$tmp/main.defs"
-		grep '^GPU MODE OPTIONS	' "$tmp/$prog.defs" | cut -f2- >"$tmp/gpu.defs"
-		if help_of "$prog" "$tmp/main.help" "$BUILD/$bin" --help; then
-			check_opts "$prog" "$page" "$tmp/main.help" "$tmp/main.defs"
-		elif [ -x "$BUILD/$bin" ]; then
-			fail "$prog: '$prog --help' failed: $(head -c 300 "$tmp/main.help")"
-		fi
-		# The gpu mode needs a CUDA build; without one its --help is the
-		# usage text in tools/bench/gpu.c, read from the source.
-		if help_of "$prog gpu" "$tmp/gpu.help" "$BUILD/$bin" gpu --help; then
-			check_opts "$prog gpu" "$page" "$tmp/gpu.help" "$tmp/gpu.defs"
-		elif [ -x "$BUILD/$bin" ]; then
-			echo "note $prog: 'gpu --help' failed ($(head -c 120 "$tmp/gpu.help" | tr '\n' ' ')); reading its usage text from tools/bench/gpu.c"
-			awk '/^static void usage/ { on = 1; next } on && /^}/ { exit }
-			     on && /^"/ { s = $0; sub(/^"/, "", s); sub(/(\\n)?"[,)]*;?$/, "", s); print s }' \
-				"$SRC/tools/bench/gpu.c" >"$tmp/gpu.help"
-			check_opts "$prog gpu (from gpu.c)" "$page" "$tmp/gpu.help" "$tmp/gpu.defs"
-		fi
-	else
-		cut -f2- "$tmp/$prog.defs" >"$tmp/$prog.lines"
-		if help_of "$prog" "$tmp/$prog.help" "$BUILD/$bin" --help; then
-			check_opts "$prog" "$page" "$tmp/$prog.help" "$tmp/$prog.lines"
-		elif [ -x "$BUILD/$bin" ]; then
-			fail "$prog: '$prog --help' failed: $(head -c 300 "$tmp/$prog.help")"
-		fi
+	cut -f2- "$tmp/$prog.defs" >"$tmp/$prog.lines"
+	if help_of "$prog" "$tmp/$prog.help" "$BUILD/$bin" --help; then
+		check_opts "$prog" "$page" "$tmp/$prog.help" "$tmp/$prog.lines"
+	elif [ -x "$BUILD/$bin" ]; then
+		fail "$prog: '$prog --help' failed: $(head -c 300 "$tmp/$prog.help")"
 	fi
 done
 
