@@ -97,12 +97,27 @@ unsigned kvs_max_rooms(const kvs_client *c);
 int kvs_acquire(kvs_client *c, unsigned n, struct kvs_lease *out);
 /* Returns the slot's memory if c holds l now (leased or received), else NULL. */
 void *kvs_lease_ptr(kvs_client *c, const struct kvs_lease *l);
-/* Gives l back. Returns 0, or -ESTALE (old epoch), -EPERM (not c's), -EBUSY (in flight), -EINVAL, -EAGAIN, -ENOTCONN, -ETIMEDOUT. */
+/* Gives l back. Returns 0, or -ESTALE (old epoch), -EPERM (not c's), -EBUSY (in flight, or a
+ * shared room's while another reader has it), -EINVAL, -EAGAIN, -ENOTCONN, -ETIMEDOUT. */
 int kvs_release(kvs_client *c, const struct kvs_lease *l);
 
 /* Opens a receiving room of bytes; fills desc for the sender. Returns 0, or -EMFILE (no room handle free), -EMSGSIZE, -ENFILE, -ESHUTDOWN, -EAGAIN, -errno. */
 int kvs_recv_open(kvs_client *c, uint64_t bytes, uint64_t user_data, kvs_room **room,
 		  struct kvs_room_desc *desc);
+/* Readers a shared room may have, its opener included. */
+#define KVS_MAX_READERS 8
+/* As kvs_recv_open, for a room that readers clients of this proxy read (2 to KVS_MAX_READERS,
+ * this one included; each other one joins with kvs_recv_join and desc): its bytes cross once
+ * and land once. It completes (RECV_DONE to every reader) once every byte has landed and every
+ * reader has joined; an abort by any reader ends it for all; its slots go back to the pool when
+ * the last reader closes it. Returns as kvs_recv_open, or -EINVAL (readers out of range). */
+int kvs_recv_open_shared(kvs_client *c, uint64_t bytes, unsigned readers, uint64_t user_data,
+			 kvs_room **room, struct kvs_room_desc *desc);
+/* Joins the shared room desc names, on c's proxy, as one of its readers. Returns 0, or -EPERM
+ * (bad token), -ESTALE (room gone, or another proxy's), -ECANCELED (it ended), -EINVAL (not a
+ * shared room), -EUSERS (every reader has joined), -EMFILE, -EAGAIN, -errno. */
+int kvs_recv_join(kvs_client *c, const struct kvs_room_desc *desc, uint64_t user_data,
+		  kvs_room **room);
 /* Opens the sending side of the room desc names. Returns 0, or -EPERM (bad token), -ESTALE (room gone), -ECANCELED, -EBUSY (has a sender), -ENOSR (peer sessions full), -EAGAIN, -errno. */
 int kvs_send_open(kvs_client *c, const struct kvs_room_desc *desc, uint64_t user_data,
 		  kvs_room **room);

@@ -8,6 +8,7 @@
  */
 #include "client.h"
 
+#include <endian.h>
 #include <errno.h>
 #include <limits.h>
 #include <poll.h>
@@ -704,6 +705,17 @@ void *kvs_ext_get(const kvs_client *c, const void *key)
 /* -------------------------------------------------------------- leases */
 
 /* The proxy's verdict on l for c, read from the table it publishes. */
+/* A shared room's slots are published as its opener's: a reader that
+ * joined it holds them too, while its handle on the room is open. */
+static bool joined_room_has(const kvs_client *c, const struct kvs_slot *s)
+{
+	uint32_t room = __atomic_load_n(&s->room, __ATOMIC_RELAXED);
+	for (unsigned i = 0; room && i < c->nrooms; i++)
+		if (c->rooms[i].joined == room && c->rooms[i].state != KVS_ROOM_CLOSING)
+			return true;
+	return false;
+}
+
 static int lease_state(const kvs_client *c, const struct kvs_lease *l)
 {
 	if (l->slot >= c->slot_count)
@@ -711,7 +723,7 @@ static int lease_state(const kvs_client *c, const struct kvs_lease *l)
 	const struct kvs_slot *s = &c->slots[l->slot];
 	if (__atomic_load_n(&s->epoch, __ATOMIC_RELAXED) != l->epoch)
 		return -ESTALE;
-	if (__atomic_load_n(&s->owner, __ATOMIC_RELAXED) != c->id)
+	if (__atomic_load_n(&s->owner, __ATOMIC_RELAXED) != c->id && !joined_room_has(c, s))
 		return -EPERM;
 	return __atomic_load_n(&s->state, __ATOMIC_RELAXED);
 }
@@ -798,18 +810,24 @@ static kvs_room *handle_of(const kvs_client *c, const struct kvs_rstate *r)
 int kvs_recv_open(kvs_client *c, uint64_t bytes, uint64_t user_data, kvs_room **room,
 		  struct kvs_room_desc *desc)
 {
+	return kvs_recv_open_shared(c, bytes, 1, user_data, room, desc);
+}
+
+int kvs_recv_open_shared(kvs_client *c, uint64_t bytes, unsigned readers, uint64_t user_data,
+			 kvs_room **room, struct kvs_room_desc *desc)
+{
 	int rc = usable(c);
 	if (rc)
 		return rc;
-	if (!room || !desc || !bytes)
+	if (!room || !desc || !bytes || !readers || readers > KVS_MAX_READERS)
 		return -EINVAL;
 	if (c->err)
 		return c->err;
 	struct kvs_rstate *r = room_new(c, KVS_ROLE_RECV, user_data);
 	if (!r)
 		return -EMFILE;
-	struct kvs_sqe q = { .op = KVS_OP_RECV_OPEN, .handle = r->idx, .gen = r->gen,
-			     .arg = bytes, .arg2 = user_data };
+	struct kvs_sqe q = { .op = KVS_OP_RECV_OPEN, .readers = (uint8_t)readers, .handle = r->idx,
+			     .gen = r->gen, .arg = bytes, .arg2 = user_data };
 	rc = sync_call(c, &q);
 	if (rc < 0) {
 		room_free(c, r);
@@ -817,6 +835,35 @@ int kvs_recv_open(kvs_client *c, uint64_t bytes, uint64_t user_data, kvs_room **
 	}
 	room_set_size(r, bytes, c->cshm->reply.slot_size);
 	memcpy(desc->bytes, c->cshm->reply.desc, KVS_ROOM_DESC_SIZE);
+	*room = handle_of(c, r);
+	return 0;
+}
+
+int kvs_recv_join(kvs_client *c, const struct kvs_room_desc *desc, uint64_t user_data,
+		  kvs_room **room)
+{
+	int rc = usable(c);
+	if (rc)
+		return rc;
+	if (!room || !desc)
+		return -EINVAL;
+	if (c->err)
+		return c->err;
+	struct kvs_rstate *r = room_new(c, KVS_ROLE_RECV, user_data);
+	if (!r)
+		return -EMFILE;
+	memcpy(c->cshm->request, desc->bytes, KVS_ROOM_DESC_SIZE);
+	struct kvs_sqe q = { .op = KVS_OP_RECV_JOIN, .handle = r->idx, .gen = r->gen,
+			     .arg2 = user_data };
+	rc = sync_call(c, &q);
+	if (rc < 0) {
+		room_free(c, r);
+		return rc;
+	}
+	struct kvs_desc_wire d;
+	memcpy(&d, desc->bytes, sizeof(d));
+	r->joined = le32toh(d.room) + 1; /* the proxy said it names our room there */
+	room_set_size(r, c->cshm->reply.bytes, c->cshm->reply.slot_size);
 	*room = handle_of(c, r);
 	return 0;
 }

@@ -57,6 +57,7 @@ struct kvs_rstate {
 	uint64_t *sent;          /* sender: chunks handed over */
 	struct kvs_lease *map;   /* receiver: chunk leases, fetched on demand */
 	struct kvs_lease first;  /* receiver: chunk 0, from RECV_DONE */
+	uint32_t joined;         /* a joined shared room: its index at the proxy + 1; else 0 */
 };
 
 #define KVS_EXT_MAX 4 /* companion libraries attached to one connection */

@@ -218,7 +218,7 @@ static_assert(offsetof(struct kvs_ctrl, stats) == 192, "stats stay where ABI 2 p
 /* Submission record, client -> proxy. 40 bytes. */
 struct kvs_sqe {
 	uint8_t op;       /* enum kvs_op */
-	uint8_t rsvd;
+	uint8_t readers;  /* RECV_OPEN: readers of a shared room (0 or 1: not shared) */
 	uint16_t handle;  /* the client's room handle */
 	uint32_t seq;     /* sync ops: echoed in the reply */
 	uint32_t slot;
@@ -241,6 +241,7 @@ enum kvs_op {
 	KVS_OP_ABORT,     /* async */
 	KVS_OP_CLOSE,     /* async */
 	KVS_OP_ROOM_MAP,  /* sync: the room's chunk leases into the reply area */
+	KVS_OP_RECV_JOIN, /* sync: descriptor from the request area */
 	KVS_OP_MAX,
 };
 

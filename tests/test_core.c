@@ -47,7 +47,7 @@ Test(core, a_dying_client_is_sent_nothing_and_kicks_never_overflow)
 	struct kvsp_client *a = kvsp_client_new(&P, -1, 100);
 	cr_assert_not_null(a);
 	struct kvs_desc_wire d;
-	cr_assert_eq(kvsp_room_open_recv(&P, a, 0, 4096, 7, &d), 0);
+	cr_assert_eq(kvsp_room_open_recv(&P, a, 0, 4096, 1, 7, &d), 0);
 	kvsp_client_reply(&P, a, 1, 0); /* A is due a kick before it dies */
 	cr_assert(a->kick);
 	uint64_t events = P.stats->events;
@@ -73,7 +73,7 @@ Test(core, a_rejection_echoes_the_ops_handle_and_generation)
 	struct kvsp_client *c = kvsp_client_new(&P, -1, 102);
 	cr_assert_not_null(c);
 	struct kvs_desc_wire d;
-	cr_assert_eq(kvsp_room_open_recv(&P, c, 2, 4096, 9, &d), 0);
+	cr_assert_eq(kvsp_room_open_recv(&P, c, 2, 4096, 1, 9, &d), 0);
 	c->handles[2].gen = 41;
 	struct kvs_sqe q = { .op = KVS_OP_SEND, .handle = 2, .gen = 40, .slot = 1, .epoch = 5 };
 	kvsp_client_op(&P, c, &q); /* a receiving handle cannot send: refused */

@@ -174,7 +174,7 @@ static struct kvsp_room_name name_of(const struct kvs_desc_wire *d)
 static uint32_t remote_sender_room(struct kvsp_client *rx, uint16_t h, uint64_t bytes,
 				   struct kvs_desc_wire *d)
 {
-	cr_assert_eq(kvsp_room_open_recv(&P, rx, h, bytes, 100 + h, d), 0);
+	cr_assert_eq(kvsp_room_open_recv(&P, rx, h, bytes, 1, 100 + h, d), 0);
 	struct kvsp_room_name n = name_of(d);
 	cr_assert_eq(kvsp_room_attach_peer(&P, &F.t, 1, &n, bytes, SLOT), 0);
 	return le32toh(d->room);
@@ -191,7 +191,7 @@ Test(rooms, a_peer_attaches_only_with_the_rooms_name_and_terms)
 {
 	struct kvsp_client *rx = client(1);
 	struct kvs_desc_wire d;
-	cr_assert_eq(kvsp_room_open_recv(&P, rx, 0, 3 * SLOT, 7, &d), 0);
+	cr_assert_eq(kvsp_room_open_recv(&P, rx, 0, 3 * SLOT, 1, 7, &d), 0);
 	struct kvsp_room_name n = name_of(&d), bad = n;
 	bad.token[3] ^= 1;
 	uint64_t tok = P.stats->rej_token;
@@ -465,7 +465,7 @@ Test(rooms, a_lost_peer_releases_exactly_its_own_pins)
 	struct kvs_desc_wire d1, d2, d3;
 	/* peer 1 writes into room a; peer 2 into room b; we send to peer 1 */
 	uint32_t a = remote_sender_room(rx, 0, SLOT, &d1);
-	cr_assert_eq(kvsp_room_open_recv(&P, rx, 1, SLOT, 101, &d2), 0);
+	cr_assert_eq(kvsp_room_open_recv(&P, rx, 1, SLOT, 1, 101, &d2), 0);
 	struct kvsp_room_name n2 = name_of(&d2);
 	cr_assert_eq(kvsp_room_attach_peer(&P, &F.t, 2, &n2, SLOT, SLOT), 0);
 	uint32_t b = le32toh(d2.room);
@@ -509,7 +509,7 @@ Test(rooms, a_local_room_hands_its_slots_over_and_leaves_no_record)
 	struct kvsp_client *rx = client(1), *tx = client(2);
 	struct kvs_desc_wire d;
 	uint64_t bytes;
-	cr_assert_eq(kvsp_room_open_recv(&P, rx, 0, 2 * SLOT, 1, &d), 0);
+	cr_assert_eq(kvsp_room_open_recv(&P, rx, 0, 2 * SLOT, 1, 1, &d), 0);
 	cr_assert_eq(kvsp_room_open_send(&P, tx, 0, &d, 2, &bytes), 0);
 	struct kvs_lease l[2];
 	cr_assert_eq(kvsp_slot_acquire(&P.slots, tx->id, 2, l), 0);

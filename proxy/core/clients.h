@@ -29,7 +29,7 @@ enum kvsp_handle_state {
 	KVSP_H_ENDED,   /* final posted; waiting for CLOSE */
 	KVSP_H_CLOSING, /* CLOSE seen; freed when the final is posted */
 };
-enum kvsp_role { KVSP_RECV = 1, KVSP_SEND = 2 };
+enum kvsp_role { KVSP_RECV = 1, KVSP_SEND = 2, KVSP_JOIN = 3 /* a shared room's other reader */ };
 
 struct kvsp_handle {
 	uint8_t state;

@@ -46,7 +46,7 @@ static void op_sync(struct kvsp *p, struct kvsp_client *c, const struct kvs_sqe 
 		break;
 	case KVS_OP_RECV_OPEN: {
 		struct kvs_desc_wire d;
-		rc = kvsp_room_open_recv(p, c, q->handle, q->arg, q->arg2, &d);
+		rc = kvsp_room_open_recv(p, c, q->handle, q->arg, q->readers, q->arg2, &d);
 		if (rc == 0) {
 			c->handles[q->handle].gen = q->gen;
 			memcpy(c->cshm->reply.desc, &d, sizeof(d));
@@ -54,13 +54,15 @@ static void op_sync(struct kvsp *p, struct kvsp_client *c, const struct kvs_sqe 
 		}
 		break;
 	}
-	case KVS_OP_SEND_OPEN: {
+	case KVS_OP_SEND_OPEN:
+	case KVS_OP_RECV_JOIN: {
 		/* Copy once, then check the copy: the client can rewrite the
 		 * request area while we look at it. */
 		struct kvs_desc_wire d;
 		uint64_t bytes = 0;
 		memcpy(&d, c->cshm->request, sizeof(d));
-		rc = kvsp_room_open_send(p, c, q->handle, &d, q->arg2, &bytes);
+		rc = q->op == KVS_OP_SEND_OPEN ? kvsp_room_open_send(p, c, q->handle, &d, q->arg2, &bytes)
+					       : kvsp_room_join(p, c, q->handle, &d, q->arg2, &bytes);
 		if (rc == 0) {
 			c->handles[q->handle].gen = q->gen;
 			c->cshm->reply.bytes = bytes;
@@ -109,6 +111,7 @@ static void client_op(struct kvsp *p, struct kvsp_client *c, const struct kvs_sq
 	case KVS_OP_RECV_OPEN:
 	case KVS_OP_SEND_OPEN:
 	case KVS_OP_ROOM_MAP:
+	case KVS_OP_RECV_JOIN:
 		op_sync(p, c, q);
 		return;
 	default:

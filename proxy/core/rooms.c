@@ -115,6 +115,32 @@ static struct kvsp_handle *handle_of(struct kvsp *p, struct kvsp_client *c, uint
 	return h < p->cfg.client_rooms ? &c->handles[h] : NULL;
 }
 
+/* The side of room r that c's handle h is. */
+static struct kvsp_side *side_of(struct kvsp_room *r, const struct kvsp_client *c, uint16_t h,
+				 uint8_t role)
+{
+	if (role == KVSP_SEND)
+		return &r->send.client;
+	if (role == KVSP_RECV)
+		return &r->recv.client;
+	for (unsigned k = 0; k < r->recv.njoined; k++)
+		if (r->recv.joined[k].cid == c->id && r->recv.joined[k].handle == h)
+			return &r->recv.joined[k];
+	return NULL;
+}
+
+/* A reader of room r other than self still attached: its slots are that
+ * reader's too, and stay until the last one lets go. */
+static bool others_read(const struct kvsp_room *r, const struct kvsp_side *self)
+{
+	if (r->recv.client.cid && &r->recv.client != self)
+		return true;
+	for (unsigned k = 0; k < r->recv.njoined; k++)
+		if (r->recv.joined[k].cid && &r->recv.joined[k] != self)
+			return true;
+	return false;
+}
+
 /* ---------------------------------------------------------- lifetime */
 
 int kvsp_rooms_init(struct kvsp *p)
@@ -231,21 +257,27 @@ static void room_complete(struct kvsp *p, uint32_t i, uint8_t type)
 	if (type == KVS_EV_RECV_DONE)
 		note(p, i, KVSP_NOTE_DONE, 0);
 	post_final(p, &r->send.client, KVS_EV_SEND_DONE, 0, r->bytes, NONE, 0);
-	if (type == KVS_EV_RECV_DONE)
-		post_final(p, &r->recv.client, KVS_EV_RECV_DONE, 0, r->bytes, r->recv.chunk0,
-			   p->slots.pub[r->recv.chunk0].epoch);
+	if (type != KVS_EV_RECV_DONE)
+		return;
+	uint32_t epoch = p->slots.pub[r->recv.chunk0].epoch;
+	post_final(p, &r->recv.client, KVS_EV_RECV_DONE, 0, r->bytes, r->recv.chunk0, epoch);
+	for (unsigned k = 0; k < r->recv.njoined; k++)
+		post_final(p, &r->recv.joined[k], KVS_EV_RECV_DONE, 0, r->bytes, r->recv.chunk0,
+			   epoch);
 }
 
 /*
  * The one end-of-life rule of a room, looked at whenever something it
  * holds changed (kvsp_room_mark):
  *
- *   OPEN      every chunk landed here                  -> ENDED (RECV_DONE)
+ *   OPEN      every chunk landed here, and every reader
+ *             of a shared room joined                  -> ENDED (RECV_DONE)
  *             send half, the peer has every chunk and
  *             none is in flight here                   -> ENDED (SEND_DONE)
  *   ABORTING  nothing in flight here                   -> the peer hears ENDED
  *             ... and nothing on the peer (far_live)   -> ENDED (its final)
  *   ENDED     no client attached                       -> FREE
+ *             (a shared room's slots go back when its last reader leaves)
  *
  * A peer that never answers is the transport's to bound (invariant 7): it
  * loses the session, which ends far_live (kvsp_peer_lost).
@@ -254,7 +286,7 @@ static void room_settle(struct kvsp *p, uint32_t i)
 {
 	struct kvsp_room *r = &p->rooms[i];
 	if (r->state == KVSP_ROOM_OPEN) {
-		if (r->recv.placed == r->nchunks)
+		if (r->recv.placed == r->nchunks && r->recv.njoined + 1u >= r->recv.readers)
 			room_complete(p, i, KVS_EV_RECV_DONE);
 		else if (r->far == KVSP_FAR_RECV && r->far_done && !r->send.inflight)
 			room_complete(p, i, KVS_EV_SEND_DONE);
@@ -269,9 +301,11 @@ static void room_settle(struct kvsp *p, uint32_t i)
 			p->rooms_active--;
 			post_final(p, &r->send.client, r->final_type, r->status, 0, NONE, 0);
 			post_final(p, &r->recv.client, r->final_type, r->status, 0, NONE, 0);
+			for (unsigned k = 0; k < r->recv.njoined; k++)
+				post_final(p, &r->recv.joined[k], r->final_type, r->status, 0, NONE, 0);
 		}
 	}
-	if (r->state == KVSP_ROOM_ENDED && !r->recv.client.cid && !r->send.client.cid)
+	if (r->state == KVSP_ROOM_ENDED && !r->send.client.cid && !others_read(r, NULL))
 		room_free(p, i);
 }
 
@@ -377,7 +411,9 @@ static void attach_handle(struct kvsp *p, struct kvsp_client *c, uint16_t h, uin
 			  uint8_t role, uint64_t user_data)
 {
 	struct kvsp_room *r = &p->rooms[i];
-	struct kvsp_side *s = role == KVSP_RECV ? &r->recv.client : &r->send.client;
+	struct kvsp_side *s = role == KVSP_RECV ? &r->recv.client
+			      : role == KVSP_SEND ? &r->send.client
+			      : &r->recv.joined[r->recv.njoined++];
 	*s = (struct kvsp_side){ c->id, c->idx, h, user_data };
 	c->handles[h] = (struct kvsp_handle){ .state = KVSP_H_OPEN, .role = role, .room = i,
 					      .user_data = user_data };
@@ -386,12 +422,12 @@ static void attach_handle(struct kvsp *p, struct kvsp_client *c, uint16_t h, uin
 }
 
 int kvsp_room_open_recv(struct kvsp *p, struct kvsp_client *c, uint16_t h, uint64_t bytes,
-			uint64_t user_data, struct kvs_desc_wire *d)
+			unsigned readers, uint64_t user_data, struct kvs_desc_wire *d)
 {
 	struct kvsp_handle *hd = handle_of(p, c, h);
 	if (!hd || hd->state != KVSP_H_FREE)
 		return -EBADF;
-	if (!bytes)
+	if (!bytes || readers > KVS_MAX_READERS)
 		return -EINVAL;
 	if (bytes > (uint64_t)p->cfg.slot_count * p->cfg.slot_size)
 		return -EMSGSIZE;
@@ -405,6 +441,7 @@ int kvsp_room_open_recv(struct kvsp *p, struct kvsp_client *c, uint16_t h, uint6
 		return -ENFILE;
 	struct kvsp_room *r = room_start(p, i, bytes, p->local);
 	new_token(p, r->token);
+	r->recv.readers = (uint8_t)(readers ? readers : 1);
 	p->rooms_active++;
 	attach_handle(p, c, h, i, KVSP_RECV, user_data);
 
@@ -496,6 +533,42 @@ int kvsp_room_open_send(struct kvsp *p, struct kvsp_client *c, uint16_t h,
 	return 0;
 }
 
+/* One more reader of a shared room of ours: only while it waits for
+ * readers, and never more than its opener said. */
+int kvsp_room_join(struct kvsp *p, struct kvsp_client *c, uint16_t h,
+		   const struct kvs_desc_wire *d, uint64_t user_data, uint64_t *bytes)
+{
+	struct kvsp_handle *hd = handle_of(p, c, h);
+	if (!hd || hd->state != KVSP_H_FREE)
+		return -EBADF;
+	if (le32toh(d->magic) != KVS_MAGIC_DESC || le16toh(d->version) != 1)
+		return -EINVAL;
+	if (le64toh(d->instance) != p->instance)
+		return -ESTALE; /* readers join where the bytes land: the opener's proxy */
+	uint32_t i = le32toh(d->room);
+	if (i >= p->cfg.max_rooms)
+		return -EINVAL;
+	struct kvsp_room *r = &p->rooms[i];
+	if (r->state == KVSP_ROOM_FREE || r->gen != le32toh(d->gen) || r->far == KVSP_FAR_RECV)
+		return -ESTALE;
+	if (!kvsp_token_eq(r->token, d->token)) {
+		KVS_STAT_ADD(p->stats->rej_token, 1);
+		kvsp_log_rl(&c->rl[KVSP_RL_TOKEN], p->now_ns, &p->stats->log_suppressed, KVSP_LOG_WARN,
+			    "client %u (pid %d): wrong token for room %u", c->id, (int)c->pid, i);
+		return -EPERM;
+	}
+	if (r->state != KVSP_ROOM_OPEN)
+		return -ECANCELED;
+	if (r->recv.readers < 2)
+		return -EINVAL;
+	if (r->recv.njoined + 1u >= r->recv.readers)
+		return -EUSERS;
+	attach_handle(p, c, h, i, KVSP_JOIN, user_data);
+	kvsp_room_mark(p, i); /* the last reader may complete it */
+	*bytes = r->bytes;
+	return 0;
+}
+
 /* ---------------------------------------------------------------- send */
 
 int kvsp_room_send(struct kvsp *p, struct kvsp_client *c, uint16_t h, const struct kvs_lease *l,
@@ -553,15 +626,15 @@ void kvsp_room_detach(struct kvsp *p, struct kvsp_client *c, uint16_t h, int sta
 	struct kvsp_handle *hd = handle_of(p, c, h);
 	uint32_t i = hd->room;
 	struct kvsp_room *r = &p->rooms[i];
-	struct kvsp_side *side = hd->role == KVSP_RECV ? &r->recv.client : &r->send.client;
+	struct kvsp_side *side = side_of(r, c, h, hd->role);
 	bool dead = status == -ECONNRESET;
 
 	if (hd->state == KVSP_H_FREE || hd->state == KVSP_H_CLOSING)
 		return;
 	if (r->state == KVSP_ROOM_OPEN)
 		kvsp_room_abort(p, i, status, KVS_EV_ABORTED, false);
-	if (hd->role == KVSP_RECV)
-		release_placed(p, i);
+	if (hd->role != KVSP_SEND && !others_read(r, side))
+		release_placed(p, i); /* the last reader: its slots go back */
 	if (hd->state == KVSP_H_OPEN && !dead) {
 		/* The final is still owed to this handle: it frees it. */
 		hd->state = KVSP_H_CLOSING;
@@ -577,7 +650,7 @@ void kvsp_room_detach(struct kvsp *p, struct kvsp_client *c, uint16_t h, int sta
 int kvsp_room_map(struct kvsp *p, struct kvsp_client *c, uint16_t h, struct kvs_lease *out)
 {
 	struct kvsp_handle *hd = handle_of(p, c, h);
-	if (!hd || hd->state != KVSP_H_ENDED || hd->role != KVSP_RECV)
+	if (!hd || hd->state != KVSP_H_ENDED || hd->role == KVSP_SEND)
 		return hd && hd->state == KVSP_H_OPEN ? -EAGAIN : -EBADF;
 	struct kvsp_room *r = &p->rooms[hd->room];
 	if (r->final_type != KVS_EV_RECV_DONE)
@@ -594,6 +667,8 @@ int kvsp_lease_release(struct kvsp *p, struct kvsp_client *c, const struct kvs_l
 	int st = kvsp_slot_check(&p->slots, c->id, l);
 	if (st == KVS_SLOT_RECV_FILLED) {
 		uint32_t i = p->slots.priv[l->slot].room;
+		if (i != NONE && others_read(&p->rooms[i], &p->rooms[i].recv.client))
+			return -EBUSY; /* a shared room's: its other readers read it */
 		if (i != NONE)
 			kvsp_slist_del(p, &p->rooms[i].recv.placed_head, l->slot);
 	}
@@ -620,9 +695,15 @@ void kvsp_client_reclaim(struct kvsp *p, struct kvsp_client *c)
 			kvsp_room_detach(p, c, h, -ECONNRESET);
 	/* What it still leases (outside rooms) goes back to the pool. */
 	struct kvsp_slots *s = &p->slots;
-	for (uint32_t i = 0; i < s->count; i++)
-		if (s->pub[i].owner == c->id)
-			kvsp_slot_drop(p, i);
+	for (uint32_t i = 0; i < s->count; i++) {
+		uint32_t room = s->priv[i].room;
+		if (s->pub[i].owner != c->id)
+			continue;
+		if (s->pub[i].state == KVS_SLOT_RECV_FILLED && room != NONE &&
+		    others_read(&p->rooms[room], NULL))
+			continue; /* a shared room's: its last reader gives it back */
+		kvsp_slot_drop(p, i);
+	}
 	c->finals_owed = 0;
 	kvsp_rooms_settle(p);
 }

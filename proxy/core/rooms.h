@@ -17,6 +17,7 @@
 #include <stdint.h>
 
 #include "core/clients.h"
+#include "kvstage.h"
 #include "layout.h"
 
 struct kvsp;
@@ -30,7 +31,9 @@ enum kvsp_room_state {
 };
 
 struct kvsp_recv_half {
-	struct kvsp_side client;
+	struct kvsp_side client;           /* the opener */
+	struct kvsp_side joined[KVS_MAX_READERS - 1]; /* a shared room's other readers */
+	uint8_t readers, njoined;          /* readers it waits for (1: not shared); joined so far */
 	uint32_t placed, posted;           /* chunks landed; slots pinned for a writer */
 	uint32_t placed_head, posted_head; /* slot lists through kvsp_slot_priv */
 	uint32_t chunk0;                   /* slot holding chunk 0, once placed */
@@ -72,9 +75,12 @@ struct kvsp_room {
 /* rooms.c */
 int kvsp_rooms_init(struct kvsp *p);
 void kvsp_rooms_fini(struct kvsp *p);
-/* A receiving room for bytes; its descriptor into desc. Returns 0, or -EBADF, -EINVAL, -EMSGSIZE, -ESHUTDOWN, -ENFILE. */
+/* A receiving room for bytes, read by readers clients (0 or 1: c alone); its descriptor into desc. Returns 0, or -EBADF, -EINVAL, -EMSGSIZE, -ESHUTDOWN, -ENFILE. */
 int kvsp_room_open_recv(struct kvsp *p, struct kvsp_client *c, uint16_t h, uint64_t bytes,
-			uint64_t user_data, struct kvs_desc_wire *desc);
+			unsigned readers, uint64_t user_data, struct kvs_desc_wire *desc);
+/* Attaches c's handle h as one more reader of desc's shared room. Returns 0 with *bytes, or -EBADF, -EINVAL, -ESTALE, -EPERM, -ECANCELED, -EUSERS. */
+int kvsp_room_join(struct kvsp *p, struct kvsp_client *c, uint16_t h,
+		   const struct kvs_desc_wire *desc, uint64_t user_data, uint64_t *bytes);
 /* Attaches c's handle h as the sender of desc's room (here, or through a transport). Returns 0 with *bytes, or -errno. */
 int kvsp_room_open_send(struct kvsp *p, struct kvsp_client *c, uint16_t h,
 			const struct kvs_desc_wire *desc, uint64_t user_data, uint64_t *bytes);
