@@ -452,7 +452,8 @@ static int handshake(kvs_client *c, const char *path, int fds[KVS_WELCOME_NFDS],
 	/* A wedged proxy must not hang kvs_connect. */
 	struct timeval tv = { .tv_sec = 10 };
 	setsockopt(sock, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
-	struct kvs_hello h = { .magic = KVS_MAGIC_HELLO, .abi = KVS_ABI, .kind = KVS_HELLO_CLIENT };
+	struct kvs_hello h = { .magic = KVS_MAGIC_HELLO, .abi = KVS_ABI, .kind = KVS_HELLO_CLIENT,
+			       .ring_layout = kvs_ring_layout() };
 	int rc = kvs_sock_send(sock, &h, sizeof(h), NULL, 0);
 	/* A proxy that refuses us at accept has closed before our hello;
 	 * its reason is still waiting to be read. */
@@ -493,6 +494,8 @@ static int attach(kvs_client *c, const struct kvs_welcome *w, const int fds[KVS_
 	if (!c->ctrl || c->ctrl->magic != KVS_MAGIC_CTRL || c->ctrl->abi != KVS_ABI ||
 	    c->ctrl->instance != w->instance)
 		return -EPROTO;
+	if (c->ctrl->ring_layout != kvs_ring_layout())
+		return -ENOEXEC; /* its rings are laid out by another DPDK than ours */
 	c->slot_size = c->ctrl->slot_size;
 	c->slot_count = c->ctrl->slot_count;
 	c->pool_size = c->ctrl->pool_size;
@@ -1198,6 +1201,7 @@ const char *kvs_strerror(int err)
 	case -ESHUTDOWN: return "proxy shutting down";
 	case -ECONNRESET: return "the other side of the room went away (its client died or closed)";
 	case -EPROTO: return "protocol mismatch with the proxy (version?)";
+	case -ENOEXEC: return "libkvstage and kvstaged were built against DPDK versions that lay out rte_ring differently: rebuild them against the same DPDK";
 	case -EACCES: return "permission denied: the socket's mode or the proxy's --allow-uid/--allow-gid refused this user";
 	case -ENOENT: return "no proxy socket at that path";
 	case -ECONNREFUSED: return "no proxy listening at that path, or it closed the connection unasked";

@@ -192,7 +192,7 @@ struct kvs_ctrl {
 	uint64_t slots_off;  /* struct kvs_slot[slot_count] */
 	uint64_t sq_geom_off, cq_geom_off; /* pages whose tail holds the rings' geometry */
 	int32_t proxy_pid;
-	uint32_t rsvd;
+	uint32_t ring_layout; /* kvs_ring_layout() of the proxy's build (ring.h) */
 	uint64_t started_ns; /* CLOCK_REALTIME */
 	uint64_t peers_off;  /* struct kvs_peer[peer_count]: sessions with other proxies */
 	uint32_t peer_count;
@@ -301,7 +301,7 @@ struct kvs_hello {
 	uint32_t magic; /* KVS_MAGIC_HELLO */
 	uint32_t abi;
 	uint32_t kind;  /* enum kvs_hello_kind */
-	uint32_t rsvd;
+	uint32_t ring_layout; /* CLIENT: kvs_ring_layout() of the library's build (ring.h) */
 };
 
 /* Reply to hello; fds follow with SCM_RIGHTS: CLIENT gets pool, ctrl,

@@ -26,6 +26,36 @@
 #define KVS_RING_SPLIT offsetof(struct rte_ring, prod)
 static_assert(KVS_RING_SPLIT % KVS_CACHE_LINE == 0, "split on a cache line");
 
+/* The rte_ring layout this side was built with: a hash of the size of
+ * struct rte_ring and the offsets of every member either side's ring code
+ * touches (the geometry, both head/tail pairs, and where the elements
+ * start). A library and a proxy built against DPDKs that lay the ring out
+ * differently would each misread the other's indices; the proxy says its
+ * layout in the control segment and the library in its hello, and each
+ * refuses the other's if it is not its own (-ENOEXEC). Never 0. */
+static inline uint32_t kvs_ring_layout(void)
+{
+	const uint32_t parts[] = {
+		sizeof(struct rte_ring),
+		offsetof(struct rte_ring, flags),
+		offsetof(struct rte_ring, size),
+		offsetof(struct rte_ring, mask),
+		offsetof(struct rte_ring, capacity),
+		offsetof(struct rte_ring, prod),
+		offsetof(struct rte_ring, cons),
+		sizeof(struct rte_ring_headtail),
+		offsetof(struct rte_ring_headtail, head),
+		offsetof(struct rte_ring_headtail, tail),
+		offsetof(struct rte_ring_headtail, sync_type),
+		sizeof(((struct rte_ring_headtail *)0)->sync_type),
+	};
+	uint32_t h = 2166136261u; /* FNV-1a, over each part's four bytes */
+	for (size_t i = 0; i < sizeof(parts) / sizeof(parts[0]); i++)
+		for (unsigned b = 0; b < 32; b += 8)
+			h = (h ^ ((parts[i] >> b) & 0xff)) * 16777619u;
+	return h ? h : 1;
+}
+
 struct kvs_ring {
 	struct rte_ring *r; /* page-end of the geometry page */
 	void *map;

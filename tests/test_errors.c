@@ -3,20 +3,26 @@
  * Refusals: a stale lease gets -ESTALE, someone else's -EPERM, a full pool
  * -ENOBUFS, a forged descriptor -EPERM, and none of them changes any
  * state. Raw records that bypass libkvstage's own checks meet the same
- * refusals in the proxy. The control segment cannot be written.
+ * refusals in the proxy. The control segment cannot be written. A hello
+ * from a library of another ABI or another rte_ring layout is refused, and
+ * the library refuses a proxy of another ring layout.
  */
 #include <criterion/criterion.h>
 #include <errno.h>
 #include <signal.h>
 #include <string.h>
 #include <grp.h>
+#include <sys/eventfd.h>
 #include <sys/mman.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/un.h>
 #include <unistd.h>
 
 #include "canary.h"
 #include "harness.h"
 #include "rawclient.h"
+#include "ring.h"
 #include "sock.h"
 
 #define SLOTS 32
@@ -417,4 +423,111 @@ Test(errors, peer_credentials_are_checked)
 						  "65534", "--socket-mode", "0666", NULL });
 	chmod(px.dir, 0755);
 	cr_assert_eq(try_nobody(), 0, "--allow-uid admits it");
+}
+
+/* A raw CLIENT hello: its welcome into *w. Returns how many fds came with it
+ * (closed). */
+static int raw_hello(uint32_t abi, uint32_t ring_layout, struct kvs_welcome *w)
+{
+	int fd = kvs_sock_connect(px.sock);
+	cr_assert_geq(fd, 0);
+	struct kvs_hello h = { .magic = KVS_MAGIC_HELLO, .abi = abi, .kind = KVS_HELLO_CLIENT,
+			       .ring_layout = ring_layout };
+	cr_assert_eq(kvs_sock_send(fd, &h, sizeof(h), NULL, 0), 0);
+	int fds[KVS_WELCOME_NFDS], n = KVS_WELCOME_NFDS;
+	cr_assert_eq(kvs_sock_recv(fd, w, sizeof(*w), fds, &n, 0), (ssize_t)sizeof(*w));
+	for (int i = 0; i < n; i++)
+		close(fds[i]);
+	close(fd);
+	return n;
+}
+
+/* A library of another ABI, or built against a DPDK that lays rte_ring out
+ * otherwise (it would read our indices where we do not write them), is
+ * refused at its hello: no client, no fds, nothing in the slot table; the
+ * proxy says why in its log, and the library's kvs_strerror says it too.
+ * The same library with our layout then attaches. */
+Test(errors, hello_of_another_abi_or_ring_layout_refused_and_nothing_changes)
+{
+	struct kvs_slot before[SLOTS];
+	table(before);
+	uint64_t refused = stat_get(&px, "clients_refused"), total = stat_get(&px, "clients_total");
+	struct kvs_welcome w;
+
+	cr_assert_eq(raw_hello(KVS_ABI + 1, kvs_ring_layout(), &w), 0, "fds came with a refusal");
+	cr_assert_eq(w.status, -EPROTO, "another ABI: %d", w.status);
+	cr_assert(strstr(w.msg, "ABI mismatch"), "%s", w.msg);
+
+	uint32_t other = kvs_ring_layout() ^ 0x40u;
+	cr_assert_eq(raw_hello(KVS_ABI, other, &w), 0, "fds came with a refusal");
+	cr_assert_eq(w.status, -ENOEXEC, "another ring layout: %d (%s)", w.status, w.msg);
+	char says[96];
+	snprintf(says, sizeof(says), "rte_ring layout %08x is not kvstaged's %08x", (unsigned)other,
+		 (unsigned)kvs_ring_layout());
+	cr_assert(strstr(w.msg, says), "%s", w.msg);
+	cr_assert_eq(raw_hello(KVS_ABI, 0, &w), 0, "a library too old to say its layout");
+	cr_assert_eq(w.status, -ENOEXEC);
+	cr_assert(strstr(kvs_strerror(-ENOEXEC), "rte_ring"), "%s", kvs_strerror(-ENOEXEC));
+
+	cr_assert_eq(stat_get(&px, "clients_refused"), refused + 3);
+	cr_assert_eq(stat_get(&px, "clients_total"), total, "a refused hello became a client");
+	cr_assert_eq(stat_get(&px, "clients"), 0);
+	assert_table(before, "a refused hello");
+	cr_assert_eq(proxy_log_count(&px, "built against different DPDK versions"), 2, "the log says why");
+
+	kvs_client *c = connect_ok(&px);
+	cr_assert_eq(stat_get(&px, "clients_total"), total + 1);
+	kvs_close(c);
+}
+
+/* Something at the socket path welcomes a client with a control segment
+ * whose rings another DPDK laid out: kvs_connect refuses it (-ENOEXEC)
+ * before it maps anything else. */
+static int other_layout_proxy(int rd, int wr, void *arg)
+{
+	(void)rd;
+	const char *path = arg;
+	int l = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+	struct sockaddr_un a = { .sun_family = AF_UNIX };
+	snprintf(a.sun_path, sizeof(a.sun_path), "%s", path);
+	if (l < 0 || bind(l, (struct sockaddr *)&a, sizeof(a)) < 0 || listen(l, 4) < 0)
+		return 1;
+	chan_put(wr, "ready", 5);
+	int c = accept(l, NULL, NULL);
+	struct kvs_hello h;
+	if (c < 0 || recv(c, &h, sizeof(h), 0) != sizeof(h))
+		return 2;
+	int ctrl = memfd_create("ctrl", MFD_CLOEXEC), efd = eventfd(0, EFD_CLOEXEC);
+	if (ctrl < 0 || efd < 0 || ftruncate(ctrl, 4096) < 0)
+		return 3;
+	struct kvs_ctrl *ctl = mmap(NULL, 4096, PROT_WRITE, MAP_SHARED, ctrl, 0);
+	if (ctl == MAP_FAILED)
+		return 4;
+	*ctl = (struct kvs_ctrl){ .magic = KVS_MAGIC_CTRL, .abi = KVS_ABI, .instance = 7,
+				  .ring_layout = h.ring_layout ^ 0x40u };
+	struct kvs_welcome w = { .magic = KVS_MAGIC_HELLO, .abi = KVS_ABI, .client_id = 1,
+				 .instance = 7, .ctrl_size = 4096, .cmem_size = 4096 };
+	int fds[KVS_WELCOME_NFDS] = { ctrl, ctrl, ctrl, efd, efd };
+	if (kvs_sock_send(c, &w, sizeof(w), fds, KVS_WELCOME_NFDS) < 0)
+		return 5;
+	char b;
+	recv(c, &b, 1, 0); /* until the library hangs up */
+	return 0;
+}
+
+Test(errors, library_refuses_a_proxy_of_another_ring_layout)
+{
+	char path[108];
+	snprintf(path, sizeof(path), "/tmp/kvstage-layout-%d.sock", (int)getpid());
+	unlink(path);
+	struct child ch;
+	child_start(&ch, other_layout_proxy, path);
+	char ready[5];
+	cr_assert_eq(chan_get(ch.from, ready, 5), 0);
+	kvs_client *c = NULL;
+	int rc = kvs_connect(path, &c);
+	cr_assert_eq(rc, -ENOEXEC, "kvs_connect: %d (%s)", rc, kvs_strerror(rc));
+	cr_assert_null(c);
+	cr_assert_eq(child_wait(&ch), 0);
+	unlink(path);
 }

@@ -146,6 +146,7 @@ static int ctrl_create(struct kvsp *p)
 	c->client_count = cfg->max_clients;
 	c->client_row_size = sizeof(struct kvs_client_row);
 	c->proxy_pid = getpid();
+	c->ring_layout = kvs_ring_layout();
 	struct timespec ts;
 	clock_gettime(CLOCK_REALTIME, &ts);
 	c->started_ns = (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;

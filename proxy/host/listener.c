@@ -31,6 +31,7 @@
 #include "core/clients.h"
 #include "core/rooms.h"
 #include "host/loop.h"
+#include "ring.h"
 #include "sock.h"
 
 #ifndef SO_PEERGROUPS
@@ -512,6 +513,18 @@ void kvsp_on_hello(struct kvsp *p, unsigned i)
 	}
 	switch (h.kind) {
 	case KVS_HELLO_CLIENT:
+		if (h.ring_layout != kvs_ring_layout()) {
+			/* Its rings would be read at other offsets than it writes them. */
+			char why[96];
+			snprintf(why, sizeof(why), "rte_ring layout %08x is not kvstaged's %08x",
+				 (unsigned)h.ring_layout, (unsigned)kvs_ring_layout());
+			kvsp_log_rl(&p->rl_refused, p->now_ns, &p->stats->log_suppressed,
+				    KVSP_LOG_WARN, "refused pid %d (uid %u): its libkvstage's %s: the two were built "
+				    "against different DPDK versions", (int)pd.pid, (unsigned)pd.uid,
+				    why);
+			kvsp_refuse(p, pd.fd, -ENOEXEC, why);
+			break;
+		}
 		welcome_client(p, &pd);
 		break;
 	case KVS_HELLO_STAT: {
