@@ -24,6 +24,25 @@ enum kvs_fp_action {
 	KVS_FP_FAIL,    /* fail whatever reaches it with err */
 };
 
+/* The proxy's failpoints, by the names the admin protocol gives them:
+ * X(ID, "name"), in the order the proxy numbers them (KVSP_FP_ID in
+ * core/failpoint.h). */
+#define KVS_FAILPOINTS(X)                                                                       \
+	X(LOCAL_QUIESCE, "local.quiesce") /* local transport: hold or fail a chunk's hand-off */ \
+	X(ACQUIRE, "acquire")             /* fail acquires */                                     \
+	X(RECV_OPEN, "recv_open")         /* fail receiving-room opens */                         \
+	X(TCP_PAYLOAD, "tcp.payload")     /* tcp: hold a chunk's payload after its header */      \
+	X(RDMA_READ, "rdma.read")         /* rdma, receiving side: hold a READ into its slot */
+
+#define KVS_FP_ONE_MORE(id, name) +1
+enum { KVS_FP_COUNT = 0 KVS_FAILPOINTS(KVS_FP_ONE_MORE) };
+#undef KVS_FP_ONE_MORE
+
+/* The failpoints' names, in that order. */
+extern const char *const kvs_fp_names[KVS_FP_COUNT];
+/* Returns name's index in kvs_fp_names, or -ENOENT. */
+int kvs_fp_find(const char *name);
+
 struct kvs_admin_req {
 	uint32_t op;      /* enum kvs_admin_op */
 	uint32_t action;  /* enum kvs_fp_action */

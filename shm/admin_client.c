@@ -15,6 +15,20 @@
 
 static __thread char last_msg[96];
 
+const char *const kvs_fp_names[KVS_FP_COUNT] = {
+#define KVS_FP_NAME(id, name) name,
+	KVS_FAILPOINTS(KVS_FP_NAME)
+#undef KVS_FP_NAME
+};
+
+int kvs_fp_find(const char *name)
+{
+	for (int i = 0; i < KVS_FP_COUNT; i++)
+		if (!strcmp(name, kvs_fp_names[i]))
+			return i;
+	return -ENOENT;
+}
+
 /* Set, release and get are answered on the proxy's next turn; a proxy that
  * has not answered in this long is stopped or wedged. */
 #define REPLY_MS 30000

@@ -10,7 +10,6 @@
 #include <unistd.h>
 
 #include "admin.h"
-#include "core/failpoint.h"
 #include "kvstage.h"
 #include "parse.h"
 
@@ -158,11 +157,11 @@ int main(int argc, char **argv)
 		return 2;
 	}
 	if (!strcmp(a[0], "list")) {
-		for (int i = 0; i < KVSP_FP_COUNT; i++)
-			printf("%s\n", kvsp_fp_names[i]);
+		for (int i = 0; i < KVS_FP_COUNT; i++)
+			printf("%s\n", kvs_fp_names[i]);
 		return 0;
 	}
-	if (n < 2 || kvsp_fp_find(a[1]) < 0) {
+	if (n < 2 || kvs_fp_find(a[1]) < 0) {
 		fprintf(stderr, "kvstage-ctl: %s: want a failpoint name (see 'kvstage-ctl list')\n",
 			n < 2 ? a[0] : a[1]);
 		return 2;

@@ -13,13 +13,12 @@
 
 #include "admin.h"
 
+/* KVSP_FP_LOCAL_QUIESCE and the others: admin.h lists them, with their names. */
 enum kvsp_fp_id {
-	KVSP_FP_LOCAL_QUIESCE, /* local transport: hold or fail a chunk's hand-off (pinned, in flight) */
-	KVSP_FP_ACQUIRE,       /* fail acquires */
-	KVSP_FP_RECV_OPEN,     /* fail receiving-room opens */
-	KVSP_FP_TCP_PAYLOAD,   /* tcp: hold a chunk's payload after its header went (the stream waits) */
-	KVSP_FP_RDMA_READ,     /* rdma, receiving side: hold a READ into a slot posted for it */
-	KVSP_FP_COUNT,
+#define KVSP_FP_ID(id, name) KVSP_FP_##id,
+	KVS_FAILPOINTS(KVSP_FP_ID)
+#undef KVSP_FP_ID
+	KVSP_FP_COUNT
 };
 
 #define KVSP_FP_HOLD 1
@@ -36,11 +35,6 @@ struct kvsp_fp {
 	struct kvsp_transport *holder;
 	unsigned (*release)(struct kvsp_transport *t, uint64_t match, uint64_t mask);
 };
-
-extern const char *const kvsp_fp_names[KVSP_FP_COUNT];
-
-/* Returns the failpoint id for name, or -ENOENT. */
-int kvsp_fp_find(const char *name);
 
 /* Returns 0 (pass), KVSP_FP_HOLD, or the -errno to fail with. */
 static inline int kvsp_fp_eval(struct kvsp_fp *fp, bool enabled, uint64_t ud_a, uint64_t ud_b)
