@@ -61,6 +61,12 @@ static_assert(sizeof(struct kvs_slot) == 16, "slot metadata is 16 bytes");
 #define KVS_CTRL_HUGEPAGES 0x1u
 #define KVS_CTRL_LOCKED 0x2u
 #define KVS_CTRL_FAILPOINTS 0x4u
+/* Parts the proxy was built without (meson_options.txt); an older proxy
+ * publishes none of these bits, and has every part. */
+#define KVS_CTRL_WITHOUT_VERBS 0x8u   /* no RDMA data path */
+#define KVS_CTRL_WITHOUT_METRICS 0x10u /* no --metrics-listen */
+#define KVS_CTRL_WITHOUT_SYSTEMD 0x20u /* no sd_notify */
+#define KVS_CTRL_WITHOUT_ACL 0x40u     /* a peer secret with an ACL is refused, not judged */
 
 /* Counters the proxy publishes (kvstage-stat reads them). */
 struct kvs_stats {

@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include "harness.h"
+#include "kvs_build.h"
 
 static struct proxy px = PROXY_INIT;
 static char out[65536], err[65536];
@@ -63,7 +64,8 @@ Test(cli, kvstaged_refuses_bad_input)
 		{ "--slot-size", " 4K", "--slot-size" },
 		{ "--socket-mode", "rw", "octal" },
 		{ "--transport", "rdma", "want auto, tcp or verbs" },
-		{ "--metrics-listen", "localhost:9464", "numeric" },
+		{ "--metrics-listen", "localhost:9464",
+		  KVS_HAVE_METRICS ? "numeric" : "this build has no metrics" },
 	};
 	for (unsigned i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
 		int rc = RUN(bin, "--socket", "/tmp/kvstage-cli-never.sock", bad[i].a, bad[i].b);
@@ -90,6 +92,9 @@ static bool host_has_rdma(void)
 /* --transport: the combinations that cannot work are refused at once. */
 Test(cli, transport_choices_that_cannot_work)
 {
+	if (!KVS_HAVE_VERBS)
+		cr_skip_test("this build has no RDMA (built without verbs): "
+			     "cli::a_build_without_a_part_says_so shows what it refuses");
 	const char *bin = build_path("proxy/kvstaged");
 	unsetenv("KVSTAGE_PEER_SECRET");
 	cr_assert_eq(RUN(bin, "--socket", "/tmp/kvstage-cli-never.sock", "--transport", "verbs"), 2);
@@ -104,6 +109,9 @@ Test(cli, transport_choices_that_cannot_work)
 /* Without a device: auto says it uses TCP and serves; verbs will not start. */
 Test(cli, transport_without_an_rdma_device)
 {
+	if (!KVS_HAVE_VERBS)
+		cr_skip_test("this build has no RDMA (built without verbs): "
+			     "cli::a_build_without_a_part_says_so shows what it refuses");
 	if (host_has_rdma())
 		cr_skip_test("this host has an RDMA device (/sys/class/infiniband): the no-device "
 			     "choices cannot be shown here");
@@ -118,6 +126,84 @@ Test(cli, transport_without_an_rdma_device)
 	char log[8192];
 	proxy_log(&px, log, sizeof(log));
 	cr_assert(strstr(log, "peers: chunks by TCP (--transport auto: no RDMA device here)"), "%s", log);
+}
+
+/* The parts a build lacks (meson_options.txt: verbs, metrics, systemd,
+ * acl) are named by kvstaged --help and by kvstage-stat; each option that
+ * needs one is refused with one line naming the package that was missing;
+ * a build with every part names none. */
+static bool lacks(const char *part)
+{
+	return strstr(KVS_BUILT_WITHOUT, part) != NULL;
+}
+
+static void refused_in_one_line(const char *a, const char *b, const char *says)
+{
+	int rc = RUN(build_path("proxy/kvstaged"), "--socket", "/tmp/kvstage-cli-never.sock", a, b);
+	cr_assert_eq(rc, 2, "%s %s: exit %d", a, b, rc);
+	char want[256];
+	snprintf(want, sizeof(want), "kvstaged: %s: %s\n", a, says);
+	if (!strcmp(a, "--transport"))
+		snprintf(want, sizeof(want), "kvstaged: %s %s: %s\n", a, b, says);
+	cr_assert_str_eq(err, want, "%s %s", a, b);
+}
+
+Test(cli, a_build_without_a_part_says_so)
+{
+	const char *bin = build_path("proxy/kvstaged");
+	cr_assert_eq(RUN(bin, "--help"), 0);
+	char line[128];
+	snprintf(line, sizeof(line), "\nbuilt without: %s\n", KVS_BUILT_WITHOUT);
+	if (*KVS_BUILT_WITHOUT)
+		cr_assert(strstr(out, line), "--help does not say \"%s\": %s", line + 1, out);
+	else
+		cr_assert_null(strstr(out, "built without"), "%s", out);
+
+	setenv("KVSTAGE_PEER_SECRET", "kvstage-cli-test-secret-0123456789", 1);
+	if (lacks("verbs")) {
+		const char *no = "this build has no RDMA (libibverbs-dev missing at build time)";
+		refused_in_one_line("--rdma-device", "rxe0", no);
+		refused_in_one_line("--rdma-gid-index", "1", no);
+		refused_in_one_line("--rdma-keys", "windows", no);
+		refused_in_one_line("--transport", "verbs", no);
+	}
+	if (lacks("metrics"))
+		refused_in_one_line("--metrics-listen", "9464",
+				    "this build has no metrics (libmicrohttpd-dev missing at build time)");
+
+	/* A proxy of this build: its log and kvstage-stat say what it lacks. */
+	if (lacks("systemd"))
+		setenv("NOTIFY_SOCKET", "/tmp/kvstage-cli-no-such-notify", 1);
+	const char *args[] = { "--slots", "1", "--slot-size", "4K", "--transport", "auto", NULL };
+	proxy_start(&px, NULL, args);
+	unsetenv("NOTIFY_SOCKET");
+	char log[8192];
+	proxy_log(&px, log, sizeof(log));
+	if (lacks("verbs"))
+		cr_assert(strstr(log, "peers: chunks by TCP (this build has no RDMA: libibverbs-dev "
+				      "missing at build time)"), "%s", log);
+	if (lacks("systemd"))
+		cr_assert(strstr(log, "$NOTIFY_SOCKET is set, but this build has no systemd support "
+				      "(libsystemd-dev missing at build time)"), "%s", log);
+	const char *stat = build_path("tools/kvstage-stat");
+	cr_assert_eq(RUN(stat, "-s", px.sock), 0, "%s", err);
+	snprintf(line, sizeof(line), "\nbuilt without: %s\n", KVS_BUILT_WITHOUT);
+	if (*KVS_BUILT_WITHOUT)
+		cr_assert(strstr(out, line), "kvstage-stat does not say \"%s\": %s", line + 1, out);
+	else
+		cr_assert_null(strstr(out, "built without"), "%s", out);
+	cr_assert_eq(RUN(stat, "-s", px.sock, "--json"), 0, "%s", err);
+	char json[128] = "\"built_without\":[";
+	bool first = true;
+	for (const char *p = KVS_BUILT_WITHOUT; *p; first = false) {
+		size_t n = strcspn(p, ",");
+		snprintf(json + strlen(json), sizeof(json) - strlen(json), "%s\"%.*s\"",
+			 first ? "" : ",", (int)n, p);
+		p += n;
+		p += strspn(p, ", ");
+	}
+	strcat(json, "]");
+	cr_assert(strstr(out, json), "want %s in %s", json, out);
 }
 
 /* --ready-fd 2: "ready" goes to stderr, and stderr stays open for the log. */
@@ -315,14 +401,17 @@ Test(cli, log_lines_carry_a_syslog_priority_on_the_journal_stream)
 	snprintf(logf, sizeof(logf), "%s/stderr", dir);
 	snprintf(sock, sizeof(sock), "%s/kvs.sock", dir);
 	/* A start that fails after the log is up (no RDMA device has that
-	 * name anywhere): lines, an error among them, then exit 1. */
-	static const char tail[] = "--slots 1 --slot-size 4K --rdma-device no-such-rdma-device";
+	 * name anywhere; in a build without RDMA, no interface has that
+	 * address): lines, an error among them, then exit 1. */
+	const char *tail = KVS_HAVE_VERBS
+		? "--slots 1 --slot-size 4K --rdma-device no-such-rdma-device"
+		: "--slots 1 --slot-size 4K --listen 192.0.2.1:1";
 	snprintf(script, sizeof(script),
 		 "exec 2>%s; KVSTAGE_PEER_SECRET=kvstage-journal-test-secret-0123 "
 		 "JOURNAL_STREAM=$(stat -c %%d:%%i %s) exec %s --socket %s %s",
 		 logf, logf, build_path("proxy/kvstaged"), sock, tail);
 	int rc = RUN("/bin/sh", "-c", script);
-	cr_assert_eq(rc, 1, "kvstaged with an RDMA device that does not exist: exit %d", rc);
+	cr_assert_eq(rc, 1, "kvstaged with a device or address that does not exist: exit %d", rc);
 	FILE *f = fopen(logf, "r");
 	cr_assert_not_null(f);
 	char line[512];

@@ -17,6 +17,7 @@
 #include <unistd.h>
 
 #include "daemon/log.h"
+#include "kvs_build.h"
 #include "parse.h"
 #include "core/proxy.h"
 #include "core/clients.h"
@@ -132,7 +133,11 @@ static int ctrl_create(struct kvsp *p)
 	c->pool_size = p->pool_size;
 	c->slot_count = cfg->slot_count;
 	c->flags = (p->huge ? KVS_CTRL_HUGEPAGES : 0) | (p->locked ? KVS_CTRL_LOCKED : 0) |
-		   (cfg->failpoints ? KVS_CTRL_FAILPOINTS : 0);
+		   (cfg->failpoints ? KVS_CTRL_FAILPOINTS : 0) |
+		   (KVS_HAVE_VERBS ? 0 : KVS_CTRL_WITHOUT_VERBS) |
+		   (KVS_HAVE_METRICS ? 0 : KVS_CTRL_WITHOUT_METRICS) |
+		   (KVS_HAVE_SYSTEMD ? 0 : KVS_CTRL_WITHOUT_SYSTEMD) |
+		   (KVS_HAVE_ACL ? 0 : KVS_CTRL_WITHOUT_ACL);
 	c->max_rooms = cfg->max_rooms;
 	c->client_rooms = cfg->client_rooms;
 	c->sq_count = cfg->sq_count;

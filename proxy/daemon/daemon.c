@@ -19,6 +19,7 @@
 #include "daemon/log.h"
 #include "daemon/metrics.h"
 #include "daemon/notify.h"
+#include "kvs_build.h"
 #include "kvstage.h"
 #include "parse.h"
 #include "peer/endpoint.h"
@@ -121,6 +122,9 @@ static void usage(FILE *f)
 "  -l, --log-level LEVEL    error | warn | info | debug (default info)\n"
 "  -h, --help               show this help\n"
 "  -V, --version            show the version\n");
+	if (*KVS_BUILT_WITHOUT)
+		fprintf(f, "\nbuilt without: %s\n(the options that need them are refused; "
+			"meson_options.txt lists the parts)\n", KVS_BUILT_WITHOUT);
 }
 
 /* An octal mode: digits 0-7 only, at most 0777. */
@@ -159,6 +163,17 @@ static int bad(const char *opt, const char *val, const char *why)
 	fprintf(stderr, "Try 'kvstaged --help'.\n");
 	return 2;
 }
+
+/* An option of a part this build lacks (meson_options.txt): one line, saying
+ * which library was missing when it was built. */
+static int lacks(const char *opt, const char *part, const char *package)
+{
+	fprintf(stderr, "kvstaged: %s%s: this build has no %s (%s missing at build time)\n", origin,
+		opt, part, package);
+	return 2;
+}
+#define NO_RDMA(opt) lacks(opt, "RDMA", "libibverbs-dev")
+#define NO_METRICS(opt) lacks(opt, "metrics", "libmicrohttpd-dev")
 
 enum {
 	O_HUGE = 256, O_NOLOCK, O_UID, O_GID, O_ROOMS, O_CROOMS, O_CLIENTS, O_RING, O_TIMEOUT,
@@ -405,22 +420,30 @@ int kvsp_daemon_main(int argc, char **argv, const struct kvsp_daemon_hooks *hook
 				peer.data = KVSP_DATA_AUTO;
 			else if (!strcmp(optarg, "tcp"))
 				peer.data = KVSP_DATA_TCP;
+			else if (!strcmp(optarg, "verbs") && !KVS_HAVE_VERBS)
+				return NO_RDMA("--transport verbs");
 			else if (!strcmp(optarg, "verbs"))
 				peer.data = KVSP_DATA_VERBS;
 			else
 				return bad("--transport", optarg, "want auto, tcp or verbs");
 			break;
 		case O_RDMA:
+			if (!KVS_HAVE_VERBS)
+				return NO_RDMA("--rdma-device");
 			if (!*optarg)
 				return bad("--rdma-device", optarg, "want a device name (ibv_devices)");
 			peer.rdma_device = optarg;
 			break;
 		case O_GIDX:
+			if (!KVS_HAVE_VERBS)
+				return NO_RDMA("--rdma-gid-index");
 			if (kvs_parse_uint(optarg, 255, &v))
 				return bad("--rdma-gid-index", optarg, "want 0 to 255");
 			peer.rdma_gid_index = (int)v;
 			break;
 		case O_KEYS:
+			if (!KVS_HAVE_VERBS)
+				return NO_RDMA("--rdma-keys");
 			if (!strcmp(optarg, "auto"))
 				peer.rdma_keys = KVSP_KEYS_AUTO;
 			else if (!strcmp(optarg, "windows"))
@@ -431,6 +454,8 @@ int kvsp_daemon_main(int argc, char **argv, const struct kvsp_daemon_hooks *hook
 				return bad("--rdma-keys", optarg, "want auto, windows or regions");
 			break;
 		case O_METRICS: {
+			if (!KVS_HAVE_METRICS)
+				return NO_METRICS("--metrics-listen");
 			struct kvsp_endpoint ep;
 			if (kvsp_metrics_parse(optarg, &ep) < 0)
 				return bad("--metrics-listen", optarg,

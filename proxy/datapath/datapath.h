@@ -125,7 +125,13 @@ extern const struct kvsp_dp_ops *const kvsp_datapaths[];
 int kvsp_dp_carry(struct kvsp_dp *const *dps, unsigned n, struct psess *s, struct kvsp_xfer *x,
 		  const struct kvs_wire_room *room);
 
-extern const struct kvsp_dp_ops kvsp_dp_rdma;   /* datapath/rdma.c */
+/* CHUNK_READs an RDMA sender keeps unacknowledged on one session: bounds
+ * the receiver's READs in flight and the acks it may owe at once. */
+#define KVSP_RDMA_WINDOW 128
+
+/* datapath/rdma.c; in a build without libibverbs, datapath/no_rdma.c, which
+ * answers peers' RDMA frames as a proxy without a device does. */
+extern const struct kvsp_dp_ops kvsp_dp_rdma;
 extern const struct kvsp_dp_ops kvsp_dp_stream; /* datapath/stream.c */
 
 #endif

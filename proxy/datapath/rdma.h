@@ -29,9 +29,7 @@
 #include "peer/wire.h"
 
 #define NONE UINT32_MAX
-/* CHUNK_READs a sender keeps unacknowledged on one session: bounds the
- * receiver's READs in flight and the acks it may owe at once. */
-#define WINDOW 128
+#define WINDOW KVSP_RDMA_WINDOW
 /* Keys a session's sent chunks may hold at once (announced ones, and ones
  * being bound or revoked): its windows. */
 #define KEYS_MAX (2 * WINDOW)

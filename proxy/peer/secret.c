@@ -11,9 +11,15 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include <acl/libacl.h>
 #include <sodium.h>
+
+#include "kvs_build.h"
+#if KVS_HAVE_ACL
+#include <acl/libacl.h>
 #include <sys/acl.h>
+#else
+#include <sys/xattr.h>
+#endif
 
 #include "peer/frame.h"
 
@@ -44,6 +50,7 @@ static void mode_says(mode_t m, const char **who, const char **what)
 		*what = (m & 022) ? "change" : "run";
 }
 
+#if KVS_HAVE_ACL
 /* A mode whose group bits are an ACL's mask (ls shows "+"): systemd's
  * LoadCredential= copies on a file system with ACLs are root's, 0400 plus
  * "user:kvstage:r", which reads as 0440. What counts is who the entries
@@ -88,6 +95,19 @@ static int acl_judge(int fd, char *why, size_t why_len, const char *path)
 	acl_free(acl);
 	return ok ? 1 : r ? r : 0;
 }
+#else
+/* Built without libacl (meson_options.txt): an ACL can be seen, not read.
+ * Returns 0 if the file has none (its mode means what it says), or -EPERM
+ * with why written: whom it lets in is unknown here. */
+static int acl_judge(int fd, char *why, size_t why_len, const char *path)
+{
+	if (fgetxattr(fd, "system.posix_acl_access", NULL, 0) < 0)
+		return 0; /* none (ENODATA), or a file system without ACLs */
+	return refuse(why, why_len, -EPERM,
+		      "%s: it has a POSIX ACL, and this build cannot judge one (libacl1-dev missing at "
+		      "build time); chmod 600 it and drop the ACL (setfacl -b)", path);
+}
+#endif
 
 /* Reads path's bytes into buf (at most cap: more means too long) after
  * judging the file. Returns 0 with *n, or -errno with why written. */

@@ -23,6 +23,10 @@ void print_human(const struct kvs_ctrl *c, size_t len, const char *path, int slo
 	       c->flags & KVS_CTRL_HUGEPAGES ? "yes" : "no",
 	       c->flags & KVS_CTRL_LOCKED ? "yes" : "no",
 	       c->flags & KVS_CTRL_FAILPOINTS ? "on" : "off");
+	const char *without[4];
+	unsigned nw = built_without(c, without);
+	for (unsigned i = 0; i < nw; i++)
+		printf("%s%s%s", i ? ", " : "built without: ", without[i], i + 1 == nw ? "\n" : "");
 	printf("slots    ");
 	for (int i = 0; i < KVS_SLOT_NSTATES; i++)
 		printf(" %s %llu", state_names[i], S(slots[i]));

@@ -36,6 +36,12 @@ void print_json(const struct kvs_ctrl *c, size_t len, const char *path, int slot
 		       r->per_s[R_BYTES], r->per_s[R_TCP_TX], r->per_s[R_TCP_RX], r->per_s[R_RDMA_RX]);
 	else if (r)
 		printf("\"rates\":null,");
+	const char *without[4];
+	unsigned nw = built_without(c, without);
+	printf("\"built_without\":[");
+	for (unsigned i = 0; i < nw; i++)
+		printf("%s\"%s\"", i ? "," : "", without[i]);
+	printf("],");
 	printf("\"slot_count\":%u,\"slot_size\":%llu,\"pool_size\":%llu,\"hugepages\":%s,"
 	       "\"locked\":%s,\"failpoints\":%s,\"slot_metadata_bytes\":%zu,\"slots\":{",
 	       c->slot_count, (unsigned long long)c->slot_size, (unsigned long long)c->pool_size,

@@ -74,6 +74,9 @@ const char *peer_link(uint32_t flags);
 const char *peer_keys(uint32_t flags);
 /* The proxy's state as a word: "serving" or "draining". */
 const char *state_word(const struct kvs_stats *st);
+/* The parts the proxy was built without (its KVS_CTRL_WITHOUT_* flags),
+ * in order; n is how many (at most 4). */
+unsigned built_without(const struct kvs_ctrl *c, const char *names[4]);
 /* Fills *r with the rates since the previous call for the same instance. */
 void rates_take(const struct kvs_ctrl *c, struct rates *r);
 /* qsort order of struct client: by id, lowest first. */

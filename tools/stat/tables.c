@@ -70,6 +70,20 @@ const char *state_word(const struct kvs_stats *st)
 	return S(draining) ? "draining" : "serving";
 }
 
+unsigned built_without(const struct kvs_ctrl *c, const char *names[4])
+{
+	static const struct {
+		uint32_t flag;
+		const char *name;
+	} parts[4] = { { KVS_CTRL_WITHOUT_VERBS, "verbs" }, { KVS_CTRL_WITHOUT_METRICS, "metrics" },
+		       { KVS_CTRL_WITHOUT_SYSTEMD, "systemd" }, { KVS_CTRL_WITHOUT_ACL, "acl" } };
+	unsigned n = 0;
+	for (unsigned i = 0; i < 4; i++)
+		if (c->flags & parts[i].flag)
+			names[n++] = parts[i].name;
+	return n;
+}
+
 void rates_take(const struct kvs_ctrl *c, struct rates *r)
 {
 	static uint64_t inst, prev[R_N];
