@@ -79,7 +79,8 @@ enum {
 
 /* Connects to the proxy (NULL: $KVSTAGE_SOCKET, else KVS_DEFAULT_SOCKET). Returns 0, or
  * -ENOENT/-ECONNREFUSED (no proxy there), -EACCES (the socket's mode or the proxy refused
- * this uid/gid), -EUSERS (proxy full), -ESHUTDOWN (draining), -EPROTO (version), -errno. */
+ * this uid/gid), -EUSERS (proxy full), -ESHUTDOWN (draining), -EPROTO (version), -ENOEXEC
+ * (library and proxy built against DPDKs whose rte_ring differs), -errno. */
 int kvs_connect(const char *socket_path, kvs_client **out);
 /* Says goodbye and closes; the proxy aborts every room and frees every slot c still holds. */
 void kvs_close(kvs_client *c);
