@@ -19,12 +19,11 @@ sgl-project/sglang main (the stored copies this was written against):
 
 How it moves bytes. The decode side opens one kvstage room per request (recv_open) when SGLang
 calls send_metadata, and sends the room's descriptor (128 bytes) to the prefill rank over a small
-TCP side channel (kvstage.sidechannel: mutual handshake and per-message MACs keyed by the peer secret); the prefill rank's address comes from the bootstrap server, which speaks
-SGLang's own HTTP routes. The prefill side copies its pages into leased slots (host memory:
-runs of contiguous pages merged into one copy; device memory: one gather per buffer and slot)
+TCP side channel (kvstage.sidechannel: mutual handshake and per-message MACs keyed by the peer
+secret); the prefill rank's address comes from the bootstrap server, which speaks SGLang's own
+HTTP routes. The prefill side copies its pages into leased slots (kvstage.plan plans the copies)
 and sends each slot once it is full; the proxy moves the slots; the decode side, on RECV_DONE,
-copies them into its own pages (a scatter per buffer and slot on a device) and only then
-reports Success. Neither the proxy nor the side channel ever learns an engine page address or index:
+copies them into its own pages and only then reports Success. Neither the proxy nor the side channel ever learns an engine page address or index:
 only the two managers, each about its own memory.
 
 Room layout (both sides compute it from the same numbers: page count, item lengths, whether
@@ -50,13 +49,14 @@ The transport itself (local hand-off, tcp between proxies) only ever writes slot
 touched by a transport after its room ended is a tombstone in the proxy and never reaches an
 engine (kvstage's own guarantee, README.md).
 
-Memory. KV and state pages in host memory are copied by the CPU (ctypes/memoryview), one copy
-per run of contiguous pages. KV on a CUDA device needs libkvstage_cuda (kvstage.cuda) and is
+Memory. KV and state pages in host memory are copied by the CPU (kvstage.plan.CpuCopier), one
+copy per run of contiguous pages. KV on a CUDA device needs libkvstage_cuda (kvstage.cuda) and is
 refused with a clear error unless KVSTAGE_SGLANG_CUDA=1: that path is written but has never run
-on a GPU. There the whole pages of one buffer (KV buffer or state tensor) that lie in one slot are
-one gather_idx (decode: scatter_idx) on the copier's stream, the library choosing copy engines or
-its kernel; a page cut by a slot boundary is one plain copy for each part. Aux (SGLang's
-MetadataBuffers) is always host memory.
+on a GPU. There (kvstage.plan.CudaCopier, on its stream) the pages of one buffer (KV buffer or
+state tensor) that lie in one slot are one gather_idx (decode: scatter_idx) of the whole pages plus
+a plain copy for each part of a page a slot boundary cuts, or one plain copy per run of contiguous
+pages, whichever takes fewer calls (on a tie the plain copies: kvstage.plan says why). Aux
+(SGLang's MetadataBuffers) is always host memory.
 
 Not supported (refused with a reason, never silently wrong): prefill and decode with different
 attention-TP sizes, prefill pipeline parallelism or context parallelism, layouts that differ
@@ -88,19 +88,21 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from typing import Dict, List, NamedTuple, Optional, Tuple
+from typing import Dict, List, Optional
 
 import numpy as np
 
+from . import sidechannel as _sidechannel
 from .client import Client, EventType
 from .errors import KvstageError, NotConnected, PoolExhausted, Timeout
+from .plan import CpuCopier, CudaCopier, Extent, copy_room_out, needs_view, plan
+from .sidechannel import FrameListener, desc_bytes
 
 logger = logging.getLogger(__name__)
 
 # ---------------------------------------------------------------------------------------------
-# SGLang's base classes. Without SGLang this module still imports (kvstage.vllm uses its engine-neutral
-# pieces: copiers, runs/pieces, copy_room_out), but the backend classes refuse to be
-# instantiated. The test suite puts SGLang stand-ins on sys.path instead (python/tests/sglang_stubs).
+# SGLang's base classes. Without SGLang this module still imports (its layout pieces work), but the
+# backend classes refuse to be instantiated. The test suite puts SGLang stand-ins on sys.path instead (python/tests/sglang_stubs).
 # ---------------------------------------------------------------------------------------------
 try:
     from sglang.srt.disaggregation.base.conn import (  # type: ignore
@@ -201,19 +203,6 @@ def _mode(m):
 # Layout: where each byte sits in the room, and the copies that put it there.
 # ---------------------------------------------------------------------------------------------
 
-def _runs(idx):
-    """Returns [(pos, first_index, length)] for the runs of consecutive values in idx."""
-    idx = np.asarray(idx, dtype=np.int64).reshape(-1)
-    if idx.size == 0:
-        return []
-    if int(idx.min()) < 0:
-        raise ValueError("negative page or state index")
-    brk = np.flatnonzero(np.diff(idx) != 1) + 1
-    starts = np.concatenate(([0], brk))
-    ends = np.concatenate((brk, [idx.size]))
-    return [(int(s), int(idx[s]), int(e - s)) for s, e in zip(starts, ends)]
-
-
 def _flat(x):
     """Returns one state component's indices as a flat int64 array (None: none)."""
     if x is None:
@@ -271,45 +260,6 @@ class MemoryMap:
         return None
 
 
-class Paged(NamedTuple):
-    """An extent of items of one device buffer: item idx[k] (at base + idx[k] * item) at room_off + k * item.
-    RoomLayout gives these for device KV and state buffers (host ones stay (room_off, addr, nbytes, device) runs);
-    _paged_pieces cuts one at slot boundaries."""
-    room_off: int
-    base: int
-    item: int
-    idx: Tuple[int, ...]
-    device: bool
-
-    @property
-    def nbytes(self):
-        return len(self.idx) * self.item
-
-
-class Piece(NamedTuple):
-    """nbytes at addr to or from off of slot `slot` (one copy); what _pieces yields, as a plain tuple."""
-    slot: int
-    off: int
-    addr: int
-    nbytes: int
-    device: bool
-
-
-class Gather(NamedTuple):
-    """Whole items of one buffer in one slot: item idx[k] (at base + idx[k] * item) at off + k * item of slot `slot`
-    (one kvs_cuda_gather_idx / scatter_idx)."""
-    slot: int
-    off: int
-    base: int
-    item: int
-    idx: Tuple[int, ...]
-    device: bool
-
-    @property
-    def nbytes(self):
-        return len(self.idx) * self.item
-
-
 class RoomLayout:
     """Offsets of a request's bytes in its room (see the module docstring); .nbytes in all."""
 
@@ -339,22 +289,18 @@ class RoomLayout:
         self.mem = mem
 
     def kv_extents(self, pages, first_pos):
-        """Returns the extents of pages at request positions first_pos..., buffer by buffer: for a host buffer
-        [(room_off, addr, nbytes, False)], one per run of contiguous pages; for a device buffer one Paged of
-        all the pages (cut per slot into gathers, _paged_pieces)."""
+        """Returns the extents (kvstage.plan.Extent) of pages at request positions first_pos..., one per KV
+        buffer; raises ValueError for a page past a buffer or more pages than the room was made for."""
+        idx = _indices(pages, "page")
+        if not idx:
+            return []
+        if first_pos + len(idx) > self.npages:
+            raise ValueError(f"more pages than the {self.npages} the room was made for")
         out = []
-        runs = _runs(pages)
-        idx = tuple(int(p) for p in np.asarray(pages, dtype=np.int64).reshape(-1))
         for b, r in enumerate(self.mem.kv):
-            for pos, page, n in runs:
-                if first_pos + pos + n > self.npages:
-                    raise ValueError(f"more pages than the {self.npages} the room was made for")
-                if (page + n) * r.item > r.nbytes:
-                    raise ValueError(f"page {page + n - 1} is past KV buffer {b} ({r.nbytes} bytes)")
-                if not r.device:
-                    out.append((self.kv_off[b] + (first_pos + pos) * r.item, r.ptr + page * r.item, n * r.item, False))
-            if r.device and idx:
-                out.append(Paged(self.kv_off[b] + first_pos * r.item, r.ptr, r.item, idx, True))
+            if (max(idx) + 1) * r.item > r.nbytes:
+                raise ValueError(f"page {max(idx)} is past KV buffer {b} ({r.nbytes} bytes)")
+            out.append(Extent(self.kv_off[b] + first_pos * r.item, r.ptr, r.item, r.item, idx, r.device))
         return out
 
     def aux_extents(self, aux_index):
@@ -364,26 +310,31 @@ class RoomLayout:
         for a, r in enumerate(self.mem.aux):
             if (aux_index + 1) * r.item > r.nbytes or aux_index < 0:
                 raise ValueError(f"aux index {aux_index} is past aux buffer {a}")
-            out.append((self.aux_off[a], r.ptr + aux_index * r.item, r.item, False))
+            out.append(Extent(self.aux_off[a], r.ptr, r.item, r.item, (aux_index,), False))
         return out
 
     def state_extents(self, state_indices):
         out = []
         for c, (comp, offs, n) in enumerate(zip(self.mem.state, self.state_off, self.state_counts)):
-            idx = _flat(state_indices[c]) if c < len(state_indices) else _flat(None)
-            if idx.size != n:
-                raise ValueError(f"state component {c}: {idx.size} indices here, {n} on the other side")
-            runs = _runs(idx)
-            items = tuple(int(i) for i in idx)
+            idx = _indices(_flat(state_indices[c]) if c < len(state_indices) else (), "state")
+            if len(idx) != n:
+                raise ValueError(f"state component {c}: {len(idx)} indices here, {n} on the other side")
+            if not idx:
+                continue
             for t, (r, base) in enumerate(zip(comp, offs)):
-                for pos, first, k in runs:
-                    if (first + k) * r.item > r.nbytes:
-                        raise ValueError(f"state index {first + k - 1} is past state buffer {c}.{t}")
-                    if not r.device:
-                        out.append((base + pos * r.item, r.ptr + first * r.item, k * r.item, False))
-                if r.device and items:
-                    out.append(Paged(base, r.ptr, r.item, items, True))
+                if (max(idx) + 1) * r.item > r.nbytes:
+                    raise ValueError(f"state index {max(idx)} is past state buffer {c}.{t}")
+                out.append(Extent(base, r.ptr, r.item, r.item, idx, r.device))
         return out
+
+
+def _indices(x, what):
+    """Returns x (page or state indices: any int sequence or array) as a tuple of ints, raises ValueError for a
+    negative one."""
+    idx = tuple(int(i) for i in np.asarray(x, dtype=np.int64).reshape(-1))
+    if idx and min(idx) < 0:
+        raise ValueError(f"negative {what} index {min(idx)}")
+    return idx
 
 
 def state_counts_of(state_indices, ncomp):
@@ -392,217 +343,9 @@ def state_counts_of(state_indices, ncomp):
     return [int(_flat(state_indices[c]).size) if c < len(state_indices) else 0 for c in range(ncomp)]
 
 
-def _pieces(extents, slot_size):
-    """Yields (slot, slot_off, addr, nbytes, device) for extents cut at slot boundaries."""
-    for room_off, addr, n, dev in extents:
-        while n:
-            s, so = divmod(room_off, slot_size)
-            k = min(n, slot_size - so)
-            yield s, so, addr, k, dev
-            room_off += k
-            addr += k
-            n -= k
-
-
-def _span_gathered(ext, s, so, pos, end):
-    """ext's bytes [pos, end), all in slot s from so: a Gather of the whole items, and a Piece for each part
-    of an item cut by the slot's start or end (a Gather moves whole items only)."""
-    item, out = ext.item, []
-    if pos % item:  # the rest of an item begun in the slot before
-        j, into = divmod(pos, item)
-        k = min(item - into, end - pos)
-        out.append(Piece(s, so, ext.base + ext.idx[j] * item + into, k, ext.device))
-        so, pos = so + k, pos + k
-    whole = (end - pos) // item
-    if whole:
-        j = pos // item
-        out.append(Gather(s, so, ext.base, item, ext.idx[j:j + whole], ext.device))
-        so, pos = so + whole * item, pos + whole * item
-    if pos < end:  # the start of an item the next slot ends
-        out.append(Piece(s, so, ext.base + ext.idx[pos // item] * item, end - pos, ext.device))
-    return out
-
-
-def _span_runs(ext, s, so, pos, end):
-    """ext's bytes [pos, end), all in slot s from so, as one Piece per run of adjacent items."""
-    item, out = ext.item, []
-    while pos < end:
-        j, into = divmod(pos, item)
-        addr, k = ext.base + ext.idx[j] * item + into, min(item - into, end - pos)
-        if out and out[-1].addr + out[-1].nbytes == addr:
-            out[-1] = out[-1]._replace(nbytes=out[-1].nbytes + k)
-        else:
-            out.append(Piece(s, so, addr, k, ext.device))
-        so, pos = so + k, pos + k
-    return out
-
-
-def _paged_pieces(ext, slot_size):
-    """Yields ext's (a Paged) bytes cut at slot boundaries, in room order: for each slot it touches, the
-    gathered form (_span_gathered) or one copy per run of adjacent items (_span_runs), whichever takes fewer
-    calls; runs on a tie (one plain copy of adjacent pages beats a gather of them)."""
-    n = ext.nbytes
-    pos = 0  # byte offset in the extent
-    while pos < n:
-        s, so = divmod(ext.room_off + pos, slot_size)
-        end = pos + min(n - pos, slot_size - so)
-        gathered, runs = _span_gathered(ext, s, so, pos, end), _span_runs(ext, s, so, pos, end)
-        yield from runs if len(runs) <= len(gathered) else gathered
-        pos = end
-
-
-def _slot_pieces(extents, slot_size):
-    """Yields the pieces of extents (runs and Paged) cut at slot boundaries: Gather, or (slot, slot_off, addr,
-    nbytes, device) as _pieces (a Piece or a plain tuple)."""
-    for e in extents:
-        if isinstance(e, Paged):
-            yield from _paged_pieces(e, slot_size)
-        else:
-            yield from _pieces((e,), slot_size)
-
-
-def copy_room_out(room, extents, copier, slot_size):
-    """Copies a received room into the engine's memory: each of its slots once, every extent piece
-    that lies in it (a Gather by copier.scatter_out, the others by copier.copy_out), then waits for the
-    copies (copier.sync). Raises what the copier or the room raises."""
-    by_slot = collections.defaultdict(list)
-    for p in _slot_pieces(extents, slot_size):
-        by_slot[p[0]].append(p)
-    for s in sorted(by_slot):
-        lease = room.lease(s)
-        view = lease.view()
-        for p in by_slot[s]:
-            if isinstance(p, Gather):
-                copier.scatter_out(lease, view, p)
-            else:
-                _, so, addr, n, dev = p
-                copier.copy_out(lease, view, so, addr, n, dev)
-        del view
-    copier.sync()
-
-
-def _host(addr, n):
-    """Returns a writable byte memoryview of n bytes of engine host memory at addr."""
-    return memoryview((ctypes.c_ubyte * n).from_address(addr)).cast("B")
-
-
-class CopyHandle:
-    """One copy-out job: done() once it ran (error: what it raised) or was cancelled; cancel() stops it if not started."""
-
-    def __init__(self, job):
-        self._job = job
-        self.state = "queued"  # queued, running, done, cancelled
-        self.error = None
-
-    def run(self):
-        if self.state != "queued":
-            return
-        self.state = "running"
-        try:
-            self._job()
-        except BaseException as e:  # reported through poll(), never lost
-            self.error = e
-        finally:
-            self._job = None
-            self.state = "done"
-
-    def done(self):
-        return self.state in ("done", "cancelled")
-
-    def cancel(self):
-        """Returns True if the job will never run (it had not started, or was cancelled before)."""
-        if self.state == "queued":
-            self.state = "cancelled"
-            self._job = None
-        return self.state == "cancelled"
-
-
-class CpuCopier:
-    """Copies between host memory and slots; runs each copy-out job at once (submit)."""
-    device = False
-
-    def copy_in(self, lease, view, off, src, n, device):
-        if device:
-            raise RuntimeError("device memory needs the CUDA copier (KVSTAGE_SGLANG_CUDA=1)")
-        view[off:off + n] = _host(src, n)
-
-    def copy_out(self, lease, view, off, dst, n, device):
-        if device:
-            raise RuntimeError("device memory needs the CUDA copier (KVSTAGE_SGLANG_CUDA=1)")
-        _host(dst, n)[:] = view[off:off + n]
-
-    def gather_in(self, lease, view, g):
-        """Copies a Gather's items into the slot (here: one copy_in per run of contiguous items)."""
-        for pos, first, k in _runs(g.idx):
-            self.copy_in(lease, view, g.off + pos * g.item, g.base + first * g.item, k * g.item, g.device)
-
-    def scatter_out(self, lease, view, g):
-        """Copies the slot out to a Gather's items (here: one copy_out per run of contiguous items)."""
-        for pos, first, k in _runs(g.idx):
-            self.copy_out(lease, view, g.off + pos * g.item, g.base + first * g.item, k * g.item, g.device)
-
-    def sync(self):
-        pass
-
-    def submit(self, job):
-        h = CopyHandle(job)
-        h.run()
-        return h
-
-
-class CudaCopier(CpuCopier):
-    """Device pieces through libkvstage_cuda on one stream (synchronised before a send or Success), host pieces by CPU:
-    a Gather is one gather_idx / scatter_idx (the library picks copy engines or its kernel), any other device
-    piece one copy_in_device / copy_out_device. UNTESTED on a GPU: the development machine has none (python/SGLANG.md)."""
-    device = True
-
-    def __init__(self, gpu_id=0, cuda_api=None, stream=None):
-        if cuda_api is None:
-            from . import cuda as cuda_api
-        if stream is None:
-            import torch
-            stream = torch.cuda.Stream(device=gpu_id)
-        self._api, self._stream = cuda_api, stream
-        self._queued = False
-
-    def copy_in(self, lease, view, off, src, n, device):
-        if not device:
-            return super().copy_in(lease, view, off, src, n, False)
-        self._api.copy_in_device(lease, src, n, slot_off=off, stream=self._stream.cuda_stream)
-        self._queued = True
-
-    def copy_out(self, lease, view, off, dst, n, device):
-        if not device:
-            return super().copy_out(lease, view, off, dst, n, False)
-        self._api.copy_out_device(lease, dst, n, slot_off=off, stream=self._stream.cuda_stream)
-        self._queued = True
-
-    def gather_in(self, lease, view, g):
-        if not g.device:
-            return super().gather_in(lease, view, g)
-        self._api.gather_idx(lease, g.base, g.idx, g.item, slot_off=g.off, stream=self._stream.cuda_stream)
-        self._queued = True
-
-    def scatter_out(self, lease, view, g):
-        if not g.device:
-            return super().scatter_out(lease, view, g)
-        self._api.scatter_idx(lease, g.base, g.idx, g.item, slot_off=g.off, stream=self._stream.cuda_stream)
-        self._queued = True
-
-    def sync(self):
-        if self._queued:
-            self._stream.synchronize()
-            self._queued = False
-
-
 # ---------------------------------------------------------------------------------------------
-# The side channel: authenticated length-prefixed JSON over TCP, decode -> prefill rank only
-# (kvstage.sidechannel; re-exported here for the older imports).
+# What the decode side tells a prefill rank over the side channel (kvstage.sidechannel): meta and abort.
 # ---------------------------------------------------------------------------------------------
-from .sidechannel import _HDR, _MAX_MSG, FrameListener, SecretError, _frame, _recv_exact  # noqa: E402,F401
-from . import sidechannel as _sidechannel  # noqa: E402
-from .sidechannel import desc_bytes as _desc_bytes  # noqa: E402
-
 
 # Bounds of a side-channel message's numbers: far above any real request, low enough that nothing computed from
 # them (room bytes, layout offsets) can overflow or allocate absurdly.
@@ -663,7 +406,7 @@ def check_side_message(msg):
             return "desc missing for a room of more than 0 bytes"
     else:
         try:
-            _desc_bytes(d)
+            desc_bytes(d)
         except ValueError as e:
             return str(e)
     return None
@@ -1008,7 +751,7 @@ class KvstageKVManager(BaseKVManager):
                        room, msg.get("from") if isinstance(msg, dict) else None, why)
         if isinstance(msg, dict) and msg.get("desc") is not None:
             try:
-                _desc_bytes(msg.get("desc"))
+                desc_bytes(msg.get("desc"))
             except ValueError:
                 return  # no room to abort: the decode side learns at its timeout
             self._reject(msg, f"malformed transfer request: {why}")
@@ -1020,7 +763,7 @@ class KvstageKVManager(BaseKVManager):
         if not desc:
             return
         try:
-            r = self.client().send_open(_desc_bytes(desc), user_data=0)
+            r = self.client().send_open(desc_bytes(desc), user_data=0)
             r.abort()
             r.close()
         except (KvstageError, ValueError) as e:
@@ -1257,7 +1000,7 @@ class KvstageKVSender(BaseKVSender):
             try:
                 c = self.kv_mgr.client()
                 self._uid = self.kv_mgr._register_obj(self)
-                self._room = c.send_open(_desc_bytes(meta["desc"]), user_data=self._uid)
+                self._room = c.send_open(desc_bytes(meta["desc"]), user_data=self._uid)
             except (KvstageError, ValueError) as e:
                 return self._fail(f"could not open the decode side's room: {e}")
             if self._room.nbytes != int(meta["nbytes"]):
@@ -1311,17 +1054,11 @@ class KvstageKVSender(BaseKVSender):
                 if head is None:
                     self._extents.popleft()
                     break
-                if isinstance(head, Paged):  # a device buffer's pages: their gathers, slot by slot
+                if isinstance(head, Extent):  # its copies, each inside one slot
                     self._extents.popleft()
-                    self._extents.extendleft(reversed(list(_paged_pieces(head, ss))))
+                    self._extents.extendleft(reversed(plan([head], ss)))
                     continue
-                if isinstance(head, (Gather, Piece)):  # one slot's piece of a Paged
-                    s, so, n = head.slot, head.off, head.nbytes
-                    k = n
-                else:  # a run: its part in one slot
-                    room_off, addr, n, dev = head
-                    s, so = divmod(room_off, ss)
-                    k = min(n, ss - so)
+                s = head.slot
                 lease = self._leases.get(s)
                 if lease is None:
                     try:
@@ -1330,20 +1067,12 @@ class KvstageKVSender(BaseKVSender):
                         break  # retried at the next poll
                     self._leases[s] = lease
                 view = self._views.get(s)
-                if view is None:
+                if view is None and needs_view(head):
                     view = self._views[s] = lease.view()
-                if isinstance(head, Gather):
-                    cp.gather_in(lease, view, head)
-                elif isinstance(head, Piece):
-                    cp.copy_in(lease, view, so, head.addr, k, head.device)
-                else:
-                    cp.copy_in(lease, view, so, addr, k, dev)
+                cp.copy_in(lease, view, head)
                 copied = True
-                if k == n:
-                    self._extents.popleft()
-                else:
-                    self._extents[0] = (room_off + k, addr + k, n - k, dev)
-                self._written[s] += k
+                self._extents.popleft()
+                self._written[s] += head.nbytes
                 if self._written[s] == self._room.chunk_len(s):
                     self._unsent.append(s)
             if copied:
@@ -1584,7 +1313,7 @@ class KvstageKVReceiver(BaseKVReceiver):
         ss = self.kv_mgr.client().slot_size
 
         def job():
-            copy_room_out(room, extents, copier, ss)
+            copy_room_out(room, plan(extents, ss), copier)
         job.bootstrap_room = self.bootstrap_room
         return job
 
@@ -1671,6 +1400,6 @@ def kv_class(class_type):
     return CLASSES.get(name)
 
 
-__all__ = ["KvstageKVManager", "KvstageKVSender", "KvstageKVReceiver", "KvstageKVBootstrapServer", "bootstrap_server_on_a_free_port", "KVArgs", "KVPoll",
-           "KVTransferError", "KVTransferMetric", "PrefillServerInfo", "RoomLayout", "MemoryMap", "Paged", "Gather",
-           "Piece", "CpuCopier", "CudaCopier", "CopyHandle", "kv_class", "HAVE_SGLANG", "DisaggregationMode"]
+__all__ = ["KvstageKVManager", "KvstageKVSender", "KvstageKVReceiver", "KvstageKVBootstrapServer",
+           "bootstrap_server_on_a_free_port", "KVArgs", "KVPoll", "KVTransferError", "KVTransferMetric",
+           "PrefillServerInfo", "RoomLayout", "MemoryMap", "kv_class", "HAVE_SGLANG", "DisaggregationMode"]

@@ -79,9 +79,11 @@ prefill rank r (remote_port + r), naming its rank, and a prefill rank refuses a 
 (the shards' layouts are equal). vLLM's KVOutputAggregator reports a request to the scheduler once every rank
 has; a load failed on one rank fails the request through the invalid block ids, which vLLM unites.
 
-Memory: KV caches in host memory are copied by the CPU, one copy per run of blocks; on a CUDA device through
-libkvstage_cuda (kvstage.cuda), one gather (scatter) per layer part and slot (VllmLayout.plan), refused unless
-KVSTAGE_VLLM_CUDA=1: that path is written and checked against a stand-in device, never run on a GPU.
+Memory (kvstage.plan plans the copies): KV caches in host memory are copied by the CPU, one copy per run of blocks;
+on a CUDA device through libkvstage_cuda (kvstage.cuda), per layer part and slot one gather (scatter) of its whole
+blocks plus a plain copy for each part of a block a slot boundary cuts, or one plain copy per run of blocks, whichever
+takes fewer calls (on a tie the plain copies); refused unless KVSTAGE_VLLM_CUDA=1: that path is written and checked
+against a stand-in device, never run on a GPU.
 
 Settings: kv_connector_extra_config keys kvstage_socket ($KVSTAGE_SOCKET), kvstage_host ($KVSTAGE_VLLM_HOST,
 else kv_ip), kvstage_port (else kv_port), kvstage_stage_timeout, kvstage_load_timeout (s, default 120),
@@ -132,12 +134,10 @@ import time
 import typing
 from typing import Optional
 
+from . import sidechannel as _sidechannel
 from .client import Client, EventType
 from .errors import Again, KvstageError, NotConnected, PoolExhausted, Timeout
-# Shared with the SGLang backend (unchanged there): runs of consecutive blocks, cutting extents at slot
-# boundaries, the host/CUDA copiers and copy-out handles; the side channel is kvstage.sidechannel (authenticated).
-from . import sidechannel as _sidechannel
-from .sglang import CpuCopier, CudaCopier, _pieces, _runs, copy_room_out
+from .plan import CpuCopier, CudaCopier, Extent, copy_room_out, needs_view, plan
 from .sidechannel import FrameListener
 
 logger = logging.getLogger(__name__)
@@ -221,27 +221,6 @@ def _dense(sizes, strides):
             return False
         expect *= sz
     return True
-
-
-class Pages(typing.NamedTuple):
-    """Whole blocks of one cache region in one slot: block idx[k], page_size bytes at base + idx[k] * stride, is the
-    slot's bytes at slot_off + k * page_size. One kvs_cuda_gather_idx/scatter_idx (stride == page_size: base and
-    indices) or kvs_cuda_gather/scatter (stride != page_size: a list of page pointers) moves them all."""
-    slot: int
-    slot_off: int
-    base: int
-    stride: int
-    idx: tuple
-    page_size: int
-
-    @property
-    def nbytes(self):
-        return len(self.idx) * self.page_size
-
-
-def _nbytes(p):
-    """Bytes a plan item (Pages, or a (slot, slot_off, addr, nbytes, device) piece) moves."""
-    return p.nbytes if isinstance(p, Pages) else p[3]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -354,8 +333,8 @@ class VllmLayout:
         return self._bases(tuple(int(n) for n in nblocks))[-1]
 
     def extents(self, nblocks, blocks, first_pos=0, layer=None):
-        """Returns [(room_off, addr, nbytes, device)] for blocks at request positions first_pos... (one layer,
-        or all), a run of consecutive blocks one extent; raises ValueError for a block outside a cache."""
+        """Returns the extents (kvstage.plan.Extent: one per region) of blocks at request positions first_pos...
+        (one layer, or all); raises ValueError for a block outside a cache or more blocks than the room has."""
         counts, blocks, first = self._norm(nblocks, blocks, first_pos)
         bases = self._bases(counts)
         out = []
@@ -379,60 +358,18 @@ class VllmLayout:
 
     def _region_extents(self, k, base, blocks, first_pos):
         r = self.regions[k]
-        blocks = [int(b) for b in blocks]
+        blocks = tuple(int(b) for b in blocks)
         for b in blocks:  # every cache shape, before any address is computed (a strided cache's -1 is addressable)
             if not 0 <= b < r.nblocks:
                 raise ValueError(f"block {b} is outside the cache of layer {r.layer} ({r.nblocks} blocks)")
-        runs = _runs(blocks) if r.stride == r.item else [(i, b, 1) for i, b in enumerate(blocks)]
-        out = []
-        for pos, blk, n in runs:
-            if blk < 0 or blk + n > r.nblocks:
-                raise ValueError(f"blocks {blk}..{blk + n - 1} are outside the cache of layer {r.layer} "
-                                 f"({r.nblocks} blocks)")
-            out.append((base + (first_pos + pos) * r.item, r.ptr + blk * r.stride, n * r.item, r.device))
-        return out
+        if not blocks:
+            return []
+        return [Extent(base + first_pos * r.item, r.ptr, r.stride, r.item, blocks, r.device)]
 
-    def plan(self, nblocks, blocks, first_pos, slot_size, layer=None, gather=False):
-        """Returns the copies that move blocks at request positions first_pos... (one layer, or all) between their
-        caches and the room's slots. Without gather: (slot, slot_off, addr, nbytes, device) pieces, one per run of
-        consecutive blocks cut at slot boundaries (the CPU path). With gather, for each device region and slot: one
-        Pages holding the region's whole blocks that lie in that slot (one gather/scatter call however scattered
-        the blocks are) and a piece for each part of a block that a slot boundary cuts - or, where that takes more
-        calls (long runs of blocks cut by slot boundaries), that slot's pieces as without gather; host regions as
-        without gather. Raises ValueError for a block outside a cache or more blocks than the room has."""
-        if not gather:
-            return list(_pieces(self.extents(nblocks, blocks, first_pos, layer), slot_size))
-        counts, gblocks, gfirst = self._norm(nblocks, blocks, first_pos)
-        bases = self._bases(counts)
-        out = []
-        for k, r in enumerate(self.regions):
-            if layer is not None and r.layer != layer:
-                continue
-            blocks, first_pos = gblocks[r.group], gfirst[r.group]
-            if not r.device:
-                out.extend(_pieces(self._region_extents(k, bases[k], blocks, first_pos), slot_size))
-                continue
-            base, groups = bases[k], []  # groups: [slot, slot_off, block ids], or a cut block's piece
-            for i, b in enumerate(blocks):
-                if not 0 <= b < r.nblocks:
-                    raise ValueError(f"block {b} is outside the cache of layer {r.layer} ({r.nblocks} blocks)")
-                room = base + (first_pos + i) * r.item
-                s, so = divmod(room, slot_size)
-                if so + r.item > slot_size:  # cut by a slot boundary: its parts on either side are plain copies
-                    groups.extend(_pieces([(room, r.ptr + b * r.stride, r.item, True)], slot_size))
-                elif groups and isinstance(groups[-1], list) and groups[-1][0] == s:
-                    groups[-1][2].append(b)  # whole in slot s, right after the previous block
-                else:
-                    groups.append([s, so, [b]])
-            gathers, runs = collections.defaultdict(list), collections.defaultdict(list)
-            for g in groups:
-                gathers[g[0]].append(Pages(g[0], g[1], r.ptr, r.stride, tuple(g[2]), r.item) if isinstance(g, list)
-                                     else g)
-            for p in _pieces(self._region_extents(k, bases[k], blocks, first_pos), slot_size):
-                runs[p[0]].append(p)
-            for s in sorted(gathers):  # the same bytes either way: whichever takes fewer calls (a tie: the gather)
-                out.extend(gathers[s] if len(gathers[s]) <= len(runs[s]) else runs[s])
-        return out
+    def plan(self, nblocks, blocks, first_pos, slot_size, layer=None):
+        """Returns the copies (kvstage.plan.plan) that move blocks at request positions first_pos... (one layer, or
+        all) between their caches and the room's slots; raises ValueError as extents."""
+        return plan(self.extents(nblocks, blocks, first_pos, layer), slot_size)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1347,20 +1284,15 @@ class _Agent:
             self._end(req, "preempted")
         self._freed(req)  # no copy reads its blocks any more (_stage_fail cancelled or waited for them)
 
-    def _plan(self, nblocks, blocks, first_pos, ss, layer=None):
-        """The copies for these blocks: gathers into (scatters out of) slots when the copier has them (the CUDA
-        copier), else one copy per run of blocks (VllmLayout.plan)."""
-        return self.layout.plan(nblocks, blocks, first_pos, ss, layer, gather=getattr(self.copier, "gathers", False))
-
     def _post_layer(self, st, li):
         if li in st.posted:
             return
         st.posted.add(li)
-        st.pieces.extend(self._plan(st.nblocks, st.blocks, 0, st.ss, layer=li))
+        st.pieces.extend(self.layout.plan(st.nblocks, st.blocks, 0, st.ss, layer=li))
 
     def cmd_layer(self, li, reqs, event=None):
         if event is not None:
-            getattr(self.copier, "after", lambda ev: None)(event)
+            self.copier.after(event)
         for req in reqs:
             st = self._stages.get(req)
             if st is not None and st.state == "staging" and not st.sealed:
@@ -1368,7 +1300,7 @@ class _Agent:
 
     def cmd_seal(self, reqs, event=None):
         if event is not None:
-            getattr(self.copier, "after", lambda ev: None)(event)
+            self.copier.after(event)
         for req in reqs:
             st = self._stages.get(req)
             if st is not None and st.state == "staging" and not st.sealed:
@@ -1404,9 +1336,9 @@ class _Agent:
             batch = []
             while st.pieces:
                 p = st.pieces.popleft()
-                s = p[0]
+                s = p.slot
                 view = st.views.get(s)
-                if view is None and not isinstance(p, Pages):  # a gather needs no view of the slot
+                if view is None and needs_view(p):
                     view = st.views[s] = st.leases[s].view()
                 batch.append((st.leases[s], view, p))
             st.jobs.append(self.copier.submit(self._stage_job(st, batch)))
@@ -1428,15 +1360,11 @@ class _Agent:
 
         def job():
             for lease, view, p in batch:
-                if isinstance(p, Pages):
-                    copier.gather_in(lease, p)
-                else:
-                    _, so, addr, n, dev = p
-                    copier.copy_in(lease, view, so, addr, n, dev)
+                copier.copy_in(lease, view, p)
             copier.sync()  # before any slot counts as full (and so can be sent)
             for _, _, p in batch:
-                s = p[0]
-                st.written[s] += _nbytes(p)
+                s = p.slot
+                st.written[s] += p.nbytes
                 if st.written[s] == st.chunk_len(s):
                     st.full.add(s)
         job.req_id, job.kind = st.req, "stage"
@@ -1677,17 +1605,11 @@ class _Agent:
             ld.final = ld.final or "no room"
 
     def _copy_out_job(self, ld):
-        room, copier, ss = ld.room, self.copier, self._c().slot_size
-        if getattr(copier, "gathers", False):
-            plan = self._plan(ld.spec.num_blocks, ld.spec.local_block_ids, ld.spec.skip, ss)
+        room, copier = ld.room, self.copier
+        pieces = self.layout.plan(ld.spec.num_blocks, ld.spec.local_block_ids, ld.spec.skip, self._c().slot_size)
 
-            def job():
-                _copy_plan_out(room, plan, copier)
-        else:
-            extents = self.layout.extents(ld.spec.num_blocks, ld.spec.local_block_ids, ld.spec.skip)
-
-            def job():
-                copy_room_out(room, extents, copier, ss)
+        def job():
+            copy_room_out(room, pieces, copier)
         job.req_id, job.kind = ld.req, "load"
         return job
 
@@ -1753,55 +1675,6 @@ class _Agent:
         self._peers.send(endpoint[0], endpoint[1], msg)
 
 
-def _copy_plan_out(room, plan, copier):
-    """Copies a received room into the blocks by a gather plan (VllmLayout.plan): slot by slot, one scatter per
-    Pages, a copy per piece; then waits for the copies (copier.sync) - before the load can be reported."""
-    by_slot = collections.defaultdict(list)
-    for p in plan:
-        by_slot[p[0]].append(p)
-    for s in sorted(by_slot):
-        lease = room.lease(s)
-        view = None
-        for p in by_slot[s]:
-            if isinstance(p, Pages):
-                copier.scatter_out(lease, p)
-            else:
-                _, so, addr, n, dev = p
-                if view is None and not dev:
-                    view = lease.view()
-                copier.copy_out(lease, view, so, addr, n, dev)
-        del view
-    copier.sync()
-
-
-class _CudaCopier(CudaCopier):
-    """libkvstage_cuda on one stream, ordered after the forward's stream: each layer part's blocks in a slot by one
-    gather (scatter), kvs_cuda_gather_idx when its blocks are page_size apart, else kvs_cuda_gather with their
-    addresses; libkvstage_cuda picks copy engines or its kernel. UNTESTED on a GPU (python/VLLM.md)."""
-    gathers = True
-
-    def after(self, event):
-        self._stream.wait_event(event)
-
-    def gather_in(self, lease, p):
-        stream = self._stream.cuda_stream
-        if p.stride == p.page_size:
-            self._api.gather_idx(lease, p.base, p.idx, p.page_size, slot_off=p.slot_off, stream=stream)
-        else:
-            self._api.gather(lease, [p.base + b * p.stride for b in p.idx], p.page_size, slot_off=p.slot_off,
-                             stream=stream)
-        self._queued = True
-
-    def scatter_out(self, lease, p):
-        stream = self._stream.cuda_stream
-        if p.stride == p.page_size:
-            self._api.scatter_idx(lease, p.base, p.idx, p.page_size, slot_off=p.slot_off, stream=stream)
-        else:
-            self._api.scatter(lease, [p.base + b * p.stride for b in p.idx], p.page_size, slot_off=p.slot_off,
-                              stream=stream)
-        self._queued = True
-
-
 # ---------------------------------------------------------------------------------------------
 # Worker side.
 # ---------------------------------------------------------------------------------------------
@@ -1829,7 +1702,7 @@ class _WorkerSide:
                     "but untested (no GPU on the development machine). Set KVSTAGE_VLLM_CUDA=1 to use it anyway.")
             tensors = [t for v in kv_caches.values() for t in (v if isinstance(v, (list, tuple)) else (v,))]
             gpu = next(t for t in tensors if getattr(t, "is_cuda", False)).device.index or 0
-            copier = _CudaCopier(gpu)  # a torch stream on that device
+            copier = CudaCopier(gpu)  # a torch stream on that device
         else:
             copier = CpuCopier()
         listen = (self.s.host, self.s.base_port + self.tp_rank) if self.s.producer else None
@@ -2041,6 +1914,6 @@ class KvstageConnector(KVConnectorBase_V1, SupportsHMA):
 
 
 __all__ = ["KvstageConnector", "KvstageConnectorMetadata", "SaveSpec", "RecvSpec", "VllmLayout", "KVRegion",
-           "Pages", "KVConnectorBase_V1", "KVConnectorMetadata", "KVConnectorRole", "KvstageKVConnectorStats",
+           "KVConnectorBase_V1", "KVConnectorMetadata", "KVConnectorRole", "KvstageKVConnectorStats",
            "KvstagePromMetrics",
            "STAGE_TIMEOUT_S", "LOAD_TIMEOUT_S"]

@@ -17,6 +17,7 @@ import pytest
 
 import kvstage
 from kvstage import sglang as ks
+from kvstage.plan import Copy, CudaCopier, Extent, host_bytes, plan
 from kvstage.sglang import KVPoll
 from conftest import Proxy, kvstaged_path
 from sglang_common import (NEED_TORCH, Pair, adopted, assert_pool_free, engines, kv_proxy,  # noqa: F401 (fixtures)
@@ -24,14 +25,6 @@ from sglang_common import (NEED_TORCH, Pair, adopted, assert_pool_free, engines,
 
 
 # ---------------------------------------------------------------------------------------------- layout (no proxy)
-def test_runs():
-    assert ks._runs([5, 6, 7, 10, 11, 3]) == [(0, 5, 3), (3, 10, 2), (5, 3, 1)]
-    assert ks._runs([]) == [] and ks._runs([4]) == [(0, 4, 1)]
-    assert ks._runs([2, 1, 0]) == [(0, 2, 1), (1, 1, 1), (2, 0, 1)]
-    with pytest.raises(ValueError):
-        ks._runs([1, -1])
-
-
 def _mem(kv=((0x10000, 1000, 100), (0x20000, 600, 60)), aux=((0x30000, 160, 16), (0x40000, 80, 8)),
          state=(((0x50000, 120, 12), (0x60000, 40, 4)),), kv_device=False):
     a = types.SimpleNamespace(
@@ -47,21 +40,29 @@ def test_layout_offsets_and_extents():
     lay = ks.RoomLayout(mem, npages=3, has_aux=True, state_counts=[2])
     assert lay.kv_off == [0, 300] and lay.aux_off == [480, 496] and lay.state_off == [[504, 528]]
     assert lay.nbytes == 536
-    # pages 4,5 (one run) then 9: one copy per run and buffer, buffer by buffer
-    assert lay.kv_extents([4, 5, 9], 0) == [(0, 0x10000 + 400, 200, False), (200, 0x10000 + 900, 100, False),
-                                            (300, 0x20000 + 240, 120, False), (420, 0x20000 + 540, 60, False)]
-    assert lay.kv_extents([7], 2) == [(200, 0x10000 + 700, 100, False), (420, 0x20000 + 420, 60, False)]
-    assert lay.aux_extents(3) == [(480, 0x30000 + 48, 16, False), (496, 0x40000 + 24, 8, False)]
-    assert lay.state_extents([[6, 7]]) == [(504, 0x50000 + 72, 24, False), (528, 0x60000 + 24, 8, False)]
+    # one extent per buffer, buffer by buffer, the pages in the request's order
+    assert lay.kv_extents([4, 5, 9], 0) == [Extent(0, 0x10000, 100, 100, (4, 5, 9), False),
+                                            Extent(300, 0x20000, 60, 60, (4, 5, 9), False)]
+    assert lay.kv_extents([7], 2) == [Extent(200, 0x10000, 100, 100, (7,), False),
+                                      Extent(420, 0x20000, 60, 60, (7,), False)]
+    assert lay.kv_extents([], 3) == []
+    assert lay.aux_extents(3) == [Extent(480, 0x30000, 16, 16, (3,), False), Extent(496, 0x40000, 8, 8, (3,), False)]
+    assert lay.state_extents([[6, 7]]) == [Extent(504, 0x50000, 12, 12, (6, 7), False),
+                                           Extent(528, 0x60000, 4, 4, (6, 7), False)]
+    # planned for 4096-byte slots: pages 4,5 (one run) then 9, one copy per run and buffer
+    assert plan(lay.kv_extents([4, 5, 9], 0), 4096) == [
+        Copy(0, 0, 0x10000 + 400, 200, False), Copy(0, 200, 0x10000 + 900, 100, False),
+        Copy(0, 300, 0x20000 + 240, 120, False), Copy(0, 420, 0x20000 + 540, 60, False)]
     for bad in (lambda: lay.kv_extents([10], 0),         # past the 1000-byte buffer
                 lambda: lay.kv_extents([1, 2], 2),       # more pages than the room holds
+                lambda: lay.kv_extents([1, -1], 0),      # a negative page
                 lambda: lay.aux_extents(10),
                 lambda: lay.state_extents([[1]]),        # 1 state index where the room has 2
-                lambda: lay.state_extents([[9, 10]])):   # past the state buffer
+                lambda: lay.state_extents([[9, 10]]),    # past the state buffer
+                lambda: lay.state_extents([[-1, 0]])):   # a negative state index
         with pytest.raises(ValueError):
             bad()
     assert ks.RoomLayout(mem, 0, False, [0]).nbytes == 0
-    assert list(ks._pieces([(4090, 0x1000, 20, False)], 4096)) == [(0, 4090, 0x1000, 6, False), (1, 0, 0x1006, 14, False)]
     assert ks.state_counts_of([[[3]], None], 2) == [1, 0] and ks.state_counts_of(None, 1) == [0]
 
 
@@ -434,9 +435,9 @@ class _FakeCuda:
             for k, p in enumerate(pages):
                 at = slot_off + k * page_size
                 if write:
-                    v[at:at + page_size] = ks._host(p, page_size)
+                    v[at:at + page_size] = host_bytes(p, page_size)
                 else:
-                    ks._host(p, page_size)[:] = v[at:at + page_size]
+                    host_bytes(p, page_size)[:] = v[at:at + page_size]
         self.queued.setdefault(stream, []).append(land)
 
     @staticmethod
@@ -471,49 +472,19 @@ def test_fake_cuda_matches_kvstage_cuda():
                 == list(inspect.signature(getattr(_FakeCuda, name)).parameters)[1:]), name
 
 
-def test_paged_pieces():
-    """A device buffer's pages cut at slot boundaries, per slot in whichever form takes fewer calls: whole pages
-    as one Gather in the request's page order, a page across a boundary as two plain pieces; or one plain piece
-    per run of adjacent pages (on a tie: one copy of adjacent pages beats a gather). Every byte once, at its
-    room offset."""
-    B = 0x10000
-    ext = ks.Paged(room_off=50, base=B, item=30, idx=(7, 3, 4, 9, 0), device=True)
-    assert list(ks._paged_pieces(ext, 64)) == [
-        ks.Piece(0, 50, B + 7 * 30, 14, True),      # page 7: 14 bytes in slot 0, 16 in slot 1
-        ks.Piece(1, 0, B + 7 * 30 + 14, 16, True),
-        ks.Piece(1, 16, B + 3 * 30, 48, True),      # pages 3 and 4 are adjacent: one run (not a gather and a cut)
-        ks.Piece(2, 0, B + 4 * 30 + 18, 12, True),  # slot 2: three runs, as many as gathered: runs
-        ks.Piece(2, 12, B + 9 * 30, 30, True),
-        ks.Piece(2, 42, B, 22, True),               # page 0 across slots 2 and 3
-        ks.Piece(3, 0, B + 22, 8, True)]
-    shuffled = ks.Paged(room_off=0, base=B, item=30, idx=(7, 3, 9, 1, 5, 0, 8), device=True)
-    assert list(ks._paged_pieces(shuffled, 128)) == [
-        ks.Gather(0, 0, B, 30, (7, 3, 9, 1), True),  # five runs, or a gather and a cut: the gather
-        ks.Piece(0, 120, B + 5 * 30, 8, True),
-        ks.Piece(1, 0, B + 5 * 30 + 8, 22, True),    # slot 1: three runs, or the cut and a gather of 0, 8
-        ks.Gather(1, 22, B, 30, (0, 8), True)]
-    contiguous = ks.Paged(room_off=0, base=B, item=30, idx=(0, 1, 2, 3, 4), device=True)
-    assert list(ks._paged_pieces(contiguous, 64)) == [  # adjacent pages: one copy a slot, cut pages and all
-        ks.Piece(0, 0, B, 64, True), ks.Piece(1, 0, B + 64, 64, True), ks.Piece(2, 0, B + 128, 22, True)]
-    assert list(ks._paged_pieces(ks.Paged(128, 0, 32, (5, 1, 2, 8, 6), True), 64)) == [
-        ks.Gather(2, 0, 0, 32, (5, 1), True), ks.Gather(3, 0, 0, 32, (2, 8), True), ks.Piece(4, 0, 6 * 32, 32, True)]
-    assert list(ks._paged_pieces(ks.Paged(10, 0, 100, (2,), True), 64)) == [ks.Piece(0, 10, 200, 54, True),
-                                                                            ks.Piece(1, 0, 254, 46, True)]
-    assert list(ks._slot_pieces([(60, 0x9000, 8, False), ks.Paged(68, 0, 32, (1,), True)], 64)) == [
-        (0, 60, 0x9000, 4, False), (1, 0, 0x9004, 4, False), ks.Piece(1, 4, 32, 32, True)]
-
-
 def test_device_layout_extents():
-    """Device KV and state buffers: one Paged per buffer (state: per tensor) with the pages in the request's order,
-    the same offsets and checks as the host runs; aux stays host runs."""
+    """Device KV and state buffers: device extents, the same offsets and checks as host ones; aux stays host."""
     lay = ks.RoomLayout(_mem(kv_device=True), npages=3, has_aux=True, state_counts=[2])
-    assert lay.kv_extents([9, 4, 5], 0) == [ks.Paged(0, 0x10000, 100, (9, 4, 5), True),
-                                            ks.Paged(300, 0x20000, 60, (9, 4, 5), True)]
-    assert lay.kv_extents([7], 2) == [ks.Paged(200, 0x10000, 100, (7,), True), ks.Paged(420, 0x20000, 60, (7,), True)]
+    assert lay.kv_extents([9, 4, 5], 0) == [Extent(0, 0x10000, 100, 100, (9, 4, 5), True),
+                                            Extent(300, 0x20000, 60, 60, (9, 4, 5), True)]
+    assert lay.kv_extents([7], 2) == [Extent(200, 0x10000, 100, 100, (7,), True),
+                                      Extent(420, 0x20000, 60, 60, (7,), True)]
     assert lay.kv_extents([], 3) == []
-    assert lay.aux_extents(3) == [(480, 0x30000 + 48, 16, False), (496, 0x40000 + 24, 8, False)]  # aux: host runs
-    assert lay.state_extents([[7, 6]]) == [ks.Paged(504, 0x50000, 12, (7, 6), True), ks.Paged(528, 0x60000, 4, (7, 6), True)]
-    for bad in (lambda: lay.kv_extents([10], 0), lambda: lay.kv_extents([1, 2], 2), lambda: lay.state_extents([[9, 10]])):
+    assert lay.aux_extents(3) == [Extent(480, 0x30000, 16, 16, (3,), False), Extent(496, 0x40000, 8, 8, (3,), False)]
+    assert lay.state_extents([[7, 6]]) == [Extent(504, 0x50000, 12, 12, (7, 6), True),
+                                           Extent(528, 0x60000, 4, 4, (7, 6), True)]
+    for bad in (lambda: lay.kv_extents([10], 0), lambda: lay.kv_extents([1, 2], 2),
+                lambda: lay.state_extents([[9, 10]])):
         with pytest.raises(ValueError):
             bad()
 
@@ -587,7 +558,7 @@ def _cuda_copier_calls(engines, case, ppages, dpages, chunks):
     # then the same request through the CUDA copier
     fake = _FakeCuda()
     ps, ds = _FakeStream(fake, 0x5151), _FakeStream(fake, 0x5152)
-    P.copier, D.copier = ks.CudaCopier(cuda_api=fake, stream=ps), ks.CudaCopier(cuda_api=fake, stream=ds)
+    P.copier, D.copier = CudaCopier(cuda_api=fake, stream=ps), CudaCopier(cuda_api=fake, stream=ds)
     P.mem, D.mem = ks.MemoryMap(pc.kv_args(), kv_device=True), ks.MemoryMap(dc.kv_args(), kv_device=True)
     s, r = start(engines, 777, ppages, dpages, 6, chunks=chunks)
     assert D.wait_until(lambda: r.poll() == KVPoll.Success, 10), r
@@ -614,14 +585,14 @@ def _cuda_copier_calls(engines, case, ppages, dpages, chunks):
     # copy per run of adjacent pages, whichever is fewer; so never more than either form in all
     gathers, partials = _expected_scatter_calls(lay, ss)
     assert sum(c.kind == "scatter_idx" for c in outs) <= gathers and len(outs) <= gathers + partials
-    # what one copy per run of pages took (the path before gathers): the host layout's runs, cut at slots
-    before_out = len(list(ks._pieces(host_lay.kv_extents(dpages, 0) + host_lay.state_extents([[6]]), ss)))
+    # what one copy per run of pages takes (the CPU path's plan): the host layout's runs, cut at slots
+    before_out = len(plan(host_lay.kv_extents(dpages, 0) + host_lay.state_extents([[6]]), ss))
     before_in, at = 0, 0
     for n in list(chunks) + [len(ppages)]:
         n = min(n, len(ppages) - at)
         last = at + n == len(ppages)
         ext = host_lay.kv_extents(ppages[at:at + n], at) + (host_lay.state_extents([[6]]) if last else [])
-        before_in += len(list(ks._pieces(ext, ss)))
+        before_in += len(plan(ext, ss))
         at += n
         if last:
             break

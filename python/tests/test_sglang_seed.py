@@ -14,6 +14,7 @@ it, and copy-outs run only when the test releases them (GatedCopier). No sleeps.
 import pytest
 
 from kvstage import sglang as ks
+from kvstage.plan import CopyHandle, CpuCopier
 from kvstage.sglang import KVPoll
 from sglang_common import NEED_TORCH, engines, kv_proxy, sender_done, start  # noqa: F401 (fixtures)
 
@@ -47,14 +48,14 @@ class VulnerableReceiver(ks.KvstageKVReceiver):
         pass  # returns at once; whatever is owed to the room still lands
 
 
-class GatedCopier(ks.CpuCopier):
+class GatedCopier(CpuCopier):
     """Holds every copy-out until the test runs it, as a busy copy stream would."""
 
     def __init__(self):
         self.handles = []
 
     def submit(self, job):
-        h = ks.CopyHandle(job)
+        h = CopyHandle(job)
         h.room = job.bootstrap_room
         self.handles.append(h)
         return h

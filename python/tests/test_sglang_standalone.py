@@ -1,6 +1,6 @@
 """kvstage.sglang without SGLang: SGLang's base classes are not copied into kvstage (the test
-suite's stand-ins live in python/tests/sglang_stubs); the module still imports, with the engine-neutral pieces
-kvstage.vllm takes from it, and a backend class says plainly that it needs SGLang."""
+suite's stand-ins live in python/tests/sglang_stubs); the module still imports, its room layout works, and a
+backend class says plainly that it needs SGLang."""
 import os
 import subprocess
 import sys
@@ -15,10 +15,12 @@ pytest.importorskip("numpy", reason="kvstage.sglang needs numpy (Debian: python3
 SCRIPT = textwrap.dedent("""
     import sys
     sys.modules["sglang"] = None  # import sglang -> ImportError, whatever is installed
-    from kvstage.sglang import CpuCopier, CudaCopier, FrameListener, _frame, _pieces, _runs, copy_room_out
+    import types
     from kvstage import sglang as ks
     assert not ks.HAVE_SGLANG and ks.KVPoll is None
-    assert _runs([3, 4, 5, 9]) == [(0, 3, 3), (3, 9, 1)]
+    args = types.SimpleNamespace(kv_data_ptrs=[0x1000], kv_data_lens=[400], kv_item_lens=[100])
+    lay = ks.RoomLayout(ks.MemoryMap(args, kv_device=False), 3, False, [])
+    assert lay.nbytes == 300 and [e.idx for e in lay.kv_extents([3, 0], 1)] == [(3, 0)]
     for cls in (ks.KvstageKVManager, ks.KvstageKVSender, ks.KvstageKVReceiver, ks.KvstageKVBootstrapServer, ks.KVArgs):
         try:
             cls()

@@ -45,19 +45,22 @@ def _canaries_intact(bufs, layout):
 
 @NEED_TORCH
 @pytest.mark.parametrize("layout", ["kv-first", "block-first"])
-@pytest.mark.parametrize("gather", [False, True])
-def test_layout_refuses_blocks_outside_the_cache(layout, gather):
-    """extents (the CPU save and load paths) and plan refuse a negative block and one past the cache, alone or in a
-    run, whatever the cache's shape (block-first: each part strided, so -1 is an address before the cache)."""
+@pytest.mark.parametrize("device", [False, True])
+def test_layout_refuses_blocks_outside_the_cache(layout, device):
+    """extents and plan (host caches: the CPU path; device caches: gathers) refuse a negative block and one past the
+    cache, alone or in a run, whatever the cache's shape (block-first: each part strided, so -1 is an address before
+    the cache)."""
+    import dataclasses
     nb = 6
     caches = {f"l{i}": _guarded_cache(nb, layout)[0] for i in range(2)}
     lay = kv.VllmLayout(caches, nb)
+    lay.regions = [dataclasses.replace(r, device=device) for r in lay.regions]
     assert all((r.stride != r.item) == (layout == "block-first") for r in lay.regions)
     for blocks in ([-1], [nb], [2, -1], [-1, 0, 1], [nb - 1, nb], [0, 2 ** 40]):
         with pytest.raises(ValueError, match="outside the cache"):
             lay.extents(len(blocks), blocks, 0)
         with pytest.raises(ValueError, match="outside the cache"):
-            lay.plan(len(blocks), blocks, 0, 4096, gather=gather)
+            lay.plan(len(blocks), blocks, 0, 4096)
         with pytest.raises(ValueError, match="outside the cache"):
             lay.check(blocks)
     assert len(lay.extents(2, [0, nb - 1], 0)) > 0

@@ -18,7 +18,7 @@ import pytest
 
 import vllm_stubs  # vLLM's stand-ins where vllm is not importable, before kvstage.vllm
 from kvstage import vllm as kv
-from kvstage.sglang import CpuCopier, _host
+from kvstage.plan import Copy, CpuCopier, CudaCopier, Extent, Gather, host_bytes, needs_view
 from conftest import Proxy
 from sglang_common import NEED_TORCH, assert_pool_free, kv_proxy  # noqa: F401 (fixture)
 
@@ -103,17 +103,23 @@ def test_layout_regions_and_extents():
     caches = {f"l{i}": torch.zeros((2, nb, bs, h, d), dtype=torch.float16) for i in range(2)}
     lay = kv.VllmLayout(caches, nb)
     item = bs * h * d * 2
-    assert [(r.layer, r.item, r.stride, r.nblocks) for r in lay.regions] == [(0, item, item, nb)] * 2 + [(1, item, item, nb)] * 2
+    assert ([(r.layer, r.item, r.stride, r.nblocks) for r in lay.regions]
+            == [(0, item, item, nb)] * 2 + [(1, item, item, nb)] * 2)
     assert lay.regions[1].ptr == caches["l0"].data_ptr() + nb * item  # V after K
     assert lay.nbytes(3) == 4 * 3 * item
-    # blocks 5,6 (one run) then 2, for a 3-block room; layer 1 only: its K region starts after layer 0's 2 regions
+    # blocks 5,6 then 2, for a 3-block room; layer 1 only: its K region starts after layer 0's 2 regions
     ext = lay.extents(3, [5, 6, 2], 0, layer=1)
     base = caches["l1"].data_ptr()
-    assert ext == [(2 * 3 * item, base + 5 * item, 2 * item, False), (2 * 3 * item + 2 * item, base + 2 * item, item, False),
-                   (3 * 3 * item, base + nb * item + 5 * item, 2 * item, False),
-                   (3 * 3 * item + 2 * item, base + nb * item + 2 * item, item, False)]
-    assert lay.extents(3, [7], 2, layer=0) == [(2 * item, caches["l0"].data_ptr() + 7 * item, item, False),
-                                               (3 * item + 2 * item, caches["l0"].data_ptr() + nb * item + 7 * item, item, False)]
+    assert ext == [Extent(2 * 3 * item, base, item, item, (5, 6, 2), False),
+                   Extent(3 * 3 * item, base + nb * item, item, item, (5, 6, 2), False)]
+    # planned: one copy per run of blocks (5,6 then 2) and region
+    assert lay.plan(3, [5, 6, 2], 0, 1 << 20, layer=1) == [
+        Copy(0, 2 * 3 * item, base + 5 * item, 2 * item, False), Copy(0, 2 * 3 * item + 2 * item, base + 2 * item, item, False),
+        Copy(0, 3 * 3 * item, base + nb * item + 5 * item, 2 * item, False),
+        Copy(0, 3 * 3 * item + 2 * item, base + nb * item + 2 * item, item, False)]
+    l0 = caches["l0"].data_ptr()
+    assert lay.extents(3, [7], 2, layer=0) == [Extent(2 * item, l0, item, item, (7,), False),
+                                               Extent(3 * item + 2 * item, l0 + nb * item, item, item, (7,), False)]
     with pytest.raises(ValueError):
         lay.extents(3, [10], 0)           # past the cache
     with pytest.raises(ValueError):
@@ -425,9 +431,9 @@ class _FakeCuda:
             for k, p in enumerate(pages):
                 o = slot_off + k * page_size
                 if write:
-                    view[o:o + page_size] = _host(p, page_size)
+                    view[o:o + page_size] = host_bytes(p, page_size)
                 else:
-                    _host(p, page_size)[:] = view[o:o + page_size]
+                    host_bytes(p, page_size)[:] = view[o:o + page_size]
         self.queued[stream].append(run)
 
     @staticmethod
@@ -521,46 +527,48 @@ def _caches(shape, nb, fill):
     return caches
 
 
+def _on_device(lay, device=True):
+    """lay with every region in device memory (or, device=False, in host memory): the same caches as the other
+    path sees them."""
+    import copy
+    out = copy.copy(lay)
+    out.regions = [dataclasses.replace(r, device=device) for r in lay.regions]
+    out.device = device
+    return out
+
+
 def _layouts(caches, nb):
     """(the CPU path's layout, the same caches as the device path sees them)."""
-    import dataclasses
-    cpu, dev = kv.VllmLayout(caches, nb), kv.VllmLayout(caches, nb)
-    dev.regions = [dataclasses.replace(r, device=True) for r in dev.regions]
-    return cpu, dev
+    cpu = kv.VllmLayout(caches, nb)
+    return cpu, _on_device(cpu)
 
 
 def _device_copier(sabotage=None, cls=None):
     fake = _FakeCuda(sabotage)
-    return (cls or kv._CudaCopier)(cuda_api=fake, stream=_FakeStream(fake)), fake
+    return (cls or CudaCopier)(cuda_api=fake, stream=_FakeStream(fake)), fake
 
 
-def _copy_in(lay, copier, nblocks, blocks, ss, gather):
+def _copy_in(lay, copier, nblocks, blocks, ss):
     """Returns (the room's bytes after copying the blocks in layer by layer as a stage does, the plan's length)."""
     slots = [bytearray(ss) for _ in range(kv._cdiv(lay.nbytes(nblocks), ss))]
     calls = 0
     for li in range(len(lay.layer_names)):
-        plan = lay.plan(nblocks, blocks, 0, ss, layer=li, gather=gather)
+        plan = lay.plan(nblocks, blocks, 0, ss, layer=li)
         calls += len(plan)
         for p in plan:
-            lease = _HostLease(slots[p[0]])
-            if isinstance(p, kv.Pages):
-                copier.gather_in(lease, p)
-            else:
-                copier.copy_in(lease, lease.view(), p[1], p[2], p[3], p[4])
+            lease = _HostLease(slots[p.slot])
+            copier.copy_in(lease, lease.view() if needs_view(p) else None, p)
     copier.sync()
     return b"".join(slots)[:lay.nbytes(nblocks)], calls
 
 
-def _copy_out(lay, copier, room, nblocks, blocks, skip, ss, gather):
+def _copy_out(lay, copier, room, nblocks, blocks, skip, ss):
     """Copies a room's bytes into blocks (request positions skip...) as a load does; returns the plan's length."""
     slots = [bytearray(room[i:i + ss].ljust(ss, b"\0")) for i in range(0, len(room), ss)]
-    plan = lay.plan(nblocks, blocks, skip, ss, gather=gather)
+    plan = lay.plan(nblocks, blocks, skip, ss)
     for p in plan:
-        lease = _HostLease(slots[p[0]], readonly=True)
-        if isinstance(p, kv.Pages):
-            copier.scatter_out(lease, p)
-        else:
-            copier.copy_out(lease, lease.view(), p[1], p[2], p[3], p[4])
+        lease = _HostLease(slots[p.slot], readonly=True)
+        copier.copy_out(lease, lease.view() if needs_view(p) else None, p)
     copier.sync()
     return len(plan)
 
@@ -574,8 +582,8 @@ def _block_lists(nb, n):
 @NEED_TORCH
 @pytest.mark.parametrize("shape", list(PLAN_SHAPES))
 def test_gather_plan_moves_the_bytes_the_cpu_path_does(shape):
-    """The device path's plan (a gather per layer part and slot, plain copies for the parts of a block a slot boundary
-    cuts) on the stand-in device gives the room, byte for byte, that the CPU path's copy per run gives, for
+    """The device path's plan (per layer part and slot a gather plus plain copies for the parts of a block a slot
+    boundary cuts, or a plain copy per run where that is no more calls) on the stand-in device gives the room, byte for byte, that the CPU path's copy per run gives, for
     contiguous, scattered, shuffled and reversed blocks across 3 layers; and a load's scatters put into the decode
     side's blocks (a prefix of 2 cached) what the CPU path's copies do. Far fewer calls than runs when the blocks are
     scattered; a plan that reorders pages, puts them one page off or is never synchronised gives another room."""
@@ -584,16 +592,17 @@ def test_gather_plan_moves_the_bytes_the_cpu_path_does(shape):
     cpu, dev = _layouts(src, nb)
     seen = collections.Counter()
     for what, blocks in _block_lists(nb, n).items():
-        want, runs = _copy_in(cpu, CpuCopier(), n, blocks, ss, gather=False)
+        want, runs = _copy_in(cpu, CpuCopier(), n, blocks, ss)
         copier, fake = _device_copier()
-        got, calls = _copy_in(dev, copier, n, blocks, ss, gather=True)
+        got, calls = _copy_in(dev, copier, n, blocks, ss)
         assert got == want, (shape, what)
         assert fake.count(*CUDA_CALLS) == calls and copier._stream.syncs == 1
         seen.update(c[0] for c in fake.calls)
         if what != "contiguous" or shape == "block-first":  # runs of one block (block-first: runs are blocks)
             assert calls < runs / 2, (shape, what, calls, runs)
-        else:  # one run per layer part and slot, or the runs cut by slot boundaries copied as runs
+        else:  # one run per layer part and slot: as many plain copies as runs (a tie goes to the plain copies)
             assert calls == runs, (shape, what, calls, runs)
+            assert fake.count("copy_in_device") == calls and not fake.count("gather", "gather_idx"), (shape, what)
         # the load: into other, shuffled blocks of a fresh cache, the first 2 positions cached already
         dst = random.Random(len(what)).sample(range(nb), n - 2)
         outs = []
@@ -601,29 +610,29 @@ def test_gather_plan_moves_the_bytes_the_cpu_path_does(shape):
             d = _caches(shape, nb, fill=False)
             dcpu, ddev = _layouts(d, nb)
             c = _device_copier()[0] if gather else CpuCopier()
-            _copy_out(ddev if gather else dcpu, c, want, n, dst, 2, ss, gather)
+            _copy_out(ddev if gather else dcpu, c, want, n, dst, 2, ss)
             outs.append(d)
         for name in src:
             assert torch.equal(outs[0][name].view(torch.int16), outs[1][name].view(torch.int16)), (shape, what, name)
             assert torch.equal(outs[1][name][:, dst].view(torch.int16), src[name][:, blocks[2:]].view(torch.int16))
     assert seen["gather_idx" if shape != "block-first" else "gather"] and not seen["gather" if shape != "block-first"
                                                                                     else "gather_idx"]
-    assert bool(seen["copy_in_device"]) == (shape == "straddle")
+    # plain device copies: kv-first's contiguous runs (the tie) and straddle's blocks cut by a slot boundary; every
+    # block-first slot holds several strided blocks (no runs), one gather each
+    assert bool(seen["copy_in_device"]) == (shape != "block-first"), shape
     # proof that the comparison bites: a wrong order, offset or stride, or no synchronisation, gives another room
     blocks = _block_lists(nb, n)["shuffled"]
-    want, _ = _copy_in(cpu, CpuCopier(), n, blocks, ss, gather=False)
+    want, _ = _copy_in(cpu, CpuCopier(), n, blocks, ss)
 
-    class StrideIgnored(kv._CudaCopier):  # every Pages as base + idx * page_size, whatever the blocks' stride
-        def gather_in(self, lease, p):
-            self._api.gather_idx(lease, p.base, p.idx, p.page_size, slot_off=p.slot_off,
-                                 stream=self._stream.cuda_stream)
-            self._queued = True
+    class StrideIgnored(CudaCopier):  # every Gather as base + idx * item, whatever the blocks' stride
+        def copy_in(self, lease, view, p):
+            super().copy_in(lease, view, p._replace(stride=p.item) if isinstance(p, Gather) else p)
     bad = [_device_copier(s) for s in ("order", "offset", "no-sync")]
     if shape == "block-first":
         bad.append(_device_copier(cls=StrideIgnored))
     for copier, fake in bad:
         try:
-            got, _ = _copy_in(dev, copier, n, blocks, ss, gather=True)
+            got, _ = _copy_in(dev, copier, n, blocks, ss)
         except ValueError:  # one page off past the slot's end
             continue
         assert got != want, (shape, fake.sabotage)
@@ -675,12 +684,13 @@ def test_cuda_copier_plan(kv_proxy, monkeypatch, shape):
         assert pair.D.loaded == {f"d{k}": None for k in range(len(sizes))}
         ss = pair.P.agent._c().slot_size
         lay = pair.P.agent.layout
+        host = _on_device(lay, False)  # the same caches as the CPU path plans them: one copy per run
         runs = calls = 0
         for k, n in enumerate(sizes):
             nb = kv._cdiv(n, E.BLOCK_SIZE)
             for blocks in (pair.P.done_req[f"p{k}"].blocks[:nb], pair.D.done_req[f"d{k}"].blocks[:nb]):
-                runs += len(lay.plan(nb, blocks, 0, ss, gather=False))
-                calls += len(lay.plan(nb, blocks, 0, ss, gather=True))
+                runs += len(host.plan(nb, blocks, 0, ss))
+                calls += len(lay.plan(nb, blocks, 0, ss))
         fp, fd = fakes["P"], fakes["D"]
         moved = (fp.count("gather", "gather_idx", "copy_in_device")
                  + fd.count("scatter", "scatter_idx", "copy_out_device"))

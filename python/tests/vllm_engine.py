@@ -29,7 +29,7 @@ import torch
 
 import vllm_stubs  # noqa: F401 - vLLM's stand-ins where vllm is not importable, before kvstage.vllm
 from kvstage import vllm as kv
-from kvstage.sglang import CopyHandle, CpuCopier
+from kvstage.plan import CopyHandle, CpuCopier
 
 LAYERS, BLOCK_SIZE, HEADS, HEAD_DIM = 3, 4, 2, 16
 LAYER_NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
