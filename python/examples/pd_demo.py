@@ -39,7 +39,6 @@ import sys
 import tempfile
 import time
 import traceback
-import types
 from pathlib import Path
 
 PYDIR = Path(__file__).resolve().parent.parent  # python/: the kvstage package
@@ -53,13 +52,15 @@ REAL_SGLANG = importlib.util.find_spec("sglang") is not None
 if not REAL_SGLANG and str(SGLANG_STUBS) not in sys.path:
     sys.path.append(str(SGLANG_STUBS))
 
+HERE = str(Path(__file__).resolve().parent)  # pd_sim.py: the engines' memory and allocator, shared with the tests
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
+from pd_sim import TAG_KV, Alloc, Cache, server_args, stamp  # noqa: E402
+
 CORRUPT_ENV = "KVSTAGE_PD_DEMO_CORRUPT"  # test only: see --help
 STATES = ("Failed", "Bootstrapping", "WaitingForInput", "Transferring", "Success")  # KVPoll's values 0..4
 PREFILL_PLANS = ("Bootstrapping", "WaitingForInput", "Transferring")
 DECODE_PLANS = ("Bootstrapping", "WaitingForInput", "Transferring", "mid")  # mid: after the prefill's first chunk
-M62 = (1 << 62) - 1
-M64 = (1 << 64) - 1
-TAG_KV, TAG_AUX, TAG_STATE = 0, 1, 2
 
 
 # ------------------------------------------------------------------------------------------------ command line
@@ -183,8 +184,8 @@ def parse_corrupt(s):
 def geometry(a):
     """The KV cache's shape, shared by every worker (both sides must have the same layout)."""
     page_bytes = a.page_size * a.heads * a.head_dim * 2
-    aux_row = [64, 32, 32]     # int32 x 16, float32 x 8, int64 x 4: output ids, logprobs, cached tokens
-    state_row = [256]          # float32 x 64: one mamba-like state tensor
+    aux_row = [64, 32, 32]     # pd_sim.Cache's: int32 x 16, float32 x 8, int64 x 4: output ids, logprobs, cached tokens
+    state_row = [256]          # pd_sim.Cache's: float32 x 64, one mamba-like state tensor
     return dict(layers=a.layers, heads=a.heads, head_dim=a.head_dim, page_size=a.page_size, page_bytes=page_bytes,
                 aux_row=aux_row, state_row=state_row,
                 request_max=a.max_pages * page_bytes * 2 * a.layers + sum(aux_row) + sum(state_row))
@@ -223,175 +224,7 @@ def requests_for(argv):
     return make_requests(parse_args(argv))
 
 
-# ------------------------------------------------------------------------------------------------ stamps
-def mix(*xs):
-    """A 62-bit hash of the ints xs (splitmix64 steps)."""
-    h = 0x9E3779B97F4A7C15
-    for x in xs:
-        h = ((h ^ (x & M64)) * 0xBF58476D1CE4E5B9) & M64
-        h ^= h >> 31
-    return h & M62
-
-
-def stamp_words(torch, room, tag, b, js, nwords):
-    """The words request `room` writes into item j (j in js) of its buffer b of kind tag: word 0 the room,
-    word 1 (tag, b, j), then a run unique to (room, tag, b, j)."""
-    js = list(js)
-    base = torch.tensor([mix(room, tag, b, j) for j in js], dtype=torch.int64)
-    w = torch.arange(nwords, dtype=torch.int64).unsqueeze(0) + base.unsqueeze(1)
-    w[:, 0] = room
-    w[:, 1] = torch.tensor([(tag << 48) | (b << 32) | j for j in js], dtype=torch.int64)
-    return w
-
-
-def mark_value(k):
-    return 0x4D41524B << 32 | k  # "MARK", request k
-
-
-class Cache:
-    """One engine's memory: 2*layers paged KV buffers [tokens, heads, head_dim] fp16, three aux buffers and one
-    state tensor ([rows, row bytes]); all torch CPU tensors. .kv_args() describes them as SGLang's KVArgs."""
-
-    def __init__(self, torch, geo, pages, rows):
-        self.torch, self.geo, self.pages, self.page_size = torch, geo, pages, geo["page_size"]
-        tokens = pages * self.page_size
-        self.kv = [torch.zeros((tokens, geo["heads"], geo["head_dim"]), dtype=torch.float16)
-                   for _ in range(2 * geo["layers"])]
-        self.aux = [torch.zeros((rows, 16), dtype=torch.int32), torch.zeros((rows, 8), dtype=torch.float32),
-                    torch.zeros((rows, 4), dtype=torch.int64)]
-        self.state = [torch.zeros((rows, 64), dtype=torch.float32)]
-        # int64 word views: [pages, words a page] and [rows, words a row]
-        self.kv64 = [t.view(torch.uint8).view(pages, -1).view(torch.int64) for t in self.kv]
-        self.aux64 = [t.view(torch.uint8).view(rows, -1).view(torch.int64) for t in self.aux]
-        self.state64 = [t.view(torch.uint8).view(rows, -1).view(torch.int64) for t in self.state]
-        assert [t.shape[1] * 8 for t in self.aux64] == geo["aux_row"]
-        assert [t.shape[1] * 8 for t in self.state64] == geo["state_row"]
-
-    def kv_args(self, ks):
-        nb = lambda t: t.numel() * t.element_size()  # noqa: E731 (torch 1.13 has no Tensor.nbytes)
-        a = ks.KVArgs()
-        a.engine_rank, a.gpu_id, a.page_size, a.pp_rank, a.system_dp_rank = 0, 0, self.page_size, 0, 0
-        a.kv_data_ptrs = [t.data_ptr() for t in self.kv]
-        a.kv_data_lens = [nb(t) for t in self.kv]
-        a.kv_item_lens = [nb(t[0]) * self.page_size for t in self.kv]
-        a.aux_data_ptrs = [t.data_ptr() for t in self.aux]
-        a.aux_data_lens = [nb(t) for t in self.aux]
-        a.aux_item_lens = [nb(t[0]) for t in self.aux]
-        a.state_types = ["mamba"]
-        a.state_data_ptrs = [[t.data_ptr() for t in self.state]]
-        a.state_data_lens = [[nb(t) for t in self.state]]
-        a.state_item_lens = [[nb(t[0]) for t in self.state]]
-        return a
-
-    def _rowbufs(self):
-        return ([(TAG_AUX, i, t) for i, t in enumerate(self.aux64)]
-                + [(TAG_STATE, i, t) for i, t in enumerate(self.state64)])
-
-    # the prefill's forward
-    def fill_pages(self, room, pages, first):
-        idx = self.torch.tensor(pages, dtype=self.torch.long)
-        for b, t in enumerate(self.kv64):
-            t[idx] = stamp_words(self.torch, room, TAG_KV, b, range(first, first + len(pages)), t.shape[1])
-
-    def fill_rows(self, room, row):
-        for tag, i, t in self._rowbufs():
-            t[row] = stamp_words(self.torch, room, tag, i, [0], t.shape[1])[0]
-
-    # the decode side's checks
-    def check(self, room, pages, row, whose):
-        """Returns None if pages and row hold exactly request `room`'s bytes, else what differs (first one)."""
-        torch = self.torch
-        idx = torch.tensor(pages, dtype=torch.long)
-        for b, t in enumerate(self.kv64):
-            got = t[idx]
-            want = stamp_words(torch, room, TAG_KV, b, range(len(pages)), t.shape[1])
-            if not torch.equal(got, want):
-                j = int((got != want).any(1).nonzero()[0, 0])
-                return (f"kv buffer {b} page {j} of {len(pages)} (engine page {pages[j]}) "
-                        f"{self.describe(got[j], want[j], whose)}")
-        for tag, i, t in self._rowbufs():
-            got, want = t[row], stamp_words(torch, room, tag, i, [0], t.shape[1])[0]
-            if not torch.equal(got, want):
-                return f"{'aux' if tag == TAG_AUX else 'state'} buffer {i} row {row} {self.describe(got, want, whose)}"
-        return None
-
-    def describe(self, got, want, whose):
-        """Says whose bytes `got` (one item's words) holds."""
-        w0, w1 = int(got[0]), int(got[1])
-        if not bool(got.any()):
-            return "was never written (zeros)"
-        if bool((got == got[0]).all()) and (w0 >> 32) == 0x4D41524B:
-            return f"holds request {w0 & 0xFFFFFFFF}'s abort marker"
-        tag, b, j = (w1 >> 48) & 0xFFFF, (w1 >> 32) & 0xFFFF, w1 & 0xFFFFFFFF
-        kind = {TAG_KV: "kv buffer", TAG_AUX: "aux buffer", TAG_STATE: "state buffer"}.get(tag, f"tag {tag} buffer")
-        if w0 in whose:
-            other = whose[w0]
-            body = stamp_words(self.torch, w0, tag, b, [j], got.shape[0])[0]
-            if self.torch.equal(got, body):
-                item = f"page {j}" if tag == TAG_KV else "row"
-                own = " (its own bytes, in the wrong place)" if w0 == int(want[0]) else ""
-                return f"holds request {other}'s {kind} {b} {item}{own}"
-            off = int((got != want).nonzero()[0, 0]) * 8
-            return f"differs from its own bytes from byte {off} on (stamp: request {other}'s {kind} {b}, item {j})"
-        off = int((got != want).nonzero()[0, 0]) * 8
-        return f"holds unknown bytes (first differing byte {off}; word 0 {w0:#x})"
-
-    def mark(self, pages, row, k):
-        v = mark_value(k)
-        idx = self.torch.tensor(pages, dtype=self.torch.long)
-        for t in self.kv64:
-            t[idx] = v
-        for _, _, t in self._rowbufs():
-            t[row] = v
-
-    def marked(self, pages, row, k):
-        """Returns None if the marker is intact, else where it is not."""
-        v = mark_value(k)
-        idx = self.torch.tensor(pages, dtype=self.torch.long)
-        for b, t in enumerate(self.kv64):
-            bad = (t[idx] != v).any(1).nonzero()
-            if len(bad):
-                return f"kv buffer {b} page {int(bad[0, 0])} (engine page {pages[int(bad[0, 0])]})"
-        for tag, i, t in self._rowbufs():
-            if not bool((t[row] == v).all()):
-                return f"{'aux' if tag == TAG_AUX else 'state'} buffer {i} row {row}"
-        return None
-
-
-class Alloc:
-    """A free list (an engine's page or row allocator), handing out shuffled items, or a contiguous run."""
-
-    def __init__(self, n, rng):
-        self.free, self.rng = list(range(n)), rng
-        rng.shuffle(self.free)
-
-    def alloc(self, n, contiguous=False):
-        if n > len(self.free):
-            return None
-        if contiguous:
-            s = sorted(self.free)
-            for i in range(len(s) - n + 1):
-                if s[i + n - 1] - s[i] == n - 1:
-                    run = set(s[i:i + n])
-                    self.free = [p for p in self.free if p not in run]
-                    return s[i:i + n]
-        out, self.free = self.free[:n], self.free[n:]
-        return out
-
-    def give_back(self, items):
-        self.free.extend(items)
-        self.rng.shuffle(self.free)
-
-
 # ------------------------------------------------------------------------------------------------ the workers
-def server_args(socket_path, bootstrap_port):
-    """A stand-in of SGLang's ServerArgs: the fields the backend reads (one TP rank, KV cache on the CPU)."""
-    return types.SimpleNamespace(host="127.0.0.1", disaggregation_bootstrap_port=bootstrap_port, dist_init_addr=None,
-                                 kv_cache_dtype="auto", load_balance_method="follow_bootstrap_room", dp_size=1,
-                                 tp_size=1, pp_size=1, enable_dp_attention=False, device="cpu", port=None,
-                                 kvstage_socket=socket_path)
-
-
 IDLE_MIN, IDLE_MAX = 0.0005, 0.01  # a worker with nothing to do blocks on its events and its pipe this long
 
 
@@ -407,19 +240,22 @@ class Worker:
         self.role, self.index, self.conn, self.flags, self.acks = role, index, conn, shared[0], shared[1]
         self.opts = opts
         self.rng = random.Random(f"{opts['seed']}/{role}/{index}")
-        self.cache = Cache(torch, geo, pages, rows)
+        self.cache = Cache(pages, rows, page_size=geo["page_size"], layers=geo["layers"], heads=geo["heads"],
+                           head_dim=geo["head_dim"])
+        assert [self.cache.aux_u8(a).shape[1] for a in range(len(self.cache.aux))] == geo["aux_row"]
+        assert [self.cache.state_u8(0).shape[1]] == geo["state_row"]
         self.pages, self.rows = Alloc(pages, self.rng), Alloc(rows, self.rng)
         self.live = {}
         self.server = self.mgr = None
         if role == "prefill":
             self.server = ks.bootstrap_server_on_a_free_port("127.0.0.1")
             self.addr = f"127.0.0.1:{self.server.port}"
-            self.mgr = ks.KvstageKVManager(self.cache.kv_args(ks), ks.DisaggregationMode.PREFILL,
+            self.mgr = ks.KvstageKVManager(self.cache.kv_args(), ks.DisaggregationMode.PREFILL,
                                            server_args(socket_path, self.server.port))
             self.mgr.bootstrap_timeout = opts["bootstrap_timeout"]
         else:
             self.addr = None
-            self.mgr = ks.KvstageKVManager(self.cache.kv_args(ks), ks.DisaggregationMode.DECODE,
+            self.mgr = ks.KvstageKVManager(self.cache.kv_args(), ks.DisaggregationMode.DECODE,
                                            server_args(socket_path, 0))
             self.mgr.waiting_timeout = opts["waiting_timeout"]
 
@@ -577,8 +413,8 @@ class DecodeWorker(Worker):
         if p == KVPoll.Success:
             if k in self.corrupt["page"]:  # test only: a transfer that put another request's page here
                 other = (k + 1) % len(self.by_k)
-                t = self.cache.kv64[0]
-                t[st["pages"][0]] = stamp_words(self.torch, self.by_k[other], TAG_KV, 0, [0], t.shape[1])[0]
+                t = self.cache.kv_u8(0)
+                t[st["pages"][0]] = stamp(self.torch, self.by_k[other], TAG_KV, 0, [0], t.shape[1])[0]
             wrong = self.cache.check(r["room"], st["pages"], st["row"], self.whose)
             rv.clear()
             self.pages.give_back(st["pages"])
@@ -596,7 +432,7 @@ class DecodeWorker(Worker):
                     self.cache.mark(st["pages"], st["row"], k)
                     self.quarantine.append((k, st["pages"], st["row"]))
                     if k in self.corrupt["late"]:  # test only: a copy-out that landed after clear()
-                        self.cache.kv64[0][st["pages"][-1], 3] = 0
+                        self.cache.kv_u8(0)[st["pages"][-1], 24:32] = 0
             self.report(st, "Failed", reason=reason, problem=problem, had_pages=st["pages"] is not None)
             return True
         return changed

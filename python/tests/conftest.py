@@ -22,6 +22,8 @@ SGLANG_STUBS = Path(__file__).resolve().parent / "sglang_stubs"
 REAL_SGLANG = importlib.util.find_spec("sglang") is not None
 if not REAL_SGLANG:
     sys.path.append(str(SGLANG_STUBS))
+# the engine pieces the SGLang test engines share with python/examples/pd_demo.py (pd_sim.py)
+sys.path.append(str(ROOT / "python" / "examples"))
 # vLLM's and prometheus_client's stand-ins likewise (vllm_stubs/__init__.py; the modules spawned children import
 # also import it, as conftest does not run there)
 import vllm_stubs  # noqa: E402,F401

@@ -102,7 +102,7 @@ def start(engines, room, ppages, dpages, row, receiver_cls=None, chunks=(3,), pr
     assert r.poll() == KVPoll.WaitingForInput, r
     r.send_metadata(dpages, row, [[row]])
     adopted(s)
-    pc.fill(room, ppages, prow, prow)
+    pc.fill(room, ppages, prow)
     s.init(len(ppages), prow)
     at = 0
     for n in chunks:

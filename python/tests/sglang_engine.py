@@ -4,154 +4,23 @@ DecodePreallocQueue / DecodeTransferQueue on the other). Importable by spawned c
 import random
 import time
 import traceback
-import types
-import zlib
 
 import torch
 
 from kvstage import sglang as ks
 from kvstage.sglang import KVPoll
+from pd_sim import Alloc, Cache, server_args  # noqa: F401 (server_args: the tests' too)
 
 STATE = {KVPoll.Failed: "Failed", KVPoll.Bootstrapping: "Bootstrapping", KVPoll.WaitingForInput: "WaitingForInput",
          KVPoll.Transferring: "Transferring", KVPoll.Success: "Success"}
 
 
-def nbytes(t):
-    """Bytes of tensor t (torch 1.13 has no Tensor.nbytes)."""
-    return t.numel() * t.element_size()
-
-
-def server_args(socket_path, bootstrap_port, **kw):
-    """Returns a stand-in of SGLang's ServerArgs with the fields the backend reads."""
-    d = dict(host="127.0.0.1", disaggregation_bootstrap_port=bootstrap_port, dist_init_addr=None, kv_cache_dtype="auto",
-             load_balance_method="follow_bootstrap_room", dp_size=1, tp_size=1, pp_size=1, enable_dp_attention=False,
-             device="cpu", port=None, kvstage_socket=socket_path)
-    d.update(kw)
-    return types.SimpleNamespace(**d)
-
-
-class KVCache:
-    """A paged KV pool (K and V per layer), SGLang-style metadata (aux) buffers and one mamba-like state component,
-    all torch CPU tensors; .kv_args() describes them as SGLang's KVArgs does."""
-
-    def __init__(self, pool_pages, layers=3, page_size=4, heads=2, head_dim=12, aux_rows=64, state_rows=64):
-        self.pool_pages, self.page_size = pool_pages, page_size
-        tokens = pool_pages * page_size
-        self.kv = [torch.zeros((tokens, heads, head_dim), dtype=torch.float16) for _ in range(2 * layers)]
-        self.aux = [torch.zeros((aux_rows, 16), dtype=torch.int32), torch.zeros((aux_rows, 16), dtype=torch.int32),
-                    torch.zeros((aux_rows, 24), dtype=torch.float16), torch.zeros((aux_rows, 8), dtype=torch.int64)]
-        self.state = [[torch.zeros((state_rows, 3, 8), dtype=torch.float32), torch.zeros((state_rows, 20), dtype=torch.uint8)]]
-
-    def item(self, t):
-        return nbytes(t[0]) * self.page_size
-
-    def kv_args(self, engine_rank=0):
-        a = ks.KVArgs()
-        a.engine_rank, a.gpu_id, a.page_size, a.pp_rank, a.system_dp_rank = engine_rank, 0, self.page_size, 0, 0
-        a.kv_data_ptrs = [t.data_ptr() for t in self.kv]
-        a.kv_data_lens = [nbytes(t) for t in self.kv]
-        a.kv_item_lens = [self.item(t) for t in self.kv]
-        a.aux_data_ptrs = [t.data_ptr() for t in self.aux]
-        a.aux_data_lens = [nbytes(t) for t in self.aux]
-        a.aux_item_lens = [nbytes(t[0]) for t in self.aux]
-        a.state_types = ["mamba"]
-        a.state_data_ptrs = [[t.data_ptr() for t in comp] for comp in self.state]
-        a.state_data_lens = [[nbytes(t) for t in comp] for comp in self.state]
-        a.state_item_lens = [[nbytes(t[0]) for t in comp] for comp in self.state]
-        return a
-
-    # byte views: [pages, page bytes] / [rows, row bytes]
-    def kv_u8(self, b):
-        return self.kv[b].view(torch.uint8).view(self.pool_pages, -1)
-
-    def aux_u8(self, a):
-        return self.aux[a].view(torch.uint8).view(self.aux[a].shape[0], -1)
-
-    def state_u8(self, t):
-        comp = self.state[0][t]
-        return comp.view(torch.uint8).reshape(comp.shape[0], -1)
-
-    @staticmethod
-    def content(room, what, shape):
-        g = torch.Generator().manual_seed((room * 1000003 + zlib.crc32(what.encode())) % (2**63))
-        return torch.randint(0, 256, shape, generator=g, dtype=torch.uint8)
-
-    def expected(self, room, npages):
-        """Returns what request `room` holds: ([kv per buffer], [aux per buffer], [state per tensor])."""
-        kv = [self.content(room, f"kv{b}", (npages, self.kv_u8(b).shape[1])) for b in range(len(self.kv))]
-        aux = [self.content(room, f"aux{a}", (self.aux_u8(a).shape[1],)) for a in range(len(self.aux))]
-        st = [self.content(room, f"st{t}", (1, self.state_u8(t).shape[1])) for t in range(len(self.state[0]))]
-        return kv, aux, st
-
-    def fill(self, room, pages, aux_row, state_row):
-        """The prefill's forward: writes request `room`'s bytes into its pages, aux row and state row."""
-        kv, aux, st = self.expected(room, len(pages))
-        idx = torch.tensor(list(pages), dtype=torch.long)
-        for b, c in enumerate(kv):
-            if len(pages):
-                self.kv_u8(b)[idx] = c
-        for a, c in enumerate(aux):
-            self.aux_u8(a)[aux_row] = c
-        for t, c in enumerate(st):
-            self.state_u8(t)[state_row] = c[0]
-
-    def holds(self, room, pages, aux_row, state_row):
-        """Returns None if pages/rows hold exactly request `room`'s bytes, else what differs."""
-        kv, aux, st = self.expected(room, len(pages))
-        idx = torch.tensor(list(pages), dtype=torch.long)
-        for b, c in enumerate(kv):
-            if len(pages) and not torch.equal(self.kv_u8(b)[idx], c):
-                return f"kv buffer {b} differs"
-        for a, c in enumerate(aux):
-            if not torch.equal(self.aux_u8(a)[aux_row], c):
-                return f"aux buffer {a} differs"
-        for t, c in enumerate(st):
-            if not torch.equal(self.state_u8(t)[state_row], c[0]):
-                return f"state tensor {t} differs"
-        return None
-
-    def mark(self, pages, aux_row, state_row, byte):
-        idx = torch.tensor(list(pages), dtype=torch.long)
-        for b in range(len(self.kv)):
-            if len(pages):
-                self.kv_u8(b)[idx] = byte
-        for a in range(len(self.aux)):
-            self.aux_u8(a)[aux_row] = byte
-        for t in range(len(self.state[0])):
-            self.state_u8(t)[state_row] = byte
-
-    def marked(self, pages, aux_row, state_row, byte):
-        idx = torch.tensor(list(pages), dtype=torch.long)
-        ok = all(bool((self.kv_u8(b)[idx] == byte).all()) for b in range(len(self.kv))) if len(pages) else True
-        ok = ok and all(bool((self.aux_u8(a)[aux_row] == byte).all()) for a in range(len(self.aux)))
-        return ok and all(bool((self.state_u8(t)[state_row] == byte).all()) for t in range(len(self.state[0])))
-
-
-class Pool:
-    """Free lists of pages and rows (the engine's allocators)."""
-
-    def __init__(self, n, rng):
-        self.free = list(range(n))
-        rng.shuffle(self.free)
-        self.rng = rng
-
-    def alloc(self, n, contiguous=False):
-        if n > len(self.free):
-            return None
-        if contiguous:
-            s = sorted(self.free)
-            for i in range(len(s) - n + 1):
-                if s[i + n - 1] - s[i] == n - 1:
-                    run = s[i:i + n]
-                    for p in run:
-                        self.free.remove(p)
-                    return run
-        out, self.free = self.free[:n], self.free[n:]
-        return out
-
-    def give_back(self, items):
-        self.free.extend(items)
-        self.rng.shuffle(self.free)
+def KVCache(pool_pages, head_dim=12):
+    """A test engine's memory (pd_sim.Cache): pool_pages pages of 4 tokens, 3 layers, 2 heads; 64 aux rows in 4
+    buffers and 64 rows of one state component of 2 tensors, of sizes no other buffer has (a 20-byte row)."""
+    return Cache(pool_pages, rows=64, head_dim=head_dim,
+                 aux=[((16,), torch.int32), ((16,), torch.int32), ((24,), torch.float16), ((8,), torch.int64)],
+                 state=[[((3, 8), torch.float32), ((20,), torch.uint8)]])
 
 
 def make_requests(n, seed, plans):
@@ -177,7 +46,7 @@ def make_requests(n, seed, plans):
 def run_prefill(mgr, cache, reqs, flags, acks, bootstrap_addr, deadline_s=40):
     """Drives one sender per request until every request ended; returns {k: result dict}."""
     rng = random.Random(7)
-    pages, rows = Pool(cache.pool_pages, rng), Pool(cache.aux[0].shape[0], rng)
+    pages, rows = Alloc(cache.pages, rng), Alloc(cache.rows, rng)
     live, out = {}, {}
     for r in reqs:
         if r["plan"] == ("timeout", "decode-waiting"):
@@ -209,7 +78,7 @@ def run_prefill(mgr, cache, reqs, flags, acks, bootstrap_addr, deadline_s=40):
                 if got is None or row is None:
                     continue  # engine memory full: try again later
                 st["pages"], st["row"] = got, row[0]
-                cache.fill(r["room"], got, st["row"], st["row"])
+                cache.fill(r["room"], got, st["row"])
                 s.init(r["npages"] - s.pop_decode_prefix_len() // cache.page_size, st["row"])
                 st["phase"] = "send"
             elif st["phase"] == "send" and p in (KVPoll.WaitingForInput, KVPoll.Transferring):
@@ -259,10 +128,10 @@ def run_prefill(mgr, cache, reqs, flags, acks, bootstrap_addr, deadline_s=40):
 def run_decode(mgr, cache, reqs, flags, acks, bootstrap_addr, concurrency=16, deadline_s=40):
     """Drives one receiver per request (at most `concurrency` at once); returns ({k: result}, marker problems)."""
     rng = random.Random(11)
-    pages, rows = Pool(cache.pool_pages, rng), Pool(cache.aux[0].shape[0], rng)
+    pages, rows = Alloc(cache.pages, rng), Alloc(cache.rows, rng)
     waiting = [r for r in reqs if r["plan"] != ("timeout", "prefill-bootstrap")]
     out = {r["k"]: dict(outcome="absent", states=[]) for r in reqs if r["plan"] == ("timeout", "prefill-bootstrap")}
-    live, quarantine, n_marked = {}, [], 0
+    live, quarantine = {}, []
     deadline = time.monotonic() + deadline_s
     while not mgr.try_ensure_parallel_info(bootstrap_addr):
         if time.monotonic() > deadline:
@@ -307,7 +176,7 @@ def run_decode(mgr, cache, reqs, flags, acks, bootstrap_addr, concurrency=16, de
                 acks[k] = 1
             elif p == KVPoll.Success:
                 if "verified" not in st:
-                    st["verified"] = cache.holds(r["room"], st["pages"], st["row"], st["row"])
+                    st["verified"] = cache.check(r["room"], st["pages"], st["row"])
                 if r["plan"] == ("decode", "Success") and "aborted" not in st:
                     st["aborted"] = True
                     rv.abort()
@@ -329,13 +198,11 @@ def run_decode(mgr, cache, reqs, flags, acks, bootstrap_addr, concurrency=16, de
                     else:
                         # the abort rule: once clear() returned, nothing writes these pages; mark them and keep them
                         assert rv.pages_released, rv
-                        n_marked += 1
-                        byte = 0x5A ^ (n_marked & 0x7F)
-                        cache.mark(st["pages"], st["row"], st["row"], byte)
-                        quarantine.append((k, st["pages"], st["row"], byte))
+                        cache.mark(st["pages"], st["row"], k)
+                        quarantine.append((k, st["pages"], st["row"]))
                 del live[k]
     # every other request is done: the marked pages of aborted ones must be untouched
-    bad = [k for k, pg, row, byte in quarantine if not cache.marked(pg, row, row, byte)]
+    bad = [k for k, pg, row in quarantine if cache.marked(pg, row, k) is not None]
     return out, bad, len(quarantine)
 
 

@@ -171,7 +171,7 @@ def test_transfer_shapes(engines, ppages, dpages, chunks):
     got = [dc.kv_u8(b)[dpages] for b in range(len(dc.kv))]
     want = [pc.kv_u8(b)[ppages] for b in range(len(pc.kv))]
     assert all(bool((g == w).all()) for g, w in zip(got, want))
-    assert dc.holds(4242, dpages, 9, 9) is None  # kv, aux and state rows, byte for byte
+    assert dc.check(4242, dpages, 9) is None  # kv, aux and state rows, byte for byte
     lay = r._layout
     assert s.get_transfer_metric().transfer_total_bytes == lay.nbytes > 0
     r.clear()
@@ -192,7 +192,7 @@ def test_decode_prefix(engines, prefix_pages):
     r.send_metadata(dpages[prefix_pages:], 4, [[4]], decode_prefix_len=prefix_pages * page)
     adopted(s)
     assert s.pop_decode_prefix_len() == prefix_pages * page
-    pc.fill(99, ppages, 2, 2)
+    pc.fill(99, ppages, 2)
     rest = ppages[s.pop_decode_prefix_len() // page:]
     s.init(len(rest), 2)
     assert s.should_send_kv_chunk(len(rest), True)
@@ -312,7 +312,7 @@ def test_pool_pressure_waits_then_completes(engines, kv_proxy):
         hog.release(lease)
     hog.close()
     assert D.wait_until(lambda: s.poll() == KVPoll.Success and r.poll() == KVPoll.Success, 10), (s, r)
-    assert dc.holds(31337, dpages, 1, 1) is None
+    assert dc.check(31337, dpages, 1) is None
     r.clear()
     s.clear()
 
@@ -342,7 +342,7 @@ def test_clear_waits_for_the_aborted_room(side):
         r.send_metadata(dpages, 2, [[2]])
         adopted(s)
         _ctl(px.socket, "set", "local.quiesce", "pause", "--match", str(r._uid))
-        pc.fill(8, ppages, 2, 2)
+        pc.fill(8, ppages, 2)
         s.init(len(ppages), 2)
         s.send(ppages[:30])  # several slots complete and sent; the rest waits for the last chunk
         assert s._sent_chunks > 0
@@ -392,7 +392,7 @@ def test_second_request_for_a_room_is_refused(engines):
     r2.send_metadata([9, 10], 2, [[2]])
     assert D.wait_until(lambda: s.poll() == KVPoll.Success and r.poll() == KVPoll.Success
                         and r2.poll() == KVPoll.Failed, 10), (s, r, r2)
-    assert dc.holds(321, [5, 6, 7, 8], 1, 1) is None
+    assert dc.check(321, [5, 6, 7, 8], 1) is None
     for x in (r, r2, s):
         x.clear()
 
@@ -563,7 +563,7 @@ def _cuda_copier_calls(engines, case, ppages, dpages, chunks):
     s, r = start(engines, 777, ppages, dpages, 6, chunks=chunks)
     assert D.wait_until(lambda: r.poll() == KVPoll.Success, 10), r
     sender_done(s)
-    assert dc.holds(777, dpages, 6, 6) is None
+    assert dc.check(777, dpages, 6) is None
     assert all(torch.equal(a, b) for a, b in zip(cpu, tensors(dc)))  # as the CPU path's, nothing else touched
     for b in range(len(dc.kv)):
         assert torch.equal(dc.kv_u8(b)[dpages], pc.kv_u8(b)[ppages])  # decode page k holds prefill page k
@@ -621,7 +621,7 @@ def test_proxy_killed_mid_transfer():
         r.init(0)
         r.send_metadata(list(range(30)), 1, [[1]])
         adopted(s)
-        pc.fill(1, list(range(30)), 1, 1)
+        pc.fill(1, list(range(30)), 1)
         s.init(30, 1)
         s.send(list(range(20)))
         px.proc.send_signal(signal.SIGKILL)
@@ -681,14 +681,14 @@ def test_across_two_proxies_over_tcp():
         r_ab.init(0)
         r_ab.send_metadata(list(range(0, 30)), 9, [[9]])
         adopted(s_ab)
-        pc.fill(600, list(range(30, 60)), 9, 9)
+        pc.fill(600, list(range(30, 60)), 9)
         s_ab.init(30, 9)
         s_ab.send(list(range(30, 50)))
         r_ab.abort()
         for s, r, pp, dp, k in done:
             assert D.wait_until(lambda: r.poll() == KVPoll.Success, 20), r
             assert P.wait_until(lambda: s.poll() == KVPoll.Success, 20), s
-            assert dc.holds(500 + k, dp, k, k) is None
+            assert dc.check(500 + k, dp, k) is None
             r.clear()
             s.clear()
         r_ab.clear()

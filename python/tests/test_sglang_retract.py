@@ -45,9 +45,9 @@ def test_retract_then_rebootstrap_recomputes_on_the_prefill(pair, frontend):
     pc, dc, P, D, addr = pair
     ppages, dpages, row = [1, 2, 3, 4, 9], [10, 11, 12, 13, 14], 3
     first_transfer(pair, ppages, dpages, row)
-    assert dc.holds(ROOM, dpages, row, row) is None
+    assert dc.check(ROOM, dpages, row) is None
     # pause_generation(mode="retract"): the decode pages go back to the pool (another request writes them) ...
-    dc.mark(dpages, row, row, 0x5A)
+    dc.mark(dpages, row, 0x5A)
     # ... continue_generation: the request is bootstrapped again, into other pages
     dpages2, row2 = [20, 21, 22, 23, 24], 5
     r2 = ks.KvstageKVReceiver(D, addr, ROOM)
@@ -62,11 +62,11 @@ def test_retract_then_rebootstrap_recomputes_on_the_prefill(pair, frontend):
     # the prefill server recomputes (same tokens, same KV) and sends it into the new room
     s2 = ks.KvstageKVSender(P, addr, got["bootstrap_room"], [0], 0)
     adopted(s2)
-    pc.fill(ROOM, ppages, row, row)
+    pc.fill(ROOM, ppages, row)
     s2.init(len(ppages), row)
     s2.send(ppages, [[row]])
     assert D.wait_until(lambda: r2.poll() == KVPoll.Success, 10), r2
-    assert dc.holds(ROOM, dpages2, row2, row2) is None
+    assert dc.check(ROOM, dpages2, row2) is None
     assert s2.poll() == KVPoll.Success or P.wait_until(lambda: s2.poll() == KVPoll.Success, 10), s2
     s2.clear()
     r2.clear()

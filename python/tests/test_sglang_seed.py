@@ -84,21 +84,21 @@ def test_late_recv_done_after_abort(engines, variant):
     s, r = start(engines, A, PP_A, DP, 5, cls)
     sender_done(s)
     r.abort()
-    dc.mark(DP, 5, 5, 0xEE)  # the engine owns the pages again and writes them
+    dc.mark(DP, 5, 0xEE)  # the engine owns the pages again and writes them
     assert r.poll() == KVPoll.Failed  # the decode manager takes A's RECV_DONE here
     r.clear()
     assert r.pages_released and r._final is not None and r._final.type == ks.EventType.RECV_DONE
     if variant == "green":
-        assert dc.marked(DP, 5, 5, 0xEE), "decode pages written after abort()"
+        assert dc.marked(DP, 5, 0xEE) is None, "decode pages written after abort()"
         sb, rb = start(engines, B, PP_B, DP, 5)  # B reuses A's pages and rows
         sender_done(sb)
         assert D.wait_until(lambda: rb.poll() == KVPoll.Success, 10), rb
-        assert dc.holds(B, DP, 5, 5) is None
+        assert dc.check(B, DP, 5) is None
         rb.clear()
         sb.clear()
     else:
-        assert not dc.marked(DP, 5, 5, 0xEE), "the vulnerable variant should have corrupted the marker"
-        assert dc.holds(A, DP, 5, 5) is None  # ... with exactly A's bytes: the late copy landed
+        assert dc.marked(DP, 5, 0xEE) is not None, "the vulnerable variant should have corrupted the marker"
+        assert dc.check(A, DP, 5) is None  # ... with exactly A's bytes: the late copy landed
     s.clear()
 
 
@@ -123,14 +123,14 @@ def test_queued_copy_out_after_abort(engines, variant):
     assert D.wait_until(lambda: gate.queued(B), 10)
     gate.run(B)
     assert rb.poll() == KVPoll.Success
-    assert dc.holds(B, DP, 5, 5) is None
+    assert dc.check(B, DP, 5) is None
     gate.run()  # the copy stream drains
     if variant == "green":
         assert not gate.queued(A) and all(h.state == "cancelled" for h in gate.handles if h.room == A)
-        assert dc.holds(B, DP, 5, 5) is None, "B's pages were written after A's clear()"
+        assert dc.check(B, DP, 5) is None, "B's pages were written after A's clear()"
     else:
-        assert dc.holds(B, DP, 5, 5) is not None, "the vulnerable variant should have corrupted B"
-        assert dc.holds(A, DP, 5, 5) is None  # B's pages hold A's bytes
+        assert dc.check(B, DP, 5) is not None, "the vulnerable variant should have corrupted B"
+        assert dc.check(A, DP, 5) is None  # B's pages hold A's bytes
     rb.clear()
     sb.clear()
     s.clear()

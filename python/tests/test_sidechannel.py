@@ -460,7 +460,7 @@ def test_sglang_abort_and_steer_attempts_change_nothing(engines):
     assert D.wait_until(lambda: r.poll() == KVPoll.Success, 10), r
     sender_done(s)
     assert all(bool((dc.kv_u8(b)[dpages] == pc.kv_u8(b)[ppages]).all()) for b in range(len(dc.kv)))
-    assert dc.holds(room, dpages, 9, 9) is None
+    assert dc.check(room, dpages, 9) is None
     assert L.stats()["frames"] == 1  # the legit meta
     r.clear()
     s.clear()
