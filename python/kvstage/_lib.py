@@ -11,7 +11,8 @@ KVS_DEFAULT_SOCKET = "/run/kvstage/kvstaged.sock"
 # The build tree next to the package (python/../build/shm), when the package
 # is the source tree's; an installed one loads the installed library.
 _SRC = Path(__file__).resolve().parent.parent.parent
-_BUILD_SHM = _SRC / "build" / "shm" if (_SRC / "python" / "kvstage").is_dir() and (_SRC / "meson.build").is_file() else None
+_IN_TREE = (_SRC / "python" / "kvstage").is_dir() and (_SRC / "meson.build").is_file()
+_BUILD_SHM = _SRC / "build" / "shm" if _IN_TREE else None
 
 
 class kvs_lease(ctypes.Structure):

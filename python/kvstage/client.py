@@ -105,7 +105,8 @@ class Lease:
     key = property(lambda self: (self._l.slot, self._l.epoch), doc="(slot, epoch).")
 
     def view(self):
-        """Returns a memoryview of the slot (slot_size bytes; read-only if received), raises StaleLease/PermissionDenied/Busy if not held now."""
+        """Returns a memoryview of the slot (slot_size bytes; read-only if received), raises
+        StaleLease/PermissionDenied/Busy if not held now."""
         room = self._client._held_check(self)
         ptr = lib.kvs_lease_ptr(self._client._h, ctypes.byref(self._l))
         if not ptr:
@@ -133,7 +134,8 @@ class Client:
     """A connection to kvstaged (kvs_connect); a context manager. Not thread-safe."""
 
     def __init__(self, socket_path=None):
-        """Connects (None: $KVSTAGE_SOCKET, else the default socket); raises KvstageError (ENOENT, ECONNREFUSED, EACCES, ...)."""
+        """Connects (None: $KVSTAGE_SOCKET, else the default socket); raises KvstageError (ENOENT, ECONNREFUSED, EACCES,
+        ...)."""
         self._h = None
         h = ctypes.c_void_p()
         path = None if socket_path is None else os.fsencode(socket_path)
@@ -194,7 +196,8 @@ class Client:
         return e
 
     def _kill_views(self, keys):
-        """Releases every view handed out for keys; raises BufferError (and keeps tracking) while a derived buffer lives."""
+        """Releases every view handed out for keys; raises BufferError (and keeps tracking) while a derived buffer
+        lives."""
         alive = []
         for k in list(keys):
             for mv, ref in self._views.pop(k, ()):
@@ -219,7 +222,8 @@ class Client:
         check(lib.kvs_set_sync_timeout(self._c(), max(min(ms, 2**31 - 1), -1)), "kvs_set_sync_timeout")
 
     def acquire(self, n=1):
-        """Returns n new Leases, raises PoolExhausted (none leased), KvstageError (EINVAL: n > slot_count), Again, NotConnected, Timeout."""
+        """Returns n new Leases, raises PoolExhausted (none leased), KvstageError (EINVAL: n > slot_count), Again,
+        NotConnected, Timeout."""
         _uint(n, 32, "n")
         arr = (kvs_lease * max(n, 1))()
         check(lib.kvs_acquire(self._c(), n, arr), "kvs_acquire")
@@ -228,7 +232,8 @@ class Client:
         return [Lease(self, arr[i].slot, arr[i].epoch) for i in range(n)]
 
     def release(self, lease):
-        """Gives lease back (its views die first), raises BufferError, StaleLease, PermissionDenied, Busy, Again, NotConnected, Timeout."""
+        """Gives lease back (its views die first), raises BufferError, StaleLease, PermissionDenied, Busy, Again,
+        NotConnected, Timeout."""
         c = self._c()
         self._own(lease)
         self._kill_views([lease.key])
@@ -236,7 +241,8 @@ class Client:
         self._holds.pop(lease.key, None)
 
     def recv_open(self, nbytes, user_data=0):
-        """Returns (RecvRoom, descriptor bytes) for a room of nbytes, raises KvstageError (EMFILE, EMSGSIZE, ENFILE, ESHUTDOWN, ...)."""
+        """Returns (RecvRoom, descriptor bytes) for a room of nbytes, raises KvstageError (EMFILE, EMSGSIZE, ENFILE,
+        ESHUTDOWN, ...)."""
         c = self._c()
         _uint(nbytes, 64, "nbytes")
         _uint(user_data, 64, "user_data")
@@ -245,7 +251,8 @@ class Client:
         return RecvRoom(self, h.value, user_data), bytes(d.bytes)
 
     def send_open(self, desc, user_data=0):
-        """Returns the SendRoom for descriptor desc (128 bytes), raises PermissionDenied (token), StaleLease (room gone), Aborted, Busy, ..."""
+        """Returns the SendRoom for descriptor desc (128 bytes), raises PermissionDenied (token), StaleLease (room
+        gone), Aborted, Busy, ..."""
         c = self._c()
         desc = bytes(desc)
         if len(desc) != KVS_ROOM_DESC_SIZE:
@@ -256,7 +263,8 @@ class Client:
         return SendRoom(self, h.value, user_data)
 
     def poll(self, max=64):
-        """Returns up to max waiting Events without blocking ([] if none), raises NotConnected (proxy gone, none left), Timeout."""
+        """Returns up to max waiting Events without blocking ([] if none), raises NotConnected (proxy gone, none left),
+        Timeout."""
         _uint(max, 32, "max")
         if max == 0:
             return []
@@ -265,7 +273,8 @@ class Client:
         return [self._event(arr[i]) for i in range(n)]
 
     def wait(self, timeout=None, max=64):
-        """Returns up to max Events, blocking until one arrives or timeout seconds pass (None: for ever; then []), raises NotConnected."""
+        """Returns up to max Events, blocking until one arrives or timeout seconds pass (None: for ever; then []),
+        raises NotConnected."""
         evs = self.poll(max)
         if evs or max == 0:
             return evs
@@ -283,13 +292,15 @@ class Client:
                 return []
 
     def fileno(self):
-        """Returns the event fd (readable when events may wait or the proxy is gone; poll it, never read it), raises KvstageError."""
+        """Returns the event fd (readable when events may wait or the proxy is gone; poll it, never read it), raises
+        KvstageError."""
         if self._fd is None:
             self._fd = check(lib.kvs_event_fd(self._c()), "kvs_event_fd")
         return self._fd
 
     def close(self):
-        """Closes (the proxy aborts our rooms, frees our slots); every view dies first; idempotent; raises BufferError (stays open)."""
+        """Closes (the proxy aborts our rooms, frees our slots); every view dies first; idempotent; raises BufferError
+        (stays open)."""
         if self._h is None:
             return
         self._kill_views(list(self._views))
@@ -314,7 +325,6 @@ class Client:
     def __repr__(self):
         state = "closed" if self._h is None else f"{self.slot_count} x {self.slot_size}"
         return f"<kvstage.Client {state}>"
-
 
 
 class _Room:
@@ -345,11 +355,13 @@ class _Room:
         return builtins.max(0, min(self._client.slot_size, self.nbytes - i * self._client.slot_size))
 
     def abort(self):
-        """Aborts the room from this side (idempotent; an ABORTED event follows), raises BadHandle, NotConnected, Again."""
+        """Aborts the room from this side (idempotent; an ABORTED event follows), raises BadHandle, NotConnected,
+        Again."""
         check(lib.kvs_abort(self._room()), "kvs_abort")
 
     def close(self):
-        """Closes (aborts if unfinished, frees what it holds; its views die first); idempotent; raises BufferError, Again."""
+        """Closes (aborts if unfinished, frees what it holds; its views die first); idempotent; raises BufferError,
+        Again."""
         if self.closed:
             self._h = None
             return
@@ -387,7 +399,8 @@ class SendRoom(_Room):
 
     def send(self, lease, offset, length):
         """Hands lease (chunk at offset, length bytes) to the room; its views die first. Raises BufferError,
-        KvstageError (EINVAL, EEXIST), StaleLease, PermissionDenied, Busy, BadHandle, AlreadyDone, the room's end, Again."""
+        KvstageError (EINVAL, EEXIST), StaleLease, PermissionDenied, Busy, BadHandle, AlreadyDone, the room's end,
+        Again."""
         h = self._room()
         self._client._own(lease)
         _uint(offset, 64, "offset")
@@ -403,7 +416,8 @@ class RecvRoom(_Room):
     """The receiving side of a room (Client.recv_open)."""
 
     def lease(self, i):
-        """Returns the read-only Lease of chunk i once RECV_DONE came, raises Again (not complete), KvstageError (ERANGE), BadHandle, the room's end."""
+        """Returns the read-only Lease of chunk i once RECV_DONE came, raises Again (not complete), KvstageError
+        (ERANGE), BadHandle, the room's end."""
         h = self._room()
         _uint(i, 32, "i")
         out = kvs_lease()

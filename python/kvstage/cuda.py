@@ -47,7 +47,8 @@ def last_error():
 
 
 def _check(rc, func):
-    """Returns None for rc >= 0, raises NoDevice("no CUDA device: ...") for -ENODEV, else error(rc) with CUDA's words."""
+    """Returns None for rc >= 0, raises NoDevice("no CUDA device: ...") for -ENODEV, else error(rc) with CUDA's
+    words."""
     if rc >= 0:
         return
     why = last_error()
@@ -67,7 +68,8 @@ def _ptr(v, what):
 
 
 def _held(lease, write, **sizes):
-    """Returns (kvs_client, lease struct) for a Lease, raises TypeError, BadHandle, Busy (sent), ValueError (write into a received one, a bad size)."""
+    """Returns (kvs_client, lease struct) for a Lease, raises TypeError, BadHandle, Busy (sent), ValueError (write into
+    a received one, a bad size)."""
     for what, v in sizes.items():
         _uint(v, 64, what)
     if not isinstance(lease, Lease):
@@ -80,7 +82,8 @@ def _held(lease, write, **sizes):
 
 
 def register(client):
-    """Registers client's pool mapping with CUDA (idempotent; the first copy does it too), raises NoDevice, KvstageError."""
+    """Registers client's pool mapping with CUDA (idempotent; the first copy does it too), raises NoDevice,
+    KvstageError."""
     _check(_cl().kvs_cuda_register(client._c()), "kvs_cuda_register")
 
 
@@ -95,18 +98,20 @@ def set_gather_mode(client, mode):
 
 
 def copy_in_device(lease, dev_ptr, nbytes, slot_off=0, stream=None, done=None):
-    """Queues nbytes from device dev_ptr into lease's slot at slot_off on stream, then records done; raises NoDevice, StaleLease, PermissionDenied, Busy, KvstageError."""
+    """Queues nbytes from device dev_ptr into lease's slot at slot_off on stream, then records done; raises NoDevice,
+    StaleLease, PermissionDenied, Busy, KvstageError."""
     cl = _cl()
-    c, l = _held(lease, True, nbytes=nbytes, slot_off=slot_off)
-    _check(cl.kvs_cuda_copy_to_slot(c, l, slot_off, _ptr(dev_ptr, "dev_ptr"), nbytes,
+    c, held = _held(lease, True, nbytes=nbytes, slot_off=slot_off)
+    _check(cl.kvs_cuda_copy_to_slot(c, held, slot_off, _ptr(dev_ptr, "dev_ptr"), nbytes,
                                     _ptr(stream, "stream"), _ptr(done, "done")), "kvs_cuda_copy_to_slot")
 
 
 def copy_out_device(lease, dev_ptr, nbytes, slot_off=0, stream=None, done=None):
-    """Queues nbytes from lease's slot at slot_off to device dev_ptr on stream, then records done; raises as copy_in_device."""
+    """Queues nbytes from lease's slot at slot_off to device dev_ptr on stream, then records done; raises as
+    copy_in_device."""
     cl = _cl()
-    c, l = _held(lease, False, nbytes=nbytes, slot_off=slot_off)
-    _check(cl.kvs_cuda_copy_from_slot(c, l, slot_off, _ptr(dev_ptr, "dev_ptr"), nbytes,
+    c, held = _held(lease, False, nbytes=nbytes, slot_off=slot_off)
+    _check(cl.kvs_cuda_copy_from_slot(c, held, slot_off, _ptr(dev_ptr, "dev_ptr"), nbytes,
                                       _ptr(stream, "stream"), _ptr(done, "done")), "kvs_cuda_copy_from_slot")
 
 
@@ -127,34 +132,34 @@ def _idx(page_idx):
 def gather(lease, dev_pages, page_size, slot_off=0, stream=None, done=None):
     """Queues device pages dev_pages[k] into the slot at slot_off + k * page_size; raises as copy_in_device."""
     cl = _cl()
-    c, l = _held(lease, True, page_size=page_size, slot_off=slot_off)
+    c, held = _held(lease, True, page_size=page_size, slot_off=slot_off)
     arr, n = _pages(dev_pages)
-    _check(cl.kvs_cuda_gather(c, l, slot_off, arr, n, page_size, _ptr(stream, "stream"), _ptr(done, "done")),
+    _check(cl.kvs_cuda_gather(c, held, slot_off, arr, n, page_size, _ptr(stream, "stream"), _ptr(done, "done")),
            "kvs_cuda_gather")
 
 
 def scatter(lease, dev_pages, page_size, slot_off=0, stream=None, done=None):
     """Queues the slot from slot_off out to device pages dev_pages[k]; raises as copy_in_device."""
     cl = _cl()
-    c, l = _held(lease, False, page_size=page_size, slot_off=slot_off)
+    c, held = _held(lease, False, page_size=page_size, slot_off=slot_off)
     arr, n = _pages(dev_pages)
-    _check(cl.kvs_cuda_scatter(c, l, slot_off, arr, n, page_size, _ptr(stream, "stream"), _ptr(done, "done")),
+    _check(cl.kvs_cuda_scatter(c, held, slot_off, arr, n, page_size, _ptr(stream, "stream"), _ptr(done, "done")),
            "kvs_cuda_scatter")
 
 
 def gather_idx(lease, dev_base, page_idx, page_size, slot_off=0, stream=None, done=None):
     """As gather, page k at dev_base + page_idx[k] * page_size; raises as copy_in_device, ValueError."""
     cl = _cl()
-    c, l = _held(lease, True, page_size=page_size, slot_off=slot_off)
+    c, held = _held(lease, True, page_size=page_size, slot_off=slot_off)
     arr, n = _idx(page_idx)
-    _check(cl.kvs_cuda_gather_idx(c, l, slot_off, _ptr(dev_base, "dev_base"), arr, n, page_size,
+    _check(cl.kvs_cuda_gather_idx(c, held, slot_off, _ptr(dev_base, "dev_base"), arr, n, page_size,
                                   _ptr(stream, "stream"), _ptr(done, "done")), "kvs_cuda_gather_idx")
 
 
 def scatter_idx(lease, dev_base, page_idx, page_size, slot_off=0, stream=None, done=None):
     """As scatter, page k at dev_base + page_idx[k] * page_size; raises as copy_in_device, ValueError."""
     cl = _cl()
-    c, l = _held(lease, False, page_size=page_size, slot_off=slot_off)
+    c, held = _held(lease, False, page_size=page_size, slot_off=slot_off)
     arr, n = _idx(page_idx)
-    _check(cl.kvs_cuda_scatter_idx(c, l, slot_off, _ptr(dev_base, "dev_base"), arr, n, page_size,
+    _check(cl.kvs_cuda_scatter_idx(c, held, slot_off, _ptr(dev_base, "dev_base"), arr, n, page_size,
                                    _ptr(stream, "stream"), _ptr(done, "done")), "kvs_cuda_scatter_idx")

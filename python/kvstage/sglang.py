@@ -23,8 +23,9 @@ TCP side channel (kvstage.sidechannel: mutual handshake and per-message MACs key
 secret); the prefill rank's address comes from the bootstrap server, which speaks SGLang's own
 HTTP routes. The prefill side copies its pages into leased slots (kvstage.plan plans the copies)
 and sends each slot once it is full; the proxy moves the slots; the decode side, on RECV_DONE,
-copies them into its own pages and only then reports Success. Neither the proxy nor the side channel ever learns an engine page address or index:
-only the two managers, each about its own memory.
+copies them into its own pages and only then reports Success. Neither the proxy nor the side
+channel ever learns an engine page address or index: only the two managers, each about its own
+memory.
 
 Room layout (both sides compute it from the same numbers: page count, item lengths, whether
 there is aux, the state item counts):
@@ -74,7 +75,6 @@ from __future__ import annotations
 
 import base64
 import collections
-import ctypes
 import dataclasses
 import enum
 import errno as _errno
@@ -102,7 +102,8 @@ logger = logging.getLogger(__name__)
 
 # ---------------------------------------------------------------------------------------------
 # SGLang's base classes. Without SGLang this module still imports (its layout pieces work), but the
-# backend classes refuse to be instantiated. The test suite puts SGLang stand-ins on sys.path instead (python/tests/sglang_stubs).
+# backend classes refuse to be instantiated. The test suite puts SGLang stand-ins on sys.path instead
+# (python/tests/sglang_stubs).
 # ---------------------------------------------------------------------------------------------
 try:
     from sglang.srt.disaggregation.base.conn import (  # type: ignore
@@ -363,7 +364,6 @@ def _int_list(v, hi=_MAX_NBYTES):
     return isinstance(v, list) and len(v) <= _MAX_LIST and all(_is_int(x, 0, hi) for x in v)
 
 
-
 def check_side_message(msg):
     """Returns None if msg is a well-formed side-channel message (decode -> prefill rank), else why not.
     meta: {t, room, npages, aux, state_counts, nbytes, prefix_len, layout, desc, from}; abort: {t, room}.
@@ -544,7 +544,8 @@ class KvstageKVManager(BaseKVManager):
         self.attn_cp_size, self.attn_cp_rank = 1, 0
         self.pp_size = int(getattr(server_args, "pp_size", 1) or 1)
         self.pp_rank = int(getattr(args, "pp_rank", 0) or 0)
-        self.system_dp_size = 1 if getattr(server_args, "enable_dp_attention", False) else int(getattr(server_args, "dp_size", 1) or 1)
+        self.system_dp_size = (1 if getattr(server_args, "enable_dp_attention", False)
+                               else int(getattr(server_args, "dp_size", 1) or 1))
         self.system_dp_rank = int(getattr(args, "system_dp_rank", 0) or 0)
         self.bootstrap_host = getattr(server_args, "host", "127.0.0.1")
         self.bootstrap_port = getattr(server_args, "disaggregation_bootstrap_port", 8998)
@@ -594,7 +595,8 @@ class KvstageKVManager(BaseKVManager):
         return self._client
 
     def _broken(self, exc):
-        """The connection is gone or out of step: every open request fails (nothing of theirs can land), reconnect later."""
+        """The connection is gone or out of step: every open request fails (nothing of theirs can land), reconnect
+        later."""
         logger.error("kvstage backend: connection to kvstaged lost (%s); failing %d requests", exc, len(self._objs))
         objs, self._objs = list(self._objs.values()), {}
         for o in objs:
@@ -747,8 +749,8 @@ class KvstageKVManager(BaseKVManager):
         """A message that fails check_side_message: the request it names (if its descriptor can be read) is refused
         (its decode room aborted, so the decode side fails at once); nothing else changes on this rank."""
         room = msg.get("room") if isinstance(msg, dict) else None
-        logger.warning("kvstage backend: refused a malformed side-channel message (bootstrap_room %.40r, from %.80r): %s",
-                       room, msg.get("from") if isinstance(msg, dict) else None, why)
+        logger.warning("kvstage backend: refused a malformed side-channel message (bootstrap_room %.40r, "
+                       "from %.80r): %s", room, msg.get("from") if isinstance(msg, dict) else None, why)
         if isinstance(msg, dict) and msg.get("desc") is not None:
             try:
                 desc_bytes(msg.get("desc"))
@@ -915,7 +917,8 @@ class KvstageKVSender(BaseKVSender):
             return
         if (mgr.server_args is not None and int(getattr(mgr.server_args, "dp_size", 1) or 1) > 1
                 and not req_has_disagg_prefill_dp_rank
-                and getattr(mgr.server_args, "load_balance_method", "follow_bootstrap_room") != "follow_bootstrap_room"):
+                and getattr(mgr.server_args, "load_balance_method", "follow_bootstrap_room")
+                != "follow_bootstrap_room"):
             _http("POST", f"http://{bootstrap_addr}/register_dp_rank",
                   {"bootstrap_room": bootstrap_room, "dp_rank": mgr.attn_dp_rank})
         pending = mgr.pending_meta.pop(bootstrap_room, None)
@@ -936,13 +939,15 @@ class KvstageKVSender(BaseKVSender):
         return num_pages > 0 or last_chunk  # the last chunk carries aux and state even without pages
 
     def send(self, kv_indices, state_indices=None, token_position_offset: int = 0):
-        """Queues one chunk of page indices (the last one also aux and state) and copies what it can now; never blocks."""
+        """Queues one chunk of page indices (the last one also aux and state) and copies what it can now; never
+        blocks."""
         if self._status == KVPoll.Failed:
             return
         if self.num_kv_indices is None:
             return self._fail("send() before init()")
         if self._last_queued:
-            logger.warning("kvstage backend: bootstrap_room %s: send() after the last chunk ignored", self.bootstrap_room)
+            logger.warning("kvstage backend: bootstrap_room %s: send() after the last chunk ignored",
+                           self.bootstrap_room)
             return
         pages = np.asarray(kv_indices, dtype=np.int64).reshape(-1)
         first = self.curr_idx
@@ -961,7 +966,8 @@ class KvstageKVSender(BaseKVSender):
     def poll(self) -> int:
         self.kv_mgr.pump()
         if self._status == KVPoll.Bootstrapping and time.monotonic() - self._created > self.bootstrap_timeout:
-            self._fail(f"Request {self.bootstrap_room} timed out after {self.bootstrap_timeout:.1f}s in KVPoll.Bootstrapping")
+            self._fail(f"Request {self.bootstrap_room} timed out after {self.bootstrap_timeout:.1f}s in "
+                       "KVPoll.Bootstrapping")
         elif self._status in (KVPoll.WaitingForInput, KVPoll.Transferring):
             self._progress()
         return self._status
@@ -971,7 +977,8 @@ class KvstageKVSender(BaseKVSender):
 
     def get_transfer_metric(self):
         lat = (self._t_done - self._t_first) if (self._t_done and self._t_first) else None
-        return KVTransferMetric(transfer_latency_s=lat, transfer_total_bytes=self._layout.nbytes if self._layout else None)
+        return KVTransferMetric(transfer_latency_s=lat,
+                                transfer_total_bytes=self._layout.nbytes if self._layout else None)
 
     def abort(self):
         self._fail("Aborted by AbortReq.")
@@ -1010,7 +1017,8 @@ class KvstageKVSender(BaseKVSender):
         self._make_layout()
 
     def _make_layout(self):
-        if self._meta is None or self.num_kv_indices is None or self._layout is not None or self._status == KVPoll.Failed:
+        if (self._meta is None or self.num_kv_indices is None or self._layout is not None
+                or self._status == KVPoll.Failed):
             return
         m = self._meta
         if int(m["npages"]) != self.num_kv_indices:
@@ -1111,7 +1119,8 @@ class KvstageKVSender(BaseKVSender):
                 self._status, self._t_done = KVPoll.Success, time.monotonic()
                 self.conclude_state = KVPoll.Success
         elif self._status != KVPoll.Failed:
-            why = "aborted by the decode side, the proxy or a timeout" if ev.type == EventType.ABORTED else f"failed: {ev.error}"
+            why = ("aborted by the decode side, the proxy or a timeout" if ev.type == EventType.ABORTED
+                   else f"failed: {ev.error}")
             self._fail(f"the room was {why}")
         self._close_room()
 
@@ -1213,9 +1222,11 @@ class KvstageKVReceiver(BaseKVReceiver):
         if int(info.pp_size) != 1 or int(info.attn_cp_size) != 1:
             return self._fail("prefill pipeline or context parallelism is not supported by the kvstage backend")
         self.prefill_dp_rank = prefill_dp_rank
-        self._endpoint = mgr.rank_endpoint(self.bootstrap_addr, prefill_dp_rank, int(mgr.kv_args.engine_rank) % mgr.attn_tp_size)
+        self._endpoint = mgr.rank_endpoint(self.bootstrap_addr, prefill_dp_rank,
+                                           int(mgr.kv_args.engine_rank) % mgr.attn_tp_size)
         if self._endpoint is None:
-            return self._fail(f"Could not fetch bootstrap info for prefill_dp_rank {prefill_dp_rank} from {self.bootstrap_addr}")
+            return self._fail(f"Could not fetch bootstrap info for prefill_dp_rank {prefill_dp_rank} "
+                              f"from {self.bootstrap_addr}")
         self.init_time = time.monotonic()
         self._status = KVPoll.WaitingForInput
 
@@ -1337,7 +1348,8 @@ class KvstageKVReceiver(BaseKVReceiver):
             self._job = self.kv_mgr.copier.submit(self._copy_out_job())
             return self._check_job()
         if ev.type != EventType.RECV_DONE and not self._aborted:
-            why = "aborted by the prefill side, the proxy or a timeout" if ev.type == EventType.ABORTED else f"failed: {ev.error}"
+            why = ("aborted by the prefill side, the proxy or a timeout" if ev.type == EventType.ABORTED
+                   else f"failed: {ev.error}")
             self._fail(f"the room was {why}")
         if self._job is None:
             self._close_room()

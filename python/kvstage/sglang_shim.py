@@ -86,7 +86,8 @@ def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__.strip().splitlines()[0])
-        print("usage: python -m kvstage.sglang_shim MODULE [ARGS...]   (e.g. sglang.launch_server --disaggregation-transfer-backend kvstage ...)")
+        print("usage: python -m kvstage.sglang_shim MODULE [ARGS...]   "
+              "(e.g. sglang.launch_server --disaggregation-transfer-backend kvstage ...)")
         return 0 if argv else 2
     if not installed:
         print("kvstage.sglang_shim: SGLang is not importable here", file=sys.stderr)

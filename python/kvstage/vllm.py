@@ -546,7 +546,8 @@ def _groups(kv_cache_config, block_size):
         spec = g.kv_cache_spec
         kind = _spec_kind(spec)
         names = tuple(getattr(g, "layer_names", None) or ())
-        where = f"KV cache group {i} ({type(spec).__name__}, layers {', '.join(names[:2])}{', ...' if len(names) > 2 else ''})"
+        layers = ", ".join(names[:2]) + (", ..." if len(names) > 2 else "")
+        where = f"KV cache group {i} ({type(spec).__name__}, layers {layers})"
         if kind == "mamba":
             # MambaSpec @ 9aaf83ef502f: mamba_cache_mode 'none' (prefix caching off; block_size max_model_len) gives a
             # request one state block; 'all' and 'align' (Mamba prefix caching) keep states at block boundaries and
@@ -1003,7 +1004,8 @@ class _Agent:
         self._pending_pulls = collections.deque()
         self.ended = collections.OrderedDict()  # req_id -> why its stage or load ended (the last 4096)
         self.stats = KvstageKVConnectorStats()  # under _lock: taken by the worker thread (take_stats)
-        self._abort_t = {}  # req_id -> time.time() of its abort or preemption (the scheduler's), till its blocks are free
+        # req_id -> time.time() of its abort or preemption (the scheduler's), till its blocks are free
+        self._abort_t = {}
         self._uids = itertools.count(1)
         self._peers = _sidechannel.Peers(self.side_key)  # one cached connection per prefill worker
         self._client = None
@@ -1436,7 +1438,7 @@ class _Agent:
 
     def _stage_event(self, st, ev):
         if ev.type == EventType.REJECTED:
-            lease = next((l for l in (st.leases or ()) if (l.slot, l.epoch) == tuple(ev.lease)), None)
+            lease = next((x for x in (st.leases or ()) if (x.slot, x.epoch) == tuple(ev.lease)), None)
             if lease is not None and self._client is not None:
                 st.sent.discard(st.leases.index(lease))
             self._record("num_stale_rejections")
@@ -1447,7 +1449,8 @@ class _Agent:
             self._end(st.req, "sent")
             self._record("bytes_sent", st.nbytes)
         elif not st.terminal:
-            why = "aborted by the decode side, the proxy or a timeout" if ev.type == EventType.ABORTED else f"failed: {ev.error}"
+            why = ("aborted by the decode side, the proxy or a timeout" if ev.type == EventType.ABORTED
+                   else f"failed: {ev.error}")
             self._stage_fail(st, f"the room was {why}", failure=ev.type != EventType.ABORTED)
         try:
             st.room.close()
@@ -1491,7 +1494,8 @@ class _Agent:
         if st.room is not None:
             return self._reject(msg, "a second load of the same request")
         if msg.get("layout") != self.layout.fingerprint():
-            return self._reject(msg, f"cache layouts differ: decode {msg.get('layout')}, prefill {self.layout.fingerprint()}")
+            return self._reject(msg, f"cache layouts differ: decode {msg.get('layout')}, "
+                                     f"prefill {self.layout.fingerprint()}")
         if msg.get("nbytes") != st.nbytes:
             return self._reject(msg, f"the decode side expects {msg.get('nbytes')} bytes, {st.nbytes} staged")
         try:
@@ -1588,7 +1592,8 @@ class _Agent:
             ld.job = self.copier.submit(self._copy_out_job(ld))
             return self._load_progress(ld)
         if ev.type != EventType.RECV_DONE and not ld.aborted and not ld.failed:
-            why = "aborted by the prefill side, the proxy or a timeout" if ev.type == EventType.ABORTED else f"failed: {ev.error}"
+            why = ("aborted by the prefill side, the proxy or a timeout" if ev.type == EventType.ABORTED
+                   else f"failed: {ev.error}")
             self._load_fail(ld, f"the room was {why}")
         self._load_report(ld)
 
@@ -1800,9 +1805,9 @@ def _is_scheduler(role):
 class KvstageConnector(KVConnectorBase_V1, SupportsHMA):
     """vLLM KV connector moving KV between prefill and decode instances through kvstage (module docstring).
 
-    SupportsHMA: vLLM keeps its hybrid KV cache manager on; full-attention, sliding-window, chunked-local and state (Mamba,
-    without prefix caching or speculative state blocks) groups move (module docstring); another kind among several or an
-    unsupported Mamba configuration is refused at construction."""
+    SupportsHMA: vLLM keeps its hybrid KV cache manager on; full-attention, sliding-window, chunked-local and state
+    (Mamba, without prefix caching or speculative state blocks) groups move (module docstring); another kind among
+    several or an unsupported Mamba configuration is refused at construction."""
 
     agent_class = _Agent  # tests swap in a subclass
 

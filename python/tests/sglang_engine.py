@@ -105,13 +105,15 @@ def run_prefill(mgr, cache, reqs, flags, acks, bootstrap_addr, deadline_s=40):
                     st["aborted"] = True
                     s.abort()
                     continue
-                out[k] = dict(outcome="Success", states=st["states"], metric=s.get_transfer_metric().transfer_total_bytes)
+                out[k] = dict(outcome="Success", states=st["states"],
+                              metric=s.get_transfer_metric().transfer_total_bytes)
             elif p == KVPoll.Failed:
                 try:
                     s.failure_exception()
                 except ks.KVTransferError as e:
                     reason = e.failure_reason
-                out[k] = dict(outcome="Success+aborted" if "aborted" in st else "Failed", reason=reason, states=st["states"])
+                out[k] = dict(outcome="Success+aborted" if "aborted" in st else "Failed", reason=reason,
+                              states=st["states"])
             if k in out:
                 s.clear()
                 if st["pages"] is not None:
@@ -214,7 +216,8 @@ def _serve(role, conn, socket_path, reqs, flags, acks, cache_pages, extra):
         if role == "prefill":
             server = ks.bootstrap_server_on_a_free_port()
             addr = f"127.0.0.1:{server.port}"
-            mgr = ks.KvstageKVManager(cache.kv_args(), ks.DisaggregationMode.PREFILL, server_args(socket_path, server.port))
+            mgr = ks.KvstageKVManager(cache.kv_args(), ks.DisaggregationMode.PREFILL,
+                                      server_args(socket_path, server.port))
             conn.send(("ready", addr))
             result = run_prefill(mgr, cache, reqs, flags, acks, addr)
         else:

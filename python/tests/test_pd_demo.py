@@ -64,8 +64,8 @@ def test_demo_catches_a_wrong_page_and_a_late_write():
     args = SMALL + ["--seed", "5"]
     specs = _specs(args)
     done = next(r["k"] for r in specs if r["plan"] is None)
-    late = next(r["k"] for r in specs if r["plan"] in (("prefill", "Transferring"), ("decode", "Transferring"),
-                                                        ("decode", "mid")))
+    late = next(r["k"] for r in specs
+                if r["plan"] in (("prefill", "Transferring"), ("decode", "Transferring"), ("decode", "mid")))
     out = _demo(args, KVSTAGE_PD_DEMO_CORRUPT=f"page:{done},late:{late}")
     assert out.returncode == 1, f"exit {out.returncode}\n{out.stdout}\n{out.stderr}"
     text = out.stdout

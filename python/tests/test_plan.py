@@ -84,7 +84,8 @@ def test_every_byte_once_in_room_order():
     for _ in range(300):
         item, ss = rng.choice([8, 24, 30, 64, 100]), rng.choice([32, 64, 96, 256])
         stride = item * rng.choice([1, 1, 2])
-        idx = rng.sample(range(40), rng.randint(1, 20)) if rng.random() < 0.5 else list(range(3, 3 + rng.randint(1, 20)))
+        n = rng.randint(1, 20)
+        idx = rng.sample(range(40), n) if rng.random() < 0.5 else list(range(3, 3 + n))
         ext = Extent(rng.randrange(300), B, stride, item, tuple(idx), rng.random() < 0.7)
         at = ext.room_off
         for p in plan([ext], ss):

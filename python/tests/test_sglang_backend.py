@@ -29,7 +29,8 @@ def _mem(kv=((0x10000, 1000, 100), (0x20000, 600, 60)), aux=((0x30000, 160, 16),
          state=(((0x50000, 120, 12), (0x60000, 40, 4)),), kv_device=False):
     a = types.SimpleNamespace(
         kv_data_ptrs=[p for p, _, _ in kv], kv_data_lens=[n for _, n, _ in kv], kv_item_lens=[i for _, _, i in kv],
-        aux_data_ptrs=[p for p, _, _ in aux], aux_data_lens=[n for _, n, _ in aux], aux_item_lens=[i for _, _, i in aux],
+        aux_data_ptrs=[p for p, _, _ in aux], aux_data_lens=[n for _, n, _ in aux],
+        aux_item_lens=[i for _, _, i in aux],
         state_data_ptrs=[[p for p, _, _ in c] for c in state], state_data_lens=[[n for _, n, _ in c] for c in state],
         state_item_lens=[[i for _, _, i in c] for c in state], state_types=["mamba"])
     return ks.MemoryMap(a, kv_device=kv_device)
@@ -86,13 +87,15 @@ def test_kv_class_mapping():
     assert ks.kv_class(KVClassType.RECEIVER) is ks.KvstageKVReceiver
     assert ks.kv_class(KVClassType.BOOTSTRAP_SERVER) is ks.KvstageKVBootstrapServer
     assert ks.kv_class(KVClassType.KVARGS) is ks.KVArgs
-    assert (KVPoll.Failed, KVPoll.Bootstrapping, KVPoll.WaitingForInput, KVPoll.Transferring, KVPoll.Success) == (0, 1, 2, 3, 4)
+    assert ((KVPoll.Failed, KVPoll.Bootstrapping, KVPoll.WaitingForInput, KVPoll.Transferring, KVPoll.Success)
+            == (0, 1, 2, 3, 4))
     for cls, base in ((ks.KvstageKVManager, ks.BaseKVManager), (ks.KvstageKVSender, ks.BaseKVSender),
-                      (ks.KvstageKVReceiver, ks.BaseKVReceiver), (ks.KvstageKVBootstrapServer, ks.BaseKVBootstrapServer)):
+                      (ks.KvstageKVReceiver, ks.BaseKVReceiver),
+                      (ks.KvstageKVBootstrapServer, ks.BaseKVBootstrapServer)):
         assert issubclass(cls, base) and not getattr(cls, "__abstractmethods__", None), cls
     # SGLang's call signatures, parameter for parameter
-    assert list(inspect.signature(ks.KvstageKVManager).parameters)[:4] == ["args", "disaggregation_mode", "server_args",
-                                                                            "is_mla_backend"]
+    assert (list(inspect.signature(ks.KvstageKVManager).parameters)[:4]
+            == ["args", "disaggregation_mode", "server_args", "is_mla_backend"])
     assert list(inspect.signature(ks.KvstageKVSender).parameters)[:6] == [
         "mgr", "bootstrap_addr", "bootstrap_room", "dest_tp_ranks", "pp_rank", "req_has_disagg_prefill_dp_rank"]
     assert list(inspect.signature(ks.KvstageKVReceiver).parameters)[:3] == ["mgr", "bootstrap_addr", "bootstrap_room"]
@@ -290,9 +293,11 @@ def test_device_memory_needs_the_flag(kv_proxy, monkeypatch):
     monkeypatch.delenv("KVSTAGE_SGLANG_CUDA", raising=False)
     cache = E.KVCache(8)
     with pytest.raises(RuntimeError, match="untested"):
-        ks.KvstageKVManager(cache.kv_args(), ks.DisaggregationMode.DECODE, E.server_args(kv_proxy.socket, 0, device="cuda"))
+        ks.KvstageKVManager(cache.kv_args(), ks.DisaggregationMode.DECODE,
+                            E.server_args(kv_proxy.socket, 0, device="cuda"))
     with pytest.raises(RuntimeError, match="not supported"):
-        ks.KvstageKVManager(cache.kv_args(), ks.DisaggregationMode.DECODE, E.server_args(kv_proxy.socket, 0, device="npu"))
+        ks.KvstageKVManager(cache.kv_args(), ks.DisaggregationMode.DECODE,
+                            E.server_args(kv_proxy.socket, 0, device="npu"))
 
 
 # ------------------------------------------------------------------------------------------ pressure, aborts, clear
@@ -319,7 +324,8 @@ def test_pool_pressure_waits_then_completes(engines, kv_proxy):
 
 def _ctl(socket_path, *args):
     exe = Path(kvstaged_path()).resolve().parent.parent / "tools" / "kvstage-ctl"
-    out = subprocess.run([str(exe), "-s", socket_path, "-t", "10000", *args], capture_output=True, text=True, timeout=20)
+    out = subprocess.run([str(exe), "-s", socket_path, "-t", "10000", *args], capture_output=True, text=True,
+                         timeout=20)
     assert out.returncode == 0, out.stderr
 
 
@@ -626,7 +632,8 @@ def test_proxy_killed_mid_transfer():
         s.send(list(range(20)))
         px.proc.send_signal(signal.SIGKILL)
         px.proc.wait()
-        assert D.wait_until(lambda: r.poll() == KVPoll.Failed, 10) and P.wait_until(lambda: s.poll() == KVPoll.Failed, 10)
+        assert D.wait_until(lambda: r.poll() == KVPoll.Failed, 10)
+        assert P.wait_until(lambda: s.poll() == KVPoll.Failed, 10)
         assert "connection to kvstaged lost" in r._reason and "connection to kvstaged lost" in s._reason
         s.send(list(range(20, 30)), [[1]])  # the scheduler may still send: ignored
         r.clear()
@@ -665,8 +672,10 @@ def test_across_two_proxies_over_tcp():
         server = ks.bootstrap_server_on_a_free_port()
         addr = f"127.0.0.1:{server.port}"
         pair = types.SimpleNamespace(pc=pc, dc=dc, addr=addr, server=server,
-                                     P=ks.KvstageKVManager(pc.kv_args(), ks.DisaggregationMode.PREFILL, E.server_args(pa.socket, server.port)),
-                                     D=ks.KvstageKVManager(dc.kv_args(), ks.DisaggregationMode.DECODE, E.server_args(pb.socket, 0)))
+                                     P=ks.KvstageKVManager(pc.kv_args(), ks.DisaggregationMode.PREFILL,
+                                                           E.server_args(pa.socket, server.port)),
+                                     D=ks.KvstageKVManager(dc.kv_args(), ks.DisaggregationMode.DECODE,
+                                                           E.server_args(pb.socket, 0)))
         P, D = pair.P, pair.D
         assert D.try_ensure_parallel_info(addr)
         eng = (pc, dc, P, D, addr)

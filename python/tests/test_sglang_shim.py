@@ -95,7 +95,8 @@ def test_shim_registers_the_backend(monkeypatch):
     # the CLI: the choices list SGLang's parser is built from
     assert sg.choices.count("kvstage") == 1
     p = argparse.ArgumentParser()
-    p.add_argument("--disaggregation-transfer-backend", choices=sys.modules["sglang.srt.server_args"].DISAGG_TRANSFER_BACKEND_CHOICES)
+    p.add_argument("--disaggregation-transfer-backend",
+                   choices=sys.modules["sglang.srt.server_args"].DISAGG_TRANSFER_BACKEND_CHOICES)
     args = p.parse_args(["--disaggregation-transfer-backend", "kvstage"])
     assert TB(args.disaggregation_transfer_backend) is TB.KVSTAGE  # as disagg_service.py resolves it
     # idempotent
@@ -145,7 +146,8 @@ FAKE_TREE = {
 
         def parse(argv):
             p = argparse.ArgumentParser()
-            p.add_argument("--disaggregation-transfer-backend", choices=DISAGG_TRANSFER_BACKEND_CHOICES, default="mooncake")
+            p.add_argument("--disaggregation-transfer-backend", choices=DISAGG_TRANSFER_BACKEND_CHOICES,
+                           default="mooncake")
             return p.parse_args(argv)
     """,
     "sglang/srt/scheduler.py": """
@@ -196,7 +198,8 @@ def test_launcher_reaches_spawned_children(tmp_path):
 def test_launcher_without_kvstage_is_sglang_unchanged(tmp_path):
     out = _run_launcher(tmp_path, "sglang.launch_server")  # the default backend: SGLang's own lookup answers
     assert out.returncode == 0, out.stderr
-    assert "child: error: ValueError('Unsupported transfer backend: TransferBackend.MOONCAKE')" in out.stdout, out.stdout
+    want = "child: error: ValueError('Unsupported transfer backend: TransferBackend.MOONCAKE')"
+    assert want in out.stdout, out.stdout
 
 
 def test_launcher_usage(tmp_path):

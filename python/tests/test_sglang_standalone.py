@@ -43,4 +43,5 @@ def test_no_sglang_stand_ins_in_the_package():
     for name in ("class KVPoll", "class BaseKVManager", "class BaseKVSender", "class BaseKVReceiver",
                  "class BaseKVBootstrapServer", "class KVArgs"):
         assert name not in src, name
-    assert (ROOT / "python" / "tests" / "sglang_stubs" / "sglang" / "srt" / "disaggregation" / "base" / "conn.py").is_file()
+    stubs = ROOT / "python" / "tests" / "sglang_stubs"
+    assert (stubs / "sglang" / "srt" / "disaggregation" / "base" / "conn.py").is_file()

@@ -195,7 +195,8 @@ def test_hand_off_rule_is_nixls():
     import vllm_engine as E
     for name, handoff in (("FINISHED_STOPPED", True), ("FINISHED_LENGTH_CAPPED", True), ("FINISHED_ABORTED", False),
                           ("FINISHED_IGNORED", False), ("FINISHED_ERROR", False), ("FINISHED_REPETITION", False)):
-        c = kv.KvstageConnector(E.vllm_config("/nonexistent", 7600), kv.KVConnectorRole.SCHEDULER, E.kv_cache_config(64))
+        c = kv.KvstageConnector(E.vllm_config("/nonexistent", 7600), kv.KVConnectorRole.SCHEDULER,
+                                E.kv_cache_config(64))
         r = E.Request("p1", 6, E.prefill_params(), 1)
         c.update_state_after_alloc(r, E.KVCacheBlocks([3, 9], [3, 9]), 0)
         so = E.SchedulerOutput()
@@ -310,7 +311,8 @@ def test_preempted_during_the_copy(kv_proxy, copy):
         if copy == "running":
             gate.started.wait()
         # vLLM preempts it: _preempt_request frees its blocks; the scheduler output names it
-        assert r in P.running, (r.status, [x.request_id for x in P.running], [x.request_id for x in P.waiting], P.step_no)
+        assert r in P.running, (r.status, [x.request_id for x in P.running], [x.request_id for x in P.waiting],
+                                P.step_no)
         P.running.remove(r)
         blocks, r.blocks = list(r.blocks), []
         meta = P.sched.build_connector_meta(E.SchedulerOutput(preempted_req_ids={"p0"}))
@@ -437,7 +439,8 @@ def test_metrics_aggregated_across_workers_and_in_prometheus(kv_proxy):
             2 * (nbytes[0] + nbytes[1])
         assert val("vllm:kvstage_num_failed_transfers_total", 1) == failed
         assert val("vllm:kvstage_num_failed_transfers_total", 0) == 0
-        assert val("vllm:kvstage_num_stale_rejections_total", 0) == val("vllm:kvstage_num_stale_rejections_total", 1) == 0
+        stale = "vllm:kvstage_num_stale_rejections_total"
+        assert val(stale, 0) == val(stale, 1) == 0
         assert val("vllm:kvstage_abort_to_free_seconds_count", 0) == 2
     finally:
         pair.close()

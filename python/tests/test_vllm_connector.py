@@ -114,7 +114,8 @@ def test_layout_regions_and_extents():
                    Extent(3 * 3 * item, base + nb * item, item, item, (5, 6, 2), False)]
     # planned: one copy per run of blocks (5,6 then 2) and region
     assert lay.plan(3, [5, 6, 2], 0, 1 << 20, layer=1) == [
-        Copy(0, 2 * 3 * item, base + 5 * item, 2 * item, False), Copy(0, 2 * 3 * item + 2 * item, base + 2 * item, item, False),
+        Copy(0, 2 * 3 * item, base + 5 * item, 2 * item, False),
+        Copy(0, 2 * 3 * item + 2 * item, base + 2 * item, item, False),
         Copy(0, 3 * 3 * item, base + nb * item + 5 * item, 2 * item, False),
         Copy(0, 3 * 3 * item + 2 * item, base + nb * item + 2 * item, item, False)]
     l0 = caches["l0"].data_ptr()
@@ -583,8 +584,9 @@ def _block_lists(nb, n):
 @pytest.mark.parametrize("shape", list(PLAN_SHAPES))
 def test_gather_plan_moves_the_bytes_the_cpu_path_does(shape):
     """The device path's plan (per layer part and slot a gather plus plain copies for the parts of a block a slot
-    boundary cuts, or a plain copy per run where that is no more calls) on the stand-in device gives the room, byte for byte, that the CPU path's copy per run gives, for
-    contiguous, scattered, shuffled and reversed blocks across 3 layers; and a load's scatters put into the decode
+    boundary cuts, or a plain copy per run where that is no more calls) on the stand-in device gives the room, byte
+    for byte, that the CPU path's copy per run gives, for contiguous, scattered, shuffled and reversed blocks across
+    3 layers; and a load's scatters put into the decode
     side's blocks (a prefix of 2 cached) what the CPU path's copies do. Far fewer calls than runs when the blocks are
     scattered; a plan that reorders pages, puts them one page off or is never synchronised gives another room."""
     nb, n, ss = 48, 20, 4096
@@ -615,8 +617,8 @@ def test_gather_plan_moves_the_bytes_the_cpu_path_does(shape):
         for name in src:
             assert torch.equal(outs[0][name].view(torch.int16), outs[1][name].view(torch.int16)), (shape, what, name)
             assert torch.equal(outs[1][name][:, dst].view(torch.int16), src[name][:, blocks[2:]].view(torch.int16))
-    assert seen["gather_idx" if shape != "block-first" else "gather"] and not seen["gather" if shape != "block-first"
-                                                                                    else "gather_idx"]
+    used, unused = ("gather", "gather_idx") if shape == "block-first" else ("gather_idx", "gather")
+    assert seen[used] and not seen[unused]
     # plain device copies: kv-first's contiguous runs (the tie) and straddle's blocks cut by a slot boundary; every
     # block-first slot holds several strided blocks (no runs), one gather each
     assert bool(seen["copy_in_device"]) == (shape != "block-first"), shape

@@ -396,8 +396,8 @@ def test_state_group_moved_byte_exact(kv_proxy):
         # a one-token prompt: not truncated, and nothing before its last token to load: the decode side computes it
         r = E.Request("m1tok", 1, E.prefill_params(), 1)
         assert P.sched.get_num_new_matched_tokens(r, 0) == (0, False) and r.num_prompt_tokens == 1
-        d = E.Request("dm1tok", 1, dict(params, kvstage=dict(params["kvstage"], num_tokens=1, num_blocks=1,
-                                                           groups=[[0, 1], [0, 1]])), 1)
+        one = dict(params["kvstage"], num_tokens=1, num_blocks=1, groups=[[0, 1], [0, 1]])
+        d = E.Request("dm1tok", 1, dict(params, kvstage=one), 1)
         assert D.sched.get_num_new_matched_tokens(d, 0) == (0, False)
     finally:
         P.close()
@@ -443,7 +443,8 @@ def test_state_group_aborts_end_with_the_pool_free(kv_proxy, who):
 @pytest.mark.parametrize("kw,why", [
     (dict(mamba_cache_mode="all"), r"has mamba_cache_mode 'all' \(Mamba prefix caching\)"),
     (dict(mamba_cache_mode="align"), r"has mamba_cache_mode 'align' \(Mamba prefix caching\)"),
-    (dict(num_speculative_blocks=2), r"has 2 speculative state blocks \(num_speculative_blocks, speculative decoding\)"),
+    (dict(num_speculative_blocks=2),
+     r"has 2 speculative state blocks \(num_speculative_blocks, speculative decoding\)"),
 ], ids=["prefix-caching-all", "prefix-caching-align", "speculative"])
 def test_unsupported_state_configs_refused_with_their_reason(kw, why):
     """A Mamba group with prefix caching (mamba_cache_mode 'all'/'align': states at block boundaries, the live one moved

@@ -73,7 +73,8 @@ def pd(kv_proxy, request):
     assert_pool_free(kv_proxy.socket)
 
 
-@pytest.mark.parametrize("pd,variant", [((kv.KvstageConnector, Green), "green"), ((FreesPrefillAtFinish, Green), "red")],
+@pytest.mark.parametrize("pd,variant",
+                         [((kv.KvstageConnector, Green), "green"), ((FreesPrefillAtFinish, Green), "red")],
                          indirect=["pd"], ids=["green", "red"])
 def test_prefill_blocks_freed_once_copied(pd, variant):
     import vllm_engine as E

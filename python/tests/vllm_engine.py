@@ -548,7 +548,8 @@ class PD:
         self.P = self.D = None
         self.P = Engine(socket_path, free_port((p_kw or {}).get("tp", 1)), connector_cls=p_cls, role="kv_producer",
                         **dict(dict(num_blocks=128), **(p_kw or {})))
-        self.D = Engine(socket_path, free_port(), connector_cls=d_cls, role="kv_consumer", **dict(dict(num_blocks=128), **(d_kw or {})))
+        self.D = Engine(socket_path, free_port(), connector_cls=d_cls, role="kv_consumer",
+                        **dict(dict(num_blocks=128), **(d_kw or {})))
         self.routed = set()
 
     def add(self, k, n, seed=None, extra=None, max_tokens=1):
@@ -654,14 +655,16 @@ def _prefill(conn, socket_path, port, plans, flags, acks):
             msg = conn.recv()
             if msg[0] == "add":
                 _, k, n, seed, extra = msg
-                r = Request(f"p{k}", n, prefill_params(extra), seed, max_tokens=64 if plans[k] == "p-abort-staging" else 1)
+                r = Request(f"p{k}", n, prefill_params(extra), seed,
+                            max_tokens=64 if plans[k] == "p-abort-staging" else 1)
                 pid[r.request_id] = k
                 eng.add(r)
             elif msg[0] == "stop":
                 stopping = True
         for rid, r in list(eng.requests.items()):
             k = pid[rid]
-            if plans[k] == "p-abort-prefill" and 0 < r.num_computed_tokens < r.num_prompt_tokens and not r.is_finished():
+            if (plans[k] == "p-abort-prefill" and 0 < r.num_computed_tokens < r.num_prompt_tokens
+                    and not r.is_finished()):
                 eng.abort(rid)
             elif (plans[k] == "p-abort-staging" and r.status == RequestStatus.RUNNING and r.output
                   and gate.queued(rid, "stage")):

@@ -1,6 +1,6 @@
 """Stand-in of sglang/srt/disaggregation/common/conn.py @ 8905cbd42f4a, reduced to what kvstage builds on:
-KVTransferError, PrefillServerInfo, PrefillRankInfo and CommonKVBootstrapServer (aiohttp; the same routes, JSON, status codes,
-readiness rule and room_to_dp_rank expiry). The common manager, sender and receiver (ZMQ) are not here:
+KVTransferError, PrefillServerInfo, PrefillRankInfo and CommonKVBootstrapServer (aiohttp; the same routes, JSON,
+status codes, readiness rule and room_to_dp_rank expiry). The common manager, sender and receiver (ZMQ) are not here:
 kvstage does not use them (python/SGLANG.md says why)."""
 import asyncio
 import dataclasses
