@@ -14,7 +14,8 @@ tools/setup.sh
 echo "== tests (build/)"
 meson test -C build --print-errorlogs
 
-echo "== the Python binding (python/, pytest against build/)"
+echo "== the Python binding (python/, pytest against build/), and its style (python/lint.sh: pycodestyle)"
+python/lint.sh
 python/run-tests.sh build
 
 echo "== the minimal build (build-min/): without verbs, metrics, systemd and acl, -Werror; its quick suites"
