@@ -40,14 +40,14 @@ static void start(struct proxy *px, bool listen)
 						listen ? "--listen" : NULL, "127.0.0.1:0", NULL });
 }
 
-/* rx[0] opens a shared room of bytes for n readers; rx[1..n-1] join it. */
-static void open_shared(struct xroom *x, kvs_client **rx, unsigned n, kvs_room **rr,
-			kvs_client *tx, uint64_t bytes, uint64_t owner)
+/* rx[0] opens a shared room of bytes for readers; rx[1..n-1] join it. */
+static void open_shared(struct xroom *x, kvs_client **rx, unsigned n, unsigned readers,
+			kvs_room **rr, kvs_client *tx, uint64_t bytes, uint64_t owner)
 {
 	x->bytes = bytes;
 	x->owner = owner;
 	x->nchunks = (unsigned)((bytes + SLOT - 1) / SLOT);
-	int rc = kvs_recv_open_shared(rx[0], bytes, n, owner, &rr[0], &x->d);
+	int rc = kvs_recv_open_shared(rx[0], bytes, readers, owner, &rr[0], &x->d);
 	cr_assert_eq(rc, 0, "open_shared: %s", kvs_strerror(rc));
 	x->rr = rr[0];
 	rc = kvs_send_open(tx, &x->d, owner | 1ull << 40, &x->sr);
@@ -133,7 +133,7 @@ Test(shared, an_abort_by_any_reader_ends_it_for_every_reader_and_the_sender)
 	kvs_client *tx = connect_ok(&pa);
 	struct xroom x;
 	kvs_room *rr[3];
-	open_shared(&x, rx, 2, rr, tx, 2 * SLOT, 0x6b1);
+	open_shared(&x, rx, 2, 3, rr, tx, 2 * SLOT, 0x6b1); /* a third reader to come */
 	struct kvs_lease l;
 	cr_assert_eq(kvs_acquire(tx, 1, &l), 0);
 	canary_fill(kvs_lease_ptr(tx, &l), x.owner, 0, SLOT);
@@ -143,7 +143,7 @@ Test(shared, an_abort_by_any_reader_ends_it_for_every_reader_and_the_sender)
 	cr_assert_eq(wait_event(rx[0]).type, KVS_EV_ABORTED);
 	cr_assert_eq(wait_event(rx[1]).type, KVS_EV_ABORTED);
 	cr_assert_eq(wait_event(tx).type, KVS_EV_ABORTED);
-	cr_assert_eq(kvs_recv_join(rx[2], &x.d, 0x6b9, &rr[2]), -ECANCELED);
+	cr_assert_eq(kvs_recv_join(rx[2], &x.d, 0x6b9, &rr[2]), -ECANCELED, "joined an aborted room");
 	cr_assert_eq(kvs_room_close(rr[0]), 0);
 	cr_assert_eq(kvs_room_close(rr[1]), 0);
 	cr_assert_eq(kvs_room_close(x.sr), 0);
@@ -241,7 +241,7 @@ Test(shared, across_two_proxies_the_bytes_cross_once)
 	struct xroom x;
 	kvs_room *rr[2];
 	uint64_t rx0 = stat_get(&pb, "tcp_bytes_rx") + stat_get(&pb, "rdma_bytes_rx");
-	open_shared(&x, rx, 2, rr, tx, 8 * SLOT, 0x8d1);
+	open_shared(&x, rx, 2, 2, rr, tx, 8 * SLOT, 0x8d1);
 	xroom_send(&x, tx);
 	cr_assert_eq(wait_event(tx).type, KVS_EV_SEND_DONE);
 	for (unsigned k = 0; k < 2; k++) {

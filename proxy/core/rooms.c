@@ -557,12 +557,12 @@ int kvsp_room_join(struct kvsp *p, struct kvsp_client *c, uint16_t h,
 			    "client %u (pid %d): wrong token for room %u", c->id, (int)c->pid, i);
 		return -EPERM;
 	}
-	if (r->state != KVSP_ROOM_OPEN)
-		return -ECANCELED;
 	if (r->recv.readers < 2)
 		return -EINVAL;
 	if (r->recv.njoined + 1u >= r->recv.readers)
-		return -EUSERS;
+		return -EUSERS; /* whether or not it has completed since */
+	if (r->state != KVSP_ROOM_OPEN)
+		return -ECANCELED;
 	attach_handle(p, c, h, i, KVSP_JOIN, user_data);
 	kvsp_room_mark(p, i); /* the last reader may complete it */
 	*bytes = r->bytes;

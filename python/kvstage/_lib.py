@@ -6,6 +6,7 @@ from ctypes import POINTER, c_char_p, c_int, c_size_t, c_uint, c_uint8, c_uint32
 from pathlib import Path
 
 KVS_ROOM_DESC_SIZE = 128
+KVS_MAX_READERS = 8  # kvstage.h: readers a shared room may have, its opener included
 KVS_DEFAULT_SOCKET = "/run/kvstage/kvstaged.sock"
 
 # The build tree next to the package (python/../build/shm), when the package
@@ -79,6 +80,8 @@ _PROTOS = {
     "kvs_release": (c_int, [_P, _L]),
     "kvs_recv_open": (c_int, [_P, c_uint64, c_uint64, POINTER(c_void_p), POINTER(kvs_room_desc)]),
     "kvs_send_open": (c_int, [_P, POINTER(kvs_room_desc), c_uint64, POINTER(c_void_p)]),
+    "kvs_recv_open_shared": (c_int, [_P, c_uint64, c_uint, c_uint64, POINTER(c_void_p), POINTER(kvs_room_desc)]),
+    "kvs_recv_join": (c_int, [_P, POINTER(kvs_room_desc), c_uint64, POINTER(c_void_p)]),
     "kvs_send": (c_int, [_P, _L, c_uint64, c_uint32]),
     "kvs_abort": (c_int, [_P]),
     "kvs_room_lease": (c_int, [_P, c_uint, _L]),

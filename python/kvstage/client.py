@@ -21,7 +21,7 @@ from collections import namedtuple
 from dataclasses import dataclass
 from enum import IntEnum
 
-from ._lib import KVS_ROOM_DESC_SIZE, kvs_event, kvs_lease, kvs_room_desc, lib
+from ._lib import KVS_MAX_READERS, KVS_ROOM_DESC_SIZE, kvs_event, kvs_lease, kvs_room_desc, lib
 from .errors import check, error
 
 
@@ -240,25 +240,45 @@ class Client:
         check(lib.kvs_release(c, ctypes.byref(lease._l)), "kvs_release")
         self._holds.pop(lease.key, None)
 
-    def recv_open(self, nbytes, user_data=0):
+    def recv_open(self, nbytes, user_data=0, readers=1):
         """Returns (RecvRoom, descriptor bytes) for a room of nbytes, raises KvstageError (EMFILE, EMSGSIZE, ENFILE,
-        ESHUTDOWN, ...)."""
+        ESHUTDOWN, ...). readers > 1 (up to KVS_MAX_READERS): a shared room, whose bytes land once and which the
+        other readers, clients of this proxy, join with join(descriptor); it completes once all have joined, an
+        abort by any ends it for all, and its slots go back when the last reader closes it."""
         c = self._c()
         _uint(nbytes, 64, "nbytes")
         _uint(user_data, 64, "user_data")
+        if not isinstance(readers, int) or isinstance(readers, bool) or not 1 <= readers <= KVS_MAX_READERS:
+            raise ValueError(f"readers must be an integer from 1 to {KVS_MAX_READERS}, not {readers!r}")
         h, d = ctypes.c_void_p(), kvs_room_desc()
-        check(lib.kvs_recv_open(c, nbytes, user_data, ctypes.byref(h), ctypes.byref(d)), "kvs_recv_open")
+        check(lib.kvs_recv_open_shared(c, nbytes, readers, user_data, ctypes.byref(h), ctypes.byref(d)),
+              "kvs_recv_open_shared")
         return RecvRoom(self, h.value, user_data), bytes(d.bytes)
+
+    def _desc(self, desc):
+        desc = bytes(desc)
+        if len(desc) != KVS_ROOM_DESC_SIZE:
+            raise ValueError(f"a descriptor is {KVS_ROOM_DESC_SIZE} bytes, not {len(desc)}")
+        return kvs_room_desc.from_buffer_copy(desc)
+
+    def join(self, desc, user_data=0):
+        """Returns a RecvRoom: this client as one more reader of the shared room desc names (on this proxy); raises
+        PermissionDenied (token), StaleLease (gone, or another proxy's), Aborted (it ended), KvstageError EINVAL
+        (not shared) or EUSERS (every reader joined)."""
+        c = self._c()
+        d = self._desc(desc)
+        _uint(user_data, 64, "user_data")
+        h = ctypes.c_void_p()
+        check(lib.kvs_recv_join(c, ctypes.byref(d), user_data, ctypes.byref(h)), "kvs_recv_join")
+        return RecvRoom(self, h.value, user_data)
 
     def send_open(self, desc, user_data=0):
         """Returns the SendRoom for descriptor desc (128 bytes), raises PermissionDenied (token), StaleLease (room
         gone), Aborted, Busy, ..."""
         c = self._c()
-        desc = bytes(desc)
-        if len(desc) != KVS_ROOM_DESC_SIZE:
-            raise ValueError(f"a descriptor is {KVS_ROOM_DESC_SIZE} bytes, not {len(desc)}")
+        d = self._desc(desc)
         _uint(user_data, 64, "user_data")
-        h, d = ctypes.c_void_p(), kvs_room_desc.from_buffer_copy(desc)
+        h = ctypes.c_void_p()
         check(lib.kvs_send_open(c, ctypes.byref(d), user_data, ctypes.byref(h)), "kvs_send_open")
         return SendRoom(self, h.value, user_data)
 

@@ -184,3 +184,39 @@ def test_room_context_manager_and_repr(pair):
     assert room.closed
     with pytest.raises(kvstage.BadHandle):
         room.abort()
+
+
+def test_a_shared_room_lands_once_for_every_reader(proxy, pair):
+    """recv_open(readers=3) and two join()s: each reader reads every byte through its own room; a fourth join is
+    refused; the opener's release of a slot others read is refused; the last close frees them (the C suite
+    test-shared shows that nothing completes before the last reader joined)."""
+    tx, rx = pair
+    with kvstage.Client(proxy.socket) as r2, kvstage.Client(proxy.socket) as r3:
+        nbytes = 2 * SLOT_SIZE + 99
+        room, desc = rx.recv_open(nbytes, user_data=41, readers=3)
+        j2 = r2.join(desc, user_data=42)
+        sroom = tx.send_open(desc, user_data=40)
+        for i, lease in enumerate(tx.acquire(sroom.chunks)):
+            off, n = i * SLOT_SIZE, sroom.chunk_len(i)
+            lease.view()[:n] = stamp(4, off, n)
+            sroom.send(lease, off, n)
+        j3 = r3.join(desc, user_data=43)  # the last reader: the room may complete now, not before
+        with pytest.raises(kvstage.KvstageError) as e:
+            r3.join(desc)
+        assert e.value.errno == errno.EUSERS
+        for c, r, ud in ((rx, room, 41), (r2, j2, 42), (r3, j3, 43)):
+            ev = final_event(c)
+            assert (ev.type, ev.user_data, ev.bytes) == (EventType.RECV_DONE, ud, nbytes)
+            got = b"".join(bytes(r.lease(i).view()[:r.chunk_len(i)]) for i in range(r.chunks))
+            assert got == stamp(4, 0, nbytes)
+        assert final_event(tx).type == EventType.SEND_DONE
+        with pytest.raises(kvstage.Busy):
+            rx.release(room.lease(0))
+        room.close()
+        j2.close()
+        assert bytes(j3.lease(1).view()[:8]) == stamp(4, SLOT_SIZE, 8)
+        j3.close()
+        sroom.close()
+    with pytest.raises(ValueError):
+        rx.recv_open(1, readers=kvstage.KVS_MAX_READERS + 1)
+    rx.release(rx.acquire(SLOTS)[0])  # every slot came back
