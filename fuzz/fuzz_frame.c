@@ -50,8 +50,8 @@ int LLVMFuzzerInitialize(int *argc, char ***argv)
 	char why[256];
 	(void)argc;
 	(void)argv;
-	if (sodium_init() < 0 || kvsp_secret_load(NULL, "the fuzzer's deployment secret", &secret,
-						  why, sizeof(why)) < 0)
+	if (sodium_init() < 0 ||
+	    kvsp_secret_load(NULL, "the fuzzer's deployment secret", &secret, why, sizeof(why)) < 0)
 		die("setup");
 	return 0;
 }
@@ -191,7 +191,8 @@ static long decode(const uint8_t *stream, size_t len, bool sealed)
 			if (sealed) {
 				if (f.seq >= norig || orig[f.seq].n != pos - start ||
 				    memcmp(orig[f.seq].bytes, stream + start, pos - start))
-					die("a frame taken that differs from the one sealed with its seq");
+					die("a frame taken that differs from the one sealed with "
+					    "its seq");
 			}
 			frames++;
 			start = pos;
@@ -202,7 +203,7 @@ static long decode(const uint8_t *stream, size_t len, bool sealed)
 	if (err) {
 		size_t used;
 		void *at;
-		static const int known[] = { -EPROTO, -ENOMSG, -EBADMSG, -EMSGSIZE, -E2BIG,
+		static const int known[] = { -EPROTO, -ENOMSG, -EBADMSG,    -EMSGSIZE, -E2BIG,
 					     -EACCES, -EILSEQ, -EOPNOTSUPP, -ERANGE };
 		bool ok = false;
 		for (size_t i = 0; i < sizeof(known) / sizeof(known[0]); i++)
@@ -252,7 +253,8 @@ static void mode_sealed(struct in *in)
 		uint8_t junk[KVS_WIRE_FRAME_MAX];
 		if (type != KVS_WIRE_CHUNK && kvsp_frame_seal(&tx, type, &body, 1, junk) != -EINVAL)
 			die("seal took a payload for a type without one");
-		if (type == KVS_WIRE_CHUNK && kvsp_frame_seal(&tx, type, &body, plen + 1, junk) != -EINVAL)
+		if (type == KVS_WIRE_CHUNK &&
+		    kvsp_frame_seal(&tx, type, &body, plen + 1, junk) != -EINVAL)
 			die("seal took a CHUNK whose len is not plen");
 		if (tx.seq != seq)
 			die("a refused seal used a seq");
@@ -406,9 +408,9 @@ static void mode_handshake(struct in *in)
 	if (kvsp_auth_start(&d, &secret, KVS_WIRE_DIALER, 10) < 0 ||
 	    kvsp_auth_start(&l, &secret, KVS_WIRE_LISTENER, 20) < 0)
 		die("start");
-#define XOR(p, n)                                                                          \
-	for (size_t i = 0; i < (n); i++)                                                   \
-		(p)[i] ^= x[(size_t)((p) - m) + i]
+#define XOR(p, n)                        \
+	for (size_t i = 0; i < (n); i++) \
+	(p)[i] ^= x[(size_t)((p)-m) + i]
 	int r = kvsp_auth_hello(&d, hd);
 	XOR(hd, KVS_WIRE_HELLO_SIZE);
 	if (r == 0)

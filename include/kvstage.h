@@ -61,19 +61,19 @@ struct kvs_room_desc {
 };
 
 struct kvs_event {
-	uint32_t type;          /* KVS_EV_* */
-	int32_t status;         /* 0, or -errno saying why */
-	uint64_t user_data;     /* the room's, as given at open */
-	uint64_t bytes;         /* bytes the room delivered; REJECTED: the refused send's offset */
+	uint32_t type;		/* KVS_EV_* */
+	int32_t status;		/* 0, or -errno saying why */
+	uint64_t user_data;	/* the room's, as given at open */
+	uint64_t bytes;		/* bytes the room delivered; REJECTED: the refused send's offset */
 	struct kvs_lease lease; /* RECV_DONE: chunk 0's slot; REJECTED: the lease the op named */
-	uint64_t rsvd[4];       /* zero; later versions add fields here, not at the end */
+	uint64_t rsvd[4];	/* zero; later versions add fields here, not at the end */
 };
 
 enum {
 	KVS_EV_SEND_DONE = 1, /* final: the receiver has every byte */
 	KVS_EV_RECV_DONE,     /* final: the room is complete; read it with kvs_room_lease */
-	KVS_EV_ABORTED,       /* final: aborted, and nothing of the room is in flight any more */
-	KVS_EV_FAILED,        /* final: a transport or the proxy failed the room; status says why */
+	KVS_EV_ABORTED,	      /* final: aborted, and nothing of the room is in flight any more */
+	KVS_EV_FAILED,	      /* final: a transport or the proxy failed the room; status says why */
 	KVS_EV_REJECTED,      /* not final: the proxy refused one op and changed nothing */
 };
 

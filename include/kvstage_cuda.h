@@ -57,9 +57,10 @@ struct CUevent_st;  /* cudaEvent_t */
 
 /* How gather/scatter move pages (kvs_cuda_set_gather_mode; $KVSTAGE_CUDA_GATHER gives the default). */
 enum kvs_cuda_gather_mode {
-	KVS_CUDA_GATHER_AUTO = 0, /* the kernel below KVS_CUDA_KERNEL_BELOW bytes a page, else the copy engines */
-	KVS_CUDA_GATHER_COPY,     /* the copy engines: one copy per run of contiguous pages */
-	KVS_CUDA_GATHER_KERNEL,   /* a kernel moving 16-byte words between the pages and the mapped slot
+	KVS_CUDA_GATHER_AUTO =
+		0, /* the kernel below KVS_CUDA_KERNEL_BELOW bytes a page, else the copy engines */
+	KVS_CUDA_GATHER_COPY,	/* the copy engines: one copy per run of contiguous pages */
+	KVS_CUDA_GATHER_KERNEL, /* a kernel moving 16-byte words between the pages and the mapped slot
 				     (pages, page_size or slot_off not 16-byte aligned: the copy engines) */
 };
 
@@ -100,9 +101,9 @@ int kvs_cuda_gather_idx(kvs_client *c, const struct kvs_lease *l, size_t slot_of
 			const void *dev_base, const int32_t *page_idx, unsigned npages,
 			size_t page_size, struct CUstream_st *stream, struct CUevent_st *done);
 /* As kvs_cuda_scatter, page k at dev_base + page_idx[k] * page_size. Returns 0, or -errno. */
-int kvs_cuda_scatter_idx(kvs_client *c, const struct kvs_lease *l, size_t slot_off,
-			 void *dev_base, const int32_t *page_idx, unsigned npages,
-			 size_t page_size, struct CUstream_st *stream, struct CUevent_st *done);
+int kvs_cuda_scatter_idx(kvs_client *c, const struct kvs_lease *l, size_t slot_off, void *dev_base,
+			 const int32_t *page_idx, unsigned npages, size_t page_size,
+			 struct CUstream_st *stream, struct CUevent_st *done);
 
 /* Sets how c's gathers and scatters move pages (enum kvs_cuda_gather_mode). Returns 0, or -EINVAL, -ENODEV. */
 int kvs_cuda_set_gather_mode(kvs_client *c, int mode);

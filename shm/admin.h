@@ -20,19 +20,19 @@ enum kvs_admin_op {
 
 enum kvs_fp_action {
 	KVS_FP_OFF = 0, /* pass; anything it holds is let go */
-	KVS_FP_PAUSE,   /* hold whatever reaches it until set off */
-	KVS_FP_FAIL,    /* fail whatever reaches it with err */
+	KVS_FP_PAUSE,	/* hold whatever reaches it until set off */
+	KVS_FP_FAIL,	/* fail whatever reaches it with err */
 };
 
 /* The proxy's failpoints, by the names the admin protocol gives them:
  * X(ID, "name"), in the order the proxy numbers them (KVSP_FP_ID in
  * core/failpoint.h). */
-#define KVS_FAILPOINTS(X)                                                                       \
+#define KVS_FAILPOINTS(X)                                                                        \
 	X(LOCAL_QUIESCE, "local.quiesce") /* local transport: hold or fail a chunk's hand-off */ \
-	X(ACQUIRE, "acquire")             /* fail acquires */                                     \
-	X(RECV_OPEN, "recv_open")         /* fail receiving-room opens */                         \
-	X(TCP_PAYLOAD, "tcp.payload")     /* tcp: hold a chunk's payload after its header */      \
-	X(RDMA_READ, "rdma.read")         /* rdma, receiving side: hold a READ into its slot */
+	X(ACQUIRE, "acquire")		  /* fail acquires */                                    \
+	X(RECV_OPEN, "recv_open")	  /* fail receiving-room opens */                        \
+	X(TCP_PAYLOAD, "tcp.payload")	  /* tcp: hold a chunk's payload after its header */     \
+	X(RDMA_READ, "rdma.read")	  /* rdma, receiving side: hold a READ into its slot */
 
 #define KVS_FP_ONE_MORE(id, name) +1
 enum { KVS_FP_COUNT = 0 KVS_FAILPOINTS(KVS_FP_ONE_MORE) };
@@ -44,14 +44,14 @@ extern const char *const kvs_fp_names[KVS_FP_COUNT];
 int kvs_fp_find(const char *name);
 
 struct kvs_admin_req {
-	uint32_t op;      /* enum kvs_admin_op */
-	uint32_t action;  /* enum kvs_fp_action */
-	int32_t err;      /* FAIL: the -errno to fail with */
+	uint32_t op;	 /* enum kvs_admin_op */
+	uint32_t action; /* enum kvs_fp_action */
+	int32_t err;	 /* FAIL: the -errno to fail with */
 	uint32_t match_set;
-	uint64_t match;   /* only rooms whose user_data (either side), masked, equals this */
+	uint64_t match; /* only rooms whose user_data (either side), masked, equals this */
 	uint64_t hits;
 	char name[32];
-	uint64_t mask;    /* applied to user_data before comparing; 0 means all bits */
+	uint64_t mask; /* applied to user_data before comparing; 0 means all bits */
 };
 
 struct kvs_admin_rep {
@@ -72,7 +72,8 @@ int kvs_admin_fp_set(int fd, const char *name, const char *action, const uint64_
 int kvs_admin_fp_set_mask(int fd, const char *name, const char *action, uint64_t match,
 			  uint64_t mask);
 /* Lets go of what failpoint name holds for rooms whose (user_data & mask) == match (mask 0: all bits); hits reports how many. Returns 0, or -errno. */
-int kvs_admin_fp_release(int fd, const char *name, uint64_t match, uint64_t mask, uint64_t *released);
+int kvs_admin_fp_release(int fd, const char *name, uint64_t match, uint64_t mask,
+			 uint64_t *released);
 /* Waits until failpoint name has been hit hits times (timeout_ms < 0: for ever). Returns 0, -ETIMEDOUT, or -errno. */
 int kvs_admin_fp_wait(int fd, const char *name, uint64_t hits, int timeout_ms);
 /* Reads failpoint name's hit count into *hits. Returns 0, or -errno. */
@@ -81,7 +82,6 @@ int kvs_admin_fp_get(int fd, const char *name, uint64_t *hits);
 int kvs_admin_stat_wait(int fd, const char *name, int ge, uint64_t value, int timeout_ms);
 /* The message of the last failed call on this thread. */
 const char *kvs_admin_msg(void);
-
 
 struct kvs_ctrl;
 /* Maps the proxy's control segment read-only (kvstage-stat, tests). Returns 0, or

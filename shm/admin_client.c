@@ -48,7 +48,9 @@ int kvs_admin_connect(const char *path)
 	int rc = kvs_sock_send(fd, &h, sizeof(h), NULL, 0);
 	if (rc == 0 || rc == -EPIPE || rc == -ECONNRESET) { /* a refusal may be waiting */
 		ssize_t n = kvs_sock_recv(fd, &w, sizeof(w), NULL, NULL, 0);
-		rc = n < 0 ? (int)n : n != sizeof(w) || w.magic != KVS_MAGIC_HELLO ? -EPROTO : w.status;
+		rc = n < 0					    ? (int)n
+		     : n != sizeof(w) || w.magic != KVS_MAGIC_HELLO ? -EPROTO
+								    : w.status;
 		if (n == sizeof(w)) {
 			memcpy(last_msg, w.msg, sizeof(last_msg));
 			last_msg[sizeof(last_msg) - 1] = 0;
@@ -134,9 +136,12 @@ int kvs_admin_fp_set_mask(int fd, const char *name, const char *action, uint64_t
 	return fp_set(fd, name, action, &match, mask);
 }
 
-int kvs_admin_fp_release(int fd, const char *name, uint64_t match, uint64_t mask, uint64_t *released)
+int kvs_admin_fp_release(int fd, const char *name, uint64_t match, uint64_t mask,
+			 uint64_t *released)
 {
-	struct kvs_admin_req q = { .op = KVS_ADMIN_FP_RELEASE, .match_set = 1, .match = match,
+	struct kvs_admin_req q = { .op = KVS_ADMIN_FP_RELEASE,
+				   .match_set = 1,
+				   .match = match,
 				   .mask = mask };
 	struct kvs_admin_rep r;
 	if (set_name(&q, name) < 0)

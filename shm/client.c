@@ -345,7 +345,8 @@ static int sync_call_wait(kvs_client *c, struct kvs_sqe *q)
 			if (rc < 0 || mono_ns() >= deadline) {
 				unwait(c);
 				/* the reply may have come before the hang-up or the bound */
-				if (__atomic_load_n(&c->cshm->reply.seq, __ATOMIC_ACQUIRE) == q->seq)
+				if (__atomic_load_n(&c->cshm->reply.seq, __ATOMIC_ACQUIRE) ==
+				    q->seq)
 					return c->cshm->reply.status;
 				return rc < 0 ? rc : out_of_step(c);
 			}
@@ -452,7 +453,9 @@ static int handshake(kvs_client *c, const char *path, int fds[KVS_WELCOME_NFDS],
 	/* A wedged proxy must not hang kvs_connect. */
 	struct timeval tv = { .tv_sec = 10 };
 	setsockopt(sock, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
-	struct kvs_hello h = { .magic = KVS_MAGIC_HELLO, .abi = KVS_ABI, .kind = KVS_HELLO_CLIENT,
+	struct kvs_hello h = { .magic = KVS_MAGIC_HELLO,
+			       .abi = KVS_ABI,
+			       .kind = KVS_HELLO_CLIENT,
 			       .ring_layout = kvs_ring_layout() };
 	int rc = kvs_sock_send(sock, &h, sizeof(h), NULL, 0);
 	/* A proxy that refuses us at accept has closed before our hello;
@@ -829,8 +832,12 @@ int kvs_recv_open_shared(kvs_client *c, uint64_t bytes, unsigned readers, uint64
 	struct kvs_rstate *r = room_new(c, KVS_ROLE_RECV, user_data);
 	if (!r)
 		return -EMFILE;
-	struct kvs_sqe q = { .op = KVS_OP_RECV_OPEN, .readers = (uint8_t)readers, .handle = r->idx,
-			     .gen = r->gen, .arg = bytes, .arg2 = user_data };
+	struct kvs_sqe q = { .op = KVS_OP_RECV_OPEN,
+			     .readers = (uint8_t)readers,
+			     .handle = r->idx,
+			     .gen = r->gen,
+			     .arg = bytes,
+			     .arg2 = user_data };
 	rc = sync_call(c, &q);
 	if (rc < 0) {
 		room_free(c, r);
@@ -856,7 +863,9 @@ int kvs_recv_join(kvs_client *c, const struct kvs_room_desc *desc, uint64_t user
 	if (!r)
 		return -EMFILE;
 	memcpy(c->cshm->request, desc->bytes, KVS_ROOM_DESC_SIZE);
-	struct kvs_sqe q = { .op = KVS_OP_RECV_JOIN, .handle = r->idx, .gen = r->gen,
+	struct kvs_sqe q = { .op = KVS_OP_RECV_JOIN,
+			     .handle = r->idx,
+			     .gen = r->gen,
 			     .arg2 = user_data };
 	rc = sync_call(c, &q);
 	if (rc < 0) {
@@ -892,7 +901,9 @@ int kvs_send_open(kvs_client *c, const struct kvs_room_desc *desc, uint64_t user
 		return -ENOMEM;
 	}
 	memcpy(c->cshm->request, desc->bytes, KVS_ROOM_DESC_SIZE);
-	struct kvs_sqe q = { .op = KVS_OP_SEND_OPEN, .handle = r->idx, .gen = r->gen,
+	struct kvs_sqe q = { .op = KVS_OP_SEND_OPEN,
+			     .handle = r->idx,
+			     .gen = r->gen,
 			     .arg2 = user_data };
 	rc = sync_call(c, &q);
 	if (rc < 0) {
@@ -954,8 +965,13 @@ int kvs_send(kvs_room *h, const struct kvs_lease *l, uint64_t offset, uint32_t l
 		return st;
 	if (st != KVS_SLOT_LEASED)
 		return -EBUSY;
-	struct kvs_sqe q = { .op = KVS_OP_SEND, .handle = r->idx, .gen = r->gen, .slot = l->slot,
-			     .epoch = l->epoch, .arg = offset, .arg2 = len };
+	struct kvs_sqe q = { .op = KVS_OP_SEND,
+			     .handle = r->idx,
+			     .gen = r->gen,
+			     .slot = l->slot,
+			     .epoch = l->epoch,
+			     .arg = offset,
+			     .arg2 = len };
 	rc = submit(c, &q);
 	if (rc == 0)
 		r->sent[i / 64] |= 1ull << (i % 64);
@@ -1053,8 +1069,11 @@ int kvs_room_close(kvs_room *h)
 
 static void deliver(kvs_client *c, const struct kvs_cqe *e, struct kvs_event *ev)
 {
-	*ev = (struct kvs_event){ .type = e->type, .status = e->status, .user_data = e->user_data,
-				  .bytes = e->bytes, .lease = { e->slot, e->epoch } };
+	*ev = (struct kvs_event){ .type = e->type,
+				  .status = e->status,
+				  .user_data = e->user_data,
+				  .bytes = e->bytes,
+				  .lease = { e->slot, e->epoch } };
 	if (e->handle >= c->nrooms)
 		return;
 	struct kvs_rstate *r = &c->rooms[e->handle];
@@ -1178,37 +1197,73 @@ const char *kvs_version(void)
 const char *kvs_strerror(int err)
 {
 	switch (err) {
-	case 0: return "success";
-	case -ESTALE: return "stale lease or descriptor: its epoch or generation is gone";
-	case -EPERM: return "not yours: the slot belongs to someone else, or the room token is wrong";
-	case -ENOBUFS: return "pool exhausted: no free slot";
-	case -EAGAIN: return "try again: ring full, events waiting, or room not complete yet";
-	case -EINVAL: return "invalid argument";
-	case -ENOTCONN: return "proxy gone: the connection to kvstaged is closed";
-	case -ECANCELED: return "room aborted";
-	case -ETIMEDOUT: return "timed out (from a sync call: the proxy did not answer within the bound, and the connection is no longer usable)";
-	case -EBUSY: return "busy: the slot is in flight, or the room already has a sender";
-	case -EEXIST: return "that chunk was already sent";
-	case -EBADF: return "not an open room handle of this role (closed, or never opened)";
-	case -EALREADY: return "the room is complete: it takes no more chunks";
-	case -ECHILD: return "this connection belongs to the parent process: after fork(), connect anew";
-	case -EUSERS: return "the proxy is full: too many clients, or too many connecting at once";
-	case -ENOSR: return "peer sessions full: the proxy holds as many sessions with other proxies as it can, or dials as many for this client at once as it may (try again)";
-	case -EMFILE: return "no room handle free on this connection";
-	case -ENFILE: return "the proxy's room table is full";
-	case -EMSGSIZE: return "room larger than the whole pool";
-	case -ERANGE: return "chunk index out of range";
-	case -ESHUTDOWN: return "proxy shutting down";
-	case -ECONNRESET: return "the other side of the room went away (its client died or closed)";
-	case -EPROTO: return "protocol mismatch with the proxy (version?)";
-	case -ENOEXEC: return "libkvstage and kvstaged were built against DPDK versions that lay out rte_ring differently: rebuild them against the same DPDK";
-	case -EACCES: return "permission denied: the socket's mode or the proxy's --allow-uid/--allow-gid refused this user";
-	case -ENOENT: return "no proxy socket at that path";
-	case -ECONNREFUSED: return "no proxy listening at that path, or it closed the connection unasked";
-	case -EOPNOTSUPP: return "not supported";
-	case -ENODEV: return "no device";
-	case -EIO: return "transport I/O error";
-	case -ENOMEM: return "out of memory";
-	default: return err < 0 ? strerror(-err) : "not an error code";
+	case 0:
+		return "success";
+	case -ESTALE:
+		return "stale lease or descriptor: its epoch or generation is gone";
+	case -EPERM:
+		return "not yours: the slot belongs to someone else, or the room token is wrong";
+	case -ENOBUFS:
+		return "pool exhausted: no free slot";
+	case -EAGAIN:
+		return "try again: ring full, events waiting, or room not complete yet";
+	case -EINVAL:
+		return "invalid argument";
+	case -ENOTCONN:
+		return "proxy gone: the connection to kvstaged is closed";
+	case -ECANCELED:
+		return "room aborted";
+	case -ETIMEDOUT:
+		return "timed out (from a sync call: the proxy did not answer within the bound, "
+		       "and the connection is no longer usable)";
+	case -EBUSY:
+		return "busy: the slot is in flight, or the room already has a sender";
+	case -EEXIST:
+		return "that chunk was already sent";
+	case -EBADF:
+		return "not an open room handle of this role (closed, or never opened)";
+	case -EALREADY:
+		return "the room is complete: it takes no more chunks";
+	case -ECHILD:
+		return "this connection belongs to the parent process: after fork(), connect anew";
+	case -EUSERS:
+		return "the proxy is full: too many clients, or too many connecting at once";
+	case -ENOSR:
+		return "peer sessions full: the proxy holds as many sessions with other proxies as "
+		       "it can, or dials as many for this client at once as it may (try again)";
+	case -EMFILE:
+		return "no room handle free on this connection";
+	case -ENFILE:
+		return "the proxy's room table is full";
+	case -EMSGSIZE:
+		return "room larger than the whole pool";
+	case -ERANGE:
+		return "chunk index out of range";
+	case -ESHUTDOWN:
+		return "proxy shutting down";
+	case -ECONNRESET:
+		return "the other side of the room went away (its client died or closed)";
+	case -EPROTO:
+		return "protocol mismatch with the proxy (version?)";
+	case -ENOEXEC:
+		return "libkvstage and kvstaged were built against DPDK versions that lay out "
+		       "rte_ring differently: rebuild them against the same DPDK";
+	case -EACCES:
+		return "permission denied: the socket's mode or the proxy's "
+		       "--allow-uid/--allow-gid refused this user";
+	case -ENOENT:
+		return "no proxy socket at that path";
+	case -ECONNREFUSED:
+		return "no proxy listening at that path, or it closed the connection unasked";
+	case -EOPNOTSUPP:
+		return "not supported";
+	case -ENODEV:
+		return "no device";
+	case -EIO:
+		return "transport I/O error";
+	case -ENOMEM:
+		return "out of memory";
+	default:
+		return err < 0 ? strerror(-err) : "not an error code";
 	}
 }

@@ -45,8 +45,8 @@ static inline uint32_t kvs_room_handle_gen(const kvs_room *h)
 
 /* One room handle of a connection. gen is 0 while the index is free. */
 struct kvs_rstate {
-	uint32_t gen;    /* shared with the proxy through the open's record */
-	uint16_t idx;    /* handle index, shared with the proxy */
+	uint32_t gen; /* shared with the proxy through the open's record */
+	uint16_t idx; /* handle index, shared with the proxy */
 	uint8_t role;
 	uint8_t state;
 	bool aborted;
@@ -54,10 +54,10 @@ struct kvs_rstate {
 	uint32_t final_type;
 	int32_t final_status;
 	uint64_t bytes, chunk, user_data;
-	uint64_t *sent;          /* sender: chunks handed over */
-	struct kvs_lease *map;   /* receiver: chunk leases, fetched on demand */
-	struct kvs_lease first;  /* receiver: chunk 0, from RECV_DONE */
-	uint32_t joined;         /* a joined shared room: its index at the proxy + 1; else 0 */
+	uint64_t *sent;		/* sender: chunks handed over */
+	struct kvs_lease *map;	/* receiver: chunk leases, fetched on demand */
+	struct kvs_lease first; /* receiver: chunk 0, from RECV_DONE */
+	uint32_t joined;	/* a joined shared room: its index at the proxy + 1; else 0 */
 };
 
 #define KVS_EXT_MAX 4 /* companion libraries attached to one connection */
@@ -70,12 +70,12 @@ struct kvs_ext {
 
 struct kvs_client {
 	int sock, wake_fd, efd;
-	int event_fd;   /* kvs_event_fd: an epoll fd over efd and sock, or -1 (then the
+	int event_fd;  /* kvs_event_fd: an epoll fd over efd and sock, or -1 (then the
 			 * proxy kicks efd only while we block) */
-	int err;        /* 0 while usable, else why not: -ENOTCONN, -ETIMEDOUT */
-	bool forked;    /* we are a child of the process that connected */
-	bool welcomed;  /* the proxy took us in: it is owed a goodbye */
-	uint16_t reg;   /* index in the registry of connections */
+	int err;       /* 0 while usable, else why not: -ENOTCONN, -ETIMEDOUT */
+	bool forked;   /* we are a child of the process that connected */
+	bool welcomed; /* the proxy took us in: it is owed a goodbye */
+	uint16_t reg;  /* index in the registry of connections */
 	uint32_t id;
 	uint8_t *pool;
 	size_t pool_size, slot_size;

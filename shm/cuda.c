@@ -23,13 +23,13 @@
 #include "kvstage_cuda.h"
 
 struct cstate {
-	char *pool;      /* this client's mapping of the pool */
+	char *pool; /* this client's mapping of the pool */
 	size_t pool_len;
-	char *dev_pool;  /* the device's address of it; NULL: not mapped, copy engines only */
+	char *dev_pool; /* the device's address of it; NULL: not mapped, copy engines only */
 	bool registered;
-	bool ours;       /* registered by us, so ours to undo */
-	int mode;        /* enum kvs_cuda_gather_mode */
-	unsigned cap;    /* entries in each table below */
+	bool ours;    /* registered by us, so ours to undo */
+	int mode;     /* enum kvs_cuda_gather_mode */
+	unsigned cap; /* entries in each table below */
 	uintptr_t *pages;
 	void **dsts;
 	const void **srcs;
@@ -108,9 +108,10 @@ static void probe(void)
 	const char *d = getenv("KVSTAGE_CUDA_DEBUG");
 	debug = d && *d && strcmp(d, "0");
 	if (debug)
-		fprintf(stderr, "kvstage_cuda: %d device(s) (%s); gather mode %s, kernel below %zu bytes\n",
+		fprintf(stderr,
+			"kvstage_cuda: %d device(s) (%s); gather mode %s, kernel below %zu bytes\n",
 			probe_err ? 0 : n, cudaGetErrorName(probe_err),
-			default_mode == KVS_CUDA_GATHER_COPY     ? "copy"
+			default_mode == KVS_CUDA_GATHER_COPY	 ? "copy"
 			: default_mode == KVS_CUDA_GATHER_KERNEL ? "kernel"
 								 : "auto",
 			kernel_below);
@@ -198,7 +199,8 @@ static int do_register(struct cstate *st)
 		cudaGetLastError();
 		st->dev_pool = NULL;
 		if (debug)
-			fprintf(stderr, "kvstage_cuda: pool not mapped for the device: copy engines only\n");
+			fprintf(stderr, "kvstage_cuda: pool not mapped for the device: copy "
+					"engines only\n");
 	}
 	return 0;
 }
@@ -399,7 +401,9 @@ static int pages_by_copy(struct cstate *st, bool gather, char *host, unsigned n,
 		cudaGetLastError();
 		__atomic_store_n(&batch_broken, 1, __ATOMIC_RELAXED);
 		if (debug)
-			fprintf(stderr, "kvstage_cuda: cudaMemcpyBatchAsync: %s; one copy per run from now on\n",
+			fprintf(stderr,
+				"kvstage_cuda: cudaMemcpyBatchAsync: %s; one copy per run from now "
+				"on\n",
 				cudaGetErrorName(e));
 	}
 #endif
@@ -454,8 +458,8 @@ static int pages(kvs_client *c, const struct kvs_lease *l, size_t off, bool gath
 		char *dev_slot = st->dev_pool ? st->dev_pool + (host - st->pool) : NULL;
 		any |= (uintptr_t)dev_slot;
 		if (kernel && dev_slot && any % KVS_CUDA_WORD == 0) {
-			cudaError_t e = kvs_cuda_kernel_pages(gather, dev_slot, st->pages, n,
-							      page_size, s);
+			cudaError_t e =
+				kvs_cuda_kernel_pages(gather, dev_slot, st->pages, n, page_size, s);
 			if (e != cudaSuccess)
 				return cuda_fail(e, "gather/scatter kernel launch");
 		} else {
@@ -491,9 +495,9 @@ int kvs_cuda_gather_idx(kvs_client *c, const struct kvs_lease *l, size_t slot_of
 		     done, "kvs_cuda_gather_idx");
 }
 
-int kvs_cuda_scatter_idx(kvs_client *c, const struct kvs_lease *l, size_t slot_off,
-			 void *dev_base, const int32_t *page_idx, unsigned npages,
-			 size_t page_size, struct CUstream_st *stream, struct CUevent_st *done)
+int kvs_cuda_scatter_idx(kvs_client *c, const struct kvs_lease *l, size_t slot_off, void *dev_base,
+			 const int32_t *page_idx, unsigned npages, size_t page_size,
+			 struct CUstream_st *stream, struct CUevent_st *done)
 {
 	return pages(c, l, slot_off, false, NULL, dev_base, page_idx, npages, page_size, stream,
 		     done, "kvs_cuda_scatter_idx");

@@ -27,7 +27,7 @@
 #define KVS_PAGE 4096u
 #define KVS_CACHE_LINE 64u
 
-#define KVS_ALIGN_UP(x, a) (((x) + (a) - 1) / (a) * (a))
+#define KVS_ALIGN_UP(x, a) (((x) + (a)-1) / (a) * (a))
 
 /* ---------------------------------------------------------------- slots */
 
@@ -44,11 +44,11 @@ enum kvs_slot_state {
 /* One slot's published metadata: 16 bytes, written by the proxy only. */
 struct kvs_slot {
 	uint32_t epoch; /* bumped every time the slot changes owner */
-	uint8_t state;  /* enum kvs_slot_state */
+	uint8_t state;	/* enum kvs_slot_state */
 	uint8_t rsvd;
-	uint16_t pins;  /* transport operations that may still touch it */
+	uint16_t pins;	/* transport operations that may still touch it */
 	uint32_t owner; /* client id, 0 = none */
-	uint32_t room;  /* room index + 1 while a room holds it, else 0 */
+	uint32_t room;	/* room index + 1 while a room holds it, else 0 */
 };
 static_assert(sizeof(struct kvs_slot) == 16, "slot metadata is 16 bytes");
 
@@ -63,7 +63,7 @@ static_assert(sizeof(struct kvs_slot) == 16, "slot metadata is 16 bytes");
 #define KVS_CTRL_FAILPOINTS 0x4u
 /* Parts the proxy was built without (meson_options.txt); an older proxy
  * publishes none of these bits, and has every part. */
-#define KVS_CTRL_WITHOUT_VERBS 0x8u   /* no RDMA data path */
+#define KVS_CTRL_WITHOUT_VERBS 0x8u    /* no RDMA data path */
 #define KVS_CTRL_WITHOUT_METRICS 0x10u /* no --metrics-listen */
 #define KVS_CTRL_WITHOUT_SYSTEMD 0x20u /* no sd_notify */
 #define KVS_CTRL_WITHOUT_ACL 0x40u     /* a peer secret with an ACL is refused, not judged */
@@ -71,7 +71,7 @@ static_assert(sizeof(struct kvs_slot) == 16, "slot metadata is 16 bytes");
 /* Counters the proxy publishes (kvstage-stat reads them). */
 struct kvs_stats {
 	uint64_t slots[KVS_SLOT_NSTATES]; /* slots in each state, right now */
-	uint64_t rooms_open;              /* rooms not yet freed */
+	uint64_t rooms_open;		  /* rooms not yet freed */
 	uint64_t rooms_done, rooms_aborted, rooms_failed, rooms_timed_out;
 	uint64_t clients, clients_total, clients_died, clients_refused;
 	uint64_t clients_closed; /* said goodbye (kvs_close); clients_died: hung up without */
@@ -80,56 +80,59 @@ struct kvs_stats {
 	uint64_t chunks_moved, bytes_moved;
 	uint64_t tombstones_reaped;
 	uint64_t sleeps;
-	uint64_t draining; /* 1 once SIGTERM was seen */
-	uint64_t log_suppressed; /* log lines the rate limits kept back */
+	uint64_t draining;	   /* 1 once SIGTERM was seen */
+	uint64_t log_suppressed;   /* log lines the rate limits kept back */
 	uint64_t chunks_discarded; /* late or refused chunks the fence kept out */
 	/* peers (the tcp transport) */
-	uint64_t peer_sessions;       /* up now */
-	uint64_t peer_lost;           /* sessions lost: dropped, cut, silent past --peer-timeout */
-	uint64_t peer_auth_failed;    /* connections that did not prove the secret in time */
-	uint64_t peer_refused;        /* connections refused, or unproven ones dropped, for want of room */
+	uint64_t peer_sessions;	   /* up now */
+	uint64_t peer_lost;	   /* sessions lost: dropped, cut, silent past --peer-timeout */
+	uint64_t peer_auth_failed; /* connections that did not prove the secret in time */
+	uint64_t peer_refused; /* connections refused, or unproven ones dropped, for want of room */
 	uint64_t peer_frames_refused; /* malformed, forged or replayed frames (connection dropped) */
 	uint64_t peer_frames_ignored; /* authentic frames naming no room of ours (stale, wrong token) */
 	uint64_t peer_crc_errors;     /* chunks whose payload failed --tcp-checksum */
 	uint64_t tcp_bytes_tx, tcp_bytes_rx;
-	uint64_t peer_byes;           /* peers that said they are draining */
-	uint64_t rdma_reads;          /* chunks pulled by RDMA READ (landed or not) */
+	uint64_t peer_byes;  /* peers that said they are draining */
+	uint64_t rdma_reads; /* chunks pulled by RDMA READ (landed or not) */
 	uint64_t rdma_bytes_rx;
 	/* appended: older readers stop at rdma_bytes_rx */
-	uint64_t peer_timeouts;       /* sessions and handshakes lost at a deadline */
-	uint64_t peer_evicted;        /* joining or idle sessions dropped to make room for a new one */
-	uint64_t peer_closed;         /* sessions closed quietly: idle, or the peer restarted */
-	uint64_t peer_pings;          /* PINGs sent: a quiet session's keep-alive */
+	uint64_t peer_timeouts; /* sessions and handshakes lost at a deadline */
+	uint64_t peer_evicted;	/* joining or idle sessions dropped to make room for a new one */
+	uint64_t peer_closed;	/* sessions closed quietly: idle, or the peer restarted */
+	uint64_t peer_pings;	/* PINGs sent: a quiet session's keep-alive */
 	/* appended: older readers stop at peer_pings */
-	uint64_t rdma_binds;          /* chunk keys granted by binding a memory window */
-	uint64_t rdma_invalidates;    /* window keys revoked by a local invalidate (completed) */
-	uint64_t rdma_regions;        /* chunk keys granted by registering a region (no windows) */
-	uint64_t rdma_region_frees;   /* region keys revoked by deregistering */
-	uint64_t rdma_reads_refused;  /* peers' READs our NIC refused (a key not held, or past it) */
-	uint64_t rdma_links_lost;     /* queue pairs that failed under a live session (made again) */
-	uint64_t rdma_sessions;       /* sessions whose chunks go by RDMA READ now (both ends connected) */
+	uint64_t rdma_binds;	     /* chunk keys granted by binding a memory window */
+	uint64_t rdma_invalidates;   /* window keys revoked by a local invalidate (completed) */
+	uint64_t rdma_regions;	     /* chunk keys granted by registering a region (no windows) */
+	uint64_t rdma_region_frees;  /* region keys revoked by deregistering */
+	uint64_t rdma_reads_refused; /* peers' READs our NIC refused (a key not held, or past it) */
+	uint64_t rdma_links_lost;    /* queue pairs that failed under a live session (made again) */
+	uint64_t rdma_sessions; /* sessions whose chunks go by RDMA READ now (both ends connected) */
 };
 
 /* The proxy is the counters' only writer, so a plain load and store (no
  * locked read-modify-write) is enough; readers see whole values. */
-#define KVS_STAT_ADD(f, v) __atomic_store_n(&(f), __atomic_load_n(&(f), __ATOMIC_RELAXED) + (v), __ATOMIC_RELAXED)
-#define KVS_STAT_SUB(f, v) __atomic_store_n(&(f), __atomic_load_n(&(f), __ATOMIC_RELAXED) - (v), __ATOMIC_RELAXED)
+#define KVS_STAT_ADD(f, v) \
+	__atomic_store_n(&(f), __atomic_load_n(&(f), __ATOMIC_RELAXED) + (v), __ATOMIC_RELAXED)
+#define KVS_STAT_SUB(f, v) \
+	__atomic_store_n(&(f), __atomic_load_n(&(f), __ATOMIC_RELAXED) - (v), __ATOMIC_RELAXED)
 
 /* One session with another proxy (the tcp transport), as kvstage-stat shows it. */
 enum kvs_peer_state { KVS_PEER_FREE = 0, KVS_PEER_JOINING, KVS_PEER_UP };
 struct kvs_peer {
-	char endpoint[64];  /* whom we dialed, or "accepted" */
-	uint32_t state;     /* enum kvs_peer_state */
+	char endpoint[64]; /* whom we dialed, or "accepted" */
+	uint32_t state;	   /* enum kvs_peer_state */
 	uint32_t streams;
-	uint64_t instance;  /* the peer's */
+	uint64_t instance; /* the peer's */
 	uint64_t bytes_tx, bytes_rx;
-	uint64_t chunks_sunk; /* its chunks the fence kept out */
-	uint32_t flags;     /* KVS_PEER_* */
+	uint64_t chunks_sunk;	/* its chunks the fence kept out */
+	uint32_t flags;		/* KVS_PEER_* */
 	uint32_t reads_refused; /* its READs our NIC refused */
 };
-#define KVS_PEER_RDMA 1u        /* chunks from us to it go by its RDMA READ */
+#define KVS_PEER_RDMA 1u	/* chunks from us to it go by its RDMA READ */
 #define KVS_PEER_KEYS_WINDOW 2u /* ... each under a memory window's key */
-#define KVS_PEER_KEYS_REGION 4u /* ... each under a region's key; with _WINDOW: the window is
+#define KVS_PEER_KEYS_REGION \
+	4u /* ... each under a region's key; with _WINDOW: the window is
 				 * over a region of the chunk's own (the device does not keep
 				 * a READ in a window's bytes) */
 #define KVS_MAX_PEERS 64
@@ -144,15 +147,15 @@ struct kvs_peer {
  * slot table's owner field says whose each slot is. Readers step rows by
  * ctrl's client_row_size, so fields can be appended. */
 struct kvs_client_row {
-	uint32_t id;       /* the client's id (the owner in struct kvs_slot); 0: none */
-	int32_t pid;       /* SO_PEERCRED, in the proxy's pid namespace */
+	uint32_t id;	   /* the client's id (the owner in struct kvs_slot); 0: none */
+	int32_t pid;	   /* SO_PEERCRED, in the proxy's pid namespace */
 	uint32_t uid, gid; /* SO_PEERCRED */
 	uint64_t since_ns; /* CLOCK_REALTIME when it attached */
-	uint64_t ops;      /* submissions taken from its ring */
+	uint64_t ops;	   /* submissions taken from its ring */
 	uint64_t rejects;  /* ops refused (REJECTED events and failed sync replies) */
-	uint64_t rooms;    /* rooms it is in whose final event it is still owed */
+	uint64_t rooms;	   /* rooms it is in whose final event it is still owed */
 	uint64_t rooms_done, rooms_aborted, rooms_failed; /* final events it was sent, by kind */
-	uint64_t chunks_sent, bytes_sent; /* SENDs taken into an open room */
+	uint64_t chunks_sent, bytes_sent;		  /* SENDs taken into an open room */
 	uint64_t chunks_recv, bytes_recv; /* rooms it received whole, counted at RECV_DONE */
 	uint64_t rsvd[3];
 };
@@ -169,14 +172,21 @@ static inline bool kvs_client_row_read(const struct kvs_client_row *s, struct kv
 	if (!id)
 		return false;
 	*d = (struct kvs_client_row){
-		.id = id, .pid = KVS_ROW_LD(s->pid), .uid = KVS_ROW_LD(s->uid),
-		.gid = KVS_ROW_LD(s->gid), .since_ns = KVS_ROW_LD(s->since_ns),
-		.ops = KVS_ROW_LD(s->ops), .rejects = KVS_ROW_LD(s->rejects),
-		.rooms = KVS_ROW_LD(s->rooms), .rooms_done = KVS_ROW_LD(s->rooms_done),
+		.id = id,
+		.pid = KVS_ROW_LD(s->pid),
+		.uid = KVS_ROW_LD(s->uid),
+		.gid = KVS_ROW_LD(s->gid),
+		.since_ns = KVS_ROW_LD(s->since_ns),
+		.ops = KVS_ROW_LD(s->ops),
+		.rejects = KVS_ROW_LD(s->rejects),
+		.rooms = KVS_ROW_LD(s->rooms),
+		.rooms_done = KVS_ROW_LD(s->rooms_done),
 		.rooms_aborted = KVS_ROW_LD(s->rooms_aborted),
 		.rooms_failed = KVS_ROW_LD(s->rooms_failed),
-		.chunks_sent = KVS_ROW_LD(s->chunks_sent), .bytes_sent = KVS_ROW_LD(s->bytes_sent),
-		.chunks_recv = KVS_ROW_LD(s->chunks_recv), .bytes_recv = KVS_ROW_LD(s->bytes_recv),
+		.chunks_sent = KVS_ROW_LD(s->chunks_sent),
+		.bytes_sent = KVS_ROW_LD(s->bytes_sent),
+		.chunks_recv = KVS_ROW_LD(s->chunks_recv),
+		.bytes_recv = KVS_ROW_LD(s->bytes_recv),
 	};
 	/* Acquire: the copy above is done before the id is looked at again. */
 	__atomic_thread_fence(__ATOMIC_ACQUIRE);
@@ -185,22 +195,22 @@ static inline bool kvs_client_row_read(const struct kvs_client_row *s, struct kv
 }
 
 struct kvs_ctrl {
-	uint32_t magic; /* KVS_MAGIC_CTRL */
-	uint32_t abi;   /* KVS_ABI */
+	uint32_t magic;	   /* KVS_MAGIC_CTRL */
+	uint32_t abi;	   /* KVS_ABI */
 	uint64_t instance; /* random per proxy start: the proxy's generation */
 	uint64_t slot_size;
 	uint64_t pool_size;
 	uint32_t slot_count;
-	uint32_t flags;    /* KVS_CTRL_* */
+	uint32_t flags; /* KVS_CTRL_* */
 	uint32_t max_rooms;
 	uint32_t client_rooms; /* handles per client */
 	uint32_t sq_count, cq_count;
-	uint64_t slots_off;  /* struct kvs_slot[slot_count] */
+	uint64_t slots_off;		   /* struct kvs_slot[slot_count] */
 	uint64_t sq_geom_off, cq_geom_off; /* pages whose tail holds the rings' geometry */
 	int32_t proxy_pid;
 	uint32_t ring_layout; /* kvs_ring_layout() of the proxy's build (ring.h) */
-	uint64_t started_ns; /* CLOCK_REALTIME */
-	uint64_t peers_off;  /* struct kvs_peer[peer_count]: sessions with other proxies */
+	uint64_t started_ns;  /* CLOCK_REALTIME */
+	uint64_t peers_off;   /* struct kvs_peer[peer_count]: sessions with other proxies */
 	uint32_t peer_count;
 	uint32_t rsvd2;
 	/* Added in the header's padding (readers of an older proxy see 0 here):
@@ -223,29 +233,29 @@ static_assert(offsetof(struct kvs_ctrl, stats) == 192, "stats stay where ABI 2 p
 
 /* Submission record, client -> proxy. 40 bytes. */
 struct kvs_sqe {
-	uint8_t op;       /* enum kvs_op */
-	uint8_t readers;  /* RECV_OPEN: readers of a shared room (0 or 1: not shared) */
-	uint16_t handle;  /* the client's room handle */
-	uint32_t seq;     /* sync ops: echoed in the reply */
+	uint8_t op;	 /* enum kvs_op */
+	uint8_t readers; /* RECV_OPEN: readers of a shared room (0 or 1: not shared) */
+	uint16_t handle; /* the client's room handle */
+	uint32_t seq;	 /* sync ops: echoed in the reply */
 	uint32_t slot;
 	uint32_t epoch;
-	uint32_t gen;     /* the handle's generation in the library: opens set it,
+	uint32_t gen; /* the handle's generation in the library: opens set it,
 			   * events about the handle echo it */
 	uint32_t rsvd2;
-	uint64_t arg;     /* ACQUIRE: n; SEND: offset; RECV_OPEN: bytes */
-	uint64_t arg2;    /* SEND: len; RECV_OPEN, SEND_OPEN: user_data */
+	uint64_t arg;  /* ACQUIRE: n; SEND: offset; RECV_OPEN: bytes */
+	uint64_t arg2; /* SEND: len; RECV_OPEN, SEND_OPEN: user_data */
 };
 static_assert(sizeof(struct kvs_sqe) == 40, "sqe is 40 bytes");
 
 enum kvs_op {
 	KVS_OP_NOP = 0,
-	KVS_OP_ACQUIRE,   /* sync: arg leases into the reply area */
-	KVS_OP_RELEASE,   /* sync */
+	KVS_OP_ACQUIRE,	  /* sync: arg leases into the reply area */
+	KVS_OP_RELEASE,	  /* sync */
 	KVS_OP_RECV_OPEN, /* sync: descriptor into the reply */
 	KVS_OP_SEND_OPEN, /* sync: descriptor from the request area */
-	KVS_OP_SEND,      /* async: errors come back as REJECTED events */
-	KVS_OP_ABORT,     /* async */
-	KVS_OP_CLOSE,     /* async */
+	KVS_OP_SEND,	  /* async: errors come back as REJECTED events */
+	KVS_OP_ABORT,	  /* async */
+	KVS_OP_CLOSE,	  /* async */
 	KVS_OP_ROOM_MAP,  /* sync: the room's chunk leases into the reply area */
 	KVS_OP_RECV_JOIN, /* sync: descriptor from the request area */
 	KVS_OP_MAX,
@@ -253,13 +263,13 @@ enum kvs_op {
 
 /* Completion record, proxy -> client: events only. 40 bytes. */
 struct kvs_cqe {
-	uint16_t type;   /* KVS_EV_* */
+	uint16_t type;	 /* KVS_EV_* */
 	uint16_t handle; /* room handle, or KVS_NO_HANDLE */
 	int32_t status;
 	uint64_t user_data;
 	uint64_t bytes;
 	uint32_t slot, epoch;
-	uint32_t gen;    /* the handle's generation: a final, the open's; a
+	uint32_t gen; /* the handle's generation: a final, the open's; a
 			  * rejection, the refused op's */
 	uint32_t rsvd;
 };
@@ -275,9 +285,9 @@ struct kvs_cshm {
 	uint32_t rsvd0;
 	/* proxy -> client: the answer to the last sync op */
 	struct {
-		uint32_t seq;   /* store-released last */
+		uint32_t seq; /* store-released last */
 		int32_t status;
-		uint32_t n;     /* leases written to the reply area */
+		uint32_t n; /* leases written to the reply area */
 		uint32_t handle;
 		uint64_t bytes;
 		uint64_t slot_size;
@@ -290,7 +300,7 @@ static_assert(sizeof(struct kvs_cshm) <= KVS_PAGE, "client page fits");
 
 /* Offsets inside the client region; both sides compute them from the counts. */
 struct kvs_cmem_layout {
-	size_t reply_off;  /* struct kvs_lease[slot_count] */
+	size_t reply_off;      /* struct kvs_lease[slot_count] */
 	size_t sq_off, cq_off; /* ring bodies (from rte_ring.prod on) */
 	size_t size;
 };
@@ -306,7 +316,7 @@ enum kvs_hello_kind { KVS_HELLO_CLIENT = 1, KVS_HELLO_ADMIN = 2, KVS_HELLO_STAT 
 struct kvs_hello {
 	uint32_t magic; /* KVS_MAGIC_HELLO */
 	uint32_t abi;
-	uint32_t kind;  /* enum kvs_hello_kind */
+	uint32_t kind;	      /* enum kvs_hello_kind */
 	uint32_t ring_layout; /* CLIENT: kvs_ring_layout() of the library's build (ring.h) */
 };
 
@@ -315,12 +325,12 @@ struct kvs_hello {
 struct kvs_welcome {
 	uint32_t magic;
 	uint32_t abi;
-	int32_t status;  /* 0 or -errno; no fds when nonzero */
+	int32_t status; /* 0 or -errno; no fds when nonzero */
 	uint32_t client_id;
 	uint64_t instance;
 	uint64_t ctrl_size;
 	uint64_t cmem_size;
-	char msg[96];    /* why, when status != 0 */
+	char msg[96]; /* why, when status != 0 */
 };
 #define KVS_WELCOME_NFDS 5
 
@@ -328,13 +338,13 @@ struct kvs_welcome {
 
 /* Wire form of struct kvs_room_desc: 128 bytes, little-endian. */
 struct kvs_desc_wire {
-	uint32_t magic;     /* KVS_MAGIC_DESC */
-	uint16_t version;   /* 1 */
+	uint32_t magic;	  /* KVS_MAGIC_DESC */
+	uint16_t version; /* 1 */
 	uint16_t flags;
-	uint64_t instance;  /* the receiving proxy */
-	uint32_t room;      /* room index there */
-	uint32_t gen;       /* room generation */
-	uint8_t token[16];  /* getrandom, per room */
+	uint64_t instance; /* the receiving proxy */
+	uint32_t room;	   /* room index there */
+	uint32_t gen;	   /* room generation */
+	uint8_t token[16]; /* getrandom, per room */
 	uint64_t bytes;
 	uint64_t slot_size; /* chunk size of the receiving pool */
 	char endpoint[64];  /* receiving proxy's transport endpoint, "" if local only */

@@ -46,8 +46,10 @@ ssize_t kvs_sock_recv(int sock, void *buf, size_t len, int *fds, int *nfds, int 
 		struct cmsghdr align;
 	} ctl;
 	struct iovec iov = { .iov_base = buf, .iov_len = len };
-	struct msghdr msg = { .msg_iov = &iov, .msg_iovlen = 1,
-			      .msg_control = ctl.buf, .msg_controllen = sizeof(ctl.buf) };
+	struct msghdr msg = { .msg_iov = &iov,
+			      .msg_iovlen = 1,
+			      .msg_control = ctl.buf,
+			      .msg_controllen = sizeof(ctl.buf) };
 	int want = nfds ? *nfds : 0, got = 0;
 	ssize_t n;
 
@@ -144,7 +146,8 @@ int kvs_poll_for(struct pollfd *p, unsigned n, int timeout_ms)
 			continue;
 		struct timespec t;
 		clock_gettime(CLOCK_MONOTONIC, &t);
-		long long spent = (t.tv_sec - t0.tv_sec) * 1000LL + (t.tv_nsec - t0.tv_nsec) / 1000000;
+		long long spent = (t.tv_sec - t0.tv_sec) * 1000LL +
+				  (t.tv_nsec - t0.tv_nsec) / 1000000;
 		if (spent >= timeout_ms)
 			return 0;
 		left = (int)(timeout_ms - spent);

@@ -16,7 +16,7 @@
 #define B_OWNER 0xB0B
 
 struct decisive {
-	uint32_t victim;          /* the receiving proxy's slot posted for A's chunk */
+	uint32_t victim; /* the receiving proxy's slot posted for A's chunk */
 	uint8_t state_after_abort;
 	bool b_got_victim, b_intact, victim_has_a;
 	unsigned b_slots;
@@ -31,8 +31,8 @@ struct decisive {
  * side aborts; B drains the receiving pool and stamps every slot it gets;
  * the chunk is let go. The late bytes must never land in a slot that is
  * B's. pb must run with --slots 16 (DECISIVE_SLOTS). */
-static inline struct decisive decisive_hold(struct proxy *pa, struct proxy *pb, struct proxy *hold_px,
-					    const char *hold_fp)
+static inline struct decisive decisive_hold(struct proxy *pa, struct proxy *pb,
+					    struct proxy *hold_px, const char *hold_fp)
 {
 	struct decisive o = { 0 };
 	kvs_client *rx = connect_ok(pb), *tx = connect_ok(pa), *b = connect_ok(pb);
@@ -46,8 +46,8 @@ static inline struct decisive decisive_hold(struct proxy *pa, struct proxy *pb, 
 	cr_assert_eq(kvs_acquire(tx, 1, &a), 0);
 	canary_fill(kvs_lease_ptr(tx, &a), A_TX, 0, SLOT);
 	cr_assert_eq(kvs_send(sr, &a, 0, SLOT), 0);
-	fp_wait(hold_px, hold_fp, 1);               /* the chunk is in flight */
-	stat_wait(pb, "slots.recv_posted", 1, 1);   /* the receiver posted a slot for it */
+	fp_wait(hold_px, hold_fp, 1);		  /* the chunk is in flight */
+	stat_wait(pb, "slots.recv_posted", 1, 1); /* the receiver posted a slot for it */
 	o.victim = UINT32_MAX;
 	for (uint32_t i = 0; i < DECISIVE_SLOTS; i++)
 		if (slot_pub(pb, i).state == KVS_SLOT_RECV_POSTED)
@@ -72,12 +72,13 @@ static inline struct decisive decisive_hold(struct proxy *pa, struct proxy *pb, 
 		else
 			stat_wait(pa, "rdma_region_frees", 1, 1);
 	}
-	uint64_t before = stat_get(pb, "tcp_bytes_rx"), refused = stat_get(pa, "rdma_reads_refused"),
+	uint64_t before = stat_get(pb, "tcp_bytes_rx"),
+		 refused = stat_get(pa, "rdma_reads_refused"),
 		 failed = stat_get(pb, "rdma_links_lost");
 	fp_set(hold_px, hold_fp, "off", NULL);
 	if (rdma) {
 		stat_wait(pa, "rdma_reads_refused", 1, refused + 1); /* by the NIC, not by a word */
-		stat_wait(pb, "rdma_links_lost", 1, failed + 1);     /* the READ's failure, reaped */
+		stat_wait(pb, "rdma_links_lost", 1, failed + 1); /* the READ's failure, reaped */
 	} else {
 		stat_wait(pb, "tcp_bytes_rx", 1, before + SLOT);
 	}

@@ -236,8 +236,8 @@ uint64_t stat_get(struct proxy *px, const char *name)
 void stat_wait(struct proxy *px, const char *name, int ge, uint64_t v)
 {
 	int rc = kvs_admin_stat_wait(px->admin, name, ge, v, WAIT_MS);
-	cr_assert_eq(rc, 0, "barrier %s %s %llu: %s (now %llu)", name, ge ? ">=" : "<=",
-		     (unsigned long long)v, kvs_strerror(rc),
+	cr_assert_eq(rc, 0, "barrier %s %s %llu: %s (now %llu)", name,
+		     ge ? ">=" : "<=", (unsigned long long)v, kvs_strerror(rc),
 		     (unsigned long long)stat_get(px, name));
 }
 
@@ -257,8 +257,8 @@ void fp_set(struct proxy *px, const char *name, const char *action, const uint64
 void fp_wait(struct proxy *px, const char *name, uint64_t hits)
 {
 	int rc = kvs_admin_fp_wait(px->admin, name, hits, WAIT_MS);
-	cr_assert_eq(rc, 0, "failpoint %s never hit %llu times: %s", name,
-		     (unsigned long long)hits, kvs_strerror(rc));
+	cr_assert_eq(rc, 0, "failpoint %s never hit %llu times: %s", name, (unsigned long long)hits,
+		     kvs_strerror(rc));
 }
 
 struct kvs_slot slot_pub(struct proxy *px, uint32_t slot)
@@ -368,7 +368,8 @@ int run_cmd(const char *const *argv, char *out, size_t cap, char *err, size_t ec
 	bool oo = true, eo = true;
 	out[0] = err[0] = 0;
 	while (oo || eo) {
-		struct pollfd p[2] = { { oo ? o[0] : -1, POLLIN, 0 }, { eo ? e[0] : -1, POLLIN, 0 } };
+		struct pollfd p[2] = { { oo ? o[0] : -1, POLLIN, 0 },
+				       { eo ? e[0] : -1, POLLIN, 0 } };
 		if (poll(p, 2, WAIT_MS) <= 0)
 			break;
 		if (p[0].revents)

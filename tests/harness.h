@@ -21,7 +21,7 @@
 
 struct proxy {
 	pid_t pid;
-	int admin;                  /* admin connection, or -1 */
+	int admin;		     /* admin connection, or -1 */
 	const struct kvs_ctrl *ctrl; /* read-only control segment */
 	size_t ctrl_len;
 	char dir[64];
@@ -33,7 +33,10 @@ struct proxy {
 /* A proxy not yet started: its admin fd is -1, not 0, so stopping it closes
  * nothing (a zeroed struct would close fd 0, which is not stdin when the test
  * runs with stdin closed, as CI does). */
-#define PROXY_INIT { .pid = 0, .admin = -1 }
+#define PROXY_INIT                    \
+	{                             \
+		.pid = 0, .admin = -1 \
+	}
 
 /* Starts bin (NULL: the normal kvstaged) with --socket, --failpoints and
  * args (NULL-terminated); returns once it serves. Aborts the test on failure. */

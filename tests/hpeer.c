@@ -22,7 +22,8 @@ int hp_connect(const char *endpoint, const char *src)
 	char *colon = strrchr(host, ':');
 	cr_assert_not_null(colon, "endpoint %s", endpoint);
 	*colon = 0;
-	struct sockaddr_in a = { .sin_family = AF_INET, .sin_port = htons((uint16_t)atoi(colon + 1)) };
+	struct sockaddr_in a = { .sin_family = AF_INET,
+				 .sin_port = htons((uint16_t)atoi(colon + 1)) };
 	cr_assert_eq(inet_pton(AF_INET, host, &a.sin_addr), 1, "endpoint %s", endpoint);
 	int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
 	cr_assert_geq(fd, 0);
@@ -66,8 +67,8 @@ void hp_wait_closed(int fd)
 	}
 }
 
-void hp_handshake(struct hpeer *h, const char *endpoint, const char *src, const struct kvsp_secret *s,
-		  uint64_t inst)
+void hp_handshake(struct hpeer *h, const char *endpoint, const char *src,
+		  const struct kvsp_secret *s, uint64_t inst)
 {
 	h->fd = hp_connect(endpoint, src);
 	h->pings = 0;

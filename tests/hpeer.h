@@ -30,8 +30,8 @@ struct hpeer {
  * (NULL: any). Returns the fd (blocking). */
 int hp_connect(const char *endpoint, const char *src);
 /* The dialer's handshake with secret s as proxy instance inst, on a new connection from src (NULL: any). */
-void hp_handshake(struct hpeer *h, const char *endpoint, const char *src, const struct kvsp_secret *s,
-		  uint64_t inst);
+void hp_handshake(struct hpeer *h, const char *endpoint, const char *src,
+		  const struct kvsp_secret *s, uint64_t inst);
 /* hp_handshake, then JOIN as stream `stream` of session sid with nstreams. */
 void hp_join(struct hpeer *h, const char *endpoint, const char *src, const struct kvsp_secret *s,
 	     uint64_t inst, uint64_t sid, uint32_t stream, uint32_t nstreams);

@@ -38,8 +38,13 @@ void hz_listen(struct hz *z, const struct kvsp_secret *s, uint64_t inst)
 struct kvs_room_desc hz_desc(const struct hz *z, uint32_t room, uint32_t gen, uint64_t bytes,
 			     uint64_t slot_size)
 {
-	struct kvs_desc_wire w = { .magic = KVS_MAGIC_DESC, .version = 1, .instance = z->inst,
-				   .room = room, .gen = gen, .bytes = bytes, .slot_size = slot_size };
+	struct kvs_desc_wire w = { .magic = KVS_MAGIC_DESC,
+				   .version = 1,
+				   .instance = z->inst,
+				   .room = room,
+				   .gen = gen,
+				   .bytes = bytes,
+				   .slot_size = slot_size };
 	randombytes_buf(w.token, sizeof(w.token));
 	snprintf(w.endpoint, sizeof(w.endpoint), "tcp:%s", z->endpoint);
 	struct kvs_room_desc d;
@@ -149,7 +154,8 @@ bool hz_recv_for(struct hz *z, int ms, struct kvsp_frame *out)
 			return true;
 		}
 		clock_gettime(CLOCK_MONOTONIC, &t);
-		left = ms - (int)((t.tv_sec - t0.tv_sec) * 1000 + (t.tv_nsec - t0.tv_nsec) / 1000000);
+		left = ms -
+		       (int)((t.tv_sec - t0.tv_sec) * 1000 + (t.tv_nsec - t0.tv_nsec) / 1000000);
 	}
 	return false;
 }
@@ -179,21 +185,24 @@ void hz_accept(struct hz *z)
 	}
 	cr_assert_eq(f.type, KVS_WIRE_RDMA_HELLO, "the proxy's second frame is type %u", f.type);
 	const struct kvs_wire_rdma_hello *b = &f.body.rdma_hello;
-	z->peer = (struct kvsp_verbs_ep){ .qpn = le32toh(b->qpn), .psn = le32toh(b->psn),
+	z->peer = (struct kvsp_verbs_ep){ .qpn = le32toh(b->qpn),
+					  .psn = le32toh(b->psn),
 					  .pool_addr = le64toh(b->pool_addr),
-					  .pool_len = le64toh(b->pool_len), .keys = le32toh(b->keys),
+					  .pool_len = le64toh(b->pool_len),
+					  .keys = le32toh(b->keys),
 					  .mtu = le32toh(b->mtu) };
 	memcpy(z->peer.gid, b->gid, sizeof(z->peer.gid));
 	z->buf = aligned_alloc(4096, HZ_BUF);
 	cr_assert_not_null(z->buf);
 	char why[256];
 	const char *dev = getenv("RXE_DEV"), *gix = getenv("RXE_GID_INDEX");
-	int rc = kvsp_verbs_open(&z->v, dev && *dev ? dev : NULL, gix && *gix ? atoi(gix) : -1, z->buf,
-				 HZ_BUF, 64, KVSP_KEYS_REGION, why, sizeof(why));
+	int rc = kvsp_verbs_open(&z->v, dev && *dev ? dev : NULL, gix && *gix ? atoi(gix) : -1,
+				 z->buf, HZ_BUF, 64, KVSP_KEYS_REGION, why, sizeof(why));
 	cr_assert_eq(rc, 0, "our device: %s", why);
 	z->qp = kvsp_verbs_qp_new(&z->v, 16, &z->local);
 	cr_assert_not_null(z->qp);
-	struct kvs_wire_rdma_hello h = { .qpn = htole32(z->local.qpn), .psn = htole32(z->local.psn),
+	struct kvs_wire_rdma_hello h = { .qpn = htole32(z->local.qpn),
+					 .psn = htole32(z->local.psn),
 					 .pool_addr = htole64(z->local.pool_addr),
 					 .pool_len = htole64(z->local.pool_len),
 					 .keys = htole32(KVSP_KEYS_WIRE_REGION),
@@ -207,7 +216,8 @@ void hz_ack_open(struct hz *z)
 {
 	struct kvsp_frame f = hz_recv(z);
 	cr_assert_eq(f.type, KVS_WIRE_OPEN, "got frame type %u", f.type);
-	struct kvs_wire_open_ack a = { .room = f.body.open.room, .sender_ref = f.body.open.sender_ref,
+	struct kvs_wire_open_ack a = { .room = f.body.open.room,
+				       .sender_ref = f.body.open.sender_ref,
 				       .status = 0 };
 	hp_send(&z->conn[0], KVS_WIRE_OPEN_ACK, &a, 0, NULL);
 }
@@ -221,7 +231,8 @@ struct kvs_wire_chunk_read hz_chunk_read(struct hz *z)
 
 void hz_ack_chunk(struct hz *z, const struct kvs_wire_chunk_read *c, int status)
 {
-	struct kvs_wire_chunk_ack a = { .room = c->room, .chunk = c->chunk,
+	struct kvs_wire_chunk_ack a = { .room = c->room,
+					.chunk = c->chunk,
 					.status = (int32_t)htole32((uint32_t)status),
 					.xfer_ref = c->xfer_ref };
 	hp_send(&z->conn[0], KVS_WIRE_CHUNK_ACK, &a, 0, NULL);
@@ -231,8 +242,9 @@ enum ibv_wc_status hz_read(struct hz *z, uint64_t offset, uint32_t len, uint32_t
 {
 	cr_assert_leq(len, HZ_BUF);
 	memset(z->buf, 0x5a, len);
-	cr_assert_eq(kvsp_verbs_read(&z->v, z->qp, 0x7d, z->buf, len, z->peer.pool_addr + offset, key),
-		     0);
+	cr_assert_eq(
+		kvsp_verbs_read(&z->v, z->qp, 0x7d, z->buf, len, z->peer.pool_addr + offset, key),
+		0);
 	struct ibv_wc wc;
 	for (unsigned spins = 0;; spins++) {
 		int n = kvsp_verbs_poll(&z->v, &wc, 1);
@@ -241,7 +253,8 @@ enum ibv_wc_status hz_read(struct hz *z, uint64_t offset, uint32_t len, uint32_t
 			return wc.status;
 		if (spins % 1024 == 0) {
 			struct pollfd p = { -1, 0, 0 };
-			poll(&p, 0, 1); /* a READ under emulation takes milliseconds: no busy spin */
+			poll(&p, 0,
+			     1); /* a READ under emulation takes milliseconds: no busy spin */
 			cr_assert_lt(spins, 1024u * WAIT_MS, "our READ never completed");
 		}
 	}

@@ -32,7 +32,7 @@ struct hz {
 	uint8_t *buf;
 	struct ibv_qp *qp;
 	struct kvsp_verbs_ep local, peer; /* peer: the proxy's, from its RDMA_HELLO */
-	struct kvsp_frame stash;          /* a frame that came before the HELLO (its OPEN) */
+	struct kvsp_frame stash;	  /* a frame that came before the HELLO (its OPEN) */
 	bool stashed;
 };
 

@@ -165,7 +165,8 @@ Test(access, an_allow_uid_the_socket_keeps_out_is_refused_at_start)
 	cr_assert_eq(kvstaged(sock, (const char *[]){ "--socket-mode", "0440", NULL }), 2);
 	cr_assert(strstr(err, "owner"), "%s", err);
 	cr_assert_eq(kvstaged(sock, (const char *[]){ "--socket-mode", "0999", NULL }), 2);
-	cr_assert_eq(kvstaged(sock, (const char *[]){ "--socket-group", "no-such-group-x", NULL }), 2);
+	cr_assert_eq(kvstaged(sock, (const char *[]){ "--socket-group", "no-such-group-x", NULL }),
+		     2);
 	cr_assert(strstr(err, "no such group"), "%s", err);
 }
 
@@ -190,9 +191,9 @@ Test(access, allowed_uids_and_supplementary_groups_get_in_and_others_hear_why_no
 	proxy_stop(&px);
 
 	/* an open socket, the proxy's rule behind it */
-	proxy_start_plain(&px, (const char *[]){ "--slots", "2", "--slot-size", "4K", "--socket-mode",
-						 "0666", "--allow-uid", "4242", "--allow-gid", "5001",
-						 NULL });
+	proxy_start_plain(&px, (const char *[]){ "--slots", "2", "--slot-size", "4K",
+						 "--socket-mode", "0666", "--allow-uid", "4242",
+						 "--allow-gid", "5001", NULL });
 	chmod(px.dir, 0755);
 	rc = connect_as(4242, 4242, NULL, 0);
 	cr_assert_eq(rc, 0, "--allow-uid: %s", kvs_strerror(rc));
@@ -286,9 +287,11 @@ Test(access, attaches_closes_and_aborts_are_logged_but_not_flooded)
 	cr_assert_eq(wait_event(rx).type, KVS_EV_ABORTED);
 	cr_assert_eq(kvs_room_close(r), 0);
 	cr_assert_eq(log_count("attached: pid"), 1);
-	cr_assert_eq(log_count("aborted: Operation canceled (0 chunks in flight, 1 slots posted)") +
-			     log_count("aborted: Operation canceled (0 chunks in flight, 0 slots posted)"),
-		     1, "no line says the room was aborted and why");
+	cr_assert_eq(
+		log_count("aborted: Operation canceled (0 chunks in flight, 1 slots posted)") +
+			log_count(
+				"aborted: Operation canceled (0 chunks in flight, 0 slots posted)"),
+		1, "no line says the room was aborted and why");
 	enum { N = 100 };
 	for (int i = 0; i < N; i++) {
 		kvs_client *c = connect_ok(&px);
@@ -382,13 +385,14 @@ Test(access, a_pool_larger_than_memory_is_refused_before_it_is_built)
 {
 	uint64_t want = 2 * mem_total();
 	if (want > (1ull << 40))
-		cr_skip_test("this machine has more than 512 GiB: twice its memory is past the 1 TiB "
-			     "pool limit, refused earlier");
+		cr_skip_test(
+			"this machine has more than 512 GiB: twice its memory is past the 1 TiB "
+			"pool limit, refused earlier");
 	char slots[32];
 	snprintf(slots, sizeof(slots), "%llu", (unsigned long long)(want >> 30) + 1);
 	const char *sock = in_dir("kvs.sock");
-	cr_assert_eq(kvstaged(sock, (const char *[]){ "--slots", slots, "--slot-size", "1G", NULL }),
-		     1);
+	cr_assert_eq(
+		kvstaged(sock, (const char *[]){ "--slots", slots, "--slot-size", "1G", NULL }), 1);
 	cr_assert(strstr(err, "does not fit"), "%s", err);
 	/* a bad socket path is said before the pool's size is even looked at */
 	cr_assert_eq(kvstaged("/nonexistent-kvstage-dir/kvs.sock",
@@ -402,8 +406,9 @@ Test(access, a_pool_larger_than_memory_is_refused_before_it_is_built)
 
 Test(access, a_draining_proxy_stays_visible_and_says_what_it_waits_for)
 {
-	proxy_start(&px, NULL, (const char *[]){ "--slots", "4", "--slot-size", "4K",
-						 "--shutdown-grace", "50", NULL });
+	proxy_start(&px, NULL,
+		    (const char *[]){ "--slots", "4", "--slot-size", "4K", "--shutdown-grace", "50",
+				      NULL });
 	kvs_client *rx = connect_ok(&px), *tx = connect_ok(&px);
 	kvs_room *r, *s;
 	struct kvs_room_desc d;

@@ -29,9 +29,9 @@ Test(cli, kvstaged_help_and_version)
 {
 	const char *bin = build_path("proxy/kvstaged");
 	cr_assert_eq(RUN(bin, "--help"), 0);
-	const char *opts[] = { "--socket", "--slots", "--slot-size", "--hugepages", "--allow-uid",
-			       "--allow-gid", "--log-level", "--failpoints", "--room-timeout",
-			       "--shutdown-grace", "--version" };
+	const char *opts[] = { "--socket",	 "--slots",	     "--slot-size", "--hugepages",
+			       "--allow-uid",	 "--allow-gid",	     "--log-level", "--failpoints",
+			       "--room-timeout", "--shutdown-grace", "--version" };
 	for (unsigned i = 0; i < sizeof(opts) / sizeof(opts[0]); i++)
 		cr_assert(strstr(out, opts[i]), "--help does not mention %s", opts[i]);
 	cr_assert_eq(RUN(bin, "--version"), 0);
@@ -97,12 +97,15 @@ Test(cli, transport_choices_that_cannot_work)
 			     "cli::a_build_without_a_part_says_so shows what it refuses");
 	const char *bin = build_path("proxy/kvstaged");
 	unsetenv("KVSTAGE_PEER_SECRET");
-	cr_assert_eq(RUN(bin, "--socket", "/tmp/kvstage-cli-never.sock", "--transport", "verbs"), 2);
-	cr_assert(strstr(err, "--transport verbs rides on the tcp transport") && strstr(err, "secret"),
+	cr_assert_eq(RUN(bin, "--socket", "/tmp/kvstage-cli-never.sock", "--transport", "verbs"),
+		     2);
+	cr_assert(strstr(err, "--transport verbs rides on the tcp transport") &&
+			  strstr(err, "secret"),
 		  "%s", err);
 	setenv("KVSTAGE_PEER_SECRET", "kvstage-cli-test-secret-0123456789", 1);
 	cr_assert_eq(RUN(bin, "--socket", "/tmp/kvstage-cli-never.sock", "--transport", "tcp",
-			 "--rdma-device", "rxe0"), 2);
+			 "--rdma-device", "rxe0"),
+		     2);
 	cr_assert(strstr(err, "--transport tcp never uses RDMA"), "%s", err);
 }
 
@@ -117,15 +120,17 @@ Test(cli, transport_without_an_rdma_device)
 			     "choices cannot be shown here");
 	setenv("KVSTAGE_PEER_SECRET", "kvstage-cli-test-secret-0123456789", 1);
 	const char *bin = build_path("proxy/kvstaged");
-	cr_assert_eq(RUN(bin, "--socket", "/tmp/kvstage-cli-verbs.sock", "--slots", "1", "--slot-size",
-			 "4K", "--no-lock", "--transport", "verbs"), 1);
+	cr_assert_eq(RUN(bin, "--socket", "/tmp/kvstage-cli-verbs.sock", "--slots", "1",
+			 "--slot-size", "4K", "--no-lock", "--transport", "verbs"),
+		     1);
 	cr_assert(strstr(err, "--transport verbs: no RDMA device"), "%s", err);
 	cr_assert(!strstr(err, "serving"), "it served: %s", err);
 	const char *args[] = { "--slots", "1", "--slot-size", "4K", "--transport", "auto", NULL };
 	proxy_start(&px, NULL, args);
 	char log[8192];
 	proxy_log(&px, log, sizeof(log));
-	cr_assert(strstr(log, "peers: chunks by TCP (--transport auto: no RDMA device here)"), "%s", log);
+	cr_assert(strstr(log, "peers: chunks by TCP (--transport auto: no RDMA device here)"), "%s",
+		  log);
 }
 
 /* The parts a build lacks (meson_options.txt: verbs, metrics, systemd,
@@ -168,8 +173,9 @@ Test(cli, a_build_without_a_part_says_so)
 		refused_in_one_line("--transport", "verbs", no);
 	}
 	if (lacks("metrics"))
-		refused_in_one_line("--metrics-listen", "9464",
-				    "this build has no metrics (libmicrohttpd-dev missing at build time)");
+		refused_in_one_line(
+			"--metrics-listen", "9464",
+			"this build has no metrics (libmicrohttpd-dev missing at build time)");
 
 	/* A proxy of this build: its log and kvstage-stat say what it lacks. */
 	if (lacks("systemd"))
@@ -180,11 +186,15 @@ Test(cli, a_build_without_a_part_says_so)
 	char log[8192];
 	proxy_log(&px, log, sizeof(log));
 	if (lacks("verbs"))
-		cr_assert(strstr(log, "peers: chunks by TCP (this build has no RDMA: libibverbs-dev "
-				      "missing at build time)"), "%s", log);
+		cr_assert(strstr(log,
+				 "peers: chunks by TCP (this build has no RDMA: libibverbs-dev "
+				 "missing at build time)"),
+			  "%s", log);
 	if (lacks("systemd"))
-		cr_assert(strstr(log, "$NOTIFY_SOCKET is set, but this build has no systemd support "
-				      "(libsystemd-dev missing at build time)"), "%s", log);
+		cr_assert(strstr(log,
+				 "$NOTIFY_SOCKET is set, but this build has no systemd support "
+				 "(libsystemd-dev missing at build time)"),
+			  "%s", log);
 	const char *stat = build_path("tools/kvstage-stat");
 	cr_assert_eq(RUN(stat, "-s", px.sock), 0, "%s", err);
 	snprintf(line, sizeof(line), "\nbuilt without: %s\n", KVS_BUILT_WITHOUT);
@@ -268,8 +278,9 @@ Test(cli, hugepages_on_is_honest)
 	const char *bin = build_path("proxy/kvstaged");
 	if (free_huge >= 2) {
 		/* hugepages are reserved here: check the pool really uses them */
-		proxy_start(&px, NULL, (const char *[]){ "--hugepages", "on", "--slots", "1",
-							 "--slot-size", "2M", NULL });
+		proxy_start(&px, NULL,
+			    (const char *[]){ "--hugepages", "on", "--slots", "1", "--slot-size",
+					      "2M", NULL });
 		cr_assert(px.ctrl->flags & KVS_CTRL_HUGEPAGES);
 	} else {
 		int rc = RUN(bin, "--socket", "/tmp/kvstage-cli-huge.sock", "--hugepages", "on",
@@ -277,8 +288,9 @@ Test(cli, hugepages_on_is_honest)
 		cr_assert_eq(rc, 1);
 		cr_assert(strstr(err, "nr_hugepages"), "no hint how to fix: %s", err);
 		/* auto falls back to normal pages and serves */
-		proxy_start(&px, NULL, (const char *[]){ "--hugepages", "auto", "--slots", "1",
-							 "--slot-size", "2M", NULL });
+		proxy_start(&px, NULL,
+			    (const char *[]){ "--hugepages", "auto", "--slots", "1", "--slot-size",
+					      "2M", NULL });
 		cr_assert(!(px.ctrl->flags & KVS_CTRL_HUGEPAGES));
 	}
 }
@@ -320,7 +332,8 @@ Test(cli, ctl_needs_failpoints)
 {
 	/* a plain proxy: no --failpoints */
 	proxy_start_plain(&px, (const char *[]){ "--slots", "2", "--slot-size", "4K", NULL });
-	int rc = RUN(build_path("tools/kvstage-ctl"), "-s", px.sock, "set", "local.quiesce", "pause");
+	int rc = RUN(build_path("tools/kvstage-ctl"), "-s", px.sock, "set", "local.quiesce",
+		     "pause");
 	cr_assert_eq(rc, 1);
 	cr_assert(strstr(err, "--failpoints"), "%s", err);
 }
@@ -345,13 +358,16 @@ Test(cli, config_file_sets_options_and_the_command_line_wins)
 	char longc[400];
 	memset(longc, 'c', sizeof(longc) - 1);
 	longc[sizeof(longc) - 1] = 0;
-	snprintf(text, sizeof(text), "# a deployment's options\n# %s\n[kvstaged]\nslots = 8\n"
+	snprintf(text, sizeof(text),
+		 "# a deployment's options\n# %s\n[kvstaged]\nslots = 8\n"
 		 "slot-size = 64K # the chunk size\nroom-timeout = 1234 ; ms\nno-lock = true\n"
-		 "tcp-checksum = no\n", longc);
+		 "tcp-checksum = no\n",
+		 longc);
 	write_file(good, text);
 	proxy_start(&px, NULL, (const char *[]){ "--config", good, "--slots", "4", NULL });
 	cr_assert_eq(px.ctrl->slot_count, 4, "the command line's --slots wins");
-	cr_assert_eq(px.ctrl->slot_size, 64 * 1024, "the file's slot-size applies, its comment dropped");
+	cr_assert_eq(px.ctrl->slot_size, 64 * 1024,
+		     "the file's slot-size applies, its comment dropped");
 	proxy_stop(&px);
 
 	const char *bin = build_path("proxy/kvstaged");
@@ -368,9 +384,12 @@ Test(cli, config_file_sets_options_and_the_command_line_wins)
 		{ "listen = 127.0.0.1:0\n", "needs the deployment's peer secret" },
 		/* a line past what inih takes is refused whole, with its own number:
 		 * never cut, its tail read as a line of its own (once: failpoints) */
-		{ "slots = 8\nsocket = /tmp/kvstage-cli-never-xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx"
-		  "xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx"
-		  "xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx"
+		{ "slots = 8\nsocket = "
+		  "/tmp/kvstage-cli-never-xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx"
+		  "xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx"
+		  "xxxx"
+		  "xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx"
+		  "xxxx"
 		  "xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx\nfailpoints = true\n",
 		  ":2: a line longer than 198 bytes" },
 		{ "slots = 8\nsocket-mode = 0660#x\n", ":2: invalid --socket-mode '0660#x'" },
@@ -404,8 +423,8 @@ Test(cli, log_lines_carry_a_syslog_priority_on_the_journal_stream)
 	 * name anywhere; in a build without RDMA, no interface has that
 	 * address): lines, an error among them, then exit 1. */
 	const char *tail = KVS_HAVE_VERBS
-		? "--slots 1 --slot-size 4K --rdma-device no-such-rdma-device"
-		: "--slots 1 --slot-size 4K --listen 192.0.2.1:1";
+				   ? "--slots 1 --slot-size 4K --rdma-device no-such-rdma-device"
+				   : "--slots 1 --slot-size 4K --listen 192.0.2.1:1";
 	snprintf(script, sizeof(script),
 		 "exec 2>%s; KVSTAGE_PEER_SECRET=kvstage-journal-test-secret-0123 "
 		 "JOURNAL_STREAM=$(stat -c %%d:%%i %s) exec %s --socket %s %s",
@@ -426,7 +445,8 @@ Test(cli, log_lines_carry_a_syslog_priority_on_the_journal_stream)
 	cr_assert_gt(lines, 0, "kvstaged logged nothing");
 	/* The same start with no journal: stamped lines. */
 	snprintf(script, sizeof(script),
-		 "exec 2>%s; KVSTAGE_PEER_SECRET=kvstage-journal-test-secret-0123 exec %s --socket %s %s",
+		 "exec 2>%s; KVSTAGE_PEER_SECRET=kvstage-journal-test-secret-0123 exec %s --socket "
+		 "%s %s",
 		 logf, build_path("proxy/kvstaged"), sock, tail);
 	RUN("/bin/sh", "-c", script);
 	f = fopen(logf, "r");

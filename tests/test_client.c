@@ -102,8 +102,13 @@ Test(client, a_rejection_for_a_room_gone_since_leaves_the_new_room_alone)
 	cr_assert_eq(kvs_acquire(tx, 2, l), 0);
 	cr_assert_eq(kvs_send(y, &l[0], 0, SLOT), 0);
 	/* x's late refusal, of a send of chunk 0 at offset 0 */
-	struct kvs_sqe q = { .op = KVS_OP_SEND, .handle = kvs_room_handle_idx(y), .gen = x_gen,
-			     .slot = l[1].slot, .epoch = l[1].epoch + 1, .arg = 0, .arg2 = SLOT };
+	struct kvs_sqe q = { .op = KVS_OP_SEND,
+			     .handle = kvs_room_handle_idx(y),
+			     .gen = x_gen,
+			     .slot = l[1].slot,
+			     .epoch = l[1].epoch + 1,
+			     .arg = 0,
+			     .arg2 = SLOT };
 	cr_assert_eq(raw_submit(tx, &q), 0);
 	struct kvs_event ev = wait_event(tx);
 	cr_assert_eq(ev.type, KVS_EV_REJECTED);
@@ -204,7 +209,8 @@ Test(client, a_fork_child_cannot_reach_a_slot)
 		cr_assert_eq(reap(pid, &st), pid);
 		cr_assert(WIFSIGNALED(st) && WTERMSIG(st) == SIGSEGV,
 			  "the child's write to the %s slot: %s %d", t ? "received" : "sent",
-			  WIFSIGNALED(st) ? "signal" : "exit", WIFSIGNALED(st) ? WTERMSIG(st) : WEXITSTATUS(st));
+			  WIFSIGNALED(st) ? "signal" : "exit",
+			  WIFSIGNALED(st) ? WTERMSIG(st) : WEXITSTATUS(st));
 	}
 	for (unsigned i = 0; i < SLOT; i++)
 		cr_assert_eq(recvd[i], 0x5a, "byte %u of the received chunk changed", i);
@@ -254,11 +260,13 @@ Test(client, a_fork_child_cannot_use_or_disturb_its_parents_connection)
 	}
 	int st;
 	cr_assert_eq(reap(pid, &st), pid);
-	cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0, "child: %d calls misbehaved", WEXITSTATUS(st));
+	cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0, "child: %d calls misbehaved",
+		  WEXITSTATUS(st));
 	stat_wait(&px, "clients", 0, 1);
 	/* the parent's connection is whole: its lease, its room, its replies */
 	cr_assert_not_null(kvs_lease_ptr(c, &l));
-	cr_assert_eq(stat_get(&px, "slots.leased"), 1, "the child leased nothing through the parent");
+	cr_assert_eq(stat_get(&px, "slots.leased"), 1,
+		     "the child leased nothing through the parent");
 	struct kvs_lease l3;
 	cr_assert_eq(kvs_acquire(c, 1, &l3), 0);
 	cr_assert_eq(stat_get(&px, "slots.leased"), 2);
@@ -295,7 +303,8 @@ Test(client, a_wait_ends_at_its_deadline_whatever_the_signals)
 	struct itimerval off = { { 0, 0 }, { 0, 0 } };
 	setitimer(ITIMER_REAL, &off, NULL);
 	cr_assert_eq(rc, -ETIMEDOUT, "%s", kvs_strerror(rc));
-	cr_assert_geq(took, 200, "returned before its deadline (%llu ms)", (unsigned long long)took);
+	cr_assert_geq(took, 200, "returned before its deadline (%llu ms)",
+		      (unsigned long long)took);
 	cr_assert_geq(alarms, 2, "signals arrived meanwhile");
 	kvs_close(c);
 }
@@ -380,7 +389,8 @@ Test(client, a_restarted_proxy_hands_out_other_epochs)
 	struct kvs_lease after;
 	cr_assert_eq(kvs_acquire(c, 1, &after), 0);
 	cr_assert_eq(after.slot, before.slot, "the same slot again");
-	cr_assert_neq(after.epoch, before.epoch, "a lease kept across the restart equals a new one");
+	cr_assert_neq(after.epoch, before.epoch,
+		      "a lease kept across the restart equals a new one");
 	kvs_close(c);
 }
 

@@ -84,14 +84,17 @@ static const struct xport *path(enum kind k, const char *slots)
 	/* The ASan pass in the guest runs only the kind the host cannot. */
 	const char *only = getenv("KVSTAGE_TEST_ONLY_KIND");
 	if (only && *only && strcmp(only, kind_name[k]))
-		cr_skip_test("%s: this run is for %s only ($KVSTAGE_TEST_ONLY_KIND); the %s cases run "
-			     "in the other passes", kind_name[k], only, kind_name[k]);
+		cr_skip_test(
+			"%s: this run is for %s only ($KVSTAGE_TEST_ONLY_KIND); the %s cases run "
+			"in the other passes",
+			kind_name[k], only, kind_name[k]);
 	/* Each kind says its data path: in the soft-RoCE guest, --transport
 	 * auto would give the tcp kind RDMA too. */
 	/* The default --peer-timeout: nothing here may wait on the ping cadence. */
-	const char *args[] = { "--slots", slots, "--slot-size", "64K",
-			       "--transport", k == X_VERBS ? "verbs" : "tcp", "--listen", "127.0.0.1:0",
-			       NULL, NULL, NULL };
+	const char *args[] = { "--slots",  slots,	  "--slot-size",
+			       "64K",	   "--transport", k == X_VERBS ? "verbs" : "tcp",
+			       "--listen", "127.0.0.1:0", NULL,
+			       NULL,	   NULL };
 	if (k == X_LOCAL)
 		args[6] = NULL;
 	if (k == X_VERBS) {
@@ -113,13 +116,16 @@ static void path_ends_clean(kvs_client *rx, kvs_client *tx)
 {
 	uint64_t reads = stat_get(rxp, "rdma_reads");
 	if (cur_kind == X_VERBS) /* an abort may have cost a session its queue pair: made again */
-		for (uint64_t n; (n = stat_get(txp, "peer_sessions")) > stat_get(txp, "rdma_sessions");)
+		for (uint64_t n;
+		     (n = stat_get(txp, "peer_sessions")) > stat_get(txp, "rdma_sessions");)
 			stat_wait(txp, "rdma_sessions", 1, n);
 	one_room(rx, tx, 0xC1EA);
 	if (cur_kind == X_VERBS) /* and it did not fall back to the sockets */
-		cr_assert_geq(stat_get(rxp, "rdma_reads"), reads + 3, "the room's 3 chunks came by READ");
+		cr_assert_geq(stat_get(rxp, "rdma_reads"), reads + 3,
+			      "the room's 3 chunks came by READ");
 	else /* and --transport tcp kept RDMA out, even where a device is */
-		cr_assert_eq(stat_get(rxp, "rdma_reads"), 0, "%s: chunks came by READ", kind_name[cur_kind]);
+		cr_assert_eq(stat_get(rxp, "rdma_reads"), 0, "%s: chunks came by READ",
+			     kind_name[cur_kind]);
 	kvs_close(tx);
 	kvs_close(rx);
 	wait_idle(rxp, 0);
@@ -134,7 +140,8 @@ static struct proxy *holder(const struct xport *x)
 /* Holds the next chunk of the room whose user_data's low 16 bits are owner's. */
 static void hold(const struct xport *x, uint64_t owner)
 {
-	cr_assert_eq(kvs_admin_fp_set_mask(holder(x)->admin, x->hold_fp, "pause", owner, 0xffff), 0);
+	cr_assert_eq(kvs_admin_fp_set_mask(holder(x)->admin, x->hold_fp, "pause", owner, 0xffff),
+		     0);
 }
 
 static void let_go(const struct xport *x)
@@ -236,8 +243,8 @@ ParameterizedTest(enum kind *k, conformance, decisive_late_bytes_never_land_in_a
 	cr_assert_eq(wait_event(rx).type, KVS_EV_ABORTED);
 	cr_assert_eq(wait_event(tx).type, KVS_EV_ABORTED);
 	for (unsigned i = 0; i < nb; i++) {
-		cr_assert_eq(canary_check(kvs_lease_ptr(b, &bl[i]), B_OWNER, bl[i].slot, SLOT), SLOT,
-			     "B's slot %u changed under it", bl[i].slot);
+		cr_assert_eq(canary_check(kvs_lease_ptr(b, &bl[i]), B_OWNER, bl[i].slot, SLOT),
+			     SLOT, "B's slot %u changed under it", bl[i].slot);
 		kvs_release(b, &bl[i]);
 	}
 	xroom_close(&a);
@@ -313,11 +320,11 @@ ParameterizedTest(struct abort_case *c, conformance, an_abort_at_every_phase_fro
 	}
 	struct kvs_event et = wait_event(tx), er = wait_event(rx);
 	cr_assert_eq(et.type, KVS_EV_ABORTED, "%s, abort %s from the %s: sender got %u (%s)",
-		     kind_name[c->kind], phase_name[c->phase], c->from_receiver ? "receiver" : "sender",
-		     et.type, kvs_strerror(et.status));
+		     kind_name[c->kind], phase_name[c->phase],
+		     c->from_receiver ? "receiver" : "sender", et.type, kvs_strerror(et.status));
 	cr_assert_eq(er.type, KVS_EV_ABORTED, "%s, abort %s from the %s: receiver got %u (%s)",
-		     kind_name[c->kind], phase_name[c->phase], c->from_receiver ? "receiver" : "sender",
-		     er.type, kvs_strerror(er.status));
+		     kind_name[c->kind], phase_name[c->phase],
+		     c->from_receiver ? "receiver" : "sender", er.type, kvs_strerror(er.status));
 	xroom_close(&r);
 	path_ends_clean(rx, tx);
 }
@@ -384,9 +391,17 @@ ParameterizedTest(enum kind *k, conformance, the_sending_side_dies_mid_transfer)
 	if (x->two_proxies) {
 		proxy_stop(&p_tx);
 		const char *dev = getenv("KVSTAGE_TEST_RDMA_DEVICE");
-		const char *args[] = { "--slots", "64", "--slot-size", "64K", "--listen",
-				       "127.0.0.1:0", "--transport", cur_kind == X_VERBS ? "verbs" : "tcp",
-				       cur_kind == X_VERBS ? "--rdma-device" : NULL, dev, NULL };
+		const char *args[] = { "--slots",
+				       "64",
+				       "--slot-size",
+				       "64K",
+				       "--listen",
+				       "127.0.0.1:0",
+				       "--transport",
+				       cur_kind == X_VERBS ? "verbs" : "tcp",
+				       cur_kind == X_VERBS ? "--rdma-device" : NULL,
+				       dev,
+				       NULL };
 		proxy_start(&p_tx, NULL, args); /* the sending host, back */
 	}
 	kvs_client *tx = connect_ok(txp);
@@ -443,9 +458,10 @@ Test(conformance, auto_finds_the_device_and_reads)
 		cr_skip_test("no RDMA device here ($KVSTAGE_TEST_RDMA_DEVICE unset): "
 			     "tools/run-tests.sh runs this on rxe0 in the soft-RoCE guest");
 	if (getenv("KVSTAGE_TEST_PROXY_ARGS") && strstr(getenv("KVSTAGE_TEST_PROXY_ARGS"), "rdma"))
-		cr_skip_test("KVSTAGE_TEST_PROXY_ARGS names a device already: nothing is left to find");
-	const char *args[] = { "--slots", "64", "--slot-size", "64K", "--listen", "127.0.0.1:0",
-			       "--transport", "auto", NULL };
+		cr_skip_test(
+			"KVSTAGE_TEST_PROXY_ARGS names a device already: nothing is left to find");
+	const char *args[] = { "--slots",     "64",	     "--slot-size", "64K", "--listen",
+			       "127.0.0.1:0", "--transport", "auto",	    NULL };
 	proxy_start(&p_rx, NULL, args);
 	proxy_start(&p_tx, NULL, args);
 	rxp = &p_rx;

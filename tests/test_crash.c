@@ -166,7 +166,8 @@ Test(crash, proxy_killed_gives_enotconn_and_restart_is_clean)
 	cr_assert_eq(rc, -ENOTCONN, "a client blocked in kvs_wait: %s", kvs_strerror(rc));
 	cr_assert_eq(child_wait(&ch), 0);
 	struct kvs_event ev;
-	cr_assert_eq(kvs_wait(c, &ev, WAIT_MS), -ENOTCONN, "kvs_wait must not wait for a dead proxy");
+	cr_assert_eq(kvs_wait(c, &ev, WAIT_MS), -ENOTCONN,
+		     "kvs_wait must not wait for a dead proxy");
 	cr_assert_eq(kvs_acquire(tx, 1, &l), -ENOTCONN);
 	cr_assert_eq(kvs_poll(c, &ev, 1), -ENOTCONN);
 	cr_assert_eq(kvs_send(sr, &l, 0, SLOT), -ENOTCONN);
@@ -194,8 +195,14 @@ Test(crash, second_proxy_on_a_live_socket_is_refused)
 {
 	start(NULL);
 	char out[4096], err[4096];
-	const char *argv[] = { build_path("proxy/kvstaged"), "--socket", px.sock, "--slots", "4",
-			       "--slot-size", "4K", NULL };
+	const char *argv[] = { build_path("proxy/kvstaged"),
+			       "--socket",
+			       px.sock,
+			       "--slots",
+			       "4",
+			       "--slot-size",
+			       "4K",
+			       NULL };
 	int rc = run_cmd(argv, out, sizeof(out), err, sizeof(err));
 	cr_assert_eq(rc, 1, "second proxy exit %d: %s", rc, err);
 	cr_assert(strstr(err, "another kvstaged") != NULL, "said: %s", err);

@@ -52,15 +52,14 @@ static bool have_device(char *why, size_t cap)
 	return e == cudaSuccess;
 }
 
-#define NEED_DEVICE(what)                                                                    \
-	char why_[256];                                                                      \
-	if (!have_device(why_, sizeof(why_)))                                                \
-		cr_skip_test("no CUDA device here (cudaGetDeviceCount: %s): not tested: %s", \
-			     why_, what)
+#define NEED_DEVICE(what)                     \
+	char why_[256];                       \
+	if (!have_device(why_, sizeof(why_))) \
+	cr_skip_test("no CUDA device here (cudaGetDeviceCount: %s): not tested: %s", why_, what)
 
-#define CK(call)                                                                    \
-	do {                                                                        \
-		cudaError_t e_ = (call);                                            \
+#define CK(call)                                                                        \
+	do {                                                                            \
+		cudaError_t e_ = (call);                                                \
 		cr_assert_eq(e_, cudaSuccess, "%s: %s", #call, cudaGetErrorString(e_)); \
 	} while (0)
 
@@ -84,7 +83,7 @@ static void each_entry(kvs_client *c, const struct kvs_lease *l, void *dev, int 
 }
 
 static const char *const entry_name[6] = { "copy_to_slot", "copy_from_slot", "gather",
-					   "scatter", "gather_idx", "scatter_idx" };
+					   "scatter",	   "gather_idx",     "scatter_idx" };
 
 static void assert_all(const int got[6], int want, const char *what)
 {
@@ -98,12 +97,11 @@ static void assert_all(const int got[6], int want, const char *what)
 /* Every refusal the proxy counts, whatever its reason. */
 static uint64_t refusals(void)
 {
-	return stat_get(&px, "rej_stale") + stat_get(&px, "rej_perm") +
-	       stat_get(&px, "rej_busy") + stat_get(&px, "rej_inval");
+	return stat_get(&px, "rej_stale") + stat_get(&px, "rej_perm") + stat_get(&px, "rej_busy") +
+	       stat_get(&px, "rej_inval");
 }
 
-static void refused(kvs_client *c, const struct kvs_lease *l, void *dev, int want,
-		    const char *what)
+static void refused(kvs_client *c, const struct kvs_lease *l, void *dev, int want, const char *what)
 {
 	uint64_t before = refusals();
 	int got[6];
@@ -116,9 +114,10 @@ Test(cuda, without_a_device_every_entry_point_is_enodev)
 {
 	char why[256];
 	if (have_device(why, sizeof(why)))
-		cr_skip_test("a CUDA device is present (%s): the no-device answers are not reachable "
-			     "on this machine",
-			     why);
+		cr_skip_test(
+			"a CUDA device is present (%s): the no-device answers are not reachable "
+			"on this machine",
+			why);
 	kvs_client *c = connect_ok(&px);
 	struct kvs_lease l;
 	cr_assert_eq(kvs_acquire(c, 1, &l), 0);
@@ -445,7 +444,8 @@ Test(cuda, device_bytes_through_a_room_and_back)
 	CK(cudaEventRecord(done, s));
 	CK(cudaEventSynchronize(done));
 	CK(cudaMemcpy(back, dst, bytes, cudaMemcpyDeviceToHost));
-	cr_assert(!memcmp(back, want, bytes), "device -> slot -> room -> slot -> device changed bytes");
+	cr_assert(!memcmp(back, want, bytes),
+		  "device -> slot -> room -> slot -> device changed bytes");
 
 	kvs_room_close(rr);
 	kvs_room_close(sr);
@@ -462,9 +462,9 @@ Test(cuda, device_bytes_through_a_room_and_back)
 
 /* One gather of n pages of table into l at off, then a scatter of the same
  * slot bytes into a poisoned second pool; both checked byte for byte. */
-static void roundtrip(kvs_client *c, const struct kvs_lease *l, size_t off, size_t psz,
-		      unsigned n, unsigned pool_pages, const int32_t *table, bool by_idx,
-		      cudaStream_t s, const uint8_t *hpool, uint8_t *hback, void *dpool, void *dback,
+static void roundtrip(kvs_client *c, const struct kvs_lease *l, size_t off, size_t psz, unsigned n,
+		      unsigned pool_pages, const int32_t *table, bool by_idx, cudaStream_t s,
+		      const uint8_t *hpool, uint8_t *hback, void *dpool, void *dback,
 		      const char *mode)
 {
 	const void **pages = malloc(n * sizeof(*pages));
@@ -481,9 +481,10 @@ static void roundtrip(kvs_client *c, const struct kvs_lease *l, size_t off, size
 	cr_assert_eq(rc, 0, "gather (%s, %zu-byte pages): %s", mode, psz, kvs_cuda_last_error());
 	CK(cudaStreamSynchronize(s));
 	for (unsigned k = 0; k < n; k++)
-		cr_assert(!memcmp(slot + off + (size_t)k * psz, hpool + (size_t)table[k] * psz, psz),
-			  "gather (%s, %zu-byte pages, %s): page %u (pool page %d) differs", mode,
-			  psz, by_idx ? "indices" : "pointers", k, table[k]);
+		cr_assert(
+			!memcmp(slot + off + (size_t)k * psz, hpool + (size_t)table[k] * psz, psz),
+			"gather (%s, %zu-byte pages, %s): page %u (pool page %d) differs", mode,
+			psz, by_idx ? "indices" : "pointers", k, table[k]);
 	cr_assert_eq(all_bytes(slot, 0xa5, off), off, "gather (%s) wrote before its offset", mode);
 	size_t end = off + (size_t)n * psz;
 	cr_assert_eq(all_bytes(slot + end, 0xa5, SLOT - end), SLOT - end,
@@ -503,7 +504,8 @@ static void roundtrip(kvs_client *c, const struct kvs_lease *l, size_t off, size
 		const uint8_t *got = hback + (size_t)p * psz;
 		if (hit[p]) {
 			cr_assert(!memcmp(got, hpool + (size_t)p * psz, psz),
-				  "scatter (%s, %zu-byte pages): pool page %u differs", mode, psz, p);
+				  "scatter (%s, %zu-byte pages): pool page %u differs", mode, psz,
+				  p);
 		} else {
 			cr_assert_eq(all_bytes(got, 0x3c, psz), psz,
 				     "scatter (%s) wrote page %u, not in the table", mode, p);
@@ -561,8 +563,8 @@ Test(cuda, gather_scatter_of_a_shuffled_table_round_trips, .timeout = 300)
 		for (size_t mi = 0; mi < 3; mi++) {
 			cr_assert_eq(kvs_cuda_set_gather_mode(c, modes[mi]), 0);
 			for (int by_idx = 0; by_idx < 2; by_idx++)
-				roundtrip(c, &l, off, psz, n, pool_pages, perm, by_idx, s, hpool, hback,
-					  dpool, dback, mname[modes[mi]]);
+				roundtrip(c, &l, off, psz, n, pool_pages, perm, by_idx, s, hpool,
+					  hback, dpool, dback, mname[modes[mi]]);
 		}
 		CK(cudaFree(dpool));
 		CK(cudaFree(dback));

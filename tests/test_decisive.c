@@ -39,19 +39,19 @@ static void teardown(void)
 TestSuite(decisive, .fini = teardown, .timeout = 60);
 
 struct outcome {
-	uint32_t a_epoch;          /* slot 42's epoch when A sent it */
-	uint8_t state_held;        /* slot 42 while A's chunk is held in the transport */
+	uint32_t a_epoch;	   /* slot 42's epoch when A sent it */
+	uint8_t state_held;	   /* slot 42 while A's chunk is held in the transport */
 	uint8_t state_after_abort; /* slot 42 right after A's abort */
 	unsigned b_slots;
-	bool b_got_victim;         /* B was leased slot 42 while A's transfer held it */
-	uint32_t rx_final;         /* A's receiver's final event */
-	bool rx_saw_b;             /* A's receiver read B's canary */
+	bool b_got_victim; /* B was leased slot 42 while A's transfer held it */
+	uint32_t rx_final; /* A's receiver's final event */
+	bool rx_saw_b;	   /* A's receiver read B's canary */
 	bool rx_saw_a;
-	bool b_intact;             /* every B slot still B's, with B's bytes */
-	bool victim_has_a;         /* B's copy of slot 42 holds A's bytes */
+	bool b_intact;	   /* every B slot still B's, with B's bytes */
+	bool victim_has_a; /* B's copy of slot 42 holds A's bytes */
 	uint32_t tx_final;
 	struct kvs_slot victim_after; /* slot 42 once A quiesced */
-	struct kvs_lease b_later;  /* what B gets when it leases again */
+	struct kvs_lease b_later;     /* what B gets when it leases again */
 };
 
 /* Runs the scenario; abort_side 0: A's sender aborts, 1: A's receiver. */

@@ -83,8 +83,12 @@ Test(errors, stale_lease_refused_and_nothing_changes)
 	table(before);
 	cr_assert_eq(kvs_send(sr, &l[0], 0, SLOT), -ESTALE);
 	/* the raw record, past libkvstage's check, meets the proxy's */
-	struct kvs_sqe q = { .op = KVS_OP_SEND, .handle = 0, .slot = l[0].slot,
-			     .epoch = l[0].epoch, .arg = 0, .arg2 = SLOT };
+	struct kvs_sqe q = { .op = KVS_OP_SEND,
+			     .handle = 0,
+			     .slot = l[0].slot,
+			     .epoch = l[0].epoch,
+			     .arg = 0,
+			     .arg2 = SLOT };
 	for (unsigned h = 0; h < 4; h++)
 		if (c->rooms[h].role == KVS_ROLE_SEND)
 			q.handle = (uint16_t)h;
@@ -224,16 +228,42 @@ Test(errors, bad_sends_are_refused_by_library_and_proxy)
 	/* the same, raw, to the proxy */
 	uint16_t h = kvs_room_handle_idx(sr);
 	struct kvs_sqe bad[] = {
-		{ .op = KVS_OP_SEND, .handle = h, .slot = l[0].slot, .epoch = l[0].epoch, .arg = 1, .arg2 = SLOT },
-		{ .op = KVS_OP_SEND, .handle = h, .slot = l[0].slot, .epoch = l[0].epoch, .arg = 3 * SLOT, .arg2 = SLOT },
-		{ .op = KVS_OP_SEND, .handle = h, .slot = l[0].slot, .epoch = l[0].epoch, .arg = 0, .arg2 = SLOT + 1 },
-		{ .op = KVS_OP_SEND, .handle = h, .slot = SLOTS + 5, .epoch = 1, .arg = 0, .arg2 = SLOT },
-		{ .op = KVS_OP_SEND, .handle = 999, .slot = l[0].slot, .epoch = l[0].epoch, .arg2 = SLOT },
+		{ .op = KVS_OP_SEND,
+		  .handle = h,
+		  .slot = l[0].slot,
+		  .epoch = l[0].epoch,
+		  .arg = 1,
+		  .arg2 = SLOT },
+		{ .op = KVS_OP_SEND,
+		  .handle = h,
+		  .slot = l[0].slot,
+		  .epoch = l[0].epoch,
+		  .arg = 3 * SLOT,
+		  .arg2 = SLOT },
+		{ .op = KVS_OP_SEND,
+		  .handle = h,
+		  .slot = l[0].slot,
+		  .epoch = l[0].epoch,
+		  .arg = 0,
+		  .arg2 = SLOT + 1 },
+		{ .op = KVS_OP_SEND,
+		  .handle = h,
+		  .slot = SLOTS + 5,
+		  .epoch = 1,
+		  .arg = 0,
+		  .arg2 = SLOT },
+		{ .op = KVS_OP_SEND,
+		  .handle = 999,
+		  .slot = l[0].slot,
+		  .epoch = l[0].epoch,
+		  .arg2 = SLOT },
 		{ .op = 200, .handle = h },
 		{ .op = KVS_OP_ABORT, .handle = 3 },
 		{ .op = KVS_OP_CLOSE, .handle = 60000 },
 	};
-	const int want[] = { -EINVAL, -EINVAL, -EINVAL, -EINVAL, -EBADF, -EOPNOTSUPP, -EBADF, -EBADF };
+	const int want[] = {
+		-EINVAL, -EINVAL, -EINVAL, -EINVAL, -EBADF, -EOPNOTSUPP, -EBADF, -EBADF
+	};
 	for (unsigned i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
 		cr_assert_eq(raw_submit(tx, &bad[i]), 0);
 		struct kvs_event ev = wait_event(tx);
@@ -243,8 +273,12 @@ Test(errors, bad_sends_are_refused_by_library_and_proxy)
 	assert_table(before, "hostile records");
 	/* overlap: chunk 0 twice, the second from another slot */
 	cr_assert_eq(kvs_send(sr, &l[0], 0, SLOT), 0);
-	struct kvs_sqe dup = { .op = KVS_OP_SEND, .handle = h, .slot = l[1].slot,
-			       .epoch = l[1].epoch, .arg = 0, .arg2 = SLOT };
+	struct kvs_sqe dup = { .op = KVS_OP_SEND,
+			       .handle = h,
+			       .slot = l[1].slot,
+			       .epoch = l[1].epoch,
+			       .arg = 0,
+			       .arg2 = SLOT };
 	cr_assert_eq(raw_submit(tx, &dup), 0);
 	struct kvs_event ev = wait_event(tx);
 	cr_assert_eq(ev.type, KVS_EV_REJECTED);
@@ -354,7 +388,8 @@ Test(errors, control_segment_cannot_be_written)
 	cr_assert_eq(kvs_sock_recv(fd, &w, sizeof(w), &cfd, &n, 0), (ssize_t)sizeof(w));
 	cr_assert_eq(n, 1);
 	close(fd);
-	cr_assert_eq(mmap(NULL, w.ctrl_size, PROT_READ | PROT_WRITE, MAP_SHARED, cfd, 0), MAP_FAILED);
+	cr_assert_eq(mmap(NULL, w.ctrl_size, PROT_READ | PROT_WRITE, MAP_SHARED, cfd, 0),
+		     MAP_FAILED);
 	cr_assert_eq(errno, EPERM, "a writable mapping must be refused");
 	void *ro = mmap(NULL, w.ctrl_size, PROT_READ, MAP_SHARED, cfd, 0);
 	cr_assert_neq(ro, MAP_FAILED);
@@ -414,13 +449,17 @@ Test(errors, peer_credentials_are_checked)
 	chmod(px.sock, 0666);
 	uint64_t refused = stat_get(&px, "clients_refused");
 	int rc = try_nobody();
-	cr_assert_eq(rc, -EACCES, "past the mode, SO_PEERCRED refuses nobody: %s", kvs_strerror(rc));
-	cr_assert_eq(stat_get(&px, "clients_refused"), refused + 1, "refused %llu -> %llu", (unsigned long long)refused, (unsigned long long)stat_get(&px, "clients_refused"));
+	cr_assert_eq(rc, -EACCES, "past the mode, SO_PEERCRED refuses nobody: %s",
+		     kvs_strerror(rc));
+	cr_assert_eq(stat_get(&px, "clients_refused"), refused + 1, "refused %llu -> %llu",
+		     (unsigned long long)refused,
+		     (unsigned long long)stat_get(&px, "clients_refused"));
 	proxy_stop(&px);
 	/* --allow-uid needs a socket that lets the uid reach it (test-access
 	 * shows a mode that would not is refused at start). */
-	proxy_start(&px, NULL, (const char *[]){ "--slots", "4", "--slot-size", "4K", "--allow-uid",
-						  "65534", "--socket-mode", "0666", NULL });
+	proxy_start(&px, NULL,
+		    (const char *[]){ "--slots", "4", "--slot-size", "4K", "--allow-uid", "65534",
+				      "--socket-mode", "0666", NULL });
 	chmod(px.dir, 0755);
 	cr_assert_eq(try_nobody(), 0, "--allow-uid admits it");
 }
@@ -431,7 +470,9 @@ static int raw_hello(uint32_t abi, uint32_t ring_layout, struct kvs_welcome *w)
 {
 	int fd = kvs_sock_connect(px.sock);
 	cr_assert_geq(fd, 0);
-	struct kvs_hello h = { .magic = KVS_MAGIC_HELLO, .abi = abi, .kind = KVS_HELLO_CLIENT,
+	struct kvs_hello h = { .magic = KVS_MAGIC_HELLO,
+			       .abi = abi,
+			       .kind = KVS_HELLO_CLIENT,
 			       .ring_layout = ring_layout };
 	cr_assert_eq(kvs_sock_send(fd, &h, sizeof(h), NULL, 0), 0);
 	int fds[KVS_WELCOME_NFDS], n = KVS_WELCOME_NFDS;
@@ -473,7 +514,8 @@ Test(errors, hello_of_another_abi_or_ring_layout_refused_and_nothing_changes)
 	cr_assert_eq(stat_get(&px, "clients_total"), total, "a refused hello became a client");
 	cr_assert_eq(stat_get(&px, "clients"), 0);
 	assert_table(before, "a refused hello");
-	cr_assert_eq(proxy_log_count(&px, "built against different DPDK versions"), 2, "the log says why");
+	cr_assert_eq(proxy_log_count(&px, "built against different DPDK versions"), 2,
+		     "the log says why");
 
 	kvs_client *c = connect_ok(&px);
 	cr_assert_eq(stat_get(&px, "clients_total"), total + 1);
@@ -503,10 +545,16 @@ static int other_layout_proxy(int rd, int wr, void *arg)
 	struct kvs_ctrl *ctl = mmap(NULL, 4096, PROT_WRITE, MAP_SHARED, ctrl, 0);
 	if (ctl == MAP_FAILED)
 		return 4;
-	*ctl = (struct kvs_ctrl){ .magic = KVS_MAGIC_CTRL, .abi = KVS_ABI, .instance = 7,
+	*ctl = (struct kvs_ctrl){ .magic = KVS_MAGIC_CTRL,
+				  .abi = KVS_ABI,
+				  .instance = 7,
 				  .ring_layout = h.ring_layout ^ 0x40u };
-	struct kvs_welcome w = { .magic = KVS_MAGIC_HELLO, .abi = KVS_ABI, .client_id = 1,
-				 .instance = 7, .ctrl_size = 4096, .cmem_size = 4096 };
+	struct kvs_welcome w = { .magic = KVS_MAGIC_HELLO,
+				 .abi = KVS_ABI,
+				 .client_id = 1,
+				 .instance = 7,
+				 .ctrl_size = 4096,
+				 .cmem_size = 4096 };
 	int fds[KVS_WELCOME_NFDS] = { ctrl, ctrl, ctrl, efd, efd };
 	if (kvs_sock_send(c, &w, sizeof(w), fds, KVS_WELCOME_NFDS) < 0)
 		return 5;

@@ -132,7 +132,8 @@ Test(frame, secret_file_mode_refused_with_reason, .init = mkdir_tmp, .fini = rm_
 		struct kvsp_secret k = { 0 };
 		char why[256];
 		const char *p = file_with("s", SECRET_A, strlen(SECRET_A), cases[i].mode);
-		cr_assert_eq(load(p, SECRET_A, &k, why, sizeof(why)), -EPERM, "mode %04o", cases[i].mode);
+		cr_assert_eq(load(p, SECRET_A, &k, why, sizeof(why)), -EPERM, "mode %04o",
+			     cases[i].mode);
 		cr_assert_null(k.key, "a refused load left a key");
 		cr_assert(strstr(why, p) && strstr(why, cases[i].says), "mode %04o: \"%s\"",
 			  cases[i].mode, why);
@@ -167,7 +168,8 @@ Test(frame, secret_file_acl_judged_by_its_entries, .init = mkdir_tmp, .fini = rm
 	const char *p = file_with_acl(mine);
 	struct stat st;
 	cr_assert_eq(stat(p, &st), 0);
-	cr_assert_eq(st.st_mode & 0777, 0440, "the mask shows as group bits: %04o", st.st_mode & 0777);
+	cr_assert_eq(st.st_mode & 0777, 0440, "the mask shows as group bits: %04o",
+		     st.st_mode & 0777);
 	cr_assert_eq(load(p, NULL, &k, why, sizeof(why)), 0, "%s", why);
 	cr_assert_eq(load(NULL, SECRET_A, &e, why, sizeof(why)), 0, "%s", why);
 	cr_assert(same_key(&k, &e));
@@ -183,7 +185,8 @@ Test(frame, secret_file_acl_judged_by_its_entries, .init = mkdir_tmp, .fini = rm
 	};
 	for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
 		p = file_with_acl(bad[i].entries);
-		cr_assert_eq(load(p, NULL, &k, why, sizeof(why)), -EPERM, "%s loaded", bad[i].entries);
+		cr_assert_eq(load(p, NULL, &k, why, sizeof(why)), -EPERM, "%s loaded",
+			     bad[i].entries);
 		cr_assert_null(k.key);
 		cr_assert(strstr(why, bad[i].says), "%s: \"%s\"", bad[i].entries, why);
 	}
@@ -202,8 +205,11 @@ static const char *file_with_acl_of(uid_t uid)
 	struct {
 		uint16_t tag, perm;
 		uint32_t id;
-	} entries[] = { { 0x01, 4, UINT32_MAX }, { 0x02, 4, uid }, { 0x04, 0, UINT32_MAX },
-			{ 0x10, 4, UINT32_MAX }, { 0x20, 0, UINT32_MAX } };
+	} entries[] = { { 0x01, 4, UINT32_MAX },
+			{ 0x02, 4, uid },
+			{ 0x04, 0, UINT32_MAX },
+			{ 0x10, 4, UINT32_MAX },
+			{ 0x20, 0, UINT32_MAX } };
 	uint8_t x[4 + sizeof(entries)];
 	uint32_t version = htole32(2);
 	memcpy(x, &version, 4);
@@ -229,8 +235,10 @@ Test(frame, secret_file_acl_refused_without_libacl, .init = mkdir_tmp, .fini = r
 	const char *p = file_with_acl_of(geteuid());
 	struct stat st;
 	cr_assert_eq(stat(p, &st), 0);
-	cr_assert_eq(st.st_mode & 0777, 0440, "the mask shows as group bits: %04o", st.st_mode & 0777);
-	cr_assert_eq(load(p, NULL, &k, why, sizeof(why)), -EPERM, "an ACL nobody judged was loaded");
+	cr_assert_eq(st.st_mode & 0777, 0440, "the mask shows as group bits: %04o",
+		     st.st_mode & 0777);
+	cr_assert_eq(load(p, NULL, &k, why, sizeof(why)), -EPERM,
+		     "an ACL nobody judged was loaded");
 	cr_assert_null(k.key);
 	cr_assert(strstr(why, "this build cannot judge one (libacl1-dev missing at build time)"),
 		  "\"%s\"", why);
@@ -272,7 +280,8 @@ Test(frame, secret_owner_checked, .init = mkdir_tmp, .fini = rm_tmp)
 	const char *p = file_with("s", SECRET_A, strlen(SECRET_A), 0600);
 
 	if (geteuid() != 0) {
-		cr_log_warn("not root: cannot give a file to another uid; owner check not exercised");
+		cr_log_warn(
+			"not root: cannot give a file to another uid; owner check not exercised");
 		return;
 	}
 	cr_assert_eq(chown(p, 65534, 65534), 0);
@@ -681,8 +690,10 @@ Test(frame, malformed_handshake_messages)
 		int size, err;
 	} bad[] = {
 		{ offsetof(struct kvs_wire_hello, magic), 0x12345678, 4, -EPROTO },
-		{ offsetof(struct kvs_wire_hello, version), KVS_WIRE_VERSION + 1, 2, -EPROTONOSUPPORT },
-		{ offsetof(struct kvs_wire_hello, version), KVS_WIRE_VERSION - 1, 2, -EPROTONOSUPPORT },
+		{ offsetof(struct kvs_wire_hello, version), KVS_WIRE_VERSION + 1, 2,
+		  -EPROTONOSUPPORT },
+		{ offsetof(struct kvs_wire_hello, version), KVS_WIRE_VERSION - 1, 2,
+		  -EPROTONOSUPPORT },
 		{ offsetof(struct kvs_wire_hello, type), KVS_WIRE_PROOF, 2, -EPROTO },
 		{ offsetof(struct kvs_wire_hello, role), KVS_WIRE_LISTENER, 4, -EPROTO },
 		{ offsetof(struct kvs_wire_hello, role), 0, 4, -EPROTO },
@@ -759,7 +770,7 @@ static const uint8_t KEY2[KVSP_KEY_SIZE] = "fedcba9876543210fedcba9876543210";
 /* One sealed frame of each type, with payload for CHUNK. */
 struct sealed {
 	uint8_t bytes[KVS_WIRE_FRAME_MAX + 64];
-	size_t n;     /* header + body */
+	size_t n;      /* header + body */
 	uint32_t plen; /* payload bytes after them, in bytes[n..] */
 	uint16_t type;
 	union kvs_wire_body body;
@@ -787,15 +798,16 @@ static union kvs_wire_body body_of(uint16_t type, uint32_t i, uint32_t plen)
 							 (int32_t)htole32((uint32_t)-ESTALE), 0 };
 		break;
 	case KVS_WIRE_CHUNK:
-		b.chunk = (struct kvs_wire_chunk){ room_of(i), htole32(i), htole32(plen),
-						   htole64(0xdef0 + i), 0, 0 };
+		b.chunk = (struct kvs_wire_chunk){ room_of(i),		htole32(i), htole32(plen),
+						   htole64(0xdef0 + i), 0,	    0 };
 		break;
 	case KVS_WIRE_CHUNK_ACK:
 		b.chunk_ack = (struct kvs_wire_chunk_ack){ room_of(i), htole32(i), 0, htole64(i) };
 		break;
 	case KVS_WIRE_ABORT:
-		b.abort = (struct kvs_wire_abort){ room_of(i), (int32_t)htole32((uint32_t)-ECANCELED),
-						   0, htole64(i) };
+		b.abort = (struct kvs_wire_abort){ room_of(i),
+						   (int32_t)htole32((uint32_t)-ECANCELED), 0,
+						   htole64(i) };
 		break;
 	case KVS_WIRE_DONE:
 		b.done = (struct kvs_wire_done){ room_of(i), htole64(i) };
@@ -896,7 +908,8 @@ static void decode_all(const uint8_t *in, size_t len, const struct sealed *s, si
 			cr_assert_eq(kvsp_frame_rx_payload(&rx, k), 0);
 			pos += k;
 			if (!kvsp_frame_rx_owed(&rx)) {
-				cr_assert(!memcmp(payload, c->bytes + c->n, c->plen), "payload differs");
+				cr_assert(!memcmp(payload, c->bytes + c->n, c->plen),
+					  "payload differs");
 				cr_assert_eq(kvsp_crc32c(payload, c->plen, 0),
 					     le32toh(c->body.chunk.crc32c));
 			}
@@ -1034,7 +1047,8 @@ Test(frame, every_flipped_bit_refused)
 			memset(&f, 0xa5, sizeof(f));
 			int r = kvsp_frame_rx_feed(&rx, b, s.n + s.plen, &used, &f);
 			cr_assert_lt(r, 0, "type %u bit %zu: %d", type, bit, r);
-			cr_assert_eq(f.type, 0xa5a5, "type %u bit %zu: a frame came out", type, bit);
+			cr_assert_eq(f.type, 0xa5a5, "type %u bit %zu: a frame came out", type,
+				     bit);
 			size_t byte = bit / 8;
 			if (byte < 4)
 				cr_assert_eq(r, -EPROTO);
@@ -1087,7 +1101,8 @@ Test(frame, truncated_input_waits)
 	stream_of(s, 2, 0, in);
 	for (size_t cut = 0; cut < s[0].n; cut++) {
 		kvsp_frame_rx_init(&rx, KEY, 64);
-		cr_assert_eq(kvsp_frame_rx_feed(&rx, s[0].bytes, cut, &used, &f), 0, "cut %zu", cut);
+		cr_assert_eq(kvsp_frame_rx_feed(&rx, s[0].bytes, cut, &used, &f), 0, "cut %zu",
+			     cut);
 		cr_assert_eq(used, cut);
 		void *at;
 		cr_assert_gt(kvsp_frame_rx_want(&rx, &at), 0);
@@ -1117,7 +1132,8 @@ static size_t hand_seal(const uint8_t *key, struct kvs_wire_frame_hdr h, const v
 {
 	crypto_generichash_state st;
 	crypto_generichash_init(&st, key, KVSP_KEY_SIZE, KVS_WIRE_MAC_SIZE);
-	crypto_generichash_update(&st, (const uint8_t *)&h, offsetof(struct kvs_wire_frame_hdr, mac));
+	crypto_generichash_update(&st, (const uint8_t *)&h,
+				  offsetof(struct kvs_wire_frame_hdr, mac));
 	crypto_generichash_update(&st, body, len);
 	crypto_generichash_final(&st, h.mac, KVS_WIRE_MAC_SIZE);
 	memcpy(out, &h, sizeof(h));
@@ -1175,7 +1191,8 @@ Test(frame, sizes_and_fields_refused)
 		x = h;
 		x.type = htole16(types[i]);
 		x.plen = 0;
-		cr_assert_eq(feed_one(b, hand_seal(KEY, x, &body, sizeof(body.chunk), b), 64), -ENOMSG);
+		cr_assert_eq(feed_one(b, hand_seal(KEY, x, &body, sizeof(body.chunk), b), 64),
+			     -ENOMSG);
 	}
 	/* header flags, MACed right */
 	x = h;
@@ -1292,7 +1309,7 @@ Test(frame, crc32c_any_length_offset_and_chain)
 		uint32_t want = crc_ref(b + off, n, 0);
 		cr_assert_eq(kvsp_crc32c(b + off, n, 0), want, "off %zu n %zu", off, n);
 		size_t cut = n ? xorshift() % n : 0;
-		cr_assert_eq(kvsp_crc32c(b + off + cut, n - cut, kvsp_crc32c(b + off, cut, 0)), want,
-			     "chained at %zu of %zu", cut, n);
+		cr_assert_eq(kvsp_crc32c(b + off + cut, n - cut, kvsp_crc32c(b + off, cut, 0)),
+			     want, "chained at %zu of %zu", cut, n);
 	}
 }

@@ -63,8 +63,15 @@ TestSuite(hostile, .init = setup, .fini = teardown, .timeout = 90);
 /* A listening proxy; timeout NULL: the default --peer-timeout. */
 static void listener(struct proxy *px, const char *timeout)
 {
-	const char *a[] = { "--slots", "64", "--slot-size", "64K", "--listen", "127.0.0.1:0",
-			    timeout ? "--peer-timeout" : NULL, timeout, NULL };
+	const char *a[] = { "--slots",
+			    "64",
+			    "--slot-size",
+			    "64K",
+			    "--listen",
+			    "127.0.0.1:0",
+			    timeout ? "--peer-timeout" : NULL,
+			    timeout,
+			    NULL };
 	proxy_start(px, NULL, a);
 }
 
@@ -110,8 +117,10 @@ Test(hostile, a_half_joined_session_cannot_open_a_room_and_is_dropped_at_its_dea
 	const struct kvs_desc_wire *d = (const void *)&rd;
 	struct hpeer h;
 	hp_join(&h, hp_endpoint(d), NULL, &good, rnd64(), rnd64(), 0, 2);
-	struct kvs_wire_open o = { .room = hp_room(d), .bytes = htole64(2 * SLOT),
-				   .slot_size = htole64(SLOT), .sender_ref = htole64(7) };
+	struct kvs_wire_open o = { .room = hp_room(d),
+				   .bytes = htole64(2 * SLOT),
+				   .slot_size = htole64(SLOT),
+				   .sender_ref = htole64(7) };
 	hp_send(&h, KVS_WIRE_OPEN, &o, 0, NULL);
 	struct kvs_wire_chunk c = { .room = hp_room(d), .chunk = 0, .len = htole32(SLOT) };
 	hp_send(&h, KVS_WIRE_CHUNK, &c, SLOT, NULL);
@@ -306,8 +315,10 @@ Test(hostile, a_refused_open_comes_back_before_any_ping)
 	const struct kvs_desc_wire *d = (const void *)&rd;
 	struct hpeer h;
 	hp_join(&h, hp_endpoint(d), NULL, &good, rnd64(), rnd64(), 0, 1);
-	struct kvs_wire_open o = { .room = hp_room(d), .bytes = htole64(SLOT),
-				   .slot_size = htole64(SLOT), .sender_ref = htole64(9) };
+	struct kvs_wire_open o = { .room = hp_room(d),
+				   .bytes = htole64(SLOT),
+				   .slot_size = htole64(SLOT),
+				   .sender_ref = htole64(9) };
 	hp_send(&h, KVS_WIRE_OPEN, &o, 0, NULL);
 	struct kvsp_frame f = hp_recv(&h);
 	cr_assert_eq(f.type, KVS_WIRE_OPEN_ACK);
@@ -347,11 +358,25 @@ Test(hostile, sixty_four_spellings_of_one_endpoint_make_one_session)
 	unsigned port = (unsigned)atoi(strrchr(ep, ':') + 1);
 	const char *same[] = { "127.0.0.1:%u", "[::ffff:127.0.0.1]:%u", "[::FFFF:127.0.0.1]:%u",
 			       "[0:0:0:0:0:ffff:7f00:1]:%u", "[::ffff:7f00:1]:%u" };
-	const char *bad[] = { "127.0.0.1:0%u", "127.0.0.1:+%u", "127.0.0.1:-%u", "127.0.0.1:\t%u",
-			      " 127.0.0.1:%u", "127.0.0.1:%u ", "127.0.0.1:%u\n", "127.000.0.1:%u",
-			      "127.0.0.01:%u", "127.0.0.1: %u", "127.0.0.1:%u\x1b[31m", "127.1:%u",
-			      "localhost:%u", "127.0.0.1:%u0000", "[127.0.0.1]:%u", "127.0.0.1::%u",
-			      "[::ffff:127.0.0.1%%lo]:%u", "0x7f.0.0.1:%u", "127.0.0.1:%u%%" };
+	const char *bad[] = { "127.0.0.1:0%u",
+			      "127.0.0.1:+%u",
+			      "127.0.0.1:-%u",
+			      "127.0.0.1:\t%u",
+			      " 127.0.0.1:%u",
+			      "127.0.0.1:%u ",
+			      "127.0.0.1:%u\n",
+			      "127.000.0.1:%u",
+			      "127.0.0.01:%u",
+			      "127.0.0.1: %u",
+			      "127.0.0.1:%u\x1b[31m",
+			      "127.1:%u",
+			      "localhost:%u",
+			      "127.0.0.1:%u0000",
+			      "[127.0.0.1]:%u",
+			      "127.0.0.1::%u",
+			      "[::ffff:127.0.0.1%%lo]:%u",
+			      "0x7f.0.0.1:%u",
+			      "127.0.0.1:%u%%" };
 	kvs_client *rx = connect_ok(&pb), *tx = connect_ok(&pa);
 	unsigned nsame = sizeof(same) / sizeof(same[0]), nbad = sizeof(bad) / sizeof(bad[0]);
 	unsigned reached = 0, refused = 0;
@@ -392,8 +417,8 @@ Test(hostile, sixty_four_spellings_of_one_endpoint_make_one_session)
 	static char log[1 << 16];
 	proxy_log(&pa, log, sizeof(log));
 	for (const char *p = log; *p; p++)
-		cr_assert((*p >= ' ' && *p < 0x7f) || *p == '\n', "a control byte 0x%02x in the log",
-			  (unsigned)(unsigned char)*p);
+		cr_assert((*p >= ' ' && *p < 0x7f) || *p == '\n',
+			  "a control byte 0x%02x in the log", (unsigned)(unsigned char)*p);
 	kvs_close(rx);
 	kvs_close(tx);
 	kvs_close(other);
@@ -417,7 +442,8 @@ Test(hostile, one_client_cannot_make_its_proxy_dial_more_than_its_share)
 	unsigned opened = 0;
 	for (unsigned i = 0; i < N; i++) {
 		lfd[i] = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-		struct sockaddr_in a = { .sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK) };
+		struct sockaddr_in a = { .sin_family = AF_INET,
+					 .sin_addr.s_addr = htonl(INADDR_LOOPBACK) };
 		cr_assert_eq(bind(lfd[i], (struct sockaddr *)&a, sizeof(a)), 0);
 		cr_assert_eq(listen(lfd[i], 64), 0); /* never accepted: connected, silent */
 		socklen_t l = sizeof(a);
@@ -475,8 +501,10 @@ static void hostile_opens(struct hpeer *h, kvs_client *rx, unsigned n, kvs_room 
 	for (unsigned i = 0; i < n; i++) {
 		cr_assert_eq(kvs_recv_open(rx, SLOT, 0xd0 + i, &rr[i], &d[i]), 0);
 		const struct kvs_desc_wire *w = (const void *)&d[i];
-		struct kvs_wire_open o = { .room = hp_room(w), .bytes = htole64(SLOT),
-					   .slot_size = htole64(SLOT), .sender_ref = htole64(100 + i) };
+		struct kvs_wire_open o = { .room = hp_room(w),
+					   .bytes = htole64(SLOT),
+					   .slot_size = htole64(SLOT),
+					   .sender_ref = htole64(100 + i) };
 		hp_send(&h[0], KVS_WIRE_OPEN, &o, 0, NULL);
 		struct kvsp_frame f = hp_recv(&h[0]);
 		cr_assert_eq(f.type, KVS_WIRE_OPEN_ACK);
@@ -532,7 +560,8 @@ Test(hostile, a_stalled_payload_gives_its_slot_back_at_the_abort)
 	kvs_room *rr[N];
 	struct kvs_room_desc d[N];
 	hostile_opens(h, rx, N, rr, d);
-	struct kvs_wire_chunk c = { .room = hp_room((const void *)&d[0]), .chunk = 0,
+	struct kvs_wire_chunk c = { .room = hp_room((const void *)&d[0]),
+				    .chunk = 0,
 				    .len = htole32(SLOT) };
 	hp_send(&h[1], KVS_WIRE_CHUNK, &c, SLOT, NULL);
 	static uint8_t most[SLOT - 1];
@@ -543,7 +572,8 @@ Test(hostile, a_stalled_payload_gives_its_slot_back_at_the_abort)
 	for (unsigned i = 0; i < N; i++)
 		cr_assert_eq(kvs_abort(rr[i]), 0);
 	sync_barrier(rx);
-	cr_assert_eq(stat_get(&pb, "slots.recv_posted"), 0, "the stalled payload still holds its slot");
+	cr_assert_eq(stat_get(&pb, "slots.recv_posted"), 0,
+		     "the stalled payload still holds its slot");
 	cr_assert_eq(stat_get(&pb, "slots.tombstone"), 0);
 	for (unsigned i = 0; i < N; i++) {
 		struct kvs_event e = wait_event(rx); /* ABORTED; FAILED if the session went first */
@@ -623,9 +653,10 @@ Test(hostile, the_secret_from_the_environment_is_wiped)
 Test(hostile, the_secret_from_the_environment_is_nowhere_in_the_proxys_memory)
 {
 #ifdef __SANITIZE_ADDRESS__
-	cr_skip_test("ASan build: ASan's runtime reads /proc/self/environ into a buffer of its own at "
-		     "start, before any code of ours runs, a copy no program can wipe; the plain "
-		     "build's pass scans the memory");
+	cr_skip_test(
+		"ASan build: ASan's runtime reads /proc/self/environ into a buffer of its own at "
+		"start, before any code of ours runs, a copy no program can wipe; the plain "
+		"build's pass scans the memory");
 #else
 	listener(&pb, NULL);
 	cr_assert(!mem_holds(pb.pid, SECRET), "the secret is in the proxy's memory");

@@ -77,9 +77,10 @@ static void start_with(const char *keys, const char *timeout)
 	const char *dev = getenv("RXE_DEV");
 	if (!(dev && *dev))
 		cr_skip_test("no RDMA device here ($RXE_DEV unset): tools/run-tests.sh runs this "
-			     "suite in the soft-RoCE guest: tests/rxe/run.sh -- build/tests/test-hostile-rdma");
-	const char *a[12] = { "--slots", "64", "--slot-size", "64K", "--listen", "127.0.0.1:0",
-			      "--rdma-device", dev };
+			     "suite in the soft-RoCE guest: tests/rxe/run.sh -- "
+			     "build/tests/test-hostile-rdma");
+	const char *a[12] = { "--slots",  "64",		 "--slot-size",	  "64K",
+			      "--listen", "127.0.0.1:0", "--rdma-device", dev };
 	unsigned n = 8;
 	if (keys) {
 		a[n++] = "--rdma-keys";
@@ -153,7 +154,8 @@ struct before {
 static struct before before(void)
 {
 	return (struct before){ stat_get(&pv, "rdma_reads_refused"), stat_get(&pv, "peer_lost"),
-				stat_get(&pv, "rdma_invalidates"), stat_get(&pv, "rdma_region_frees"),
+				stat_get(&pv, "rdma_invalidates"),
+				stat_get(&pv, "rdma_region_frees"),
 				stat_get(&pv, "rdma_links_lost") };
 }
 
@@ -168,7 +170,9 @@ static void refused(struct hz *h, enum ibv_wc_status st, uint32_t len, const str
 	stat_wait(&pv, "rdma_reads_refused", 1, b->refused + 1);
 	if (lost) {
 		stat_wait(&pv, "peer_lost", 1, b->lost + 1);
-		cr_assert_geq(proxy_log_count(&pv, "our NIC refused its READ: a key it does not hold"), 1);
+		cr_assert_geq(
+			proxy_log_count(&pv, "our NIC refused its READ: a key it does not hold"),
+			1);
 	} else {
 		stat_wait(&pv, "rdma_links_lost", 1, b->links + 1);
 		cr_assert_eq(stat_get(&pv, "peer_lost"), b->lost, "the session was lost");
@@ -201,7 +205,8 @@ static void slot_never_sent(const char *keys)
 	kvs_room *sr = room_to(&z, tx, 1, SLOT);
 	struct kvs_wire_chunk_read c = send_chunk(&z, tx, sr, Z_OWNER + 1, 0, SLOT);
 	struct before b = before();
-	refused(&z, hz_read(&z, (uint64_t)secret.slot * SLOT, 4096, le32toh(c.rkey)), 4096, &b, true);
+	refused(&z, hz_read(&z, (uint64_t)secret.slot * SLOT, 4096, le32toh(c.rkey)), 4096, &b,
+		true);
 	honest(V_OWNER + 2);
 	kvs_release(other, &secret);
 	pools_end_free((kvs_client *[]){ tx, other }, 2);
@@ -278,7 +283,8 @@ Test(hostile_rdma, a_chunk_read_never_acknowledged)
 	cr_assert_eq(kvs_abort(sr), 0);
 	struct kvsp_frame f = hz_recv(&z);
 	cr_assert_eq(f.type, KVS_WIRE_ABORT, "V's next frame is type %u", f.type);
-	struct kvs_wire_ended e = { .room = f.body.abort.room, .sender_ref = f.body.abort.sender_ref,
+	struct kvs_wire_ended e = { .room = f.body.abort.room,
+				    .sender_ref = f.body.abort.sender_ref,
 				    .from = htole32(KVS_WIRE_FROM_RECV) };
 	hp_send(&z.conn[0], KVS_WIRE_ENDED, &e, 0, NULL);
 	cr_assert_eq(wait_event(tx).type, KVS_EV_ABORTED);
@@ -287,7 +293,8 @@ Test(hostile_rdma, a_chunk_read_never_acknowledged)
 	for (unsigned waited = 0; stat_get(&pv, "peer_lost") == b.lost; waited += 100) {
 		cr_assert_lt(waited, WAIT_MS, "V kept the session with an unacknowledged READ");
 		if (hz_recv_for(&z, 100, &f))
-			cr_assert_eq(f.type, KVS_WIRE_ENDED, "V said type %u", f.type); /* it quiesced */
+			cr_assert_eq(f.type, KVS_WIRE_ENDED, "V said type %u",
+				     f.type); /* it quiesced */
 	}
 	cr_assert_geq(proxy_log_count(&pv, "unacknowledged past --peer-timeout"), 1);
 	honest(V_OWNER + 1);
@@ -376,9 +383,10 @@ Test(hostile_rdma, kvstage_stat_shows_the_keys_and_the_refusals)
 	kvs_room *sr = room_to(&z, tx, 1, 2 * SLOT);
 	struct kvs_wire_chunk_read c = send_chunk(&z, tx, sr, Z_OWNER + 1, 0, SLOT);
 	static char out[16384], err[1024];
-	cr_assert_eq(run_cmd((const char *[]){ build_path("tools/kvstage-stat"), "--json", "--socket",
-					       pv.sock, NULL }, out, sizeof(out), err, sizeof(err)), 0,
-		     "%s", err);
+	cr_assert_eq(run_cmd((const char *[]){ build_path("tools/kvstage-stat"), "--json",
+					       "--socket", pv.sock, NULL },
+			     out, sizeof(out), err, sizeof(err)),
+		     0, "%s", err);
 	cr_assert(strstr(out, "\"rdma\":true,\"reads_refused\":0,\"keys\":\"windows+regions\"") ||
 			  strstr(out, "\"rdma\":true,\"reads_refused\":0,\"keys\":\"windows\""),
 		  "%s", out);
@@ -386,8 +394,10 @@ Test(hostile_rdma, kvstage_stat_shows_the_keys_and_the_refusals)
 	cr_assert_eq(kvs_abort(sr), 0);
 	wait_revoked(b.inv, b.freed);
 	refused(&z, hz_read(&z, le64toh(c.offset), SLOT, le32toh(c.rkey)), SLOT, &b, false);
-	cr_assert_eq(run_cmd((const char *[]){ build_path("tools/kvstage-stat"), "--socket", pv.sock,
-					       NULL }, out, sizeof(out), err, sizeof(err)), 0);
+	cr_assert_eq(run_cmd((const char *[]){ build_path("tools/kvstage-stat"), "--socket",
+					       pv.sock, NULL },
+			     out, sizeof(out), err, sizeof(err)),
+		     0);
 	cr_assert(strstr(out, "reads-refused 1"), "%s", out);
 	cr_assert_eq(wait_event(tx).type, KVS_EV_ABORTED);
 	cr_assert_eq(kvs_room_close(sr), 0);

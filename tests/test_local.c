@@ -74,7 +74,8 @@ static int receiver(int rd, int wr, void *arg)
 			rep.bad_events++;
 		for (unsigned k = 0; k < kvs_room_chunks(r); k++) {
 			struct kvs_lease l;
-			uint64_t off = (uint64_t)k * SLOT, len = bytes - off < SLOT ? bytes - off : SLOT;
+			uint64_t off = (uint64_t)k * SLOT,
+				 len = bytes - off < SLOT ? bytes - off : SLOT;
 			const void *p = kvs_room_lease(r, k, &l) ? NULL : kvs_lease_ptr(c, &l);
 			if (!p || canary_check(p, owner_of(pp->id, i), off, len) != len)
 				rep.bad_chunks++;
@@ -121,7 +122,8 @@ static int sender(int rd, int wr, void *arg)
 			return 24;
 		for (unsigned j = 0; j < n; j++) {
 			unsigned k = pp->reverse ? n - 1 - j : j;
-			uint64_t off = (uint64_t)k * SLOT, len = bytes - off < SLOT ? bytes - off : SLOT;
+			uint64_t off = (uint64_t)k * SLOT,
+				 len = bytes - off < SLOT ? bytes - off : SLOT;
 			canary_fill(kvs_lease_ptr(c, &l[j]), owner_of(pp->id, i), off, len);
 			if (kvs_send(r, &l[j], off, (uint32_t)len))
 				return 25;
@@ -198,7 +200,8 @@ Test(local, zero_copy_handoff_bumps_epoch_and_moves_ownership)
 		void *p = kvs_lease_ptr(rx, &got);
 		cr_assert_not_null(p);
 		cr_assert_eq(canary_check(p, 9, (uint64_t)k * SLOT, SLOT), SLOT);
-		cr_assert_null(kvs_lease_ptr(tx, &l[k]), "the sender still sees a slot it gave away");
+		cr_assert_null(kvs_lease_ptr(tx, &l[k]),
+			       "the sender still sees a slot it gave away");
 		cr_assert_null(kvs_lease_ptr(tx, &got), "the receiver's slot is not the sender's");
 	}
 	cr_assert_eq(kvs_room_lease(rr, 3, &l[0]), -ERANGE);

@@ -83,8 +83,9 @@ static void hosts_at(unsigned n, const char *slots, const char *timeout)
 		snprintf(addr[i], sizeof(addr[i]), "10.77.0.%u", (i + 1) & 0xff);
 		char cidr[48];
 		snprintf(cidr, sizeof(cidr), "%.15s/24", addr[i]);
-		cr_assert_eq(IP("-n", ns[i], "link", "add", me, "type", "veth", "peer", "name", peer,
-				"netns", hub), 0);
+		cr_assert_eq(IP("-n", ns[i], "link", "add", me, "type", "veth", "peer", "name",
+				peer, "netns", hub),
+			     0);
 		cr_assert_eq(IP("-n", hub, "link", "set", peer, "master", "br0", "up"), 0);
 		cr_assert_eq(IP("-n", ns[i], "addr", "add", cidr, "dev", me), 0);
 		cr_assert_eq(IP("-n", ns[i], "link", "set", me, "up"), 0);
@@ -93,8 +94,10 @@ static void hosts_at(unsigned n, const char *slots, const char *timeout)
 	for (unsigned i = 0; i < n; i++) {
 		char listen[48];
 		snprintf(listen, sizeof(listen), "%.15s:7600", addr[i]);
-		proxy_start_in(&px[i], ns[i], (const char *[]){ "--slots", slots, "--slot-size", "64K",
-			"--listen", listen, timeout ? "--peer-timeout" : NULL, timeout, NULL });
+		proxy_start_in(&px[i], ns[i],
+			       (const char *[]){ "--slots", slots, "--slot-size", "64K", "--listen",
+						 listen, timeout ? "--peer-timeout" : NULL, timeout,
+						 NULL });
 	}
 }
 
@@ -124,7 +127,8 @@ static void spread(const unsigned *senders, unsigned ns_, const unsigned *receiv
 	for (unsigned s = 0; s < ns_; s++)
 		for (unsigned r = 0; r < nr; r++)
 			for (unsigned k = 0; k < NS; k++)
-				xroom_open(&x[s][r][k], rx[r], tx[s], sizes[k], 0x100 * (s + 1) + 0x10 * r + k);
+				xroom_open(&x[s][r][k], rx[r], tx[s], sizes[k],
+					   0x100 * (s + 1) + 0x10 * r + k);
 	for (unsigned s = 0; s < ns_; s++)
 		for (unsigned r = 0; r < nr; r++)
 			for (unsigned k = 0; k < NS; k++)
@@ -245,24 +249,28 @@ Test(netns, a_proxy_restarted_at_its_address_is_dialed_anew_never_stale)
 	/* What the killed proxy's kernel still holds would FIN or RST once the
 	 * link is back: destroy it while nothing can leave, and see it gone. */
 	char out[4096], err[512];
-	cr_assert_eq(run_cmd((const char *[]){ ipbin, "netns", "exec", ns[1], "ss", "-K", "-t", "-a",
-					       NULL }, out, sizeof(out), err, sizeof(err)), 0,
-		     "ss -K: %s", err);
-	cr_assert_eq(run_cmd((const char *[]){ ipbin, "netns", "exec", ns[1], "ss", "-t", "-a", "-n",
-					       "-H", NULL }, out, sizeof(out), err, sizeof(err)), 0);
+	cr_assert_eq(run_cmd((const char *[]){ ipbin, "netns", "exec", ns[1], "ss", "-K", "-t",
+					       "-a", NULL },
+			     out, sizeof(out), err, sizeof(err)),
+		     0, "ss -K: %s", err);
+	cr_assert_eq(run_cmd((const char *[]){ ipbin, "netns", "exec", ns[1], "ss", "-t", "-a",
+					       "-n", "-H", NULL },
+			     out, sizeof(out), err, sizeof(err)),
+		     0);
 	cr_assert_eq(out[0], 0, "sockets left on the dead host: %s", out);
 	cr_assert_eq(IP("-n", ns[1], "link", "set", "eth1", "up"), 0);
 	char listen[48];
 	snprintf(listen, sizeof(listen), "%.15s:7600", addr[1]);
-	proxy_start_in(&px[1], ns[1], (const char *[]){ "--slots", "128", "--slot-size", "64K",
-		"--listen", listen, NULL });
+	proxy_start_in(&px[1], ns[1],
+		       (const char *[]){ "--slots", "128", "--slot-size", "64K", "--listen", listen,
+					 NULL });
 	cr_assert_eq(stat_get(&px[0], "peer_sessions"), 1, "A never heard: the old session is up");
 	rx = connect_ok(&px[1]);
 	one_room(rx, tx, 0x71); /* not -ESTALE */
 	static char log[1 << 16];
 	proxy_log(&px[0], log, sizeof(log));
-	cr_assert(strstr(log, "another proxy answers there now"), "the old session was not retired: %s",
-		  log);
+	cr_assert(strstr(log, "another proxy answers there now"),
+		  "the old session was not retired: %s", log);
 	kvs_close(tx);
 	kvs_close(rx);
 }

@@ -68,7 +68,9 @@ static void notify_read(char *buf, size_t cap, pid_t *from)
 		char b[CMSG_SPACE(sizeof(struct ucred))];
 	} ctl;
 	struct iovec iov = { buf, cap - 1 };
-	struct msghdr m = { .msg_iov = &iov, .msg_iovlen = 1, .msg_control = &ctl,
+	struct msghdr m = { .msg_iov = &iov,
+			    .msg_iovlen = 1,
+			    .msg_control = &ctl,
 			    .msg_controllen = sizeof(ctl) };
 	ssize_t n = recvmsg(nfd, &m, MSG_DONTWAIT);
 	cr_assert_geq(n, 0, "recvmsg: %s", strerror(errno));
@@ -118,7 +120,8 @@ Test(notify, ready_then_stopping)
 	kvs_client *c = connect_ok(&px);
 	cr_assert_eq(kill(pid, SIGTERM), 0);
 	notify_read(msg, sizeof(msg), &from);
-	cr_assert_eq(from, pid, "STOPPING came from pid %d, not kvstaged's %d", (int)from, (int)pid);
+	cr_assert_eq(from, pid, "STOPPING came from pid %d, not kvstaged's %d", (int)from,
+		     (int)pid);
 	cr_assert_not_null(field(msg, "STOPPING", v, sizeof(v)), "no STOPPING in '%s'", msg);
 	cr_assert_str_eq(v, "1");
 	cr_assert_not_null(field(msg, "STATUS", v, sizeof(v)), "no STATUS in '%s'", msg);

@@ -35,11 +35,13 @@ static void setup(void)
 	setenv("KVSTAGE_PEER_SECRET", SECRET, 1);
 	char why[128];
 	cr_assert_eq(kvsp_secret_load(NULL, SECRET, &good, why, sizeof(why)), 0, "%s", why);
-	cr_assert_eq(kvsp_secret_load(NULL, "another-secret-of-32-bytes-long!", &bad, why,
-				      sizeof(why)), 0, "%s", why);
+	cr_assert_eq(
+		kvsp_secret_load(NULL, "another-secret-of-32-bytes-long!", &bad, why, sizeof(why)),
+		0, "%s", why);
 	/* The default --peer-timeout (a handshake is given 2.5 s of it). */
-	proxy_start(&pb, NULL, (const char *[]){ "--slots", "32", "--slot-size", "64K", "--listen",
-						 "127.0.0.1:0", NULL });
+	proxy_start(&pb, NULL,
+		    (const char *[]){ "--slots", "32", "--slot-size", "64K", "--listen",
+				      "127.0.0.1:0", NULL });
 	proxy_start(&pa, NULL, (const char *[]){ "--slots", "32", "--slot-size", "64K", NULL });
 }
 
@@ -107,7 +109,8 @@ static void real_room_arrives(void)
 	for (unsigned k = 0; k < 2; k++) {
 		struct kvs_lease l;
 		cr_assert_eq(kvs_room_lease(rroom, k, &l), 0);
-		cr_assert_eq(canary_check(kvs_lease_ptr(rx, &l), 0x99, (uint64_t)k * SLOT, SLOT), SLOT);
+		cr_assert_eq(canary_check(kvs_lease_ptr(rx, &l), 0x99, (uint64_t)k * SLOT, SLOT),
+			     SLOT);
 	}
 	kvs_room_close(sr);
 	kvs_room_close(rroom);
@@ -149,7 +152,8 @@ Test(peers, a_wrong_secret_cannot_prove_itself)
 	/* ...and the proof we can make without the secret is refused. */
 	struct kvs_wire_proof p = { .magic = htole32(KVS_WIRE_HELLO_MAGIC),
 				    .version = htole16(KVS_WIRE_VERSION),
-				    .type = htole16(KVS_WIRE_PROOF), .role = htole32(KVS_WIRE_DIALER) };
+				    .type = htole16(KVS_WIRE_PROOF),
+				    .role = htole32(KVS_WIRE_DIALER) };
 	randombytes_buf(p.mac, sizeof(p.mac));
 	hp_put(h.fd, &p, sizeof(p));
 	hp_wait_closed(h.fd);
@@ -199,8 +203,10 @@ Test(peers, forged_and_stale_tokens_change_nothing)
 	join_b(&h, &good);
 	uint64_t tokens = stat_get(&pb, "rej_token");
 	/* OPEN with a wrong token: refused, counted */
-	struct kvs_wire_open o = { .room = room_name(), .bytes = htole64(2 * SLOT),
-				   .slot_size = htole64(SLOT), .sender_ref = htole64(7) };
+	struct kvs_wire_open o = { .room = room_name(),
+				   .bytes = htole64(2 * SLOT),
+				   .slot_size = htole64(SLOT),
+				   .sender_ref = htole64(7) };
 	o.room.token[0] ^= 1;
 	hp_send(&h, KVS_WIRE_OPEN, &o, 0, NULL);
 	struct kvsp_frame f = hp_recv(&h);
@@ -215,7 +221,8 @@ Test(peers, forged_and_stale_tokens_change_nothing)
 	cr_assert_eq((int32_t)le32toh((uint32_t)f.body.open_ack.status), -ESTALE);
 	/* ABORT with a wrong token, and one for a room we never opened */
 	uint64_t ignored = stat_get(&pb, "peer_frames_ignored");
-	struct kvs_wire_abort ab = { .room = room_name(), .status = (int32_t)htole32(-ECANCELED),
+	struct kvs_wire_abort ab = { .room = room_name(),
+				     .status = (int32_t)htole32(-ECANCELED),
 				     .from = htole32(KVS_WIRE_FROM_SEND) };
 	ab.room.token[5] ^= 0x80;
 	hp_send(&h, KVS_WIRE_ABORT, &ab, 0, NULL);
@@ -250,24 +257,31 @@ static bool proxies_have_rdma(void)
 Test(peers, rdma_frames_to_a_proxy_without_a_device)
 {
 	if (proxies_have_rdma())
-		cr_skip_test("the proxies have an RDMA device here: see rdma_frames_to_a_proxy_with_one");
+		cr_skip_test("the proxies have an RDMA device here: see "
+			     "rdma_frames_to_a_proxy_with_one");
 	open_room();
 	struct hpeer h;
 	join_b(&h, &good);
 	uint64_t ignored = stat_get(&pb, "peer_frames_ignored");
-	struct kvs_wire_rdma_hello hello = { .qpn = htole32(0x11), .psn = htole32(0x22),
+	struct kvs_wire_rdma_hello hello = { .qpn = htole32(0x11),
+					     .psn = htole32(0x22),
 					     .pool_addr = htole64(0x7f0000000000ull),
-					     .pool_len = htole64(64 * SLOT), .keys = htole32(1),
+					     .pool_len = htole64(64 * SLOT),
+					     .keys = htole32(1),
 					     .mtu = htole32(3 /* IBV_MTU_1024 */) };
 	hp_send(&h, KVS_WIRE_RDMA_HELLO, &hello, 0, NULL);
-	struct kvs_wire_chunk_read rd = { .room = room_name(), .chunk = 0, .len = htole32(SLOT),
-					  .xfer_ref = htole64(0xabcdef), .offset = 0,
+	struct kvs_wire_chunk_read rd = { .room = room_name(),
+					  .chunk = 0,
+					  .len = htole32(SLOT),
+					  .xfer_ref = htole64(0xabcdef),
+					  .offset = 0,
 					  .rkey = htole32(0x33) };
 	hp_send(&h, KVS_WIRE_CHUNK_READ, &rd, 0, NULL);
 	struct kvsp_frame f = hp_recv(&h);
 	cr_assert_eq(f.type, KVS_WIRE_CHUNK_ACK, "got frame type %u", f.type);
 	cr_assert_eq((int32_t)le32toh((uint32_t)f.body.chunk_ack.status), -EOPNOTSUPP);
-	cr_assert_eq(le64toh(f.body.chunk_ack.xfer_ref), 0xabcdef, "the ack names the sender's transfer");
+	cr_assert_eq(le64toh(f.body.chunk_ack.xfer_ref), 0xabcdef,
+		     "the ack names the sender's transfer");
 	struct kvs_wire_chunk_ack forged = { .room = room_name(), .xfer_ref = htole64(3) };
 	hp_send(&h, KVS_WIRE_CHUNK_ACK, &forged, 0, NULL);
 	hp_in_sync(&h);
@@ -290,21 +304,28 @@ Test(peers, rdma_frames_to_a_proxy_without_a_device)
 Test(peers, rdma_frames_to_a_proxy_with_a_device)
 {
 	if (!KVS_HAVE_VERBS)
-		cr_skip_test("this build has no RDMA (built without verbs: libibverbs-dev missing)");
+		cr_skip_test(
+			"this build has no RDMA (built without verbs: libibverbs-dev missing)");
 	if (!proxies_have_rdma())
-		cr_skip_test("no RDMA device for the proxies here: tools/run-tests.sh runs this in the "
-			     "soft-RoCE guest (KVSTAGE_TEST_PROXY_ARGS=--rdma-device rxe0)");
+		cr_skip_test(
+			"no RDMA device for the proxies here: tools/run-tests.sh runs this in the "
+			"soft-RoCE guest (KVSTAGE_TEST_PROXY_ARGS=--rdma-device rxe0)");
 	open_room();
-	struct kvs_wire_rdma_hello hello = { .qpn = htole32(0x7777), .psn = htole32(0x22),
+	struct kvs_wire_rdma_hello hello = { .qpn = htole32(0x7777),
+					     .psn = htole32(0x22),
 					     .pool_addr = htole64(0x7f0000000000ull),
-					     .pool_len = htole64(64 * SLOT), .keys = htole32(1),
+					     .pool_len = htole64(64 * SLOT),
+					     .keys = htole32(1),
 					     .mtu = htole32(3 /* IBV_MTU_1024 */) };
 	uint64_t lost = stat_get(&pb, "peer_lost");
 	struct hpeer h;
 	join_b(&h, &good);
 	hp_send(&h, KVS_WIRE_RDMA_HELLO, &hello, 0, NULL);
-	struct kvs_wire_chunk_read rd = { .room = room_name(), .chunk = 0, .len = htole32(SLOT),
-					  .xfer_ref = htole64(1), .offset = htole64(64 * SLOT),
+	struct kvs_wire_chunk_read rd = { .room = room_name(),
+					  .chunk = 0,
+					  .len = htole32(SLOT),
+					  .xfer_ref = htole64(1),
+					  .offset = htole64(64 * SLOT),
 					  .rkey = htole32(0x33) };
 	hp_send(&h, KVS_WIRE_CHUNK_READ, &rd, 0, NULL); /* one byte past the pool */
 	hp_wait_closed(h.fd);
@@ -316,7 +337,7 @@ Test(peers, rdma_frames_to_a_proxy_with_a_device)
 	hp_send(&h, KVS_WIRE_RDMA_HELLO, &hello, 0, NULL);
 	rd.offset = 0;
 	hp_send(&h, KVS_WIRE_CHUNK_READ, &rd, 0, NULL); /* in range, to nobody */
-	struct kvsp_frame f = hp_recv(&h);              /* the READ failed: by TCP instead */
+	struct kvsp_frame f = hp_recv(&h);		/* the READ failed: by TCP instead */
 	cr_assert_eq(f.type, KVS_WIRE_CHUNK_ACK, "got frame type %u", f.type);
 	cr_assert_eq((int32_t)le32toh((uint32_t)f.body.chunk_ack.status), -EOPNOTSUPP);
 	cr_assert_eq(le64toh(f.body.chunk_ack.xfer_ref), 1);
@@ -339,7 +360,8 @@ Test(peers, oversized_truncated_and_garbage_frames_drop_the_connection)
 	struct kvs_wire_frame_hdr big = { .magic = htole32(KVS_WIRE_FRAME_MAGIC),
 					  .type = htole16(KVS_WIRE_CHUNK),
 					  .len = htole32(sizeof(struct kvs_wire_chunk)),
-					  .plen = htole32(2 * SLOT), .seq = htole64(1) };
+					  .plen = htole32(2 * SLOT),
+					  .seq = htole64(1) };
 	hp_put(h.fd, &big, sizeof(big));
 	hp_wait_closed(h.fd);
 	close(h.fd);

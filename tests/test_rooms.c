@@ -200,7 +200,8 @@ Test(rooms, a_peer_attaches_only_with_the_rooms_name_and_terms)
 	bad = n;
 	bad.gen = n.gen + 1;
 	cr_assert_eq(kvsp_room_attach_peer(&P, &F.t, 1, &bad, 3 * SLOT, SLOT), -ESTALE);
-	cr_assert_eq(kvsp_room_attach_peer(&P, &F.t, 1, &n, 2 * SLOT, SLOT), -EINVAL, "bytes differ");
+	cr_assert_eq(kvsp_room_attach_peer(&P, &F.t, 1, &n, 2 * SLOT, SLOT), -EINVAL,
+		     "bytes differ");
 	cr_assert_eq(kvsp_room_attach_peer(&P, &F.t, 1, &n, 3 * SLOT, 2 * SLOT), -EINVAL,
 		     "chunking differs");
 	cr_assert_eq(kvsp_room_attach_peer(&P, &F.t, 1, &n, 3 * SLOT, SLOT), 0);

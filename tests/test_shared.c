@@ -36,8 +36,9 @@ TestSuite(shared, .init = setup, .fini = teardown, .timeout = 120);
 
 static void start(struct proxy *px, bool listen)
 {
-	proxy_start(px, NULL, (const char *[]){ "--slots", "64", "--slot-size", "64K",
-						listen ? "--listen" : NULL, "127.0.0.1:0", NULL });
+	proxy_start(px, NULL,
+		    (const char *[]){ "--slots", "64", "--slot-size", "64K",
+				      listen ? "--listen" : NULL, "127.0.0.1:0", NULL });
 }
 
 /* rx[0] opens a shared room of bytes for readers; rx[1..n-1] join it. */
@@ -66,7 +67,8 @@ static void verify_as(struct xroom *x, kvs_client *c, kvs_room *r)
 		cr_assert_eq(kvs_room_lease(r, k, &l), 0);
 		const void *p = kvs_lease_ptr(c, &l);
 		cr_assert_not_null(p, "chunk %u: the reader may not read it", k);
-		uint64_t off = (uint64_t)k * SLOT, len = x->bytes - off < SLOT ? x->bytes - off : SLOT;
+		uint64_t off = (uint64_t)k * SLOT,
+			 len = x->bytes - off < SLOT ? x->bytes - off : SLOT;
 		cr_assert_eq(canary_check(p, x->owner, off, len), len, "chunk %u: wrong bytes", k);
 	}
 }
@@ -143,7 +145,8 @@ Test(shared, an_abort_by_any_reader_ends_it_for_every_reader_and_the_sender)
 	cr_assert_eq(wait_event(rx[0]).type, KVS_EV_ABORTED);
 	cr_assert_eq(wait_event(rx[1]).type, KVS_EV_ABORTED);
 	cr_assert_eq(wait_event(tx).type, KVS_EV_ABORTED);
-	cr_assert_eq(kvs_recv_join(rx[2], &x.d, 0x6b9, &rr[2]), -ECANCELED, "joined an aborted room");
+	cr_assert_eq(kvs_recv_join(rx[2], &x.d, 0x6b9, &rr[2]), -ECANCELED,
+		     "joined an aborted room");
 	cr_assert_eq(kvs_room_close(rr[0]), 0);
 	cr_assert_eq(kvs_room_close(rr[1]), 0);
 	cr_assert_eq(kvs_room_close(x.sr), 0);
@@ -165,7 +168,8 @@ Test(shared, joins_that_name_no_place_are_refused_and_change_nothing)
 	cr_assert_eq(kvs_recv_open_shared(a, SLOT, KVS_MAX_READERS + 1, 3, &r, &d), -EINVAL);
 	cr_assert_eq(kvs_recv_open_shared(a, SLOT, 2, 3, &r, &d), 0);
 	forged = d;
-	forged.bytes[24] ^= 1; /* a bit of the token (after magic, version, flags, instance, room, gen) */
+	forged.bytes[24] ^=
+		1; /* a bit of the token (after magic, version, flags, instance, room, gen) */
 	cr_assert_eq(kvs_recv_join(b, &forged, 4, &j), -EPERM);
 	cr_assert_eq(kvs_recv_join(b, &d, 5, &j), 0);
 	kvs_room *k;

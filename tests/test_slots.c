@@ -281,18 +281,29 @@ Test(slots, transition_table)
 			struct snap x = snap();
 			int rc;
 			switch (op) {
-			case OP_RELEASE: rc = kvsp_slot_release(&s, 3, &l); break;
-			case OP_PIN: rc = kvsp_slot_pin(&s, 3, &l); break;
-			case OP_UNPIN: rc = kvsp_slot_unpin(&s, slot); break;
-			case OP_HANDOFF: rc = kvsp_slot_handoff(&s, slot, 9); break;
-			default: rc = kvsp_slot_fill(&s, slot); break;
+			case OP_RELEASE:
+				rc = kvsp_slot_release(&s, 3, &l);
+				break;
+			case OP_PIN:
+				rc = kvsp_slot_pin(&s, 3, &l);
+				break;
+			case OP_UNPIN:
+				rc = kvsp_slot_unpin(&s, slot);
+				break;
+			case OP_HANDOFF:
+				rc = kvsp_slot_handoff(&s, slot, 9);
+				break;
+			default:
+				rc = kvsp_slot_fill(&s, slot);
+				break;
 			}
 			if (expected[st][op] < 0) {
 				cr_assert_lt(rc, 0, "state %u op %d should be refused", st, op);
 				assert_unchanged(&x, "a refused transition");
 			} else {
 				cr_assert_geq(rc, 0, "state %u op %d should work: %d", st, op, rc);
-				cr_assert_eq(pub[slot].state, expected[st][op], "state %u op %d", st, op);
+				cr_assert_eq(pub[slot].state, expected[st][op], "state %u op %d",
+					     st, op);
 				cr_assert_geq(pub[slot].epoch, e0);
 			}
 		}
@@ -380,7 +391,8 @@ Test(slots, random_walk_keeps_every_invariant)
 		for (uint32_t k = 0; k < N; k++) {
 			struct kvs_slot *p = &pub[k];
 			count[p->state]++;
-			cr_assert(!KVS_EPOCH_AFTER(last_epoch[k], p->epoch), "epoch went backwards");
+			cr_assert(!KVS_EPOCH_AFTER(last_epoch[k], p->epoch),
+				  "epoch went backwards");
 			last_epoch[k] = p->epoch;
 			switch (p->state) {
 			case KVS_SLOT_FREE:
@@ -391,7 +403,8 @@ Test(slots, random_walk_keeps_every_invariant)
 				break;
 			default:
 				cr_assert_neq(p->owner, 0);
-				cr_assert_eq(p->owner, owner_of[k], "slot %u in two owners' hands", k);
+				cr_assert_eq(p->owner, owner_of[k], "slot %u in two owners' hands",
+					     k);
 				/* the one live lease is exactly the model's */
 				cr_assert_geq(kvsp_slot_check(&s, p->owner, &held[k]), 0);
 			}

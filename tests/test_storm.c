@@ -38,17 +38,20 @@ static void teardown(void)
 TestSuite(storm, .fini = teardown, .timeout = 240);
 
 enum plan {
-	P_NONE, P_NONE2, P_NONE3,
+	P_NONE,
+	P_NONE2,
+	P_NONE3,
 	P_BEFORE_SEND, /* abort after open, before any chunk */
 	P_BETWEEN,     /* abort after some chunks */
-	P_HELD,        /* abort while a chunk is held in flight */
+	P_HELD,	       /* abort while a chunk is held in flight */
 	P_AFTER_LAST,  /* abort right after the last chunk: races completion */
 	P_CLOSE,       /* close an unfinished room */
 	P_NPLANS,
 };
 
-static const char *const plan_names[] = { "none", "none", "none", "before-send", "between-chunks",
-					  "held-in-flight", "after-last", "during-close" };
+static const char *const plan_names[] = { "none",	 "none",	   "none",
+					  "before-send", "between-chunks", "held-in-flight",
+					  "after-last",	 "during-close" };
 
 struct pair {
 	int desc[2]; /* receiver -> sender */
@@ -94,11 +97,11 @@ static uint64_t bytes_of(unsigned pair, unsigned room)
 	return (uint64_t)(n - 1) * SLOT + 1 + (room * 131 + pair) % SLOT;
 }
 
-#define FAIL(r, ...)                                                                      \
-	do {                                                                              \
-		snprintf((r)->what, sizeof((r)->what), __VA_ARGS__);                      \
-		(r)->errors++;                                                            \
-		goto out;                                                                 \
+#define FAIL(r, ...)                                                 \
+	do {                                                         \
+		snprintf((r)->what, sizeof((r)->what), __VA_ARGS__); \
+		(r)->errors++;                                       \
+		goto out;                                            \
 	} while (0)
 
 /* The sender orders this room's receiver to abort ('a') or close ('c'). */
@@ -152,7 +155,8 @@ static int receiver(int rd, int wr, void *arg)
 		bool closed = false, ordered = false;
 		while (!res.rx_finals[i]) {
 			/* the sender hangs up once its side of the last room is over */
-			struct pollfd p[2] = { { efd, POLLIN, 0 }, { sender_gone ? -1 : pp->ctl[0], POLLIN, 0 } };
+			struct pollfd p[2] = { { efd, POLLIN, 0 },
+					       { sender_gone ? -1 : pp->ctl[0], POLLIN, 0 } };
 			if (poll(p, 2, WAIT_MS) <= 0)
 				FAIL(&res, "room %u (%s): no final", i, plan_names[pl]);
 			if (p[1].revents && !(p[1].revents & POLLIN))
@@ -170,7 +174,8 @@ static int receiver(int rd, int wr, void *arg)
 				FAIL(&res, "poll: %s", kvs_strerror(n));
 			for (int k = 0; k < n; k++) {
 				if (ev[k].type == KVS_EV_REJECTED)
-					FAIL(&res, "room %u rejected: %s", i, kvs_strerror(ev[k].status));
+					FAIL(&res, "room %u rejected: %s", i,
+					     kvs_strerror(ev[k].status));
 				if (ev[k].user_data != ud)
 					FAIL(&res, "room %u: event for another room", i);
 				res.rx_finals[i]++;
@@ -190,8 +195,10 @@ static int receiver(int rd, int wr, void *arg)
 		if (res.rx_final[i] == KVS_EV_RECV_DONE) {
 			for (unsigned k = 0; k < kvs_room_chunks(r); k++) {
 				struct kvs_lease l;
-				uint64_t off = (uint64_t)k * SLOT, len = bytes - off < SLOT ? bytes - off : SLOT;
-				const void *p = kvs_room_lease(r, k, &l) ? NULL : kvs_lease_ptr(c, &l);
+				uint64_t off = (uint64_t)k * SLOT,
+					 len = bytes - off < SLOT ? bytes - off : SLOT;
+				const void *p = kvs_room_lease(r, k, &l) ? NULL
+									 : kvs_lease_ptr(c, &l);
 				if (!p || canary_check(p, ud, off, len) != len)
 					res.corrupt++;
 			}
@@ -272,7 +279,8 @@ static int sender(int rd, int wr, void *arg)
 			FAIL(&res, "acquire: %s", kvs_strerror(rc));
 		for (unsigned k = 0; k < n; k++) {
 			if (l[k].slot >= 1024 ||
-			    (seen[l[k].slot] && !KVS_EPOCH_AFTER(l[k].epoch, last_epoch[l[k].slot])))
+			    (seen[l[k].slot] &&
+			     !KVS_EPOCH_AFTER(l[k].epoch, last_epoch[l[k].slot])))
 				res.epoch_regressions++;
 			if (l[k].slot < 1024) {
 				last_epoch[l[k].slot] = l[k].epoch;
@@ -288,7 +296,8 @@ static int sender(int rd, int wr, void *arg)
 		else if (pl == P_HELD)
 			stop = 1;
 		for (unsigned k = 0; k < stop; k++) {
-			uint64_t off = (uint64_t)k * SLOT, len = bytes - off < SLOT ? bytes - off : SLOT;
+			uint64_t off = (uint64_t)k * SLOT,
+				 len = bytes - off < SLOT ? bytes - off : SLOT;
 			canary_fill(kvs_lease_ptr(c, &l[k]), ud, off, len);
 			if ((rc = kvs_send(r, &l[k], off, (uint32_t)len)))
 				FAIL(&res, "send: %s", kvs_strerror(rc));
@@ -315,7 +324,8 @@ static int sender(int rd, int wr, void *arg)
 		if (pl == P_HELD) {
 			struct kvs_slot s = view(c, l[0].slot);
 			if (s.state != KVS_SLOT_TOMBSTONE || s.room != room_idx + 1)
-				FAIL(&res, "room %u: aborted in flight but slot state %u", i, s.state);
+				FAIL(&res, "room %u: aborted in flight but slot state %u", i,
+				     s.state);
 			res.tombstones_seen++;
 			uint64_t k;
 			if (kvs_admin_fp_release(admin, "local.quiesce", ud, 0, &k) || k != 1)
@@ -328,7 +338,8 @@ static int sender(int rd, int wr, void *arg)
 			struct kvs_event ev;
 			rc = kvs_wait(c, &ev, WAIT_MS);
 			if (rc != 1)
-				FAIL(&res, "room %u (%s): no final: %s", i, plan_names[pl], kvs_strerror(rc));
+				FAIL(&res, "room %u (%s): no final: %s", i, plan_names[pl],
+				     kvs_strerror(rc));
 			if (ev.type == KVS_EV_REJECTED)
 				FAIL(&res, "room %u: rejected: %s", i, kvs_strerror(ev.status));
 			res.tx_finals[i]++;
@@ -382,12 +393,12 @@ Test(storm, abort_waves_lose_and_cross_nothing)
 		cr_assert_eq(chan_get(tx[p].from, &tr, sizeof(tr)), 0, "sender %u died", p);
 		cr_assert_eq(child_wait(&rx[p]), 0);
 		cr_assert_eq(child_wait(&tx[p]), 0);
-		cr_assert(!rr.errors && !tr.errors, "pair %u: receiver: %s / sender: %s", p, rr.what,
-			  tr.what);
+		cr_assert(!rr.errors && !tr.errors, "pair %u: receiver: %s / sender: %s", p,
+			  rr.what, tr.what);
 		for (unsigned i = 0; i < ROOMS; i++) {
 			enum plan pl = plan_of(p + 1, i);
-			cr_assert_eq(rr.rx_finals[i], 1, "pair %u room %u: %u receiver finals", p, i,
-				     rr.rx_finals[i]);
+			cr_assert_eq(rr.rx_finals[i], 1, "pair %u room %u: %u receiver finals", p,
+				     i, rr.rx_finals[i]);
 			cr_assert_eq(tr.tx_finals[i], 1, "pair %u room %u: %u sender finals", p, i,
 				     tr.tx_finals[i]);
 			bool ok = rr.rx_final[i] == KVS_EV_RECV_DONE;
@@ -420,17 +431,20 @@ Test(storm, abort_waves_lose_and_cross_nothing)
 	fprintf(stderr,
 		"storm: %u rooms, %u done, %u aborted (before-send %u, between-chunks %u, "
 		"held-in-flight %u, after-last %u, during-close %u; %u after-last rooms ended "
-		"before the abort came), %u chunks held then tombstoned, corruptions %u, quiescence violations %u, epoch regressions %u, "
+		"before the abort came), %u chunks held then tombstoned, corruptions %u, "
+		"quiescence violations %u, epoch regressions %u, "
 		"leaked slots %llu\n",
 		rooms, done, aborted, by_plan[P_BEFORE_SEND], by_plan[P_BETWEEN], by_plan[P_HELD],
-		by_plan[P_AFTER_LAST], by_plan[P_CLOSE], late, tombs, corrupt, violations, regressions,
+		by_plan[P_AFTER_LAST], by_plan[P_CLOSE], late, tombs, corrupt, violations,
+		regressions,
 		(unsigned long long)(px.ctrl->slot_count - stat_get(&px, "slots.free")));
 	cr_assert_eq(rooms, PAIRS * ROOMS);
 	cr_assert_eq(corrupt, 0);
 	cr_assert_eq(violations, 0);
 	cr_assert_eq(regressions, 0);
 	cr_assert_eq(held, tombs);
-	cr_assert_gt(tombs, PAIRS * ROOMS / P_NPLANS / 2, "too few held-in-flight aborts: %u", tombs);
+	cr_assert_gt(tombs, PAIRS * ROOMS / P_NPLANS / 2, "too few held-in-flight aborts: %u",
+		     tombs);
 	for (int pl = P_BEFORE_SEND; pl < P_NPLANS; pl++)
 		if (pl != P_AFTER_LAST)
 			cr_assert_gt(by_plan[pl], 0, "no abort at %s", plan_names[pl]);
@@ -443,8 +457,8 @@ Test(storm, abort_waves_lose_and_cross_nothing)
 Test(storm, room_timeout_fires_while_held_and_waits_for_quiescence)
 {
 	proxy_start(&px, NULL,
-		    (const char *[]){ "--slots", "16", "--slot-size", "4K", "--room-timeout", "2000",
-				      NULL });
+		    (const char *[]){ "--slots", "16", "--slot-size", "4K", "--room-timeout",
+				      "2000", NULL });
 	kvs_client *rx = connect_ok(&px), *tx = connect_ok(&px);
 	kvs_room *rr, *sr, *idle;
 	struct kvs_room_desc d, d2;
@@ -506,7 +520,8 @@ static int bystander(int rd, int wr, void *arg)
 		if (rc)
 			return 3;
 		for (unsigned k = 0; k < 3; k++) {
-			uint64_t off = (uint64_t)k * SLOT, len = bytes - off < SLOT ? bytes - off : SLOT;
+			uint64_t off = (uint64_t)k * SLOT,
+				 len = bytes - off < SLOT ? bytes - off : SLOT;
 			canary_fill(kvs_lease_ptr(tx, &l[k]), owner, off, len);
 			if (kvs_send(sr, &l[k], off, (uint32_t)len))
 				return 4;
@@ -518,7 +533,8 @@ static int bystander(int rd, int wr, void *arg)
 			return 6;
 		for (unsigned k = 0; k < 3; k++) {
 			struct kvs_lease g;
-			uint64_t off = (uint64_t)k * SLOT, len = bytes - off < SLOT ? bytes - off : SLOT;
+			uint64_t off = (uint64_t)k * SLOT,
+				 len = bytes - off < SLOT ? bytes - off : SLOT;
 			const void *p = kvs_room_lease(rr, k, &g) ? NULL : kvs_lease_ptr(rx, &g);
 			if (!p || canary_check(p, owner, off, len) != len)
 				bad++;
@@ -593,7 +609,8 @@ Test(storm, kill_storm_spares_everyone_else)
 		if (k % 10 == 9) {
 			/* held chunks quiesce; their tombstones are reaped */
 			uint64_t n;
-			cr_assert_eq(kvs_admin_fp_release(px.admin, "local.quiesce", HOLD, HOLD, &n), 0);
+			cr_assert_eq(
+				kvs_admin_fp_release(px.admin, "local.quiesce", HOLD, HOLD, &n), 0);
 		}
 	}
 	unsigned char stop = 1;

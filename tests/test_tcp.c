@@ -37,8 +37,10 @@ static void teardown(void)
 TestSuite(tcp, .init = setup, .fini = teardown, .timeout = 120);
 
 /* The default --peer-timeout: nothing here may wait on the ping cadence. */
-#define LISTEN_N(px, n) proxy_start(px, NULL, (const char *[]){ "--slots", n, "--slot-size", \
-		"64K", "--listen", "127.0.0.1:0", NULL })
+#define LISTEN_N(px, n)                                                               \
+	proxy_start(px, NULL,                                                         \
+		    (const char *[]){ "--slots", n, "--slot-size", "64K", "--listen", \
+				      "127.0.0.1:0", NULL })
 #define LISTEN(px) LISTEN_N(px, "64")
 
 /* Rooms of every size byte for byte are the conformance suite's; here: one
@@ -74,15 +76,20 @@ Test(tcp, one_session_serves_every_room_and_kvstage_stat_shows_it)
 		cr_assert_geq(stat_get(&pb, "tcp_bytes_rx"), total);
 	}
 	static char out[8192], err[1024];
-	cr_assert_eq(run_cmd((const char *[]){ build_path("tools/kvstage-stat"), "--socket", pa.sock,
-					       NULL }, out, sizeof(out), err, sizeof(err)), 0, "%s", err);
+	cr_assert_eq(run_cmd((const char *[]){ build_path("tools/kvstage-stat"), "--socket",
+					       pa.sock, NULL },
+			     out, sizeof(out), err, sizeof(err)),
+		     0, "%s", err);
 	cr_assert(strstr(out, "tcp       peers 1 "), "%s", out);
 	cr_assert(strstr(out, "peer      127.0.0.1:"), "the dialed endpoint: %s", out);
 	cr_assert(strstr(out, "  up  streams 2 "), "%s", out);
-	cr_assert_eq(run_cmd((const char *[]){ build_path("tools/kvstage-stat"), "--json", "--socket",
-					       pb.sock, NULL }, out, sizeof(out), err, sizeof(err)), 0);
-	cr_assert(strstr(out, "\"peers\":[{\"endpoint\":\"accepted\",\"state\":\"up\",\"streams\":2"),
-		  "%s", out);
+	cr_assert_eq(run_cmd((const char *[]){ build_path("tools/kvstage-stat"), "--json",
+					       "--socket", pb.sock, NULL },
+			     out, sizeof(out), err, sizeof(err)),
+		     0);
+	cr_assert(
+		strstr(out, "\"peers\":[{\"endpoint\":\"accepted\",\"state\":\"up\",\"streams\":2"),
+		"%s", out);
 	kvs_close(rx);
 	kvs_close(tx);
 	wait_idle(&pa, 0);
@@ -114,8 +121,9 @@ static struct proxy *hold_px(struct proxy *from, struct proxy *to)
 
 static struct decisive decisive_loopback(const char *rx_bin)
 {
-	proxy_start(&pb, rx_bin, (const char *[]){ "--slots", "16", "--slot-size", "64K", "--listen",
-						   "127.0.0.1:0", "--tcp-streams", "1", NULL });
+	proxy_start(&pb, rx_bin,
+		    (const char *[]){ "--slots", "16", "--slot-size", "64K", "--listen",
+				      "127.0.0.1:0", "--tcp-streams", "1", NULL });
 	LISTEN(&pa);
 	return decisive_hold(&pa, &pb, hold_px(&pa, &pb), hold_fp());
 }
@@ -128,7 +136,8 @@ static struct decisive decisive_loopback(const char *rx_bin)
 Test(tcp, decisive_vulnerable_receiver_is_caught_corrupting)
 {
 	struct decisive o = decisive_loopback(proxy_vulnerable_bin());
-	cr_assert_neq(o.state_after_abort, KVS_SLOT_TOMBSTONE, "the vulnerable receiver frees at once");
+	cr_assert_neq(o.state_after_abort, KVS_SLOT_TOMBSTONE,
+		      "the vulnerable receiver frees at once");
 	cr_assert(o.b_got_victim, "B is given the slot the late payload writes into");
 	if (by_rdma()) {
 		cr_assert(o.b_intact, "the late READ got through a revoked key into B's slot");
@@ -221,14 +230,17 @@ static void wave(unsigned nP, unsigned nD)
 		}
 		finals += got;
 		if (!got && finals < 2 * WAVE_ROOMS)
-			cr_assert_gt(poll(pfd, ncl, WAIT_MS), 0, "no final for %u s", WAIT_MS / 1000);
+			cr_assert_gt(poll(pfd, ncl, WAIT_MS), 0, "no final for %u s",
+				     WAIT_MS / 1000);
 	}
 	for (unsigned i = 0; i < WAVE_ROOMS; i++) {
 		if (i % 3 == 0) {
-			cr_assert_eq(rxf[i], KVS_EV_ABORTED, "victim %u: receiver got %u", i, rxf[i]);
+			cr_assert_eq(rxf[i], KVS_EV_ABORTED, "victim %u: receiver got %u", i,
+				     rxf[i]);
 			cr_assert_eq(txf[i], KVS_EV_ABORTED, "victim %u: sender got %u", i, txf[i]);
 		} else {
-			cr_assert_eq(rxf[i], KVS_EV_RECV_DONE, "room %u: receiver got %u", i, rxf[i]);
+			cr_assert_eq(rxf[i], KVS_EV_RECV_DONE, "room %u: receiver got %u", i,
+				     rxf[i]);
 			cr_assert_eq(txf[i], KVS_EV_SEND_DONE, "room %u: sender got %u", i, txf[i]);
 			xroom_verify(&x[i], rx[i % nD]);
 		}
@@ -315,8 +327,9 @@ Test(tcp, a_receiver_proxy_killed_mid_transfer_fails_the_senders_rooms)
 
 Test(tcp, a_peer_stopped_past_the_peer_timeout_is_lost_on_both_sides)
 {
-	const char *args[] = { "--slots", "64", "--slot-size", "64K", "--listen", "127.0.0.1:0",
-			       "--peer-timeout", "300", NULL };
+	const char *args[] = { "--slots",  "64",	  "--slot-size",    "64K",
+			       "--listen", "127.0.0.1:0", "--peer-timeout", "300",
+			       NULL };
 	proxy_start(&pb, NULL, args);
 	proxy_start(&pa, NULL, args);
 	kvs_client *rx = connect_ok(&pb), *tx = connect_ok(&pa);
@@ -344,8 +357,9 @@ Test(tcp, a_peer_stopped_past_the_peer_timeout_is_lost_on_both_sides)
  * grace, and exits once both halves quiesced, with status 0. */
 Test(tcp, a_draining_proxy_tells_its_peers_and_exits_quiesced)
 {
-	proxy_start(&pb, NULL, (const char *[]){ "--slots", "64", "--slot-size", "64K", "--listen",
-						 "127.0.0.1:0", "--shutdown-grace", "200", NULL });
+	proxy_start(&pb, NULL,
+		    (const char *[]){ "--slots", "64", "--slot-size", "64K", "--listen",
+				      "127.0.0.1:0", "--shutdown-grace", "200", NULL });
 	LISTEN(&pa);
 	kvs_client *rx = connect_ok(&pb), *tx = connect_ok(&pa);
 	struct xroom x;
@@ -356,7 +370,8 @@ Test(tcp, a_draining_proxy_tells_its_peers_and_exits_quiesced)
 	kill(pb.pid, SIGTERM);
 	stat_wait(&pa, "peer_byes", 1, 1);
 	kvs_room *s2;
-	cr_assert_eq(kvs_send_open(tx, &d2, 0x63, &s2), -ESHUTDOWN, "a draining peer takes no new room");
+	cr_assert_eq(kvs_send_open(tx, &d2, 0x63, &s2), -ESHUTDOWN,
+		     "a draining peer takes no new room");
 	/* Over RDMA, A's slot is B's to READ until B's ack: A's room can end
 	 * only once B's held READ has gone. Over the sockets it ends at B's
 	 * abort, its payload still held here. */
@@ -368,7 +383,8 @@ Test(tcp, a_draining_proxy_tells_its_peers_and_exits_quiesced)
 	cr_assert_eq(e.type, KVS_EV_ABORTED, "got %u", e.type);
 	cr_assert_eq(e.status, -ESHUTDOWN, "%s", kvs_strerror(e.status));
 	if (!by_rdma())
-		fp_set(&pa, hold_fp(), "off", NULL); /* the held payload leaves; both sides quiesce */
+		fp_set(&pa, hold_fp(), "off",
+		       NULL); /* the held payload leaves; both sides quiesce */
 	int st;
 	cr_assert_eq(reap(pb.pid, &st), pb.pid, "the draining proxy did not exit");
 	pb.pid = 0;

@@ -78,7 +78,8 @@ static void open_side(struct side *s)
 				 4 * DEPTH, keys, why, sizeof(why));
 	if (rc == -ENODEV)
 		cr_skip_test("no RDMA device here (%s); tools/run-tests.sh runs this suite in the "
-			     "soft-RoCE guest: tests/rxe/run.sh -- build/tests/test-verbs", why);
+			     "soft-RoCE guest: tests/rxe/run.sh -- build/tests/test-verbs",
+			     why);
 	cr_assert_eq(rc, 0, "%s", why);
 	cr_assert_eq(s->v.keys, keys, "the keys asked for are in force");
 	s->qp = kvsp_verbs_qp_new(&s->v, DEPTH, &s->ep);
@@ -195,7 +196,8 @@ static void refused(enum ibv_wc_status st, const char *what)
 {
 	cr_assert_neq(st, IBV_WC_SUCCESS, "%s: the READ succeeded", what);
 	cr_log_info("%s: %s", what, ibv_wc_status_str(st));
-	cr_assert_eq(canary_check(slot(&B, 5), 0xB5, 0, SLOT), SLOT, "%s: our slot was written", what);
+	cr_assert_eq(canary_check(slot(&B, 5), 0xB5, 0, SLOT), SLOT, "%s: our slot was written",
+		     what);
 	struct ibv_wc wc;
 	reap(&A, &wc, 1);
 	cr_assert_eq(wc.wr_id, SENTINEL, "%s: the refusing side's first completion", what);
@@ -214,7 +216,8 @@ Test(verbs, a_window_key_reads_exactly_its_chunk_byte_for_byte)
 	cr_assert_eq(canary_check(slot(&A, 3), 0xA3, 0, SLOT), SLOT, "A's slot is unchanged");
 	for (unsigned i = 0; i < SLOTS; i++)
 		if (i != 5)
-			cr_assert_eq(slot(&B, i)[0] | slot(&B, i)[SLOT - 1], 0, "B's slot %u was written", i);
+			cr_assert_eq(slot(&B, i)[0] | slot(&B, i)[SLOT - 1], 0,
+				     "B's slot %u was written", i);
 	invalidate(&A, key);
 }
 
@@ -356,7 +359,8 @@ Test(verbs, the_error_state_completes_every_outstanding_read)
 	enum { N = 48 };
 	for (unsigned k = 0; k < N; k++)
 		cr_assert_eq(kvsp_verbs_read(&B.v, B.qp, k, slot(&B, k % SLOTS), SLOT,
-					     remote(&A, k % SLOTS), key[k % SLOTS]), 0);
+					     remote(&A, k % SLOTS), key[k % SLOTS]),
+			     0);
 	cr_assert_eq(kvsp_verbs_qp_error(B.qp), 0);
 	struct ibv_wc wc[N + 1];
 	reap(&B, wc, N + 1);
@@ -368,7 +372,8 @@ Test(verbs, the_error_state_completes_every_outstanding_read)
 			continue;
 		}
 		cr_assert_lt(wc[k].wr_id, N);
-		cr_assert(!seen[wc[k].wr_id], "READ %llu completed twice", (unsigned long long)wc[k].wr_id);
+		cr_assert(!seen[wc[k].wr_id], "READ %llu completed twice",
+			  (unsigned long long)wc[k].wr_id);
 		seen[wc[k].wr_id] = true;
 		if (wc[k].status == IBV_WC_SUCCESS)
 			ok++;
@@ -394,15 +399,20 @@ static void write_refused(uint32_t key, const char *what)
 	canary_fill(slot(&A, 1), 0xA1, 0, SLOT);
 	canary_fill(slot(&B, 2), 0xB2, 0, SLOT);
 	struct ibv_sge sge = { (uint64_t)(uintptr_t)slot(&A, 1), SLOT, A.v.mr->lkey };
-	struct ibv_send_wr wr = { .wr_id = 1, .sg_list = &sge, .num_sge = 1,
-				  .opcode = IBV_WR_RDMA_WRITE, .send_flags = IBV_SEND_SIGNALED,
-				  .wr.rdma = { remote(&B, 2), key } }, *bad;
+	struct ibv_send_wr wr = { .wr_id = 1,
+				  .sg_list = &sge,
+				  .num_sge = 1,
+				  .opcode = IBV_WR_RDMA_WRITE,
+				  .send_flags = IBV_SEND_SIGNALED,
+				  .wr.rdma = { remote(&B, 2), key } },
+			   *bad;
 	cr_assert_eq(ibv_post_send(A.qp, &wr, &bad), 0);
 	struct ibv_wc wc;
 	do
 		reap(&A, &wc, 1);
 	while (wc.wr_id == SENTINEL);
-	cr_assert_neq(wc.status, IBV_WC_SUCCESS, "%s: a remote WRITE into the pool succeeded", what);
+	cr_assert_neq(wc.status, IBV_WC_SUCCESS, "%s: a remote WRITE into the pool succeeded",
+		      what);
 	cr_assert_neq(wc.status, IBV_WC_WR_FLUSH_ERR, "%s: flushed, not refused", what);
 	cr_log_info("%s: remote write refused: %s", what, ibv_wc_status_str(wc.status));
 	cr_assert_eq(canary_check(slot(&B, 2), 0xB2, 0, SLOT), SLOT, "%s: B's slot changed", what);
@@ -468,7 +478,9 @@ Test(verbs, reads_towards_a_dead_peer_are_flushed_and_write_nothing)
 	A.qp = NULL;
 	enum { N = 16 };
 	for (unsigned k = 0; k < N; k++)
-		cr_assert_eq(kvsp_verbs_read(&B.v, B.qp, k, slot(&B, k), SLOT, remote(&A, k), key[k]), 0);
+		cr_assert_eq(
+			kvsp_verbs_read(&B.v, B.qp, k, slot(&B, k), SLOT, remote(&A, k), key[k]),
+			0);
 	cr_assert_eq(kvsp_verbs_qp_error(B.qp), 0);
 	struct ibv_wc wc[N + 1];
 	reap(&B, wc, N + 1);

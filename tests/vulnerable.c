@@ -24,7 +24,7 @@
 #include "daemon/daemon.h"
 
 struct late_write {
-	void *dst;      /* the address it captured */
+	void *dst;	/* the address it captured */
 	uint8_t *bytes; /* what it read */
 	uint32_t len;
 };
@@ -147,8 +147,8 @@ static void vuln_stream_cancel(struct kvsp_dp *dp, uint32_t room, uint32_t gen)
 {
 	for (unsigned i = 0; i < dp->conns->hi; i++) {
 		struct pconn *c = &dp->conns->conn[i];
-		if (c->state == PCONN_UP && c->rx_x && c->rx_x != &nothing && c->rx_x->room == room &&
-		    c->rx_x->room_gen == gen) {
+		if (c->state == PCONN_UP && c->rx_x && c->rx_x != &nothing &&
+		    c->rx_x->room == room && c->rx_x->room_gen == gen) {
 			kvsp_chunk_discard(dp->p, c->rx_x, -ECANCELED); /* the lie */
 			c->rx_x = &nothing; /* rx_dst still points into the slot */
 		}
@@ -181,7 +181,8 @@ static void vulnerable_wrap(struct kvsp_transport **xports, unsigned n)
 		struct kvsp_dp *const *dps = kvsp_peer_datapaths(xports[k], &ndps);
 		for (unsigned d = 0; d < ndps; d++)
 			dps[d]->ops = dps[d]->ops == &kvsp_dp_stream ? &vuln_stream_ops
-				      : dps[d]->ops == &kvsp_dp_rdma ? &vuln_rdma_ops : dps[d]->ops;
+				      : dps[d]->ops == &kvsp_dp_rdma ? &vuln_rdma_ops
+								     : dps[d]->ops;
 	}
 }
 
@@ -201,7 +202,8 @@ int main(int argc, char **argv)
 {
 	static const struct kvsp_daemon_hooks hooks = {
 		.warning = "TEST-ONLY BUILD: the local transport reports quiescence early, and the "
-			   "peer plane's receiver lets a late payload into a reused slot; never deploy this",
+			   "peer plane's receiver lets a late payload into a reused slot; never "
+			   "deploy this",
 		.configure = configure,
 		.started = started,
 	};

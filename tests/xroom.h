@@ -22,7 +22,7 @@ struct xroom {
 };
 
 static inline void xroom_open(struct xroom *x, kvs_client *rx, kvs_client *tx, uint64_t bytes,
-		       uint64_t owner)
+			      uint64_t owner)
 {
 	x->bytes = bytes;
 	x->owner = owner;

@@ -16,32 +16,35 @@
 static void usage(FILE *f)
 {
 	fprintf(f,
-"Usage: kvstage-ctl [-s PATH] COMMAND [ARG]...\n"
-"Control a kvstaged started with --failpoints.\n"
-"\n"
-"Commands:\n"
-"  set NAME off|pause|fail[=ERRNO] [--match USER_DATA [--mask MASK]]\n"
-"                        pause: hold what reaches NAME until set off;\n"
-"                        fail: fail it with ERRNO, 1 to 4095 (default EIO);\n"
-"                        --match: only rooms whose user_data (either side) is USER_DATA;\n"
-"                        with --mask, whose user_data & MASK is USER_DATA;\n"
-"                        USER_DATA and MASK are decimal, or hexadecimal after 0x\n"
-"                        (up to 64 bits); MASK is not 0\n"
-"  wait NAME [HITS]      block until NAME has been hit HITS times (default 1)\n"
-"  hits NAME             print how many times NAME has been hit\n"
-"  list                  list failpoint names\n"
-"\n"
-"Options:\n"
-"  -s, --socket PATH     proxy socket (default $KVSTAGE_SOCKET, else " KVS_DEFAULT_SOCKET ")\n"
-"  -t, --timeout MS      give up waiting after MS milliseconds (exit 3); default: never\n"
-"  -m, --match USER_DATA, -k, --mask MASK\n"
-"                        as for set; they may also follow the command\n"
-"  -h, --help            show this help\n"
-"  -V, --version         show the version\n"
-"\n"
-"Numbers are digits only: no sign, space or suffix.\n"
-"Exit status: 0 done, 1 the proxy refused or is not there, 2 bad command line,\n"
-"3 timed out.\n");
+		"Usage: kvstage-ctl [-s PATH] COMMAND [ARG]...\n"
+		"Control a kvstaged started with --failpoints.\n"
+		"\n"
+		"Commands:\n"
+		"  set NAME off|pause|fail[=ERRNO] [--match USER_DATA [--mask MASK]]\n"
+		"                        pause: hold what reaches NAME until set off;\n"
+		"                        fail: fail it with ERRNO, 1 to 4095 (default EIO);\n"
+		"                        --match: only rooms whose user_data (either side) is "
+		"USER_DATA;\n"
+		"                        with --mask, whose user_data & MASK is USER_DATA;\n"
+		"                        USER_DATA and MASK are decimal, or hexadecimal after 0x\n"
+		"                        (up to 64 bits); MASK is not 0\n"
+		"  wait NAME [HITS]      block until NAME has been hit HITS times (default 1)\n"
+		"  hits NAME             print how many times NAME has been hit\n"
+		"  list                  list failpoint names\n"
+		"\n"
+		"Options:\n"
+		"  -s, --socket PATH     proxy socket (default $KVSTAGE_SOCKET, "
+		"else " KVS_DEFAULT_SOCKET ")\n"
+		"  -t, --timeout MS      give up waiting after MS milliseconds (exit 3); default: "
+		"never\n"
+		"  -m, --match USER_DATA, -k, --mask MASK\n"
+		"                        as for set; they may also follow the command\n"
+		"  -h, --help            show this help\n"
+		"  -V, --version         show the version\n"
+		"\n"
+		"Numbers are digits only: no sign, space or suffix.\n"
+		"Exit status: 0 done, 1 the proxy refused or is not there, 2 bad command line,\n"
+		"3 timed out.\n");
 }
 
 /* The proxy's own message is the reason when it gave one; else ours for rc. */
@@ -67,8 +70,8 @@ static int parse_u64(const char *s, uint64_t *out)
 }
 
 /* Says "invalid OPT 'VAL': want ..." and returns 2 (a bad command line). */
-__attribute__((format(printf, 3, 4)))
-static int bad_number(const char *opt, const char *val, const char *want, ...)
+__attribute__((format(printf, 3, 4))) static int bad_number(const char *opt, const char *val,
+							    const char *want, ...)
 {
 	va_list ap;
 	va_start(ap, want);
@@ -85,7 +88,8 @@ static int parse_match(const char *opt, const char *val, int is_mask, uint64_t *
 	if (parse_u64(val, out) < 0)
 		return bad_number(opt, val, "want a number, decimal or 0x hexadecimal (64 bits)");
 	if (is_mask && !*out)
-		return bad_number(opt, val, "want a mask other than 0 (omit --mask to match all bits)");
+		return bad_number(opt, val,
+				  "want a mask other than 0 (omit --mask to match all bits)");
 	return 0;
 }
 
@@ -101,10 +105,13 @@ static int action_ok(const char *a)
 int main(int argc, char **argv)
 {
 	static const struct option opts[] = {
-		{ "socket", required_argument, NULL, 's' }, { "timeout", required_argument, NULL, 't' },
-		{ "match", required_argument, NULL, 'm' },  { "mask", required_argument, NULL, 'k' },
+		{ "socket", required_argument, NULL, 's' },
+		{ "timeout", required_argument, NULL, 't' },
+		{ "match", required_argument, NULL, 'm' },
+		{ "mask", required_argument, NULL, 'k' },
 		{ "help", no_argument, NULL, 'h' },
-		{ "version", no_argument, NULL, 'V' },      { 0 },
+		{ "version", no_argument, NULL, 'V' },
+		{ 0 },
 	};
 	const char *path = getenv("KVSTAGE_SOCKET");
 	int timeout = -1, opt;
@@ -113,7 +120,9 @@ int main(int argc, char **argv)
 	while ((opt = getopt_long(argc, argv, "+s:t:m:k:hV", opts, NULL)) != -1) {
 		uint64_t v;
 		switch (opt) {
-		case 's': path = optarg; break;
+		case 's':
+			path = optarg;
+			break;
 		case 't':
 			if (kvs_parse_uint(optarg, INT_MAX, &v))
 				return bad_number("--timeout", optarg,
@@ -129,9 +138,15 @@ int main(int argc, char **argv)
 			if (parse_match("--mask", optarg, 1, &mask))
 				return 2;
 			break;
-		case 'h': usage(stdout); return 0;
-		case 'V': printf("kvstage-ctl %s\n", KVS_VERSION_STRING); return 0;
-		default: fprintf(stderr, "Try 'kvstage-ctl --help'.\n"); return 2;
+		case 'h':
+			usage(stdout);
+			return 0;
+		case 'V':
+			printf("kvstage-ctl %s\n", KVS_VERSION_STRING);
+			return 0;
+		default:
+			fprintf(stderr, "Try 'kvstage-ctl --help'.\n");
+			return 2;
 		}
 	}
 	/* --match and --mask may also follow the command */
@@ -176,8 +191,10 @@ int main(int argc, char **argv)
 			return 2;
 		}
 		if (!action_ok(a[2])) {
-			fprintf(stderr, "kvstage-ctl: bad action '%s': want off, pause or "
-					"fail[=ERRNO] (ERRNO 1 to 4095)\n", a[2]);
+			fprintf(stderr,
+				"kvstage-ctl: bad action '%s': want off, pause or "
+				"fail[=ERRNO] (ERRNO 1 to 4095)\n",
+				a[2]);
 			return 2;
 		}
 	} else if (!strcmp(a[0], "wait") && (n == 2 || n == 3)) {

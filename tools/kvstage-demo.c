@@ -57,8 +57,8 @@ static int receiver(int desc_wr)
 		if (rc < 0)
 			return die("receiver", "wait", rc);
 		if (ev.type != KVS_EV_RECV_DONE || ev.user_data != i) {
-			fprintf(stderr, "kvstage-demo receiver: room %u ended with event %u (%s)\n", i,
-				ev.type, kvs_strerror(ev.status));
+			fprintf(stderr, "kvstage-demo receiver: room %u ended with event %u (%s)\n",
+				i, ev.type, kvs_strerror(ev.status));
 			return 1;
 		}
 		size_t ss = kvs_slot_size(c);
@@ -165,20 +165,25 @@ static int refusals(void)
 int main(int argc, char **argv)
 {
 	static const struct option opts[] = {
-		{ "socket", required_argument, NULL, 's' }, { "rooms", required_argument, NULL, 'r' },
-		{ "bytes", required_argument, NULL, 'b' },  { "help", no_argument, NULL, 'h' },
+		{ "socket", required_argument, NULL, 's' },
+		{ "rooms", required_argument, NULL, 'r' },
+		{ "bytes", required_argument, NULL, 'b' },
+		{ "help", no_argument, NULL, 'h' },
 		{ 0 },
 	};
 	int opt;
 	sock_path = getenv("KVSTAGE_SOCKET");
 	while ((opt = getopt_long(argc, argv, "s:r:b:h", opts, NULL)) != -1) {
 		switch (opt) {
-		case 's': sock_path = optarg; break;
+		case 's':
+			sock_path = optarg;
+			break;
 		case 'r': {
 			char *end;
 			unsigned long v = strtoul(optarg, &end, 10);
 			if (*optarg < '0' || *optarg > '9' || *end || !v || v > 1000000) {
-				fprintf(stderr, "kvstage-demo: bad --rooms '%s' (want 1 to 1000000)\n",
+				fprintf(stderr,
+					"kvstage-demo: bad --rooms '%s' (want 1 to 1000000)\n",
 					optarg);
 				return 2;
 			}
@@ -187,18 +192,24 @@ int main(int argc, char **argv)
 		}
 		case 'b':
 			if (kvs_parse_size(optarg, &room_bytes) || !room_bytes) {
-				fprintf(stderr, "kvstage-demo: bad --bytes '%s' (want BYTES, K/M/G "
-						"suffixes)\n", optarg);
+				fprintf(stderr,
+					"kvstage-demo: bad --bytes '%s' (want BYTES, K/M/G "
+					"suffixes)\n",
+					optarg);
 				return 2;
 			}
 			break;
 		case 'h':
 			printf("Usage: kvstage-demo [-s SOCKET] [-r ROOMS] [-b BYTES]\n"
-			       "Moves ROOMS canary-stamped rooms of BYTES (default 2.5 slots) from a\n"
-			       "sender process to a receiver process through kvstaged, checks every\n"
+			       "Moves ROOMS canary-stamped rooms of BYTES (default 2.5 slots) from "
+			       "a\n"
+			       "sender process to a receiver process through kvstaged, checks "
+			       "every\n"
 			       "byte, and shows a forged token and an abort being handled.\n");
 			return 0;
-		default: fprintf(stderr, "Try 'kvstage-demo --help'.\n"); return 2;
+		default:
+			fprintf(stderr, "Try 'kvstage-demo --help'.\n");
+			return 2;
 		}
 	}
 	if (!nrooms) {
@@ -247,7 +258,8 @@ int main(int argc, char **argv)
 	double dt = now_s() - t0;
 	int ok = WIFEXITED(st_rx) && !WEXITSTATUS(st_rx) && WIFEXITED(st_tx) && !WEXITSTATUS(st_tx);
 	printf("demo: %s in %.3f s (%.1f MB/s, payload written and checked by the clients)\n",
-	       ok ? "all bytes verified" : "FAILED", dt, (double)nrooms * (double)room_bytes / dt / 1e6);
+	       ok ? "all bytes verified" : "FAILED", dt,
+	       (double)nrooms * (double)room_bytes / dt / 1e6);
 	if (!ok)
 		return 1;
 	return refusals();

@@ -247,9 +247,14 @@ void kvsp_client_final(struct kvsp *p, const struct kvsp_side *s, uint16_t type,
 	struct kvsp_handle *hd = &c->handles[s->handle];
 	if (hd->state != KVSP_H_OPEN && hd->state != KVSP_H_CLOSING)
 		return; /* one final per handle, ever */
-	struct kvs_cqe e = { .type = type, .handle = s->handle, .status = status,
-			     .user_data = hd->user_data, .bytes = bytes,
-			     .slot = slot, .epoch = epoch, .gen = hd->gen };
+	struct kvs_cqe e = { .type = type,
+			     .handle = s->handle,
+			     .status = status,
+			     .user_data = hd->user_data,
+			     .bytes = bytes,
+			     .slot = slot,
+			     .epoch = epoch,
+			     .gen = hd->gen };
 	post(p, c, &e);
 	c->finals_owed--;
 	hd->state = hd->state == KVSP_H_CLOSING ? KVSP_H_FREE : KVSP_H_ENDED;
@@ -274,11 +279,21 @@ void kvsp_count_reject(struct kvsp *p, int err)
 {
 	uint64_t *ctr;
 	switch (err) {
-	case -ESTALE: ctr = &p->stats->rej_stale; break;
-	case -EPERM: ctr = &p->stats->rej_perm; break;
-	case -EBUSY: ctr = &p->stats->rej_busy; break;
-	case -ENOBUFS: ctr = &p->stats->rej_nobufs; break;
-	default: ctr = &p->stats->rej_inval; break;
+	case -ESTALE:
+		ctr = &p->stats->rej_stale;
+		break;
+	case -EPERM:
+		ctr = &p->stats->rej_perm;
+		break;
+	case -EBUSY:
+		ctr = &p->stats->rej_busy;
+		break;
+	case -ENOBUFS:
+		ctr = &p->stats->rej_nobufs;
+		break;
+	default:
+		ctr = &p->stats->rej_inval;
+		break;
 	}
 	KVS_STAT_ADD(*ctr, 1);
 }
@@ -290,10 +305,14 @@ void kvsp_client_reject(struct kvsp *p, struct kvsp_client *c, uint16_t h, int s
 	 * whether the room it meant is still the one at that index. */
 	bool in_range = h < p->cfg.client_rooms;
 	bool valid = in_range && c->handles[h].state != KVSP_H_FREE;
-	struct kvs_cqe e = { .type = KVS_EV_REJECTED, .handle = in_range ? h : KVS_NO_HANDLE,
+	struct kvs_cqe e = { .type = KVS_EV_REJECTED,
+			     .handle = in_range ? h : KVS_NO_HANDLE,
 			     .status = status,
 			     .user_data = valid ? c->handles[h].user_data : 0,
-			     .bytes = q->arg, .slot = q->slot, .epoch = q->epoch, .gen = q->gen };
+			     .bytes = q->arg,
+			     .slot = q->slot,
+			     .epoch = q->epoch,
+			     .gen = q->gen };
 	kvsp_count_reject(p, status);
 	count_refusal(c);
 	post(p, c, &e);

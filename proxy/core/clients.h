@@ -25,8 +25,8 @@ struct kvsp_side {
 
 enum kvsp_handle_state {
 	KVSP_H_FREE = 0,
-	KVSP_H_OPEN,    /* its final event is still owed */
-	KVSP_H_ENDED,   /* final posted; waiting for CLOSE */
+	KVSP_H_OPEN,	/* its final event is still owed */
+	KVSP_H_ENDED,	/* final posted; waiting for CLOSE */
 	KVSP_H_CLOSING, /* CLOSE seen; freed when the final is posted */
 };
 enum kvsp_role { KVSP_RECV = 1, KVSP_SEND = 2, KVSP_JOIN = 3 /* a shared room's other reader */ };
@@ -51,8 +51,8 @@ struct kvsp_client_tally {
 enum { KVSP_RL_TOKEN, KVSP_RL_KINDS };
 
 struct kvsp_client {
-	uint32_t id;    /* unique for the proxy's life; the owner in slot metadata */
-	uint16_t idx;   /* in p->clients */
+	uint32_t id;  /* unique for the proxy's life; the owner in slot metadata */
+	uint16_t idx; /* in p->clients */
 	int sock, efd, cmem_fd;
 	pid_t pid;
 	struct kvs_cshm *cshm; /* client-writable: copy before trusting */
@@ -61,8 +61,8 @@ struct kvsp_client {
 	struct kvs_ring sq, cq;
 	struct kvsp_handle *handles;
 	uint32_t finals_owed; /* one cq entry reserved for each */
-	bool kick;  /* on p->kicks: its eventfd is due a look */
-	bool dying; /* being reclaimed: posts nothing more */
+	bool kick;	      /* on p->kicks: its eventfd is due a look */
+	bool dying;	      /* being reclaimed: posts nothing more */
 	struct kvsp_rl rl[KVSP_RL_KINDS];
 	struct kvs_client_row *pub; /* its row in the published clients table */
 	struct kvsp_client_tally tally;

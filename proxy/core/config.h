@@ -25,12 +25,12 @@ struct kvsp_config {
 	uint32_t slot_count;
 	uint64_t slot_size;
 	enum kvsp_huge huge;
-	bool lock;            /* mlock the pool (best effort unless required) */
+	bool lock; /* mlock the pool (best effort unless required) */
 	uid_t allow_uid[KVSP_MAX_ALLOW];
 	gid_t allow_gid[KVSP_MAX_ALLOW];
 	unsigned n_allow_uid, n_allow_gid;
-	unsigned socket_mode;  /* the socket file's permission bits */
-	gid_t socket_group;    /* the socket file's group */
+	unsigned socket_mode; /* the socket file's permission bits */
+	gid_t socket_group;   /* the socket file's group */
 	int log_level;
 	bool failpoints;
 	uint32_t max_rooms;    /* rooms open at once, proxy-wide */
@@ -39,7 +39,7 @@ struct kvsp_config {
 	uint32_t sq_count, cq_count;
 	uint64_t room_timeout_ns; /* 0: rooms never time out */
 	uint64_t shutdown_grace_ns;
-	uint64_t spin_ns;         /* busy-poll this long after the last work, then sleep */
+	uint64_t spin_ns; /* busy-poll this long after the last work, then sleep */
 	/* The transports, in the order open_send asks them to reach a
 	 * descriptor; the first carries rooms with both halves here. None:
 	 * the local hand-off alone. */

@@ -18,7 +18,7 @@ enum kvsp_fp_id {
 #define KVSP_FP_ID(id, name) KVSP_FP_##id,
 	KVS_FAILPOINTS(KVSP_FP_ID)
 #undef KVSP_FP_ID
-	KVSP_FP_COUNT
+		KVSP_FP_COUNT
 };
 
 #define KVSP_FP_HOLD 1

@@ -11,7 +11,7 @@
 #define KVSP_HIST_BUCKETS 20
 
 struct kvsp_hist {
-	const uint64_t *upper_ns; /* KVSP_HIST_BUCKETS bounds, increasing; then +Inf */
+	const uint64_t *upper_ns;	       /* KVSP_HIST_BUCKETS bounds, increasing; then +Inf */
 	uint64_t count[KVSP_HIST_BUCKETS + 1]; /* per bucket, not cumulative */
 	uint64_t sum_ns;
 };

@@ -36,8 +36,7 @@ static void op_sync(struct kvsp *p, struct kvsp_client *c, const struct kvs_sqe 
 		}
 		rc = kvsp_fp_eval(&p->fp[KVSP_FP_ACQUIRE], p->cfg.failpoints, 0, 0);
 		if (rc == 0)
-			rc = kvsp_slot_acquire(&p->slots, c->id, (unsigned)q->arg,
-					       c->reply_leases);
+			rc = kvsp_slot_acquire(&p->slots, c->id, (unsigned)q->arg, c->reply_leases);
 		else if (rc > 0)
 			rc = -EAGAIN; /* pause is not meaningful here */
 		break;
@@ -61,8 +60,9 @@ static void op_sync(struct kvsp *p, struct kvsp_client *c, const struct kvs_sqe 
 		struct kvs_desc_wire d;
 		uint64_t bytes = 0;
 		memcpy(&d, c->cshm->request, sizeof(d));
-		rc = q->op == KVS_OP_SEND_OPEN ? kvsp_room_open_send(p, c, q->handle, &d, q->arg2, &bytes)
-					       : kvsp_room_join(p, c, q->handle, &d, q->arg2, &bytes);
+		rc = q->op == KVS_OP_SEND_OPEN
+			     ? kvsp_room_open_send(p, c, q->handle, &d, q->arg2, &bytes)
+			     : kvsp_room_join(p, c, q->handle, &d, q->arg2, &bytes);
 		if (rc == 0) {
 			c->handles[q->handle].gen = q->gen;
 			c->cshm->reply.bytes = bytes;
@@ -124,7 +124,8 @@ static void client_op(struct kvsp *p, struct kvsp_client *c, const struct kvs_sq
 void kvsp_client_op(struct kvsp *p, struct kvsp_client *c, const struct kvs_sqe *q)
 {
 	client_op(p, c, q);
-	kvsp_rooms_settle(p); /* what the op ended, ends now: its finals come before the next op's */
+	kvsp_rooms_settle(
+		p); /* what the op ended, ends now: its finals come before the next op's */
 }
 
 int kvsp_client_poll(struct kvsp *p, struct kvsp_client *c)

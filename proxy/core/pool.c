@@ -92,8 +92,8 @@ static void ctrl_geom(const struct kvsp_config *cfg, struct ctrl_geom *g)
 	g->hdr = KVS_ALIGN_UP(sizeof(struct kvs_ctrl), KVS_PAGE);
 	g->table = KVS_ALIGN_UP((size_t)cfg->slot_count * sizeof(struct kvs_slot), KVS_PAGE);
 	size_t peers = KVS_ALIGN_UP(KVS_MAX_PEERS * sizeof(struct kvs_peer), KVS_PAGE);
-	size_t clients = KVS_ALIGN_UP((size_t)cfg->max_clients * sizeof(struct kvs_client_row),
-				      KVS_PAGE);
+	size_t clients =
+		KVS_ALIGN_UP((size_t)cfg->max_clients * sizeof(struct kvs_client_row), KVS_PAGE);
 	g->peers_off = g->hdr + g->table + 2 * KVS_PAGE;
 	g->clients_off = g->peers_off + peers;
 	g->len = g->clients_off + clients;
@@ -243,8 +243,8 @@ int kvsp_pool_fits(const struct kvsp_config *cfg)
 		return 0;
 	char a[32], b[32];
 	LOG_ERR("a pool of %s does not fit in the %s of memory left (%s): ask for fewer or "
-		"smaller slots", kvs_format_size(want, a, sizeof(a)),
-		kvs_format_size(left, b, sizeof(b)), what);
+		"smaller slots",
+		kvs_format_size(want, a, sizeof(a)), kvs_format_size(left, b, sizeof(b)), what);
 	return -ENOMEM;
 }
 
@@ -288,7 +288,8 @@ int kvsp_pool_create(struct kvsp *p)
 			p->locked = true;
 		else
 			LOG_WARN("cannot lock the pool in memory (%s): raise RLIMIT_MEMLOCK or "
-				 "run with --no-lock", strerror(errno));
+				 "run with --no-lock",
+				 strerror(errno));
 	}
 	rc = ctrl_create(p);
 	if (rc < 0)

@@ -49,7 +49,7 @@ struct kvsp {
 	uint32_t bits_words;
 	uint32_t room_free_head, room_free_tail;
 	uint32_t lru_head, lru_tail;
-	uint32_t mark_head; /* rooms kvsp_rooms_settle has to look at */
+	uint32_t mark_head;    /* rooms kvsp_rooms_settle has to look at */
 	uint32_t rooms_active; /* OPEN or ABORTING */
 	uint8_t rnd[4096];
 	unsigned rnd_used;
@@ -57,31 +57,31 @@ struct kvsp {
 	struct kvsp_client **clients;
 	uint32_t next_cid;
 	unsigned clients_hi; /* clients[] is empty from here up: the loop stops here */
-	uint16_t *kicks; /* clients with kick set, each once: never more than max_clients */
+	uint16_t *kicks;     /* clients with kick set, each once: never more than max_clients */
 	unsigned nkicks;
 	/* transfers and transports */
 	struct kvsp_xfer *xfers; /* one per slot: a slot has at most one pin */
 	struct kvsp_transport *xports[KVSP_MAX_XPORTS];
 	unsigned nxports;
 	struct kvsp_transport *local; /* carries rooms whose halves are both here */
-	char endpoint[64];            /* where peers reach us, in our descriptors; "": nowhere */
+	char endpoint[64];	      /* where peers reach us, in our descriptors; "": nowhere */
 	/* failpoints */
 	struct kvsp_fp fp[KVSP_FP_COUNT];
 	/* event loop */
 	int epfd, listen_fd, wake_fd, lock_fd;
-	int spare_fd;              /* given up to accept (and refuse) when out of fds */
+	int spare_fd;		     /* given up to accept (and refuse) when out of fds */
 	uint64_t sock_dev, sock_ino; /* our socket file: only it is ever unlinked */
 	struct kvsp_pending *pending;
 	uint32_t pending_ids;
 	struct kvsp_admin *admins;
 	uint64_t now_ns, next_tick_ns;
-	volatile int term;     /* set from the signal handler */
+	volatile int term; /* set from the signal handler */
 	int terms_seen;
 	bool draining, aborted_all;
 	uint64_t drain_deadline_ns, drain_report_ns;
 	struct kvsp_rl rl_refused, rl_timeout, rl_died, rl_full, rl_attach, rl_abort;
 	uint64_t instance;
-	uint64_t spin_ns;     /* the adaptive spin budget, from cfg.spin_ns up */
+	uint64_t spin_ns; /* the adaptive spin budget, from cfg.spin_ns up */
 	/* what the metrics thread reads besides the published counters */
 	struct kvsp_hist room_hist, chunk_hist;
 	struct kvsp_metrics *metrics; /* NULL: no --metrics-listen */

@@ -302,7 +302,8 @@ static void room_settle(struct kvsp *p, uint32_t i)
 			post_final(p, &r->send.client, r->final_type, r->status, 0, NONE, 0);
 			post_final(p, &r->recv.client, r->final_type, r->status, 0, NONE, 0);
 			for (unsigned k = 0; k < r->recv.njoined; k++)
-				post_final(p, &r->recv.joined[k], r->final_type, r->status, 0, NONE, 0);
+				post_final(p, &r->recv.joined[k], r->final_type, r->status, 0, NONE,
+					   0);
 		}
 	}
 	if (r->state == KVSP_ROOM_ENDED && !r->send.client.cid && !others_read(r, NULL))
@@ -349,9 +350,11 @@ void kvsp_room_abort(struct kvsp *p, uint32_t i, int status, uint8_t type, bool 
 	if (status != -ETIMEDOUT)
 		kvsp_log_rl(&p->rl_abort, p->now_ns, &p->stats->log_suppressed, KVSP_LOG_INFO,
 			    "room %u %s: %s (%u chunks in flight, %u slots posted)", i,
-			    told_by_peer ? "aborted by the peer proxy"
-			    : type == KVS_EV_FAILED ? "failed" : "aborted",
-			    strerror(status < 0 ? -status : status), r->send.inflight, r->recv.posted);
+			    told_by_peer	    ? "aborted by the peer proxy"
+			    : type == KVS_EV_FAILED ? "failed"
+						    : "aborted",
+			    strerror(status < 0 ? -status : status), r->send.inflight,
+			    r->recv.posted);
 	r->xport->ops->cancel(r->xport, i, r->gen, status);
 	if (!told_by_peer)
 		note(p, i, KVSP_NOTE_ABORT, status);
@@ -399,8 +402,8 @@ static struct kvsp_room *room_start(struct kvsp *p, uint32_t i, uint64_t bytes,
 	r->bytes = bytes;
 	r->nchunks = (uint32_t)((bytes + p->cfg.slot_size - 1) / p->cfg.slot_size);
 	memset(r->claimed_bits, 0, ((r->nchunks + 63) / 64) * sizeof(uint64_t));
-	r->recv = (struct kvsp_recv_half){ .placed_head = NONE, .posted_head = NONE,
-					   .chunk0 = NONE };
+	r->recv =
+		(struct kvsp_recv_half){ .placed_head = NONE, .posted_head = NONE, .chunk0 = NONE };
 	r->send = (struct kvsp_send_half){ .inflight_head = NONE };
 	r->xport = t;
 	r->opened_ns = p->now_ns;
@@ -411,11 +414,13 @@ static void attach_handle(struct kvsp *p, struct kvsp_client *c, uint16_t h, uin
 			  uint8_t role, uint64_t user_data)
 {
 	struct kvsp_room *r = &p->rooms[i];
-	struct kvsp_side *s = role == KVSP_RECV ? &r->recv.client
+	struct kvsp_side *s = role == KVSP_RECV	  ? &r->recv.client
 			      : role == KVSP_SEND ? &r->send.client
-			      : &r->recv.joined[r->recv.njoined++];
+						  : &r->recv.joined[r->recv.njoined++];
 	*s = (struct kvsp_side){ c->id, c->idx, h, user_data };
-	c->handles[h] = (struct kvsp_handle){ .state = KVSP_H_OPEN, .role = role, .room = i,
+	c->handles[h] = (struct kvsp_handle){ .state = KVSP_H_OPEN,
+					      .role = role,
+					      .room = i,
 					      .user_data = user_data };
 	c->finals_owed++;
 	kvsp_room_touch(p, i);
@@ -520,8 +525,9 @@ int kvsp_room_open_send(struct kvsp *p, struct kvsp_client *c, uint16_t h,
 		return -ESTALE;
 	if (!kvsp_token_eq(r->token, d->token)) {
 		KVS_STAT_ADD(p->stats->rej_token, 1);
-		kvsp_log_rl(&c->rl[KVSP_RL_TOKEN], p->now_ns, &p->stats->log_suppressed, KVSP_LOG_WARN,
-			    "client %u (pid %d): wrong token for room %u", c->id, (int)c->pid, i);
+		kvsp_log_rl(&c->rl[KVSP_RL_TOKEN], p->now_ns, &p->stats->log_suppressed,
+			    KVSP_LOG_WARN, "client %u (pid %d): wrong token for room %u", c->id,
+			    (int)c->pid, i);
 		return -EPERM;
 	}
 	if (r->state != KVSP_ROOM_OPEN)
@@ -535,8 +541,8 @@ int kvsp_room_open_send(struct kvsp *p, struct kvsp_client *c, uint16_t h,
 
 /* One more reader of a shared room of ours: only while it waits for
  * readers, and never more than its opener said. */
-int kvsp_room_join(struct kvsp *p, struct kvsp_client *c, uint16_t h,
-		   const struct kvs_desc_wire *d, uint64_t user_data, uint64_t *bytes)
+int kvsp_room_join(struct kvsp *p, struct kvsp_client *c, uint16_t h, const struct kvs_desc_wire *d,
+		   uint64_t user_data, uint64_t *bytes)
 {
 	struct kvsp_handle *hd = handle_of(p, c, h);
 	if (!hd || hd->state != KVSP_H_FREE)
@@ -553,8 +559,9 @@ int kvsp_room_join(struct kvsp *p, struct kvsp_client *c, uint16_t h,
 		return -ESTALE;
 	if (!kvsp_token_eq(r->token, d->token)) {
 		KVS_STAT_ADD(p->stats->rej_token, 1);
-		kvsp_log_rl(&c->rl[KVSP_RL_TOKEN], p->now_ns, &p->stats->log_suppressed, KVSP_LOG_WARN,
-			    "client %u (pid %d): wrong token for room %u", c->id, (int)c->pid, i);
+		kvsp_log_rl(&c->rl[KVSP_RL_TOKEN], p->now_ns, &p->stats->log_suppressed,
+			    KVSP_LOG_WARN, "client %u (pid %d): wrong token for room %u", c->id,
+			    (int)c->pid, i);
 		return -EPERM;
 	}
 	if (r->recv.readers < 2)

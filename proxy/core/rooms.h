@@ -31,12 +31,12 @@ enum kvsp_room_state {
 };
 
 struct kvsp_recv_half {
-	struct kvsp_side client;           /* the opener */
+	struct kvsp_side client;		      /* the opener */
 	struct kvsp_side joined[KVS_MAX_READERS - 1]; /* a shared room's other readers */
-	uint8_t readers, njoined;          /* readers it waits for (1: not shared); joined so far */
-	uint32_t placed, posted;           /* chunks landed; slots pinned for a writer */
+	uint8_t readers, njoined;	   /* readers it waits for (1: not shared); joined so far */
+	uint32_t placed, posted;	   /* chunks landed; slots pinned for a writer */
 	uint32_t placed_head, posted_head; /* slot lists through kvsp_slot_priv */
-	uint32_t chunk0;                   /* slot holding chunk 0, once placed */
+	uint32_t chunk0;		   /* slot holding chunk 0, once placed */
 };
 
 struct kvsp_send_half {
@@ -51,12 +51,12 @@ struct kvsp_room {
 	uint32_t gen;
 	uint8_t state;
 	uint8_t final_type; /* KVS_EV_* when ENDED */
-	uint8_t far;        /* enum kvsp_far: the other half is on peer, through xport */
-	bool far_live;      /* the peer's half has not ended: an abort waits for it */
-	bool far_done;      /* sending half: the peer's receiving half has every chunk */
+	uint8_t far;	    /* enum kvsp_far: the other half is on peer, through xport */
+	bool far_live;	    /* the peer's half has not ended: an abort waits for it */
+	bool far_done;	    /* sending half: the peer's receiving half has every chunk */
 	bool ended_told;    /* the peer heard that our half quiesced */
 	int32_t status;
-	uint8_t token[16];  /* frames about the room carry it (invariant 4) */
+	uint8_t token[16]; /* frames about the room carry it (invariant 4) */
 	uint64_t bytes;
 	uint32_t nchunks;
 	uint32_t peer;
@@ -64,10 +64,10 @@ struct kvsp_room {
 	struct kvsp_recv_half recv;
 	struct kvsp_send_half send;
 	uint64_t progress_ns;
-	uint64_t opened_ns; /* for the room duration histogram */
+	uint64_t opened_ns;	     /* for the room duration histogram */
 	uint32_t lru_prev, lru_next; /* open rooms, oldest progress first */
 	uint32_t next_free;
-	uint32_t mark_next;  /* on the marked list while marked */
+	uint32_t mark_next; /* on the marked list while marked */
 	bool marked;
 	struct kvsp_transport *xport;
 };
@@ -118,7 +118,8 @@ void kvsp_room_mark(struct kvsp *p, uint32_t i);
  * fd, a tick); transports only mark. */
 void kvsp_rooms_settle(struct kvsp *p);
 /* xfer.c: pins lease l (checked) for chunk of room i and gives it to the room's transport. */
-void kvsp_xfer_send(struct kvsp *p, uint32_t owner, uint32_t i, const struct kvs_lease *l, uint32_t chunk);
+void kvsp_xfer_send(struct kvsp *p, uint32_t owner, uint32_t i, const struct kvs_lease *l,
+		    uint32_t chunk);
 uint64_t kvsp_chunk_len(const struct kvsp *p, const struct kvsp_room *r, uint32_t chunk);
 bool kvsp_token_eq(const uint8_t a[16], const uint8_t b[16]);
 

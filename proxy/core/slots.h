@@ -25,19 +25,19 @@
 
 /* What only the proxy needs to know about a slot. */
 struct kvsp_slot_priv {
-	uint32_t room;  /* room index while a room holds it, else KVSP_NONE */
+	uint32_t room; /* room index while a room holds it, else KVSP_NONE */
 	uint32_t chunk;
 	uint32_t prev, next; /* the room's list it is on */
 };
 
 struct kvsp_slots {
-	struct kvs_slot *pub;  /* published in the control segment */
+	struct kvs_slot *pub; /* published in the control segment */
 	struct kvsp_slot_priv *priv;
-	uint32_t *free_stack;  /* LIFO: the most recently freed slot is cache-hot */
+	uint32_t *free_stack; /* LIFO: the most recently freed slot is cache-hot */
 	uint32_t nfree;
 	uint32_t count;
-	uint64_t *nstate;      /* published: slots in each state */
-	uint64_t *reaped;      /* published: tombstones reaped */
+	uint64_t *nstate; /* published: slots in each state */
+	uint64_t *reaped; /* published: tombstones reaped */
 };
 
 /* Sets up count FREE slots at epoch epoch_base over pub[], counting them per
@@ -64,6 +64,5 @@ int kvsp_slot_post(struct kvsp_slots *s, uint32_t owner, uint32_t *slot);
 int kvsp_slot_fill(struct kvsp_slots *s, uint32_t slot);
 /* The owner is gone: held slots are freed, pinned ones become tombstones. Returns the new state, or -EINVAL. */
 int kvsp_slot_kill(struct kvsp_slots *s, uint32_t slot);
-
 
 #endif

@@ -75,9 +75,15 @@ void kvsp_xfer_send(struct kvsp *p, uint32_t owner, uint32_t i, const struct kvs
 	claim(r, chunk);
 	kvsp_room_touch(p, i);
 	struct kvsp_xfer *x = &p->xfers[l->slot];
-	*x = (struct kvsp_xfer){ .slot = l->slot, .epoch = l->epoch, .room = i, .room_gen = r->gen,
-				 .chunk = chunk, .len = (uint32_t)kvsp_chunk_len(p, r, chunk),
-				 .dir = KVSP_XFER_SEND, .xport = t->idx, .peer = r->peer,
+	*x = (struct kvsp_xfer){ .slot = l->slot,
+				 .epoch = l->epoch,
+				 .room = i,
+				 .room_gen = r->gen,
+				 .chunk = chunk,
+				 .len = (uint32_t)kvsp_chunk_len(p, r, chunk),
+				 .dir = KVSP_XFER_SEND,
+				 .xport = t->idx,
+				 .peer = r->peer,
 				 .sent_ns = p->now_ns };
 	int rc = t->ops->submit(t, x);
 	if (rc < 0)
@@ -218,9 +224,15 @@ int kvsp_chunk_post(struct kvsp *p, struct kvsp_transport *t, uint32_t peer, uin
 	claim(r, chunk);
 	kvsp_room_touch(p, i);
 	struct kvsp_xfer *x = &p->xfers[slot];
-	*x = (struct kvsp_xfer){ .slot = slot, .epoch = p->slots.pub[slot].epoch, .room = i,
-				 .room_gen = gen, .chunk = chunk, .len = len,
-				 .dir = KVSP_XFER_RECV, .xport = t->idx, .peer = peer };
+	*x = (struct kvsp_xfer){ .slot = slot,
+				 .epoch = p->slots.pub[slot].epoch,
+				 .room = i,
+				 .room_gen = gen,
+				 .chunk = chunk,
+				 .len = len,
+				 .dir = KVSP_XFER_RECV,
+				 .xport = t->idx,
+				 .peer = peer };
 	*xp = x;
 	*dst = p->pool + (size_t)slot * p->cfg.slot_size;
 	return 0;
@@ -457,7 +469,8 @@ int kvsp_xport_fp_action(const struct kvsp *p, unsigned id, int *err)
 }
 
 void kvsp_xport_fp_holder(struct kvsp *p, unsigned id, struct kvsp_transport *t,
-			  unsigned (*release)(struct kvsp_transport *t, uint64_t match, uint64_t mask))
+			  unsigned (*release)(struct kvsp_transport *t, uint64_t match,
+					      uint64_t mask))
 {
 	p->fp[id].holder = t;
 	p->fp[id].release = release;

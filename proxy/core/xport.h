@@ -49,21 +49,21 @@ enum kvsp_xfer_dir { KVSP_XFER_SEND = 1, KVSP_XFER_RECV };
 /* One pin: who holds it, for what. Core-owned; a transport reads it and
  * keeps the pointer until it reports the transfer's end. */
 struct kvsp_xfer {
-	uint32_t slot, epoch;    /* the slot, at the epoch it was captured with */
+	uint32_t slot, epoch;	 /* the slot, at the epoch it was captured with */
 	uint32_t room, room_gen; /* the room on this proxy, at its generation */
 	uint32_t chunk, len;
-	uint8_t dir;             /* enum kvsp_xfer_dir; 0: no transfer */
-	uint8_t xport;           /* the transport's index in the registry */
-	uint32_t peer;           /* the transport's name for the far proxy; 0: none */
-	uint64_t tref;           /* the transport's own reference, for it alone */
-	uint64_t sent_ns;        /* the loop pass that took it: for the chunk latency histogram */
+	uint8_t dir;	  /* enum kvsp_xfer_dir; 0: no transfer */
+	uint8_t xport;	  /* the transport's index in the registry */
+	uint32_t peer;	  /* the transport's name for the far proxy; 0: none */
+	uint64_t tref;	  /* the transport's own reference, for it alone */
+	uint64_t sent_ns; /* the loop pass that took it: for the chunk latency histogram */
 };
 
 /* What the core tells a transport about a room it carries. */
 enum kvsp_note {
 	KVSP_NOTE_ABORT = 1, /* this proxy's half is aborting (status): tell the peer */
 	KVSP_NOTE_ENDED,     /* this proxy's half has quiesced after an abort */
-	KVSP_NOTE_DONE,      /* receiving half: every chunk landed */
+	KVSP_NOTE_DONE,	     /* receiving half: every chunk landed */
 };
 
 struct kvsp_transport_ops {
@@ -217,12 +217,15 @@ int kvsp_xport_fp_action(const struct kvsp *p, unsigned id, int *err);
 /* What t holds at failpoint id is let go through release (kvstage-ctl's
  * release: work whose room's user_data & mask == match; returns how many). */
 void kvsp_xport_fp_holder(struct kvsp *p, unsigned id, struct kvsp_transport *t,
-			  unsigned (*release)(struct kvsp_transport *t, uint64_t match, uint64_t mask));
+			  unsigned (*release)(struct kvsp_transport *t, uint64_t match,
+					      uint64_t mask));
 
 /* Watches fd in the loop; events come to t->ops->on_fd with tag. Returns 0, or -errno. */
-int kvsp_xport_fd_add(struct kvsp *p, struct kvsp_transport *t, int fd, uint32_t events, uint32_t tag);
+int kvsp_xport_fd_add(struct kvsp *p, struct kvsp_transport *t, int fd, uint32_t events,
+		      uint32_t tag);
 /* Changes what fd is watched for. Returns 0, or -errno. */
-int kvsp_xport_fd_mod(struct kvsp *p, struct kvsp_transport *t, int fd, uint32_t events, uint32_t tag);
+int kvsp_xport_fd_mod(struct kvsp *p, struct kvsp_transport *t, int fd, uint32_t events,
+		      uint32_t tag);
 /* Stops watching fd (before closing it). */
 void kvsp_xport_fd_del(struct kvsp *p, int fd);
 

@@ -140,8 +140,9 @@ static int on_entry(void *user, const char *section, const char *name, const cha
 		if (!strcmp(p->name, name))
 			o = p;
 	if (!o || !strcmp(name, "help") || !strcmp(name, "version") || !strcmp(name, "config"))
-		return refuse(c, "unknown key '%s'%s (keys are kvstaged's long options: kvstaged --help)",
-			      name, "");
+		return refuse(
+			c, "unknown key '%s'%s (keys are kvstaged's long options: kvstaged --help)",
+			name, "");
 	char arg[4096];
 	if (o->has_arg == no_argument) {
 		static const char *const yes[] = { "true", "yes", "on", "1", NULL };
@@ -160,8 +161,8 @@ static int on_entry(void *user, const char *section, const char *name, const cha
 	return add(c, arg);
 }
 
-int kvsp_conf_read(const char *path, const struct option *opts, struct kvsp_conf_args *out, char *why,
-		   size_t why_len)
+int kvsp_conf_read(const char *path, const struct option *opts, struct kvsp_conf_args *out,
+		   char *why, size_t why_len)
 {
 	memset(out, 0, sizeof(*out));
 	struct reader rd = { .f = fopen(path, "re") };
@@ -169,7 +170,11 @@ int kvsp_conf_read(const char *path, const struct option *opts, struct kvsp_conf
 		snprintf(why, why_len, "%s: %s", path, strerror(errno));
 		return -1;
 	}
-	struct conf c = { .opts = opts, .out = out, .rd = &rd, .why = why, .why_len = why_len,
+	struct conf c = { .opts = opts,
+			  .out = out,
+			  .rd = &rd,
+			  .why = why,
+			  .why_len = why_len,
 			  .path = path };
 	rd.c = &c;
 	int rc = ini_parse_stream(read_line, &rd, on_entry, &c);
@@ -182,7 +187,8 @@ int kvsp_conf_read(const char *path, const struct option *opts, struct kvsp_conf
 	}
 	if (!c.failed && rc != 0) {
 		/* inih's own refusal: a line that is no "key = value" nor [section] */
-		snprintf(why, why_len, "%s:%d: not 'key = value', '[section]' or a comment", path, rc);
+		snprintf(why, why_len, "%s:%d: not 'key = value', '[section]' or a comment", path,
+			 rc);
 		c.failed = true;
 	}
 	if (c.failed) {

@@ -29,102 +29,104 @@
 static void usage(FILE *f)
 {
 	fprintf(f,
-"Usage: kvstaged [OPTION]...\n"
-"The kvstage staging proxy: owns a shared-memory pool of slots that engines\n"
-"lease, fill and hand to rooms; only its transports move slot bytes.\n"
-"Runs in the foreground until SIGTERM or SIGINT (a second one exits at once).\n"
-"\n"
-"  -c, --config FILE        read options from FILE first: one \"name = value\"\n"
-"                           per line for each long option below (a flag:\n"
-"                           true or false), '#' or ';' comments (a line, or\n"
-"                           after a value and a blank), an optional\n"
-"                           [kvstaged] section; the command line overrides it\n"
-"  -s, --socket PATH        Unix socket to serve (default: $KVSTAGE_SOCKET,\n"
-"                           else " KVS_DEFAULT_SOCKET ")\n"
-"  -n, --slots N            slots in the pool (default 256)\n"
-"  -z, --slot-size BYTES    bytes per slot, a multiple of 4K below 4G; K, M, G\n"
-"                           suffixes (default 1M)\n"
-"      --hugepages MODE     auto | on | off (default auto: 2 MiB hugepages when\n"
-"                           free, else normal pages with MADV_HUGEPAGE)\n"
-"      --no-lock            do not mlock the pool\n"
-"      --socket-mode MODE   the socket file's mode, octal (default 0660)\n"
-"      --socket-group GROUP the socket file's group, a name or a gid (default:\n"
-"                           ours); its members are admitted\n"
-"      --allow-uid UID      also admit clients with this uid (repeatable)\n"
-"      --allow-gid GID      also admit members of this group, primary or\n"
-"                           supplementary (repeatable)\n"
-"                           Admitted: root, our uid, --allow-uid, and members of\n"
-"                           the socket's group or an --allow-gid. A mode that\n"
-"                           would keep one of them out is refused at start.\n"
-"      --max-rooms N        rooms open at once, proxy-wide (default 4096)\n"
-"      --client-rooms N     rooms one connection may hold open (default 256)\n"
-"      --max-clients N      connections at once (default 256)\n"
-"      --ring N             submission ring entries per connection, a power of\n"
-"                           two (default 1024)\n"
-"      --room-timeout MS    abort a room that makes no progress for MS\n"
-"                           milliseconds (default 30000; 0: never)\n"
-"      --shutdown-grace MS  on SIGTERM, let active rooms finish for MS before\n"
-"                           aborting them (default 5000)\n"
-"      --spin-us US         busy-poll at least US microseconds after the last\n"
-"                           work, then sleep until kicked (default 50; the\n"
-"                           spin grows, up to 16x and 1 ms, while sleeps end\n"
-"                           soon after they begin; 0: never spin). Once idle\n"
-"                           for 5 us the spin yields its CPU every 5 us to\n"
-"                           whoever shares it\n"
-"      --listen HOST:PORT   take rooms from proxies on other hosts over TCP;\n"
-"                           HOST is a numeric IPv4 address or [IPv6]; port 0:\n"
-"                           any free one. Needs the peer secret\n"
-"      --advertise HOST:PORT  the endpoint our descriptors name, when peers\n"
-"                           must dial something else than --listen (NAT, or a\n"
-"                           wildcard listen address)\n"
-"      --peer-secret-file PATH  the deployment's shared secret (16 to 4096\n"
-"                           bytes; mode 0600 or stricter); else the value of\n"
-"                           $KVSTAGE_PEER_SECRET. With a secret and no --listen\n"
-"                           this proxy only sends to others\n"
-"      --tcp-streams N      connections to each peer, 1 to 16 (default 2)\n"
-"      --peer-timeout MS    the bound on every wait on a peer (default 10000,\n"
-"                           at least 100): silent this long, or owing an\n"
-"                           answer or a payload this long, it is lost and its\n"
-"                           rooms fail; a handshake gets a quarter of it\n"
-"      --tcp-checksum       send a CRC32C of every chunk's payload (received\n"
-"                           ones are always checked when they carry one)\n"
-"      --transport MODE     how chunks go to peers: auto | tcp | verbs (default\n"
-"                           auto: by RDMA READ on --rdma-device, else on the\n"
-"                           first RDMA device listed if its port is up, else\n"
-"                           by TCP;\n"
-"                           tcp: never RDMA; verbs: RDMA, and no start\n"
-"                           without a device). Each peer without RDMA gets\n"
-"                           TCP; the log says which a peer gets\n"
-"      --rdma-device NAME   move chunks by RDMA READ on this device with peers\n"
-"                           that have one too (the others: by TCP); the pool\n"
-"                           is registered for local access only, and a peer\n"
-"                           reads each chunk under a key of its own (see\n"
-"                           --rdma-keys). Needs the peer secret (control\n"
-"                           stays on TCP)\n"
-"      --rdma-gid-index N   the GID to use (default: the first RoCE v2 one,\n"
-"                           IPv4-mapped first)\n"
-"      --rdma-keys KIND     how each chunk's key is made: auto | windows |\n"
-"                           regions (default auto: windows if the device has\n"
-"                           type-2 memory windows, else regions). windows: a\n"
-"                           window bound on the peer's queue pair, invalidated\n"
-"                           at the chunk's ack or its room's abort (the NIC\n"
-"                           refuses it to any other peer); no RDMA on a\n"
-"                           device without them. regions: a memory region\n"
-"                           registered per chunk, deregistered at its end\n"
-"                           (costs a registration per chunk; any peer with\n"
-"                           the key may use it till then)\n"
-"      --metrics-listen [HOST:]PORT  serve Prometheus metrics over HTTP at\n"
-"                           GET /metrics (HOST numeric; default 127.0.0.1;\n"
-"                           port 0: any free one, logged); default: off\n"
-"      --failpoints         accept failpoint control from kvstage-ctl (tests)\n"
-"      --ready-fd FD        write \"ready\\n\" to FD once serving, then close it\n"
-"                           (0, 1 and 2 are written to but kept open)\n"
-"  -l, --log-level LEVEL    error | warn | info | debug (default info)\n"
-"  -h, --help               show this help\n"
-"  -V, --version            show the version\n");
+		"Usage: kvstaged [OPTION]...\n"
+		"The kvstage staging proxy: owns a shared-memory pool of slots that engines\n"
+		"lease, fill and hand to rooms; only its transports move slot bytes.\n"
+		"Runs in the foreground until SIGTERM or SIGINT (a second one exits at once).\n"
+		"\n"
+		"  -c, --config FILE        read options from FILE first: one \"name = value\"\n"
+		"                           per line for each long option below (a flag:\n"
+		"                           true or false), '#' or ';' comments (a line, or\n"
+		"                           after a value and a blank), an optional\n"
+		"                           [kvstaged] section; the command line overrides it\n"
+		"  -s, --socket PATH        Unix socket to serve (default: $KVSTAGE_SOCKET,\n"
+		"                           else " KVS_DEFAULT_SOCKET ")\n"
+		"  -n, --slots N            slots in the pool (default 256)\n"
+		"  -z, --slot-size BYTES    bytes per slot, a multiple of 4K below 4G; K, M, G\n"
+		"                           suffixes (default 1M)\n"
+		"      --hugepages MODE     auto | on | off (default auto: 2 MiB hugepages when\n"
+		"                           free, else normal pages with MADV_HUGEPAGE)\n"
+		"      --no-lock            do not mlock the pool\n"
+		"      --socket-mode MODE   the socket file's mode, octal (default 0660)\n"
+		"      --socket-group GROUP the socket file's group, a name or a gid (default:\n"
+		"                           ours); its members are admitted\n"
+		"      --allow-uid UID      also admit clients with this uid (repeatable)\n"
+		"      --allow-gid GID      also admit members of this group, primary or\n"
+		"                           supplementary (repeatable)\n"
+		"                           Admitted: root, our uid, --allow-uid, and members of\n"
+		"                           the socket's group or an --allow-gid. A mode that\n"
+		"                           would keep one of them out is refused at start.\n"
+		"      --max-rooms N        rooms open at once, proxy-wide (default 4096)\n"
+		"      --client-rooms N     rooms one connection may hold open (default 256)\n"
+		"      --max-clients N      connections at once (default 256)\n"
+		"      --ring N             submission ring entries per connection, a power of\n"
+		"                           two (default 1024)\n"
+		"      --room-timeout MS    abort a room that makes no progress for MS\n"
+		"                           milliseconds (default 30000; 0: never)\n"
+		"      --shutdown-grace MS  on SIGTERM, let active rooms finish for MS before\n"
+		"                           aborting them (default 5000)\n"
+		"      --spin-us US         busy-poll at least US microseconds after the last\n"
+		"                           work, then sleep until kicked (default 50; the\n"
+		"                           spin grows, up to 16x and 1 ms, while sleeps end\n"
+		"                           soon after they begin; 0: never spin). Once idle\n"
+		"                           for 5 us the spin yields its CPU every 5 us to\n"
+		"                           whoever shares it\n"
+		"      --listen HOST:PORT   take rooms from proxies on other hosts over TCP;\n"
+		"                           HOST is a numeric IPv4 address or [IPv6]; port 0:\n"
+		"                           any free one. Needs the peer secret\n"
+		"      --advertise HOST:PORT  the endpoint our descriptors name, when peers\n"
+		"                           must dial something else than --listen (NAT, or a\n"
+		"                           wildcard listen address)\n"
+		"      --peer-secret-file PATH  the deployment's shared secret (16 to 4096\n"
+		"                           bytes; mode 0600 or stricter); else the value of\n"
+		"                           $KVSTAGE_PEER_SECRET. With a secret and no --listen\n"
+		"                           this proxy only sends to others\n"
+		"      --tcp-streams N      connections to each peer, 1 to 16 (default 2)\n"
+		"      --peer-timeout MS    the bound on every wait on a peer (default 10000,\n"
+		"                           at least 100): silent this long, or owing an\n"
+		"                           answer or a payload this long, it is lost and its\n"
+		"                           rooms fail; a handshake gets a quarter of it\n"
+		"      --tcp-checksum       send a CRC32C of every chunk's payload (received\n"
+		"                           ones are always checked when they carry one)\n"
+		"      --transport MODE     how chunks go to peers: auto | tcp | verbs (default\n"
+		"                           auto: by RDMA READ on --rdma-device, else on the\n"
+		"                           first RDMA device listed if its port is up, else\n"
+		"                           by TCP;\n"
+		"                           tcp: never RDMA; verbs: RDMA, and no start\n"
+		"                           without a device). Each peer without RDMA gets\n"
+		"                           TCP; the log says which a peer gets\n"
+		"      --rdma-device NAME   move chunks by RDMA READ on this device with peers\n"
+		"                           that have one too (the others: by TCP); the pool\n"
+		"                           is registered for local access only, and a peer\n"
+		"                           reads each chunk under a key of its own (see\n"
+		"                           --rdma-keys). Needs the peer secret (control\n"
+		"                           stays on TCP)\n"
+		"      --rdma-gid-index N   the GID to use (default: the first RoCE v2 one,\n"
+		"                           IPv4-mapped first)\n"
+		"      --rdma-keys KIND     how each chunk's key is made: auto | windows |\n"
+		"                           regions (default auto: windows if the device has\n"
+		"                           type-2 memory windows, else regions). windows: a\n"
+		"                           window bound on the peer's queue pair, invalidated\n"
+		"                           at the chunk's ack or its room's abort (the NIC\n"
+		"                           refuses it to any other peer); no RDMA on a\n"
+		"                           device without them. regions: a memory region\n"
+		"                           registered per chunk, deregistered at its end\n"
+		"                           (costs a registration per chunk; any peer with\n"
+		"                           the key may use it till then)\n"
+		"      --metrics-listen [HOST:]PORT  serve Prometheus metrics over HTTP at\n"
+		"                           GET /metrics (HOST numeric; default 127.0.0.1;\n"
+		"                           port 0: any free one, logged); default: off\n"
+		"      --failpoints         accept failpoint control from kvstage-ctl (tests)\n"
+		"      --ready-fd FD        write \"ready\\n\" to FD once serving, then close it\n"
+		"                           (0, 1 and 2 are written to but kept open)\n"
+		"  -l, --log-level LEVEL    error | warn | info | debug (default info)\n"
+		"  -h, --help               show this help\n"
+		"  -V, --version            show the version\n");
 	if (*KVS_BUILT_WITHOUT)
-		fprintf(f, "\nbuilt without: %s\n(the options that need them are refused; "
-			"meson_options.txt lists the parts)\n", KVS_BUILT_WITHOUT);
+		fprintf(f,
+			"\nbuilt without: %s\n(the options that need them are refused; "
+			"meson_options.txt lists the parts)\n",
+			KVS_BUILT_WITHOUT);
 }
 
 /* An octal mode: digits 0-7 only, at most 0777. */
@@ -176,9 +178,32 @@ static int lacks(const char *opt, const char *part, const char *package)
 #define NO_METRICS(opt) lacks(opt, "metrics", "libmicrohttpd-dev")
 
 enum {
-	O_HUGE = 256, O_NOLOCK, O_UID, O_GID, O_ROOMS, O_CROOMS, O_CLIENTS, O_RING, O_TIMEOUT,
-	O_GRACE, O_SPIN, O_FP, O_READY, O_SMODE, O_SGROUP, O_LISTEN, O_ADVERTISE, O_SECRET,
-	O_STREAMS, O_PTIMEOUT, O_CSUM, O_RDMA, O_GIDX, O_KEYS, O_METRICS, O_TRANSPORT,
+	O_HUGE = 256,
+	O_NOLOCK,
+	O_UID,
+	O_GID,
+	O_ROOMS,
+	O_CROOMS,
+	O_CLIENTS,
+	O_RING,
+	O_TIMEOUT,
+	O_GRACE,
+	O_SPIN,
+	O_FP,
+	O_READY,
+	O_SMODE,
+	O_SGROUP,
+	O_LISTEN,
+	O_ADVERTISE,
+	O_SECRET,
+	O_STREAMS,
+	O_PTIMEOUT,
+	O_CSUM,
+	O_RDMA,
+	O_GIDX,
+	O_KEYS,
+	O_METRICS,
+	O_TRANSPORT,
 };
 
 /* The --config FILE argument, if any, before anything is parsed: the
@@ -259,7 +284,8 @@ int kvsp_daemon_main(int argc, char **argv, const struct kvsp_daemon_hooks *hook
 		.socket_mode = 0660,
 		.socket_group = getegid(),
 	};
-	static struct kvsp_peer_opts peer = { .streams = 2, .peer_timeout_ns = 10000ull * 1000000,
+	static struct kvsp_peer_opts peer = { .streams = 2,
+					      .peer_timeout_ns = 10000ull * 1000000,
 					      .rdma_gid_index = -1 };
 	const char *secret_path = NULL, *conf_path, *metrics_listen = NULL;
 	int ready_fd = -1, opt;
@@ -293,7 +319,8 @@ int kvsp_daemon_main(int argc, char **argv, const struct kvsp_daemon_hooks *hook
 			break;
 		origin[0] = 0;
 		if (at >= 1 && at <= conf.argc)
-			snprintf(origin, sizeof(origin), "%.255s:%u: ", conf_path, conf.line[at - 1]);
+			snprintf(origin, sizeof(origin), "%.255s:%u: ", conf_path,
+				 conf.line[at - 1]);
 		switch (opt) {
 		case 'c':
 			break; /* read first, above */
@@ -304,7 +331,8 @@ int kvsp_daemon_main(int argc, char **argv, const struct kvsp_daemon_hooks *hook
 			break;
 		case O_SMODE:
 			if (parse_mode(optarg, &cfg.socket_mode))
-				return bad("--socket-mode", optarg, "want an octal mode such as 0660");
+				return bad("--socket-mode", optarg,
+					   "want an octal mode such as 0660");
 			break;
 		case O_SGROUP:
 			if (parse_group(optarg, &cfg.socket_group))
@@ -318,9 +346,10 @@ int kvsp_daemon_main(int argc, char **argv, const struct kvsp_daemon_hooks *hook
 		case 'z':
 			/* A chunk's length is 32-bit in kvs_send: a slot must fit in it. */
 			if (kvs_parse_size(optarg, &v) || v < 4096 || v % 4096 || v > UINT32_MAX)
-				return bad("--slot-size", optarg,
-					   "want a multiple of 4K, at most 4G - 4K (kvs_send takes a "
-					   "32-bit length)");
+				return bad(
+					"--slot-size", optarg,
+					"want a multiple of 4K, at most 4G - 4K (kvs_send takes a "
+					"32-bit length)");
 			cfg.slot_size = v;
 			break;
 		case O_HUGE:
@@ -371,7 +400,8 @@ int kvsp_daemon_main(int argc, char **argv, const struct kvsp_daemon_hooks *hook
 			break;
 		case O_TIMEOUT:
 			if (kvs_parse_uint(optarg, 86400000, &v))
-				return bad("--room-timeout", optarg, "want milliseconds, 0 to 86400000");
+				return bad("--room-timeout", optarg,
+					   "want milliseconds, 0 to 86400000");
 			cfg.room_timeout_ns = v * 1000000;
 			break;
 		case O_GRACE:
@@ -409,7 +439,8 @@ int kvsp_daemon_main(int argc, char **argv, const struct kvsp_daemon_hooks *hook
 			break;
 		case O_PTIMEOUT:
 			if (kvs_parse_uint(optarg, 86400000, &v) || v < 100)
-				return bad("--peer-timeout", optarg, "want milliseconds, 100 to 86400000");
+				return bad("--peer-timeout", optarg,
+					   "want milliseconds, 100 to 86400000");
 			peer.peer_timeout_ns = v * 1000000;
 			break;
 		case O_CSUM:
@@ -431,7 +462,8 @@ int kvsp_daemon_main(int argc, char **argv, const struct kvsp_daemon_hooks *hook
 			if (!KVS_HAVE_VERBS)
 				return NO_RDMA("--rdma-device");
 			if (!*optarg)
-				return bad("--rdma-device", optarg, "want a device name (ibv_devices)");
+				return bad("--rdma-device", optarg,
+					   "want a device name (ibv_devices)");
 			peer.rdma_device = optarg;
 			break;
 		case O_GIDX:
@@ -471,7 +503,8 @@ int kvsp_daemon_main(int argc, char **argv, const struct kvsp_daemon_hooks *hook
 		case 'l': {
 			int lvl = kvsp_log_parse(optarg);
 			if (lvl < 0)
-				return bad("--log-level", optarg, "want error, warn, info or debug");
+				return bad("--log-level", optarg,
+					   "want error, warn, info or debug");
 			cfg.log_level = lvl;
 			break;
 		}
@@ -513,30 +546,34 @@ int kvsp_daemon_main(int argc, char **argv, const struct kvsp_daemon_hooks *hook
 		peer.secret = &secret;
 	} else if (peer.listen) {
 		fprintf(stderr, "kvstaged: --listen needs the deployment's peer secret: "
-			"--peer-secret-file PATH or $KVSTAGE_PEER_SECRET\nTry 'kvstaged --help'.\n");
+				"--peer-secret-file PATH or $KVSTAGE_PEER_SECRET\nTry 'kvstaged "
+				"--help'.\n");
 		return 2;
 	}
 	if (peer.data == KVSP_DATA_TCP && (peer.rdma_device || peer.rdma_keys != KVSP_KEYS_AUTO)) {
-		fprintf(stderr, "kvstaged: --transport tcp never uses RDMA: drop %s, or "
+		fprintf(stderr,
+			"kvstaged: --transport tcp never uses RDMA: drop %s, or "
 			"say --transport verbs or auto\nTry 'kvstaged --help'.\n",
 			peer.rdma_device ? "--rdma-device" : "--rdma-keys");
 		return 2;
 	}
 	if (peer.data == KVSP_DATA_VERBS && !peer.secret) {
-		fprintf(stderr, "kvstaged: --transport verbs rides on the tcp transport's sessions: "
+		fprintf(stderr,
+			"kvstaged: --transport verbs rides on the tcp transport's sessions: "
 			"it needs the peer secret (--peer-secret-file or $KVSTAGE_PEER_SECRET)\n"
 			"Try 'kvstaged --help'.\n");
 		return 2;
 	}
 	if (peer.rdma_device && !peer.secret) {
-		fprintf(stderr, "kvstaged: --rdma-device rides on the tcp transport's sessions: it "
+		fprintf(stderr,
+			"kvstaged: --rdma-device rides on the tcp transport's sessions: it "
 			"needs the peer secret (--peer-secret-file or $KVSTAGE_PEER_SECRET)\n"
 			"Try 'kvstaged --help'.\n");
 		return 2;
 	}
 	if (peer.advertise && !peer.listen) {
 		fprintf(stderr, "kvstaged: --advertise names where --listen is reached: give both\n"
-			"Try 'kvstaged --help'.\n");
+				"Try 'kvstaged --help'.\n");
 		return 2;
 	}
 	if (kvsp_access_check(&cfg, why, sizeof(why))) {
@@ -572,8 +609,8 @@ int kvsp_daemon_main(int argc, char **argv, const struct kvsp_daemon_hooks *hook
 		return 1;
 	}
 	char slot[32], pool[32];
-	LOG_INFO("serving %s: %u slots x %s = %s pool (hugepages %s, %slocked)%s",
-		 cfg.socket_path, cfg.slot_count, kvs_format_size(cfg.slot_size, slot, sizeof(slot)),
+	LOG_INFO("serving %s: %u slots x %s = %s pool (hugepages %s, %slocked)%s", cfg.socket_path,
+		 cfg.slot_count, kvs_format_size(cfg.slot_size, slot, sizeof(slot)),
 		 kvs_format_size(p.pool_size, pool, sizeof(pool)), p.huge ? "yes" : "no",
 		 p.locked ? "" : "not ", cfg.failpoints ? ", failpoints on" : "");
 	kvsp_notify("READY=1\nSTATUS=serving %s: %u slots x %s", cfg.socket_path, cfg.slot_count,
@@ -586,7 +623,7 @@ int kvsp_daemon_main(int argc, char **argv, const struct kvsp_daemon_hooks *hook
 	}
 	rc = kvsp_run(&p);
 	if (rc != 0)
-		return rc; /* forced: leave memory a transport may touch mapped */
+		return rc;     /* forced: leave memory a transport may touch mapped */
 	kvsp_metrics_stop(&p); /* first: it reads what the rest frees */
 	kvsp_fini(&p);
 	return 0;

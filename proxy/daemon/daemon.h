@@ -9,9 +9,9 @@ struct kvsp_config;
 /* What a test-only build of the daemon changes (tests/vulnerable.c): the
  * production kvstaged passes none. */
 struct kvsp_daemon_hooks {
-	const char *warning;                          /* logged at start */
-	void (*configure)(struct kvsp_config *cfg);   /* before the proxy is made */
-	void (*started)(struct kvsp *p);              /* once it is made */
+	const char *warning;			    /* logged at start */
+	void (*configure)(struct kvsp_config *cfg); /* before the proxy is made */
+	void (*started)(struct kvsp *p);	    /* once it is made */
 };
 
 /* Parses argv, runs the proxy until it drains. Returns the exit code. */

@@ -27,7 +27,8 @@ static bool to_journal(void)
 		const char *e = getenv("JOURNAL_STREAM");
 		struct stat st;
 		known = e && sscanf(e, "%llu:%llu", &dev, &ino) == 2 && fstat(2, &st) == 0 &&
-			(unsigned long long)st.st_dev == dev && (unsigned long long)st.st_ino == ino;
+			(unsigned long long)st.st_dev == dev &&
+			(unsigned long long)st.st_ino == ino;
 	}
 	return known;
 }

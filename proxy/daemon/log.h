@@ -16,10 +16,10 @@ int kvsp_log_parse(const char *s);
 #define LOG_ERR(...) kvsp_log(KVSP_LOG_ERR, __VA_ARGS__)
 #define LOG_WARN(...) kvsp_log(KVSP_LOG_WARN, __VA_ARGS__)
 #define LOG_INFO(...) kvsp_log(KVSP_LOG_INFO, __VA_ARGS__)
-#define LOG_DEBUG(...)                                                                     \
-	do {                                                                               \
-		if (kvsp_log_level >= KVSP_LOG_DEBUG)                                      \
-			kvsp_log(KVSP_LOG_DEBUG, __VA_ARGS__);                             \
+#define LOG_DEBUG(...)                                         \
+	do {                                                   \
+		if (kvsp_log_level >= KVSP_LOG_DEBUG)          \
+			kvsp_log(KVSP_LOG_DEBUG, __VA_ARGS__); \
 	} while (0)
 
 /*
@@ -33,8 +33,8 @@ int kvsp_log_parse(const char *s);
 
 struct kvsp_rl {
 	uint64_t window_ns; /* start of the current window */
-	uint32_t lines;     /* logged in it */
-	uint32_t held;      /* kept back since the last line logged */
+	uint32_t lines;	    /* logged in it */
+	uint32_t held;	    /* kept back since the last line logged */
 };
 
 /* Logs one line through rl at now_ns, or counts it (and adds 1 to *suppressed). */

@@ -45,7 +45,7 @@ struct mconn {
 struct kvsp_metrics {
 	struct MHD_Daemon *d;
 	pthread_t thread;
-	bool stop;           /* atomic: the loop's thread tells the server's */
+	bool stop;	     /* atomic: the loop's thread tells the server's */
 	struct mconn *conns; /* the server thread's alone */
 	unsigned nconns;
 	uint64_t cut, refused;
@@ -62,8 +62,8 @@ int kvsp_metrics_parse(const char *s, struct kvsp_endpoint *ep)
 	return kvsp_endpoint_parse(s, ep);
 }
 
-static enum MHD_Result answer(struct MHD_Connection *conn, unsigned code, const char *type, char *body,
-			      size_t len, enum MHD_ResponseMemoryMode mode)
+static enum MHD_Result answer(struct MHD_Connection *conn, unsigned code, const char *type,
+			      char *body, size_t len, enum MHD_ResponseMemoryMode mode)
 {
 	struct MHD_Response *r = MHD_create_response_from_buffer(len, body, mode);
 	if (!r) {
@@ -244,7 +244,8 @@ static void *serve(void *arg)
 		if (m->cut != cut || m->refused != refused) {
 			/* the client's doing: through the same limit as libmicrohttpd's lines */
 			char msg[128];
-			snprintf(msg, sizeof(msg), "%llu requests cut at their %llu s deadline, %llu "
+			snprintf(msg, sizeof(msg),
+				 "%llu requests cut at their %llu s deadline, %llu "
 				 "connections refused (%u open at most), so far",
 				 (unsigned long long)m->cut,
 				 (unsigned long long)(METRICS_REQUEST_NS / 1000000000),
@@ -267,11 +268,12 @@ int kvsp_metrics_start(struct kvsp *p, const char *listen)
 	struct kvsp_metrics *m = calloc(1, sizeof(*m));
 	if (!m)
 		return -ENOMEM;
-	unsigned flags = MHD_USE_ERROR_LOG | MHD_USE_EPOLL; /* runs: ours (MHD_run_wait), any fd number */
+	unsigned flags = MHD_USE_ERROR_LOG |
+			 MHD_USE_EPOLL; /* runs: ours (MHD_run_wait), any fd number */
 	if (ep.sa.ss_family == AF_INET6)
 		flags |= MHD_USE_IPv6;
-	m->d = MHD_start_daemon(flags, 0, on_accept, m, on_request, p,
-				MHD_OPTION_EXTERNAL_LOGGER, on_mhd_log, NULL, /* first, or MHD warns */
+	m->d = MHD_start_daemon(flags, 0, on_accept, m, on_request, p, MHD_OPTION_EXTERNAL_LOGGER,
+				on_mhd_log, NULL, /* first, or MHD warns */
 				MHD_OPTION_SOCK_ADDR, (struct sockaddr *)&ep.sa,
 				/* ours refuses first (on_accept); this one only backs it */
 				MHD_OPTION_CONNECTION_LIMIT, (unsigned)METRICS_MAX_CONNS + 1,
@@ -279,8 +281,7 @@ int kvsp_metrics_start(struct kvsp *p, const char *listen)
 				MHD_OPTION_CONNECTION_TIMEOUT,
 				(unsigned)(METRICS_REQUEST_NS / 1000000000),
 				MHD_OPTION_NOTIFY_CONNECTION, on_connection, m,
-				MHD_OPTION_NOTIFY_COMPLETED, on_completed, m,
-				MHD_OPTION_END);
+				MHD_OPTION_NOTIFY_COMPLETED, on_completed, m, MHD_OPTION_END);
 	int err = errno;
 	if (!m->d) {
 		free(m);
@@ -319,7 +320,7 @@ void kvsp_metrics_stop(struct kvsp *p)
 		return;
 	__atomic_store_n(&m->stop, true, __ATOMIC_RELEASE);
 	pthread_join(m->thread, NULL); /* within a tick: its run waits that long at most */
-	MHD_stop_daemon(m->d);         /* closes what is left: each is told closed, and freed */
+	MHD_stop_daemon(m->d);	       /* closes what is left: each is told closed, and freed */
 	free(m);
 	p->metrics = NULL;
 }

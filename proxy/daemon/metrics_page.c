@@ -19,14 +19,14 @@
 #include "core/clients.h"
 
 const uint64_t kvsp_hist_room_ns[KVSP_HIST_BUCKETS] = {
-	100000, 250000, 500000, 1000000, 2500000, 5000000, 10000000, 25000000, 50000000,
-	100000000, 250000000, 500000000, 1000000000, 2500000000, 5000000000, 10000000000,
-	30000000000, 60000000000, 90000000000, 120000000000,
+	100000,	    250000,	 500000,      1000000,	   2500000,	5000000,      10000000,
+	25000000,   50000000,	 100000000,   250000000,   500000000,	1000000000,   2500000000,
+	5000000000, 10000000000, 30000000000, 60000000000, 90000000000, 120000000000,
 };
 const uint64_t kvsp_hist_chunk_ns[KVSP_HIST_BUCKETS] = {
-	1000, 2500, 5000, 10000, 25000, 50000, 100000, 250000, 500000, 1000000, 2500000,
-	5000000, 10000000, 25000000, 50000000, 100000000, 250000000, 1000000000, 5000000000,
-	10000000000,
+	1000,	  2500,	     5000,	10000,	    25000,	50000,	     100000,
+	250000,	  500000,    1000000,	2500000,    5000000,	10000000,    25000000,
+	50000000, 100000000, 250000000, 1000000000, 5000000000, 10000000000,
 };
 
 #define ST(f) offsetof(struct kvs_stats, f)
@@ -40,48 +40,94 @@ struct metric {
  * conventions (base units, _total on counters). */
 static const struct metric plain[] = {
 	{ "kvstage_rooms_open", "gauge", "Rooms not yet freed.", ST(rooms_open) },
-	{ "kvstage_rooms_done_total", "counter", "Rooms (or this proxy's halves of them) that completed: every chunk landed.", ST(rooms_done) },
-	{ "kvstage_rooms_aborted_total", "counter", "Rooms aborted, by a client or a peer.", ST(rooms_aborted) },
-	{ "kvstage_rooms_failed_total", "counter", "Rooms failed by a transport or the proxy.", ST(rooms_failed) },
-	{ "kvstage_rooms_timed_out_total", "counter", "Rooms aborted after --room-timeout without progress.", ST(rooms_timed_out) },
+	{ "kvstage_rooms_done_total", "counter",
+	  "Rooms (or this proxy's halves of them) that completed: every chunk landed.",
+	  ST(rooms_done) },
+	{ "kvstage_rooms_aborted_total", "counter", "Rooms aborted, by a client or a peer.",
+	  ST(rooms_aborted) },
+	{ "kvstage_rooms_failed_total", "counter", "Rooms failed by a transport or the proxy.",
+	  ST(rooms_failed) },
+	{ "kvstage_rooms_timed_out_total", "counter",
+	  "Rooms aborted after --room-timeout without progress.", ST(rooms_timed_out) },
 	{ "kvstage_clients", "gauge", "Client connections attached now.", ST(clients) },
-	{ "kvstage_clients_attached_total", "counter", "Client connections attached since start.", ST(clients_total) },
-	{ "kvstage_clients_closed_total", "counter", "Clients that said goodbye (kvs_close).", ST(clients_closed) },
-	{ "kvstage_clients_died_total", "counter", "Clients that hung up without kvs_close.", ST(clients_died) },
-	{ "kvstage_clients_refused_total", "counter", "Connections refused (credentials, limits, bad hello).", ST(clients_refused) },
+	{ "kvstage_clients_attached_total", "counter", "Client connections attached since start.",
+	  ST(clients_total) },
+	{ "kvstage_clients_closed_total", "counter", "Clients that said goodbye (kvs_close).",
+	  ST(clients_closed) },
+	{ "kvstage_clients_died_total", "counter", "Clients that hung up without kvs_close.",
+	  ST(clients_died) },
+	{ "kvstage_clients_refused_total", "counter",
+	  "Connections refused (credentials, limits, bad hello).", ST(clients_refused) },
 	{ "kvstage_ops_total", "counter", "Submission records the proxy took.", ST(ops) },
 	{ "kvstage_events_total", "counter", "Events posted to clients.", ST(events) },
-	{ "kvstage_events_dropped_total", "counter", "Events a full completion ring could not take.", ST(events_dropped) },
-	{ "kvstage_chunks_moved_total", "counter", "Chunks that landed in a receiver's slot here, or left for a peer.", ST(chunks_moved) },
-	{ "kvstage_bytes_moved_total", "counter", "Payload bytes of those chunks.", ST(bytes_moved) },
-	{ "kvstage_chunks_discarded_total", "counter", "Late or refused chunks the fence kept out of any slot.", ST(chunks_discarded) },
-	{ "kvstage_tombstones_reaped_total", "counter", "Tombstoned slots freed once their transport quiesced.", ST(tombstones_reaped) },
-	{ "kvstage_loop_sleeps_total", "counter", "Times the polling loop went to sleep.", ST(sleeps) },
+	{ "kvstage_events_dropped_total", "counter",
+	  "Events a full completion ring could not take.", ST(events_dropped) },
+	{ "kvstage_chunks_moved_total", "counter",
+	  "Chunks that landed in a receiver's slot here, or left for a peer.", ST(chunks_moved) },
+	{ "kvstage_bytes_moved_total", "counter", "Payload bytes of those chunks.",
+	  ST(bytes_moved) },
+	{ "kvstage_chunks_discarded_total", "counter",
+	  "Late or refused chunks the fence kept out of any slot.", ST(chunks_discarded) },
+	{ "kvstage_tombstones_reaped_total", "counter",
+	  "Tombstoned slots freed once their transport quiesced.", ST(tombstones_reaped) },
+	{ "kvstage_loop_sleeps_total", "counter", "Times the polling loop went to sleep.",
+	  ST(sleeps) },
 	{ "kvstage_draining", "gauge", "1 once SIGTERM was seen.", ST(draining) },
-	{ "kvstage_log_lines_suppressed_total", "counter", "Log lines the rate limits kept back.", ST(log_suppressed) },
-	{ "kvstage_peer_sessions", "gauge", "Sessions with other proxies up now.", ST(peer_sessions) },
-	{ "kvstage_peer_sessions_lost_total", "counter", "Peer sessions lost: dropped, cut, or silent past --peer-timeout.", ST(peer_lost) },
-	{ "kvstage_peer_drain_notices_total", "counter", "Peers that said they are draining.", ST(peer_byes) },
-	{ "kvstage_peer_auth_failures_total", "counter", "Peer connections that did not prove the secret in time.", ST(peer_auth_failed) },
-	{ "kvstage_peer_connections_refused_total", "counter", "Peer connections refused, or unproven ones dropped, for want of room.", ST(peer_refused) },
-	{ "kvstage_peer_deadlines_total", "counter", "Peer sessions and handshakes lost at a deadline (joining, silence, an answer owed, quiescence).", ST(peer_timeouts) },
-	{ "kvstage_peer_evictions_total", "counter", "Joining or idle peer sessions dropped to make room for new ones.", ST(peer_evicted) },
-	{ "kvstage_peer_sessions_closed_total", "counter", "Peer sessions closed quietly: idle, or their peer restarted.", ST(peer_closed) },
-	{ "kvstage_peer_pings_total", "counter", "PINGs sent to keep quiet peer sessions alive.", ST(peer_pings) },
-	{ "kvstage_peer_frames_refused_total", "counter", "Malformed, forged or replayed peer frames (their connection dropped).", ST(peer_frames_refused) },
-	{ "kvstage_peer_frames_ignored_total", "counter", "Authentic peer frames naming no room of ours.", ST(peer_frames_ignored) },
-	{ "kvstage_peer_checksum_errors_total", "counter", "Chunks whose payload failed its CRC32C.", ST(peer_crc_errors) },
-	{ "kvstage_tcp_sent_bytes_total", "counter", "Bytes written to peer connections.", ST(tcp_bytes_tx) },
-	{ "kvstage_tcp_received_bytes_total", "counter", "Bytes read from peer connections.", ST(tcp_bytes_rx) },
-	{ "kvstage_rdma_reads_total", "counter", "Chunks pulled by RDMA READ (landed or not).", ST(rdma_reads) },
-	{ "kvstage_rdma_received_bytes_total", "counter", "Bytes pulled by RDMA READ.", ST(rdma_bytes_rx) },
-	{ "kvstage_rdma_window_binds_total", "counter", "Chunk keys granted by binding a memory window.", ST(rdma_binds) },
-	{ "kvstage_rdma_window_invalidates_total", "counter", "Window keys revoked by a local invalidate.", ST(rdma_invalidates) },
-	{ "kvstage_rdma_region_registrations_total", "counter", "Chunk keys granted by registering a memory region (no windows).", ST(rdma_regions) },
-	{ "kvstage_rdma_region_deregistrations_total", "counter", "Region keys revoked by deregistering.", ST(rdma_region_frees) },
-	{ "kvstage_rdma_reads_refused_total", "counter", "Peers' READs our NIC refused: a key not held, or past its chunk.", ST(rdma_reads_refused) },
-	{ "kvstage_rdma_links_lost_total", "counter", "Queue pairs that failed under a live session: its chunks went by TCP until a new one was connected.", ST(rdma_links_lost) },
-	{ "kvstage_rdma_sessions", "gauge", "Peer sessions whose chunks go by RDMA READ now.", ST(rdma_sessions) },
+	{ "kvstage_log_lines_suppressed_total", "counter", "Log lines the rate limits kept back.",
+	  ST(log_suppressed) },
+	{ "kvstage_peer_sessions", "gauge", "Sessions with other proxies up now.",
+	  ST(peer_sessions) },
+	{ "kvstage_peer_sessions_lost_total", "counter",
+	  "Peer sessions lost: dropped, cut, or silent past --peer-timeout.", ST(peer_lost) },
+	{ "kvstage_peer_drain_notices_total", "counter", "Peers that said they are draining.",
+	  ST(peer_byes) },
+	{ "kvstage_peer_auth_failures_total", "counter",
+	  "Peer connections that did not prove the secret in time.", ST(peer_auth_failed) },
+	{ "kvstage_peer_connections_refused_total", "counter",
+	  "Peer connections refused, or unproven ones dropped, for want of room.",
+	  ST(peer_refused) },
+	{ "kvstage_peer_deadlines_total", "counter",
+	  "Peer sessions and handshakes lost at a deadline (joining, silence, an answer owed, "
+	  "quiescence).",
+	  ST(peer_timeouts) },
+	{ "kvstage_peer_evictions_total", "counter",
+	  "Joining or idle peer sessions dropped to make room for new ones.", ST(peer_evicted) },
+	{ "kvstage_peer_sessions_closed_total", "counter",
+	  "Peer sessions closed quietly: idle, or their peer restarted.", ST(peer_closed) },
+	{ "kvstage_peer_pings_total", "counter", "PINGs sent to keep quiet peer sessions alive.",
+	  ST(peer_pings) },
+	{ "kvstage_peer_frames_refused_total", "counter",
+	  "Malformed, forged or replayed peer frames (their connection dropped).",
+	  ST(peer_frames_refused) },
+	{ "kvstage_peer_frames_ignored_total", "counter",
+	  "Authentic peer frames naming no room of ours.", ST(peer_frames_ignored) },
+	{ "kvstage_peer_checksum_errors_total", "counter",
+	  "Chunks whose payload failed its CRC32C.", ST(peer_crc_errors) },
+	{ "kvstage_tcp_sent_bytes_total", "counter", "Bytes written to peer connections.",
+	  ST(tcp_bytes_tx) },
+	{ "kvstage_tcp_received_bytes_total", "counter", "Bytes read from peer connections.",
+	  ST(tcp_bytes_rx) },
+	{ "kvstage_rdma_reads_total", "counter", "Chunks pulled by RDMA READ (landed or not).",
+	  ST(rdma_reads) },
+	{ "kvstage_rdma_received_bytes_total", "counter", "Bytes pulled by RDMA READ.",
+	  ST(rdma_bytes_rx) },
+	{ "kvstage_rdma_window_binds_total", "counter",
+	  "Chunk keys granted by binding a memory window.", ST(rdma_binds) },
+	{ "kvstage_rdma_window_invalidates_total", "counter",
+	  "Window keys revoked by a local invalidate.", ST(rdma_invalidates) },
+	{ "kvstage_rdma_region_registrations_total", "counter",
+	  "Chunk keys granted by registering a memory region (no windows).", ST(rdma_regions) },
+	{ "kvstage_rdma_region_deregistrations_total", "counter",
+	  "Region keys revoked by deregistering.", ST(rdma_region_frees) },
+	{ "kvstage_rdma_reads_refused_total", "counter",
+	  "Peers' READs our NIC refused: a key not held, or past its chunk.",
+	  ST(rdma_reads_refused) },
+	{ "kvstage_rdma_links_lost_total", "counter",
+	  "Queue pairs that failed under a live session: its chunks went by TCP until a new one "
+	  "was connected.",
+	  ST(rdma_links_lost) },
+	{ "kvstage_rdma_sessions", "gauge", "Peer sessions whose chunks go by RDMA READ now.",
+	  ST(rdma_sessions) },
 };
 
 static uint64_t ld(const uint64_t *v)
@@ -121,8 +167,8 @@ static void histogram(FILE *f, const char *name, const char *help, const struct 
 	for (unsigned b = 0; b <= KVSP_HIST_BUCKETS; b++) {
 		cum += ld(&h->count[b]);
 		if (b < KVSP_HIST_BUCKETS)
-			fprintf(f, "%s_bucket{le=\"%.9g\"} %llu\n", name, (double)h->upper_ns[b] / 1e9,
-				(unsigned long long)cum);
+			fprintf(f, "%s_bucket{le=\"%.9g\"} %llu\n", name,
+				(double)h->upper_ns[b] / 1e9, (unsigned long long)cum);
 		else
 			fprintf(f, "%s_bucket{le=\"+Inf\"} %llu\n", name, (unsigned long long)cum);
 	}
@@ -138,12 +184,17 @@ static void peers(FILE *f, const struct kvs_ctrl *c)
 		const char *name, *type, *help;
 		size_t off;
 	} cols[] = {
-		{ "kvstage_peer_up", "gauge", "1 for a peer session that is up, 0 while it joins.", 0 },
+		{ "kvstage_peer_up", "gauge", "1 for a peer session that is up, 0 while it joins.",
+		  0 },
 		{ "kvstage_peer_streams", "gauge", "TCP connections in the session.", 0 },
-		{ "kvstage_peer_sent_bytes_total", "counter", "Bytes sent to the peer.", offsetof(struct kvs_peer, bytes_tx) },
-		{ "kvstage_peer_received_bytes_total", "counter", "Bytes received from the peer.", offsetof(struct kvs_peer, bytes_rx) },
-		{ "kvstage_peer_chunks_discarded_total", "counter", "The peer's chunks the fence kept out.", offsetof(struct kvs_peer, chunks_sunk) },
-		{ "kvstage_peer_rdma_reads_refused_total", "counter", "The peer's READs our NIC refused.", 0 },
+		{ "kvstage_peer_sent_bytes_total", "counter", "Bytes sent to the peer.",
+		  offsetof(struct kvs_peer, bytes_tx) },
+		{ "kvstage_peer_received_bytes_total", "counter", "Bytes received from the peer.",
+		  offsetof(struct kvs_peer, bytes_rx) },
+		{ "kvstage_peer_chunks_discarded_total", "counter",
+		  "The peer's chunks the fence kept out.", offsetof(struct kvs_peer, chunks_sunk) },
+		{ "kvstage_peer_rdma_reads_refused_total", "counter",
+		  "The peer's READs our NIC refused.", 0 },
 	};
 	for (unsigned k = 0; k < sizeof(cols) / sizeof(cols[0]); k++) {
 		bool any = false;
@@ -156,17 +207,20 @@ static void peers(FILE *f, const struct kvs_ctrl *c)
 				head(f, cols[k].name, cols[k].type, cols[k].help);
 			any = true;
 			uint32_t fl = __atomic_load_n(&e->flags, __ATOMIC_RELAXED);
-			uint64_t v = k == 0 ? state == KVS_PEER_UP
-				   : k == 1 ? __atomic_load_n(&e->streams, __ATOMIC_RELAXED)
-				   : k == 5 ? __atomic_load_n(&e->reads_refused, __ATOMIC_RELAXED)
-					    : ld((const uint64_t *)((const char *)e + cols[k].off));
+			uint64_t v =
+				k == 0	 ? state == KVS_PEER_UP
+				: k == 1 ? __atomic_load_n(&e->streams, __ATOMIC_RELAXED)
+				: k == 5 ? __atomic_load_n(&e->reads_refused, __ATOMIC_RELAXED)
+					 : ld((const uint64_t *)((const char *)e + cols[k].off));
 			fprintf(f, "%s{peer=\"", cols[k].name);
 			label(f, e->endpoint, sizeof(e->endpoint));
 			fprintf(f, "\",peer_instance=\"%016llx\",rdma=\"%s\",keys=\"%s\"} %llu\n",
-				(unsigned long long)ld(&e->instance), fl & KVS_PEER_RDMA ? "yes" : "no",
-				!(fl & KVS_PEER_RDMA) ? "none"
+				(unsigned long long)ld(&e->instance),
+				fl & KVS_PEER_RDMA ? "yes" : "no",
+				!(fl & KVS_PEER_RDMA)	       ? "none"
 				: !(fl & KVS_PEER_KEYS_REGION) ? "windows"
-				: !(fl & KVS_PEER_KEYS_WINDOW) ? "regions" : "windows+regions",
+				: !(fl & KVS_PEER_KEYS_WINDOW) ? "regions"
+							       : "windows+regions",
 				(unsigned long long)v);
 		}
 	}
@@ -180,16 +234,32 @@ static void clients(FILE *f, const struct kvsp *p)
 		const char *name, *type, *help;
 		size_t off;
 	} cols[] = {
-		{ "kvstage_client_ops_total", "counter", "Submission records taken from the client's ring.", offsetof(struct kvs_client_row, ops) },
-		{ "kvstage_client_requests_rejected_total", "counter", "The client's requests refused.", offsetof(struct kvs_client_row, rejects) },
-		{ "kvstage_client_rooms", "gauge", "Rooms the client is in that have not ended for it.", offsetof(struct kvs_client_row, rooms) },
-		{ "kvstage_client_rooms_done_total", "counter", "The client's rooms that completed.", offsetof(struct kvs_client_row, rooms_done) },
-		{ "kvstage_client_rooms_aborted_total", "counter", "The client's rooms that were aborted.", offsetof(struct kvs_client_row, rooms_aborted) },
-		{ "kvstage_client_rooms_failed_total", "counter", "The client's rooms that failed.", offsetof(struct kvs_client_row, rooms_failed) },
-		{ "kvstage_client_sent_chunks_total", "counter", "Chunks the client sent into open rooms.", offsetof(struct kvs_client_row, chunks_sent) },
-		{ "kvstage_client_sent_bytes_total", "counter", "Bytes of those chunks.", offsetof(struct kvs_client_row, bytes_sent) },
-		{ "kvstage_client_received_chunks_total", "counter", "Chunks of rooms the client received whole.", offsetof(struct kvs_client_row, chunks_recv) },
-		{ "kvstage_client_received_bytes_total", "counter", "Bytes of those rooms.", offsetof(struct kvs_client_row, bytes_recv) },
+		{ "kvstage_client_ops_total", "counter",
+		  "Submission records taken from the client's ring.",
+		  offsetof(struct kvs_client_row, ops) },
+		{ "kvstage_client_requests_rejected_total", "counter",
+		  "The client's requests refused.", offsetof(struct kvs_client_row, rejects) },
+		{ "kvstage_client_rooms", "gauge",
+		  "Rooms the client is in that have not ended for it.",
+		  offsetof(struct kvs_client_row, rooms) },
+		{ "kvstage_client_rooms_done_total", "counter",
+		  "The client's rooms that completed.",
+		  offsetof(struct kvs_client_row, rooms_done) },
+		{ "kvstage_client_rooms_aborted_total", "counter",
+		  "The client's rooms that were aborted.",
+		  offsetof(struct kvs_client_row, rooms_aborted) },
+		{ "kvstage_client_rooms_failed_total", "counter", "The client's rooms that failed.",
+		  offsetof(struct kvs_client_row, rooms_failed) },
+		{ "kvstage_client_sent_chunks_total", "counter",
+		  "Chunks the client sent into open rooms.",
+		  offsetof(struct kvs_client_row, chunks_sent) },
+		{ "kvstage_client_sent_bytes_total", "counter", "Bytes of those chunks.",
+		  offsetof(struct kvs_client_row, bytes_sent) },
+		{ "kvstage_client_received_chunks_total", "counter",
+		  "Chunks of rooms the client received whole.",
+		  offsetof(struct kvs_client_row, chunks_recv) },
+		{ "kvstage_client_received_bytes_total", "counter", "Bytes of those rooms.",
+		  offsetof(struct kvs_client_row, bytes_recv) },
 	};
 	const struct kvs_client_row *tab = kvsp_client_rows(p);
 	uint32_t n = p->cfg.max_clients, have = 0;
@@ -202,9 +272,10 @@ static void clients(FILE *f, const struct kvsp *p)
 	for (unsigned k = 0; k < sizeof(cols) / sizeof(cols[0]) && have; k++) {
 		head(f, cols[k].name, cols[k].type, cols[k].help);
 		for (uint32_t i = 0; i < have; i++)
-			fprintf(f, "%s{client=\"%u\",pid=\"%d\",uid=\"%u\"} %llu\n", cols[k].name, rows[i].id,
-				rows[i].pid, rows[i].uid,
-				(unsigned long long)*(const uint64_t *)((const char *)&rows[i] + cols[k].off));
+			fprintf(f, "%s{client=\"%u\",pid=\"%d\",uid=\"%u\"} %llu\n", cols[k].name,
+				rows[i].id, rows[i].pid, rows[i].uid,
+				(unsigned long long)*(const uint64_t *)((const char *)&rows[i] +
+									cols[k].off));
 	}
 	free(rows);
 }
@@ -215,8 +286,8 @@ int kvsp_metrics_render(const struct kvsp *p, FILE *f)
 	const struct kvs_stats *st = p->stats;
 
 	head(f, "kvstage_info", "gauge", "The proxy: its version and this start's instance id.");
-	fprintf(f, "kvstage_info{version=\"%s\",proxy_instance=\"%016llx\"} 1\n", KVS_VERSION_STRING,
-		(unsigned long long)c->instance);
+	fprintf(f, "kvstage_info{version=\"%s\",proxy_instance=\"%016llx\"} 1\n",
+		KVS_VERSION_STRING, (unsigned long long)c->instance);
 	head(f, "kvstage_pool_slots", "gauge", "Slots in the pool.");
 	fprintf(f, "kvstage_pool_slots %u\n", c->slot_count);
 	head(f, "kvstage_slot_size_bytes", "gauge", "Bytes per slot.");
@@ -230,37 +301,44 @@ int kvsp_metrics_render(const struct kvsp *p, FILE *f)
 			(unsigned long long)ld(&st->slots[s]));
 	for (unsigned i = 0; i < sizeof(plain) / sizeof(plain[0]); i++) {
 		head(f, plain[i].name, plain[i].type, plain[i].help);
-		fprintf(f, "%s %llu\n", plain[i].name, (unsigned long long)stat_at(st, plain[i].off));
+		fprintf(f, "%s %llu\n", plain[i].name,
+			(unsigned long long)stat_at(st, plain[i].off));
 	}
 	head(f, "kvstage_requests_rejected_total", "counter",
-	     "Client requests refused, by reason (stale epoch, not the owner, busy, invalid, wrong room token, pool exhausted).");
+	     "Client requests refused, by reason (stale epoch, not the owner, busy, invalid, wrong "
+	     "room token, pool exhausted).");
 	static const struct {
 		const char *why;
 		size_t off;
 	} rej[] = {
-		{ "stale", ST(rej_stale) }, { "perm", ST(rej_perm) },   { "busy", ST(rej_busy) },
-		{ "inval", ST(rej_inval) }, { "token", ST(rej_token) }, { "nobufs", ST(rej_nobufs) },
+		{ "stale", ST(rej_stale) }, { "perm", ST(rej_perm) },
+		{ "busy", ST(rej_busy) },   { "inval", ST(rej_inval) },
+		{ "token", ST(rej_token) }, { "nobufs", ST(rej_nobufs) },
 	};
 	for (unsigned i = 0; i < sizeof(rej) / sizeof(rej[0]); i++)
 		fprintf(f, "kvstage_requests_rejected_total{reason=\"%s\"} %llu\n", rej[i].why,
 			(unsigned long long)stat_at(st, rej[i].off));
 	peers(f, c);
 	clients(f, p);
-	histogram(f, "kvstage_room_duration_seconds",
-		  "Completed rooms (this proxy's halves), from their open here to their last chunk.",
-		  &p->room_hist);
+	histogram(
+		f, "kvstage_room_duration_seconds",
+		"Completed rooms (this proxy's halves), from their open here to their last chunk.",
+		&p->room_hist);
 	histogram(f, "kvstage_chunk_latency_seconds",
-		  "Sent chunks, from the proxy taking them until they landed (local room), were all in the socket (tcp) or the peer had read them (RDMA).",
+		  "Sent chunks, from the proxy taking them until they landed (local room), were "
+		  "all in the socket (tcp) or the peer had read them (RDMA).",
 		  &p->chunk_hist);
 	/* The process: CPU (the loop spins, so this is the proxy's cost) and start. */
 	struct rusage ru;
 	if (getrusage(RUSAGE_SELF, &ru) == 0) {
-		head(f, "process_cpu_seconds_total", "counter", "User and system CPU time spent, in seconds.");
+		head(f, "process_cpu_seconds_total", "counter",
+		     "User and system CPU time spent, in seconds.");
 		fprintf(f, "process_cpu_seconds_total %.6f\n",
 			(double)(ru.ru_utime.tv_sec + ru.ru_stime.tv_sec) +
 				(double)(ru.ru_utime.tv_usec + ru.ru_stime.tv_usec) / 1e6);
 	}
-	head(f, "process_start_time_seconds", "gauge", "Start time of the process since the Unix epoch, in seconds.");
+	head(f, "process_start_time_seconds", "gauge",
+	     "Start time of the process since the Unix epoch, in seconds.");
 	fprintf(f, "process_start_time_seconds %.3f\n", (double)c->started_ns / 1e9);
 	return ferror(f) ? -EIO : 0;
 }

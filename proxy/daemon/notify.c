@@ -42,9 +42,11 @@ void kvsp_notify(const char *fmt, ...)
 	(void)fmt;
 	static bool said;
 	if (!said)
-		LOG_WARN("$NOTIFY_SOCKET is set, but this build has no systemd support (libsystemd-dev "
-			 "missing at build time): the service manager is not told when we are ready "
-			 "or stopping (a Type=notify unit times out; use Type=simple)");
+		LOG_WARN(
+			"$NOTIFY_SOCKET is set, but this build has no systemd support "
+			"(libsystemd-dev "
+			"missing at build time): the service manager is not told when we are ready "
+			"or stopping (a Type=notify unit times out; use Type=simple)");
 	said = true;
 #endif
 }

@@ -5,7 +5,7 @@
 #include <errno.h>
 
 const struct kvsp_dp_ops *const kvsp_datapaths[] = {
-	&kvsp_dp_rdma,   /* with a device on both ends: the receiver pulls each chunk */
+	&kvsp_dp_rdma,	 /* with a device on both ends: the receiver pulls each chunk */
 	&kvsp_dp_stream, /* every session: chunks after their frames on the sockets */
 	NULL,
 };

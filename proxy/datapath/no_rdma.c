@@ -106,8 +106,10 @@ static int no_rdma_on_frame(struct kvsp_dp *dp, struct psess *s, struct pconn *c
 		if (addr + plen < addr || ++ns->hellos > 1)
 			return -EPROTO; /* a pool that wraps, or a HELLO again: out of protocol */
 		KVS_STAT_ADD(dp->st->peer_frames_ignored, 1);
-		LOG_INFO("rdma: peer %s offers RDMA; this build has no RDMA (libibverbs-dev missing at "
-			 "build time): chunks to it go by TCP", s->ep.text);
+		LOG_INFO("rdma: peer %s offers RDMA; this build has no RDMA (libibverbs-dev "
+			 "missing at "
+			 "build time): chunks to it go by TCP",
+			 s->ep.text);
 		return 0;
 	}
 	case KVS_WIRE_CHUNK_READ: {
@@ -116,8 +118,10 @@ static int no_rdma_on_frame(struct kvsp_dp *dp, struct psess *s, struct pconn *c
 		if (ns->nnacks >= KVSP_RDMA_WINDOW)
 			return -EPROTO;
 		ns->nacks[(ns->nack_head + ns->nnacks++) % KVSP_RDMA_WINDOW] =
-			(struct kvs_wire_chunk_ack){ .room = b->room, .chunk = b->chunk,
-						     .status = (int32_t)htole32((uint32_t)-EOPNOTSUPP),
+			(struct kvs_wire_chunk_ack){ .room = b->room,
+						     .chunk = b->chunk,
+						     .status = (int32_t)htole32(
+							     (uint32_t)-EOPNOTSUPP),
 						     .xfer_ref = b->xfer_ref };
 		return 0;
 	}

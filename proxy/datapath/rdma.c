@@ -108,15 +108,16 @@ static struct kvsp_dp *rdma_create(const struct kvsp_dp *base, const struct kvsp
 	}
 	uint32_t slots = kvsp_slot_count(base->p);
 	if (slots > SLOTS_MAX) {
-		snprintf(why, len, "rdma data path: %u slots, more than work requests can name", slots);
+		snprintf(why, len, "rdma data path: %u slots, more than work requests can name",
+			 slots);
 		*err = -E2BIG;
 		rdma_destroy(&r->dp);
 		return NULL;
 	}
 	char e[256];
-	int rc = kvsp_verbs_open(&r->verbs, o->rdma_device, o->rdma_gid_index, kvsp_slot_mem(base->p, 0),
-				 (size_t)slots * kvsp_slot_size(base->p), PSESS_MAX * (SQ_DEPTH + 1),
-				 o->rdma_keys, e, sizeof(e));
+	int rc = kvsp_verbs_open(&r->verbs, o->rdma_device, o->rdma_gid_index,
+				 kvsp_slot_mem(base->p, 0), (size_t)slots * kvsp_slot_size(base->p),
+				 PSESS_MAX * (SQ_DEPTH + 1), o->rdma_keys, e, sizeof(e));
 	if (rc < 0) {
 		memset(&r->verbs, 0, sizeof(r->verbs));
 		if (o->rdma_device || o->data == KVSP_DATA_VERBS) {
@@ -145,17 +146,22 @@ static struct kvsp_dp *rdma_create(const struct kvsp_dp *base, const struct kvsp
 		return NULL;
 	}
 	const char *because = r->verbs.keys == KVSP_KEYS_REGION
-			  ? (o->rdma_keys == KVSP_KEYS_REGION ? "--rdma-keys regions"
-							      : "the device has no type-2 memory windows")
-		  : r->verbs.window_confines == 1 ? "the device keeps a READ inside its window"
-		  : r->verbs.window_confines == 0 ? "the device does not keep a READ inside its "
-						    "window, only inside the region under it: each "
-						    "chunk gets a region of its own"
-		  : "whether the device keeps a READ inside its window could not be tried: each "
-		    "chunk gets a region of its own";
+				      ? (o->rdma_keys == KVSP_KEYS_REGION
+						 ? "--rdma-keys regions"
+						 : "the device has no type-2 memory windows")
+			      : r->verbs.window_confines == 1
+				      ? "the device keeps a READ inside its window"
+			      : r->verbs.window_confines == 0
+				      ? "the device does not keep a READ inside its "
+					"window, only inside the region under it: each "
+					"chunk gets a region of its own"
+				      : "whether the device keeps a READ inside its window could "
+					"not be tried: each "
+					"chunk gets a region of its own";
 	LOG_INFO("rdma: %s port %u, GID index %d: chunks by RDMA READ with peers that have it, "
-		 "each under a key of its own: %s (%s)", r->verbs.name, r->verbs.port,
-		 r->verbs.gid_index, kvsp_keys_wire_name(kvsp_verbs_keys_wire(&r->verbs)), because);
+		 "each under a key of its own: %s (%s)",
+		 r->verbs.name, r->verbs.port, r->verbs.gid_index,
+		 kvsp_keys_wire_name(kvsp_verbs_keys_wire(&r->verbs)), because);
 	return &r->dp;
 }
 
@@ -183,8 +189,10 @@ static void link_connect(struct rdma *r, struct rsess *rs, struct psess *s)
 {
 	int rc = kvsp_verbs_qp_connect(&r->verbs, rs->qp, &rs->local, &rs->peer);
 	if (rc < 0) {
-		RLOG(r, KVSP_LOG_WARN, "rdma: peer %s: cannot connect the queue pair (%s): chunks go "
-		     "by TCP", s->ep.text, strerror(-rc));
+		RLOG(r, KVSP_LOG_WARN,
+		     "rdma: peer %s: cannot connect the queue pair (%s): chunks go "
+		     "by TCP",
+		     s->ep.text, strerror(-rc));
 		rs_break(r, rs, RS_POST_FAILED); /* its sentinel flushes; then it is made again */
 		return;
 	}
@@ -233,9 +241,12 @@ static int on_hello(struct rdma *r, struct psess *s, const struct kvs_wire_rdma_
 	if (++rs->hellos > RELINKS_MAX + 1)
 		return -EPROTO; /* a peer out of protocol: more queue pairs than we make */
 	struct kvsp_verbs_ep p = {
-		.qpn = le32toh(b->qpn), .psn = le32toh(b->psn),
-		.pool_addr = le64toh(b->pool_addr), .pool_len = le64toh(b->pool_len),
-		.keys = le32toh(b->keys), .mtu = le32toh(b->mtu),
+		.qpn = le32toh(b->qpn),
+		.psn = le32toh(b->psn),
+		.pool_addr = le64toh(b->pool_addr),
+		.pool_len = le64toh(b->pool_len),
+		.keys = le32toh(b->keys),
+		.mtu = le32toh(b->mtu),
 	};
 	memcpy(p.gid, b->gid, sizeof(p.gid));
 	if (p.pool_addr + p.pool_len < p.pool_addr)
@@ -245,7 +256,8 @@ static int on_hello(struct rdma *r, struct psess *s, const struct kvs_wire_rdma_
 	if (!r->verbs.ctx || (!rs->qp && !rs->broken)) {
 		KVS_STAT_ADD(r->dp.st->peer_frames_ignored, 1);
 		if (rs->hellos == 1)
-			LOG_INFO("rdma: peer %s offers RDMA; %s: chunks to it go by TCP", s->ep.text,
+			LOG_INFO("rdma: peer %s offers RDMA; %s: chunks to it go by TCP",
+				 s->ep.text,
 				 r->verbs.ctx ? "we have no queue pair for it"
 					      : "this proxy has no RDMA device");
 		return 0;
@@ -294,10 +306,13 @@ static bool rdma_next_control(struct kvsp_dp *dp, struct psess *s, struct kvsp_d
 		rs->owe_hello = false;
 		const struct kvsp_verbs_ep *e = &rs->local;
 		out->type = KVS_WIRE_RDMA_HELLO;
-		out->body.rdma_hello = (struct kvs_wire_rdma_hello){
-			.qpn = htole32(e->qpn), .psn = htole32(e->psn),
-			.pool_addr = htole64(e->pool_addr), .pool_len = htole64(e->pool_len),
-			.keys = htole32(e->keys), .mtu = htole32(e->mtu) };
+		out->body.rdma_hello =
+			(struct kvs_wire_rdma_hello){ .qpn = htole32(e->qpn),
+						      .psn = htole32(e->psn),
+						      .pool_addr = htole64(e->pool_addr),
+						      .pool_len = htole64(e->pool_len),
+						      .keys = htole32(e->keys),
+						      .mtu = htole32(e->mtu) };
 		memcpy(out->body.rdma_hello.gid, e->gid, sizeof(e->gid));
 	}
 	return true;
@@ -363,21 +378,24 @@ static void judge(struct rdma *r, struct rsess *rs)
 		return;
 	if (forged) {
 		RLOG(r, KVSP_LOG_WARN, "rdma: peer %s: %s: session lost", s->ep.text,
-		     rs->own_fault == RS_PEER_SENT ? "it SENT on its queue pair (out of protocol)"
-		     : "our NIC refused its READ: a key it does not hold (never sent, acknowledged, "
-		       "another room's or session's, or past its chunk)");
+		     rs->own_fault == RS_PEER_SENT
+			     ? "it SENT on its queue pair (out of protocol)"
+			     : "our NIC refused its READ: a key it does not hold (never sent, "
+			       "acknowledged, "
+			       "another room's or session's, or past its chunk)");
 		psess_lost(dp->sessions, s, -EACCES);
 		return;
 	}
 	KVS_STAT_ADD(dp->st->rdma_links_lost, 1);
 	PUB(s->pub->flags, 0);
 	relink(r, rs, s);
-	const char *why = rs->own_fault == RS_PEER_GAVE_UP ? "it says it cannot READ from us"
+	const char *why = rs->own_fault == RS_PEER_GAVE_UP    ? "it says it cannot READ from us"
 			  : rs->own_fault == RS_PEER_RELINKED ? "it made its queue pair again"
-			  : rs->own_fault == RS_POST_FAILED ? "a work request could not be posted"
+			  : rs->own_fault == RS_POST_FAILED   ? "a work request could not be posted"
 			  : rs->own_fault > 0 ? ibv_wc_status_str((enum ibv_wc_status)rs->own_fault)
-			  : "our NIC refused its READ of a chunk whose key an abort revoked while the "
-			    "READ may have been on its way";
+					      : "our NIC refused its READ of a chunk whose key an "
+						"abort revoked while the "
+						"READ may have been on its way";
 	RLOG(r, KVSP_LOG_WARN, "rdma: peer %s: %s: its chunks go by TCP %s", s->ep.text, why,
 	     rs->qp ? "until the queue pairs are made again" : "for the rest of this session");
 }
@@ -411,8 +429,10 @@ void rs_completed(struct rdma *r, struct rsess *rs, const struct ibv_wc *wc)
 	/* A failure of ours is ours to blame; a flush alone (the sentinel's
 	 * first) means the device put the queue pair in error: it refused a
 	 * peer's request. The sentinel consumed: the peer SENT to us. */
-	rs_break(r, rs, wc->status == IBV_WC_SUCCESS ? RS_PEER_SENT
-			: wc->status != IBV_WC_WR_FLUSH_ERR ? (int)wc->status : 0);
+	rs_break(r, rs,
+		 wc->status == IBV_WC_SUCCESS	     ? RS_PEER_SENT
+		 : wc->status != IBV_WC_WR_FLUSH_ERR ? (int)wc->status
+						     : 0);
 }
 
 /* ---------------------------------------------------------- completions */
@@ -494,8 +514,8 @@ static void rdma_tick(struct kvsp_dp *dp, uint64_t now, uint64_t timeout_ns)
 			continue;
 		RLOG(r, KVSP_LOG_WARN,
 		     "peer %s: %u CHUNK_READs of aborted rooms unacknowledged past --peer-timeout "
-		     "(%llu ms): session lost", s->ep.text, rs->nrevoked,
-		     (unsigned long long)(timeout_ns / 1000000));
+		     "(%llu ms): session lost",
+		     s->ep.text, rs->nrevoked, (unsigned long long)(timeout_ns / 1000000));
 		psess_lost(dp->sessions, s, -ETIMEDOUT);
 	}
 }
@@ -515,7 +535,8 @@ static bool rdma_sess_quiesce(struct kvsp_dp *dp, struct psess *s)
 		rs->lost = true;
 		rrecv_drop_held(r, rs, true); /* never posted: nothing of ours reads for them */
 		if (rs->qp && !rs->broken)
-			kvsp_verbs_qp_error(rs->qp); /* every work request posted completes, flushed */
+			kvsp_verbs_qp_error(
+				rs->qp); /* every work request posted completes, flushed */
 	}
 	if (rs->qp && rs->posted > 0)
 		return true;

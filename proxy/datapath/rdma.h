@@ -63,15 +63,15 @@ enum rsend_then { T_ACKED = 0, T_CANCELLED, T_RECARRY };
 
 struct rsend {
 	struct kvs_wire_room room; /* the receiving room */
-	uint32_t sess;             /* the session it goes to */
-	uint32_t next;             /* the session's queued or ready list */
-	uint32_t kprev, knext;     /* the session's keyed list */
+	uint32_t sess;		   /* the session it goes to */
+	uint32_t next;		   /* the session's queued or ready list */
+	uint32_t kprev, knext;	   /* the session's keyed list */
 	uint32_t rkey;
-	uint16_t win;              /* windows: its window's index */
-	uint16_t gen;              /* the session's queue pair it was keyed on (rsess.gen) */
-	uint8_t state;             /* enum rsend_state */
-	uint8_t then;              /* enum rsend_then */
-	struct ibv_mr *region;     /* regions: its key */
+	uint16_t win;	       /* windows: its window's index */
+	uint16_t gen;	       /* the session's queue pair it was keyed on (rsess.gen) */
+	uint8_t state;	       /* enum rsend_state */
+	uint8_t then;	       /* enum rsend_then */
+	struct ibv_mr *region; /* regions: its key */
 };
 
 /* One of a session's memory windows; the free ones in FIFO order, so
@@ -100,47 +100,47 @@ struct rsess {
 	struct kvsp_verbs_ep local, peer;
 	bool owe_hello, heard, up;
 	bool peer_pending; /* rs->peer is a HELLO for our next queue pair */
-	uint32_t gen;      /* queue pairs made before this one: a key of an older one is dead */
+	uint32_t gen;	   /* queue pairs made before this one: a key of an older one is dead */
 	unsigned relinks, hellos;
-	bool lost;      /* the session is lost: we moved the queue pair to error */
-	bool broken;    /* the queue pair failed under a live session: draining */
-	bool judged;    /* ... and what it meant was decided: RDMA is off for it */
-	bool keys_dead; /* every key it granted is dead (rsend_link_dead) */
-	int own_fault;  /* a work request of ours failed (not flushed): its status */
+	bool lost;	 /* the session is lost: we moved the queue pair to error */
+	bool broken;	 /* the queue pair failed under a live session: draining */
+	bool judged;	 /* ... and what it meant was decided: RDMA is off for it */
+	bool keys_dead;	 /* every key it granted is dead (rsend_link_dead) */
+	int own_fault;	 /* a work request of ours failed (not flushed): its status */
 	unsigned posted; /* our work requests on qp not yet completed, the sentinel too */
-	bool sentinel;   /* ... of which the sentinel receive is one */
+	bool sentinel;	 /* ... of which the sentinel receive is one */
 	/* receiving */
-	unsigned out;                  /* READs posted (or held), not completed */
-	uint32_t ack_head, ack_tail;   /* our slots whose READ ended, CHUNK_ACK owed */
-	uint32_t held_head, held_tail; /* READs the rdma.read failpoint holds (tests) */
+	unsigned out;				 /* READs posted (or held), not completed */
+	uint32_t ack_head, ack_tail;		 /* our slots whose READ ended, CHUNK_ACK owed */
+	uint32_t held_head, held_tail;		 /* READs the rdma.read failpoint holds (tests) */
 	struct kvs_wire_chunk_ack nacks[WINDOW]; /* CHUNK_READs refused, acks owed */
 	unsigned nack_head, nnacks;
 	/* sending */
-	uint32_t q_head, q_tail;         /* chunks waiting for a key */
+	uint32_t q_head, q_tail;	 /* chunks waiting for a key */
 	uint32_t ready_head, ready_tail; /* keyed chunks whose CHUNK_READ is owed */
-	uint32_t keyed;                  /* every chunk holding a key (a circle, by kprev/knext) */
-	unsigned unacked;                /* CHUNK_READs sent whose ack has not come (revoked too) */
-	unsigned nkeys;                  /* chunks holding a key */
+	uint32_t keyed;			 /* every chunk holding a key (a circle, by kprev/knext) */
+	unsigned unacked;		 /* CHUNK_READs sent whose ack has not come (revoked too) */
+	unsigned nkeys;			 /* chunks holding a key */
 	struct {
-		uint64_t ref, at_ns;     /* an xfer ref revoked before its ack came, and when */
-	} revoked[WINDOW];               /* each holds a window place: owed within --peer-timeout */
+		uint64_t ref, at_ns; /* an xfer ref revoked before its ack came, and when */
+	} revoked[WINDOW];	     /* each holds a window place: owed within --peer-timeout */
 	unsigned nrevoked;
-	bool revoked_early;              /* ... one was, on this queue pair: a READ of it
+	bool revoked_early; /* ... one was, on this queue pair: a READ of it
 					  * may have been on its way, and refused */
-	struct rwin *win;                /* windows: KEYS_MAX, made as needed */
+	struct rwin *win;   /* windows: KEYS_MAX, made as needed */
 	uint16_t nwin, win_free, win_last;
 };
 
 struct rdma {
 	struct kvsp_dp dp;
 	struct kvsp_verbs verbs;
-	struct kvsp_rl rl;          /* lines a peer can cause */
-	bool armed;                 /* the CQ will raise an event on its next completion */
+	struct kvsp_rl rl; /* lines a peer can cause */
+	bool armed;	   /* the CQ will raise an event on its next completion */
 	struct rsess rs[PSESS_MAX];
-	struct rread *rread;        /* by our slot index */
-	struct rsend *rsend;        /* by our slot index */
-	unsigned busy;              /* work requests posted, sentinels aside, every session */
-	unsigned nheld;             /* READs held by rdma.read, every session: 0 on any real run */
+	struct rread *rread; /* by our slot index */
+	struct rsend *rsend; /* by our slot index */
+	unsigned busy;	     /* work requests posted, sentinels aside, every session */
+	unsigned nheld;	     /* READs held by rdma.read, every session: 0 on any real run */
 };
 
 static inline struct rdma *rdma_of(struct kvsp_dp *dp)
@@ -160,7 +160,8 @@ static inline void rs_posted(struct rdma *r, struct rsess *rs)
 }
 /* A log line a peer can cause, rate limited. */
 #define RLOG(r, lvl, ...)                                                                  \
-	kvsp_log_rl(&(r)->rl, kvsp_xport_now((r)->dp.p), &(r)->dp.st->log_suppressed, lvl, __VA_ARGS__)
+	kvsp_log_rl(&(r)->rl, kvsp_xport_now((r)->dp.p), &(r)->dp.st->log_suppressed, lvl, \
+		    __VA_ARGS__)
 
 /* Why a live session's queue pair failed, besides a work request's status. */
 enum { RS_PEER_SENT = -1, RS_PEER_GAVE_UP = -2, RS_POST_FAILED = -3, RS_PEER_RELINKED = -4 };
@@ -179,7 +180,8 @@ static inline bool rs_usable(const struct rsess *rs)
 }
 
 /* rdma_send.c */
-int rsend_chunk(struct rdma *r, struct psess *s, struct kvsp_xfer *x, const struct kvs_wire_room *room);
+int rsend_chunk(struct rdma *r, struct psess *s, struct kvsp_xfer *x,
+		const struct kvs_wire_room *room);
 void rsend_on_ack(struct rdma *r, struct psess *s, const struct kvs_wire_chunk_ack *b);
 bool rsend_next(struct rdma *r, struct rsess *rs, struct kvsp_dp_frame *out);
 void rsend_cancel(struct rdma *r, uint32_t room, uint32_t gen);

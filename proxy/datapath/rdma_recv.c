@@ -35,7 +35,8 @@ static void list_add(struct rdma *r, uint32_t *head, uint32_t *tail, uint32_t sl
 static void nack(struct rsess *rs, const struct kvs_wire_room *room, uint32_t chunk, uint64_t ref,
 		 int status)
 {
-	struct kvs_wire_chunk_ack a = { .room = *room, .chunk = htole32(chunk),
+	struct kvs_wire_chunk_ack a = { .room = *room,
+					.chunk = htole32(chunk),
 					.status = (int32_t)htole32((uint32_t)status),
 					.xfer_ref = htole64(ref) };
 	rs->nacks[(rs->nack_head + rs->nnacks++) % WINDOW] = a;
@@ -99,8 +100,14 @@ int rrecv_on_read(struct rdma *r, struct psess *s, const struct kvs_wire_chunk_r
 		return 0;
 	}
 	struct rread *rr = &r->rread[x->slot];
-	*rr = (struct rread){ .name = b->room, .sender_ref = ref, .sess = s->id, .chunk = chunk,
-			      .next = NONE, .len = len, .rkey = le32toh(b->rkey), .dst = dst,
+	*rr = (struct rread){ .name = b->room,
+			      .sender_ref = ref,
+			      .sess = s->id,
+			      .chunk = chunk,
+			      .next = NONE,
+			      .len = len,
+			      .rkey = le32toh(b->rkey),
+			      .dst = dst,
 			      .raddr = rs->peer.pool_addr + off };
 	rs->out++;
 	if (kvsp_xport_fp(dp->p, KVSP_FP_RDMA_READ, n.room) == KVSP_FP_HOLD) {
@@ -162,9 +169,11 @@ bool rrecv_next(struct rdma *r, struct rsess *rs, struct kvsp_dp_frame *out)
 		if (rs->ack_head == NONE)
 			rs->ack_tail = NONE;
 		out->type = KVS_WIRE_CHUNK_ACK;
-		out->body.chunk_ack = (struct kvs_wire_chunk_ack){
-			.room = rr->name, .chunk = htole32(rr->chunk), .status = 0,
-			.xfer_ref = htole64(rr->sender_ref) };
+		out->body.chunk_ack =
+			(struct kvs_wire_chunk_ack){ .room = rr->name,
+						     .chunk = htole32(rr->chunk),
+						     .status = 0,
+						     .xfer_ref = htole64(rr->sender_ref) };
 		/* Its bytes are in our slot and no READ of ours is left on it:
 		 * the fence decides whether they land. */
 		kvsp_chunk_land(r->dp.p, kvsp_xfer_of(r->dp.p, slot));
@@ -175,8 +184,7 @@ bool rrecv_next(struct rdma *r, struct rsess *rs, struct kvsp_dp_frame *out)
 int rrecv_release_held(struct rdma *r)
 {
 	int err;
-	if (!r->nheld ||
-	    kvsp_xport_fp_action(r->dp.p, KVSP_FP_RDMA_READ, &err) == KVS_FP_PAUSE)
+	if (!r->nheld || kvsp_xport_fp_action(r->dp.p, KVSP_FP_RDMA_READ, &err) == KVS_FP_PAUSE)
 		return KVSP_IDLE; /* every real run: nothing held */
 	for (unsigned i = 0; i < PSESS_MAX; i++) {
 		struct rsess *rs = &r->rs[i];

@@ -167,8 +167,10 @@ static void finish(struct rdma *r, struct rsess *rs, uint32_t slot, bool reuse)
 		return; /* the core ends the session's transfers (kvsp_peer_lost) */
 	struct kvsp_xfer *x = kvsp_xfer_of(r->dp.p, slot);
 	struct psess *s = then == T_RECARRY ? rs_session(r, rs) : NULL;
-	int rc = then == T_ACKED ? 0 : then == T_CANCELLED ? -ECANCELED
-		 : s ? carry_elsewhere(r, s, x, &room) : -ECONNRESET;
+	int rc = then == T_ACKED       ? 0
+		 : then == T_CANCELLED ? -ECANCELED
+		 : s		       ? carry_elsewhere(r, s, x, &room)
+				       : -ECONNRESET;
 	if (then != T_RECARRY || rc < 0)
 		kvsp_xfer_quiesced(r->dp.p, x, rc);
 	rsend_pump(r, rs);
@@ -271,7 +273,8 @@ int rsend_pump(struct rdma *r, struct rsess *rs)
 		struct psess *s = rs_session(r, rs);
 		struct kvs_wire_room room = e->room;
 		e->state = S_NONE;
-		RLOG(r, KVSP_LOG_WARN, "rdma: no key for a chunk (%s): it goes by TCP", strerror(-rc));
+		RLOG(r, KVSP_LOG_WARN, "rdma: no key for a chunk (%s): it goes by TCP",
+		     strerror(-rc));
 		rc = s ? carry_elsewhere(r, s, kvsp_xfer_of(r->dp.p, slot), &room) : -ECONNRESET;
 		if (rc < 0)
 			kvsp_xfer_quiesced(r->dp.p, kvsp_xfer_of(r->dp.p, slot), rc);
@@ -279,12 +282,17 @@ int rsend_pump(struct rdma *r, struct rsess *rs)
 	return busy;
 }
 
-int rsend_chunk(struct rdma *r, struct psess *s, struct kvsp_xfer *x, const struct kvs_wire_room *room)
+int rsend_chunk(struct rdma *r, struct psess *s, struct kvsp_xfer *x,
+		const struct kvs_wire_room *room)
 {
 	struct rsess *rs = rs_of(r, s);
 	struct rsend *e = &r->rsend[x->slot];
-	*e = (struct rsend){ .room = *room, .sess = s->id, .state = S_QUEUED, .then = T_ACKED,
-			     .kprev = NONE, .knext = NONE };
+	*e = (struct rsend){ .room = *room,
+			     .sess = s->id,
+			     .state = S_QUEUED,
+			     .then = T_ACKED,
+			     .kprev = NONE,
+			     .knext = NONE };
 	list_add(r, &rs->q_head, &rs->q_tail, x->slot);
 	rsend_pump(r, rs);
 	return 0;
@@ -404,7 +412,8 @@ void rsend_cancel(struct rdma *r, uint32_t room, uint32_t gen)
 		if (!rs->id)
 			continue; /* no session's */
 		/* Not keyed yet: never leaves its slot (a lost session's queue is its link's to settle). */
-		for (uint32_t slot = rs->lost ? NONE : rs->q_head, next; slot != NONE; slot = next) {
+		for (uint32_t slot = rs->lost ? NONE : rs->q_head, next; slot != NONE;
+		     slot = next) {
 			next = r->rsend[slot].next;
 			if (!of_room(r, slot, room, gen))
 				continue;
@@ -433,7 +442,8 @@ void rsend_cancel(struct rdma *r, uint32_t room, uint32_t gen)
 					 * within --peer-timeout (rdma_tick). Each entry
 					 * is an unacknowledged READ: never more than
 					 * WINDOW of them. */
-					rs->revoked[rs->nrevoked].ref = (uint64_t)x->epoch << 32 | slot;
+					rs->revoked[rs->nrevoked].ref = (uint64_t)x->epoch << 32 |
+									slot;
 					rs->revoked[rs->nrevoked++].at_ns = kvsp_xport_now(r->dp.p);
 					rs->revoked_early |= e->gen == (uint16_t)rs->gen;
 					e->then = T_CANCELLED;

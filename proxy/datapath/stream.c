@@ -32,9 +32,9 @@
 
 struct stream {
 	struct kvsp_dp dp;
-	bool checksum;             /* --tcp-checksum: a CRC32C of every payload we send */
-	bool held;                 /* some connection's payload waits at tcp.payload */
-	uint32_t *xnext;           /* chunk queues through slot indices */
+	bool checksum;		    /* --tcp-checksum: a CRC32C of every payload we send */
+	bool held;		    /* some connection's payload waits at tcp.payload */
+	uint32_t *xnext;	    /* chunk queues through slot indices */
 	struct kvs_wire_room *room; /* by slot: the receiving room of the chunk queued there */
 };
 

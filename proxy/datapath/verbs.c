@@ -43,13 +43,16 @@ static int fail(char *why, size_t len, int err, const char *fmt, const char *arg
 uint32_t kvsp_verbs_keys_wire(const struct kvsp_verbs *v)
 {
 	return v->keys == KVSP_KEYS_REGION ? KVSP_KEYS_WIRE_REGION
-	       : v->window_on_region ? KVSP_KEYS_WIRE_WINDOW_ON_REGION : KVSP_KEYS_WIRE_WINDOW;
+	       : v->window_on_region	   ? KVSP_KEYS_WIRE_WINDOW_ON_REGION
+					   : KVSP_KEYS_WIRE_WINDOW;
 }
 
 const char *kvsp_keys_wire_name(uint32_t w)
 {
-	return w == KVSP_KEYS_WIRE_WINDOW ? "windows" : w == KVSP_KEYS_WIRE_REGION ? "regions"
-	       : w == KVSP_KEYS_WIRE_WINDOW_ON_REGION ? "windows over chunk regions" : "unknown keys";
+	return w == KVSP_KEYS_WIRE_WINDOW	      ? "windows"
+	       : w == KVSP_KEYS_WIRE_REGION	      ? "regions"
+	       : w == KVSP_KEYS_WIRE_WINDOW_ON_REGION ? "windows over chunk regions"
+						      : "unknown keys";
 }
 
 /* Type-2 windows (2A or 2B: either binds through a queue pair, and only
@@ -60,7 +63,8 @@ static bool has_windows(const struct ibv_device_attr *da)
 {
 	uint64_t f = da->device_cap_flags;
 	return (f & IBV_DEVICE_MEM_WINDOW) &&
-	       (f & (IBV_DEVICE_MEM_WINDOW_TYPE_2A | IBV_DEVICE_MEM_WINDOW_TYPE_2B)) && da->max_mw > 0;
+	       (f & (IBV_DEVICE_MEM_WINDOW_TYPE_2A | IBV_DEVICE_MEM_WINDOW_TYPE_2B)) &&
+	       da->max_mw > 0;
 }
 
 static struct ibv_qp *qp_make(struct kvsp_verbs *v, struct ibv_cq *cq, uint32_t depth,
@@ -96,22 +100,27 @@ static int windows_confine(struct kvsp_verbs *v)
 	enum { HALF = 4096 };
 	int verdict = -1;
 	uint8_t *buf = aligned_alloc(4096, 2 * HALF);
-	struct ibv_mr *mr = buf ? ibv_reg_mr(v->pd, buf, 2 * HALF,
-					     IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_MW_BIND) : NULL;
+	struct ibv_mr *mr =
+		buf ? ibv_reg_mr(v->pd, buf, 2 * HALF, IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_MW_BIND)
+		    : NULL;
 	struct ibv_cq *cq = mr ? ibv_create_cq(v->ctx, 8, NULL, NULL, 0) : NULL;
 	struct kvsp_verbs_ep ea, eb;
 	struct ibv_qp *a = cq ? qp_make(v, cq, 4, &ea) : NULL;
 	struct ibv_qp *b = a ? qp_make(v, cq, 4, &eb) : NULL;
 	struct ibv_mw *mw = b ? ibv_alloc_mw(v->pd, IBV_MW_TYPE_2) : NULL;
-	if (mw && !kvsp_verbs_qp_connect(v, a, &ea, &eb) && !kvsp_verbs_qp_connect(v, b, &eb, &ea)) {
+	if (mw && !kvsp_verbs_qp_connect(v, a, &ea, &eb) &&
+	    !kvsp_verbs_qp_connect(v, b, &eb, &ea)) {
 		uint32_t key = mw->rkey;
 		if (!kvsp_verbs_bind(v, a, 1, mw, mr, buf, HALF, &key) &&
 		    one_completion(cq) == IBV_WC_SUCCESS) {
 			struct ibv_sge sge = { (uint64_t)(uintptr_t)(buf + HALF), 64, mr->lkey };
-			struct ibv_send_wr wr = { .wr_id = 2, .sg_list = &sge, .num_sge = 1,
+			struct ibv_send_wr wr = { .wr_id = 2,
+						  .sg_list = &sge,
+						  .num_sge = 1,
 						  .opcode = IBV_WR_RDMA_READ,
 						  .send_flags = IBV_SEND_SIGNALED,
-						  .wr.rdma = { (uint64_t)(uintptr_t)(buf + HALF), key } },
+						  .wr.rdma = { (uint64_t)(uintptr_t)(buf + HALF),
+							       key } },
 					   *bad;
 			if (!ibv_post_send(b, &wr, &bad)) {
 				int st = one_completion(cq);
@@ -172,11 +181,13 @@ int kvsp_verbs_open(struct kvsp_verbs *v, const char *name, int gid_index, void 
 		return fail(why, why_len, e, "ibv_query_device %s", v->name);
 	}
 	if (keys == KVSP_KEYS_WINDOW && !has_windows(&da)) {
-		snprintf(why, why_len, "%s has no type-2 memory windows (--rdma-keys windows)", v->name);
+		snprintf(why, why_len, "%s has no type-2 memory windows (--rdma-keys windows)",
+			 v->name);
 		kvsp_verbs_close(v);
 		return -EOPNOTSUPP;
 	}
-	v->keys = keys == KVSP_KEYS_REGION || !has_windows(&da) ? KVSP_KEYS_REGION : KVSP_KEYS_WINDOW;
+	v->keys = keys == KVSP_KEYS_REGION || !has_windows(&da) ? KVSP_KEYS_REGION
+								: KVSP_KEYS_WINDOW;
 	if ((int)cq_depth > da.max_cqe)
 		cq_depth = (uint32_t)da.max_cqe;
 	struct ibv_port_attr pa;
@@ -199,7 +210,8 @@ int kvsp_verbs_open(struct kvsp_verbs *v, const char *name, int gid_index, void 
 	v->pd = ibv_alloc_pd(v->ctx);
 	/* Local write (READs land here), and windows may be bound over it;
 	 * no remote access with the pool's own key: see verbs.h. */
-	int access = IBV_ACCESS_LOCAL_WRITE | (v->keys == KVSP_KEYS_WINDOW ? IBV_ACCESS_MW_BIND : 0);
+	int access = IBV_ACCESS_LOCAL_WRITE |
+		     (v->keys == KVSP_KEYS_WINDOW ? IBV_ACCESS_MW_BIND : 0);
 	v->mr = v->pd ? ibv_reg_mr(v->pd, pool, len, access) : NULL;
 	if (v->mr && v->keys == KVSP_KEYS_WINDOW) {
 		v->window_confines = windows_confine(v);
@@ -210,8 +222,10 @@ int kvsp_verbs_open(struct kvsp_verbs *v, const char *name, int gid_index, void 
 	v->cq = v->chan ? ibv_create_cq(v->ctx, (int)cq_depth, NULL, v->chan, 0) : NULL;
 	if (!v->cq) {
 		int e = errno ? errno : ENOMEM;
-		const char *step = !v->pd ? "ibv_alloc_pd" : !v->mr ? "ibv_reg_mr of the pool"
-						     : !v->chan ? "ibv_create_comp_channel" : "ibv_create_cq";
+		const char *step = !v->pd     ? "ibv_alloc_pd"
+				   : !v->mr   ? "ibv_reg_mr of the pool"
+				   : !v->chan ? "ibv_create_comp_channel"
+					      : "ibv_create_cq";
 		kvsp_verbs_close(v);
 		return fail(why, why_len, e, "%s", step);
 	}
@@ -240,16 +254,22 @@ static struct ibv_qp *qp_make(struct kvsp_verbs *v, struct ibv_cq *cq, uint32_t 
 	struct ibv_qp_init_attr ia = {
 		.send_cq = cq,
 		.recv_cq = cq,
-		.cap = { .max_send_wr = depth, .max_recv_wr = 1, .max_send_sge = 1, .max_recv_sge = 1 },
+		.cap = { .max_send_wr = depth,
+			 .max_recv_wr = 1,
+			 .max_send_sge = 1,
+			 .max_recv_sge = 1 },
 		.qp_type = IBV_QPT_RC,
 		.sq_sig_all = 0,
 	};
 	struct ibv_qp *qp = ibv_create_qp(v->pd, &ia);
 	if (!qp)
 		return NULL;
-	struct ibv_qp_attr a = { .qp_state = IBV_QPS_INIT, .pkey_index = 0, .port_num = v->port,
+	struct ibv_qp_attr a = { .qp_state = IBV_QPS_INIT,
+				 .pkey_index = 0,
+				 .port_num = v->port,
 				 .qp_access_flags = IBV_ACCESS_REMOTE_READ };
-	if (ibv_modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS)) {
+	if (ibv_modify_qp(qp, &a,
+			  IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS)) {
 		int e = errno;
 		ibv_destroy_qp(qp);
 		errno = e ? e : EINVAL;
@@ -258,9 +278,11 @@ static struct ibv_qp *qp_make(struct kvsp_verbs *v, struct ibv_cq *cq, uint32_t 
 	uint32_t psn = 0;
 	if (getrandom(&psn, sizeof(psn), 0) != (ssize_t)sizeof(psn))
 		psn = 0;
-	*ep = (struct kvsp_verbs_ep){ .qpn = qp->qp_num, .psn = psn & 0xffffff,
+	*ep = (struct kvsp_verbs_ep){ .qpn = qp->qp_num,
+				      .psn = psn & 0xffffff,
 				      .pool_addr = (uint64_t)(uintptr_t)v->mr->addr,
-				      .pool_len = v->mr->length, .keys = kvsp_verbs_keys_wire(v),
+				      .pool_len = v->mr->length,
+				      .keys = kvsp_verbs_keys_wire(v),
 				      .mtu = v->mtu };
 	memcpy(ep->gid, v->gid.raw, sizeof(ep->gid));
 	return qp;
@@ -271,8 +293,8 @@ struct ibv_qp *kvsp_verbs_qp_new(struct kvsp_verbs *v, uint32_t depth, struct kv
 	return qp_make(v, v->cq, depth, ep);
 }
 
-int kvsp_verbs_qp_connect(struct kvsp_verbs *v, struct ibv_qp *qp, const struct kvsp_verbs_ep *local,
-			  const struct kvsp_verbs_ep *remote)
+int kvsp_verbs_qp_connect(struct kvsp_verbs *v, struct ibv_qp *qp,
+			  const struct kvsp_verbs_ep *local, const struct kvsp_verbs_ep *remote)
 {
 	struct ibv_device_attr da;
 	int atom = QP_RD_ATOM;
@@ -284,23 +306,30 @@ int kvsp_verbs_qp_connect(struct kvsp_verbs *v, struct ibv_qp *qp, const struct 
 	}
 	struct ibv_qp_attr a = {
 		.qp_state = IBV_QPS_RTR,
-		.path_mtu = remote->mtu < local->mtu ? (enum ibv_mtu)remote->mtu : (enum ibv_mtu)local->mtu,
+		.path_mtu = remote->mtu < local->mtu ? (enum ibv_mtu)remote->mtu
+						     : (enum ibv_mtu)local->mtu,
 		.dest_qp_num = remote->qpn,
 		.rq_psn = remote->psn,
 		.max_dest_rd_atomic = (uint8_t)atom,
 		.min_rnr_timer = 12,
-		.ah_attr = { .is_global = 1, .port_num = v->port,
+		.ah_attr = { .is_global = 1,
+			     .port_num = v->port,
 			     .grh = { .hop_limit = 64, .sgid_index = (uint8_t)v->gid_index } },
 	};
 	memcpy(a.ah_attr.grh.dgid.raw, remote->gid, sizeof(remote->gid));
-	if (ibv_modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_AV | IBV_QP_PATH_MTU | IBV_QP_DEST_QPN |
-					  IBV_QP_RQ_PSN | IBV_QP_MAX_DEST_RD_ATOMIC | IBV_QP_MIN_RNR_TIMER))
+	if (ibv_modify_qp(qp, &a,
+			  IBV_QP_STATE | IBV_QP_AV | IBV_QP_PATH_MTU | IBV_QP_DEST_QPN |
+				  IBV_QP_RQ_PSN | IBV_QP_MAX_DEST_RD_ATOMIC | IBV_QP_MIN_RNR_TIMER))
 		return -(errno ? errno : EINVAL);
-	a = (struct ibv_qp_attr){ .qp_state = IBV_QPS_RTS, .timeout = 14, .retry_cnt = 7,
-				  .rnr_retry = 7, .sq_psn = local->psn,
+	a = (struct ibv_qp_attr){ .qp_state = IBV_QPS_RTS,
+				  .timeout = 14,
+				  .retry_cnt = 7,
+				  .rnr_retry = 7,
+				  .sq_psn = local->psn,
 				  .max_rd_atomic = (uint8_t)atom };
-	if (ibv_modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT |
-					  IBV_QP_RNR_RETRY | IBV_QP_SQ_PSN | IBV_QP_MAX_QP_RD_ATOMIC))
+	if (ibv_modify_qp(qp, &a,
+			  IBV_QP_STATE | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT | IBV_QP_RNR_RETRY |
+				  IBV_QP_SQ_PSN | IBV_QP_MAX_QP_RD_ATOMIC))
 		return -(errno ? errno : EINVAL);
 	return 0;
 }
@@ -317,10 +346,12 @@ void kvsp_verbs_qp_destroy(struct ibv_qp *qp)
 		ibv_destroy_qp(qp);
 }
 
-int kvsp_verbs_read(struct kvsp_verbs *v, struct ibv_qp *qp, uint64_t wr_id, void *dst, uint32_t len,
-		    uint64_t raddr, uint32_t rkey)
+int kvsp_verbs_read(struct kvsp_verbs *v, struct ibv_qp *qp, uint64_t wr_id, void *dst,
+		    uint32_t len, uint64_t raddr, uint32_t rkey)
 {
-	struct ibv_sge sge = { .addr = (uint64_t)(uintptr_t)dst, .length = len, .lkey = v->mr->lkey };
+	struct ibv_sge sge = { .addr = (uint64_t)(uintptr_t)dst,
+			       .length = len,
+			       .lkey = v->mr->lkey };
 	struct ibv_send_wr wr = {
 		.wr_id = wr_id,
 		.sg_list = &sge,
@@ -380,17 +411,21 @@ int kvsp_verbs_bind(struct kvsp_verbs *v, struct ibv_qp *qp, uint64_t wr_id, str
 
 int kvsp_verbs_invalidate(struct ibv_qp *qp, uint64_t wr_id, uint32_t rkey)
 {
-	struct ibv_send_wr wr = { .wr_id = wr_id, .opcode = IBV_WR_LOCAL_INV,
-				  .send_flags = IBV_SEND_SIGNALED, .invalidate_rkey = rkey },
+	struct ibv_send_wr wr = { .wr_id = wr_id,
+				  .opcode = IBV_WR_LOCAL_INV,
+				  .send_flags = IBV_SEND_SIGNALED,
+				  .invalidate_rkey = rkey },
 			   *bad = NULL;
 	int rc = ibv_post_send(qp, &wr, &bad);
 	return rc ? -rc : 0;
 }
 
-struct ibv_mr *kvsp_verbs_region_new(struct kvsp_verbs *v, void *addr, uint32_t len, bool under_window)
+struct ibv_mr *kvsp_verbs_region_new(struct kvsp_verbs *v, void *addr, uint32_t len,
+				     bool under_window)
 {
 	return ibv_reg_mr(v->pd, addr, len,
-			  under_window ? IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_MW_BIND : IBV_ACCESS_REMOTE_READ);
+			  under_window ? IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_MW_BIND
+				       : IBV_ACCESS_REMOTE_READ);
 }
 
 void kvsp_verbs_region_free(struct ibv_mr *mr)

@@ -53,16 +53,16 @@ struct kvsp_verbs_ep {
 	uint8_t gid[16];
 	uint64_t pool_addr; /* our pool's address in our process: chunk offsets are from it */
 	uint64_t pool_len;
-	uint32_t keys;      /* enum kvsp_keys_wire: the speaker's, for its chunks */
-	uint32_t mtu;       /* enum ibv_mtu */
+	uint32_t keys; /* enum kvsp_keys_wire: the speaker's, for its chunks */
+	uint32_t mtu;  /* enum ibv_mtu */
 };
 
 struct kvsp_verbs {
 	struct ibv_context *ctx;
 	struct ibv_pd *pd;
-	struct ibv_mr *mr;   /* the pool: local access (and window binding) only */
-	enum kvsp_keys keys; /* in force: KVSP_KEYS_WINDOW or _REGION */
-	int window_confines; /* windows: 1 the device keeps a READ in the window's bytes, 0 it
+	struct ibv_mr *mr;     /* the pool: local access (and window binding) only */
+	enum kvsp_keys keys;   /* in force: KVSP_KEYS_WINDOW or _REGION */
+	int window_confines;   /* windows: 1 the device keeps a READ in the window's bytes, 0 it
 			      * does not, -1 its try did not finish */
 	bool window_on_region; /* windows: each goes over a region of its chunk's own */
 	struct ibv_comp_channel *chan;
@@ -102,8 +102,8 @@ void kvsp_verbs_close(struct kvsp_verbs *v);
  * Returns it, or NULL with errno set. */
 struct ibv_qp *kvsp_verbs_qp_new(struct kvsp_verbs *v, uint32_t depth, struct kvsp_verbs_ep *ep);
 /* Connects qp to the peer's endpoint (INIT -> RTR -> RTS). Returns 0, or -errno. */
-int kvsp_verbs_qp_connect(struct kvsp_verbs *v, struct ibv_qp *qp, const struct kvsp_verbs_ep *local,
-			  const struct kvsp_verbs_ep *remote);
+int kvsp_verbs_qp_connect(struct kvsp_verbs *v, struct ibv_qp *qp,
+			  const struct kvsp_verbs_ep *local, const struct kvsp_verbs_ep *remote);
 /* Moves qp to the error state: every outstanding work request completes
  * (flushed) and no new one is executed. Returns 0, or -errno. */
 int kvsp_verbs_qp_error(struct ibv_qp *qp);
@@ -113,8 +113,8 @@ void kvsp_verbs_qp_destroy(struct ibv_qp *qp);
 
 /* Posts one signalled RDMA READ of len bytes from the peer's raddr (its
  * rkey) into dst, which lies in v's pool. Returns 0, or -errno (queue full: -ENOMEM). */
-int kvsp_verbs_read(struct kvsp_verbs *v, struct ibv_qp *qp, uint64_t wr_id, void *dst, uint32_t len,
-		    uint64_t raddr, uint32_t rkey);
+int kvsp_verbs_read(struct kvsp_verbs *v, struct ibv_qp *qp, uint64_t wr_id, void *dst,
+		    uint32_t len, uint64_t raddr, uint32_t rkey);
 /* Posts qp's one receive, which nothing should ever complete but the
  * queue pair's error state (flushed). Returns 0, or -errno. */
 int kvsp_verbs_sentinel(struct ibv_qp *qp, uint64_t wr_id);
@@ -135,7 +135,8 @@ int kvsp_verbs_invalidate(struct ibv_qp *qp, uint64_t wr_id, uint32_t rkey);
 /* A memory region over [addr, addr + len) of the pool: for remote READ
  * only (a region key), or under_window: for a window to be bound over it
  * only (no remote access of its own). Returns it, or NULL with errno set. */
-struct ibv_mr *kvsp_verbs_region_new(struct kvsp_verbs *v, void *addr, uint32_t len, bool under_window);
+struct ibv_mr *kvsp_verbs_region_new(struct kvsp_verbs *v, void *addr, uint32_t len,
+				     bool under_window);
 /* Deregisters a region (its windows freed or invalidated first): once
  * this returns, the NIC honours its key no more. */
 void kvsp_verbs_region_free(struct ibv_mr *mr);

@@ -49,7 +49,8 @@ void kvsp_admin_fini(struct kvsp *p)
 void kvsp_admin_welcome(struct kvsp *p, int fd)
 {
 	if (!p->cfg.failpoints) {
-		kvsp_refuse(p, fd, -EOPNOTSUPP, "failpoints are off: start kvstaged with --failpoints");
+		kvsp_refuse(p, fd, -EOPNOTSUPP,
+			    "failpoints are off: start kvstaged with --failpoints");
 		return;
 	}
 	unsigned i;
@@ -59,7 +60,9 @@ void kvsp_admin_welcome(struct kvsp *p, int fd)
 		kvsp_refuse(p, fd, -EUSERS, "too many admin connections");
 		return;
 	}
-	struct kvs_welcome w = { .magic = KVS_MAGIC_HELLO, .abi = KVS_ABI, .instance = p->instance };
+	struct kvs_welcome w = { .magic = KVS_MAGIC_HELLO,
+				 .abi = KVS_ABI,
+				 .instance = p->instance };
 	if (kvsp_ep_add(p, fd, EPOLLIN | EPOLLRDHUP, kvsp_ep_tag(KVSP_EP_ADMIN, i, 0)) < 0 ||
 	    kvs_sock_send(fd, &w, sizeof(w), NULL, 0) < 0) {
 		close(fd);
@@ -122,7 +125,8 @@ static void on_admin(struct kvsp *p, struct kvsp_admin *a)
 	struct kvsp_fp *fp = &p->fp[id];
 	switch (q.op) {
 	case KVS_ADMIN_FP_SET:
-		if (q.action > KVS_FP_FAIL || (q.action == KVS_FP_FAIL && (q.err >= 0 || q.err < -4095))) {
+		if (q.action > KVS_FP_FAIL ||
+		    (q.action == KVS_FP_FAIL && (q.err >= 0 || q.err < -4095))) {
 			admin_reply(a, -EINVAL, 0, "bad action");
 			return;
 		}
@@ -132,7 +136,9 @@ static void on_admin(struct kvsp *p, struct kvsp_admin *a)
 		fp->mask = q.mask ? q.mask : UINT64_MAX;
 		fp->match = q.match & fp->mask;
 		LOG_INFO("failpoint %s: %s", q.name,
-			 q.action == KVS_FP_OFF ? "off" : q.action == KVS_FP_PAUSE ? "pause" : "fail");
+			 q.action == KVS_FP_OFF	    ? "off"
+			 : q.action == KVS_FP_PAUSE ? "pause"
+						    : "fail");
 		admin_reply(a, 0, fp->hits, "ok");
 		break;
 	case KVS_ADMIN_FP_GET:

@@ -42,13 +42,13 @@
 #define MAX_PENDING 64
 #define MAX_PENDING_PER_UID 8 /* one user's silent connections leave the rest to others */
 #define NO_PLACE MAX_PENDING
-#define MAX_GROUPS 256        /* supplementary groups looked at, per peer */
+#define MAX_GROUPS 256 /* supplementary groups looked at, per peer */
 
 struct kvsp_pending {
 	int fd;
 	pid_t pid;
 	uid_t uid;
-	uint32_t id;       /* in its epoll tag: an event for an earlier holder of the place is not its */
+	uint32_t id; /* in its epoll tag: an event for an earlier holder of the place is not its */
 	uint64_t since_ns;
 };
 
@@ -97,8 +97,10 @@ int kvsp_access_check(const struct kvsp_config *cfg, char *why, size_t len)
 {
 	unsigned m = cfg->socket_mode;
 	if ((m & 0600) != 0600) {
-		snprintf(why, len, "--socket-mode %04o: the owner (kvstaged's user) needs read and "
-			 "write", m);
+		snprintf(why, len,
+			 "--socket-mode %04o: the owner (kvstaged's user) needs read and "
+			 "write",
+			 m);
 		return -EINVAL;
 	}
 	if (m & 0002)
@@ -108,7 +110,8 @@ int kvsp_access_check(const struct kvsp_config *cfg, char *why, size_t len)
 		uid_t u = cfg->allow_uid[i];
 		if (u == 0 || u == geteuid() || ((m & 0020) && user_in_group(u, g)))
 			continue;
-		snprintf(why, len, "--allow-uid %u: the socket (group %u, mode %04o) keeps that user "
+		snprintf(why, len,
+			 "--allow-uid %u: the socket (group %u, mode %04o) keeps that user "
 			 "out before kvstaged can admit it; add the user to group %u, or give "
 			 "--socket-mode 0666 (kvstaged still checks every client)",
 			 (unsigned)u, (unsigned)g, m, (unsigned)g);
@@ -118,8 +121,10 @@ int kvsp_access_check(const struct kvsp_config *cfg, char *why, size_t len)
 		gid_t a = cfg->allow_gid[i];
 		if ((m & 0020) && a == g)
 			continue;
-		snprintf(why, len, "--allow-gid %u: the socket (group %u, mode %04o) keeps that group "
-			 "out before kvstaged can admit it; give --socket-group %u, or --socket-mode "
+		snprintf(why, len,
+			 "--allow-gid %u: the socket (group %u, mode %04o) keeps that group "
+			 "out before kvstaged can admit it; give --socket-group %u, or "
+			 "--socket-mode "
 			 "0666 (kvstaged still checks every client)",
 			 (unsigned)a, (unsigned)g, m, (unsigned)a);
 		return -EINVAL;
@@ -140,7 +145,8 @@ static int check_dir(const char *path)
 	if (stat(dir, &st) < 0) {
 		int err = -errno;
 		LOG_ERR("socket directory %s: %s (choose another with --socket PATH or "
-			"$KVSTAGE_SOCKET)", dir, strerror(-err));
+			"$KVSTAGE_SOCKET)",
+			dir, strerror(-err));
 		return err;
 	}
 	if (!S_ISDIR(st.st_mode)) {
@@ -150,8 +156,10 @@ static int check_dir(const char *path)
 	bool shared = st.st_mode & (S_IWGRP | S_IWOTH);
 	if (!(st.st_mode & S_ISVTX) && (shared || (st.st_uid != 0 && st.st_uid != geteuid()))) {
 		LOG_ERR("socket directory %s (owner uid %u, mode %04o) lets another user replace "
-			"the socket; use a directory only kvstaged's user can write, or one with the "
-			"sticky bit", dir, (unsigned)st.st_uid, (unsigned)(st.st_mode & 07777));
+			"the socket; use a directory only kvstaged's user can write, or one with "
+			"the "
+			"sticky bit",
+			dir, (unsigned)st.st_uid, (unsigned)(st.st_mode & 07777));
 		return -EPERM;
 	}
 	return 0;
@@ -182,7 +190,8 @@ static int lock_path(struct kvsp *p, const char *path)
 		return -errno;
 	if (!S_ISREG(st.st_mode) || st.st_uid != geteuid() || st.st_nlink != 1) {
 		LOG_ERR("%s is not a plain file of ours (owner uid %u, %lu links): someone else "
-			"holds the name; remove it, or use a directory only kvstaged's user can write",
+			"holds the name; remove it, or use a directory only kvstaged's user can "
+			"write",
 			lock, (unsigned)st.st_uid, (unsigned long)st.st_nlink);
 		return -EPERM;
 	}
@@ -249,7 +258,8 @@ int kvsp_listener_open(struct kvsp *p)
 	umask(old);
 	struct stat st;
 	if (rc < 0 || lstat(sa.sun_path, &st) < 0 ||
-	    (cfg->socket_group != getegid() && chown(sa.sun_path, (uid_t)-1, cfg->socket_group) < 0) ||
+	    (cfg->socket_group != getegid() &&
+	     chown(sa.sun_path, (uid_t)-1, cfg->socket_group) < 0) ||
 	    chmod(sa.sun_path, cfg->socket_mode) < 0 || listen(fd, 128) < 0) {
 		rc = -errno;
 		LOG_ERR("cannot listen on %s: %s", sa.sun_path, strerror(-rc));
@@ -336,7 +346,8 @@ static void refuse_out_of_fds(struct kvsp *p, int err)
 {
 	kvsp_log_rl(&p->rl_full, p->now_ns, &p->stats->log_suppressed, KVSP_LOG_WARN,
 		    "out of file descriptors (%s): refusing connections; raise the limit "
-		    "(ulimit -n, LimitNOFILE=) or lower --max-clients", strerror(err));
+		    "(ulimit -n, LimitNOFILE=) or lower --max-clients",
+		    strerror(err));
 	if (p->spare_fd < 0)
 		return;
 	close(p->spare_fd);
@@ -346,8 +357,7 @@ static void refuse_out_of_fds(struct kvsp *p, int err)
 	p->spare_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
 }
 
-static void refuse_peer(struct kvsp *p, int fd, const struct ucred *cr, int status,
-			const char *why)
+static void refuse_peer(struct kvsp *p, int fd, const struct ucred *cr, int status, const char *why)
 {
 	kvsp_log_rl(&p->rl_refused, p->now_ns, &p->stats->log_suppressed, KVSP_LOG_WARN,
 		    "refused pid %d (uid %u gid %u): %s", (int)cr->pid, (unsigned)cr->uid,
@@ -434,8 +444,9 @@ void kvsp_on_accept(struct kvsp *p)
 		gid_t groups[MAX_GROUPS];
 		int ng = peer_groups(fd, cr.gid, groups, MAX_GROUPS);
 		if (!admitted(&p->cfg, cr.uid, groups, ng)) {
-			refuse_peer(p, fd, &cr, -EACCES,
-				    "uid/gid not allowed (--allow-uid, --allow-gid, --socket-group)");
+			refuse_peer(
+				p, fd, &cr, -EACCES,
+				"uid/gid not allowed (--allow-uid, --allow-gid, --socket-group)");
 			continue;
 		}
 		unsigned i = take_place(p, cr.uid);
@@ -446,7 +457,8 @@ void kvsp_on_accept(struct kvsp *p)
 		/* The hello is usually here already; otherwise it comes as an
 		 * event. The reply is the client's, not the kernel's, so it
 		 * can carry a reason. */
-		p->pending[i] = (struct kvsp_pending){ fd, cr.pid, cr.uid, ++p->pending_ids, p->now_ns };
+		p->pending[i] =
+			(struct kvsp_pending){ fd, cr.pid, cr.uid, ++p->pending_ids, p->now_ns };
 		if (hello_waiting(p, i)) {
 			kvsp_on_hello(p, i);
 		} else if (kvsp_ep_add(p, fd, EPOLLIN | EPOLLRDHUP,
@@ -481,12 +493,16 @@ static void welcome_client(struct kvsp *p, struct kvsp_pending *pd)
 		kvsp_refuse(p, fd, full ? -EUSERS : -err, why);
 		return;
 	}
-	struct kvs_welcome w = { .magic = KVS_MAGIC_HELLO, .abi = KVS_ABI, .client_id = c->id,
-				 .instance = p->instance, .ctrl_size = p->ctrl_size,
+	struct kvs_welcome w = { .magic = KVS_MAGIC_HELLO,
+				 .abi = KVS_ABI,
+				 .client_id = c->id,
+				 .instance = p->instance,
+				 .ctrl_size = p->ctrl_size,
 				 .cmem_size = c->cmem_size };
 	int fds[KVS_WELCOME_NFDS] = { p->pool_fd, p->ctrl_fd, c->cmem_fd, p->wake_fd, c->efd };
 	if (kvs_sock_send(fd, &w, sizeof(w), fds, KVS_WELCOME_NFDS) < 0 ||
-	    kvsp_ep_add(p, fd, EPOLLIN | EPOLLRDHUP, kvsp_ep_tag(KVSP_EP_CLIENT, c->idx, c->id)) < 0) {
+	    kvsp_ep_add(p, fd, EPOLLIN | EPOLLRDHUP, kvsp_ep_tag(KVSP_EP_CLIENT, c->idx, c->id)) <
+		    0) {
 		kvsp_client_destroy(p, c);
 		return;
 	}
@@ -518,18 +534,21 @@ void kvsp_on_hello(struct kvsp *p, unsigned i)
 			char why[96];
 			snprintf(why, sizeof(why), "rte_ring layout %08x is not kvstaged's %08x",
 				 (unsigned)h.ring_layout, (unsigned)kvs_ring_layout());
-			kvsp_log_rl(&p->rl_refused, p->now_ns, &p->stats->log_suppressed,
-				    KVSP_LOG_WARN, "refused pid %d (uid %u): its libkvstage's %s: the two were built "
-				    "against different DPDK versions", (int)pd.pid, (unsigned)pd.uid,
-				    why);
+			kvsp_log_rl(
+				&p->rl_refused, p->now_ns, &p->stats->log_suppressed, KVSP_LOG_WARN,
+				"refused pid %d (uid %u): its libkvstage's %s: the two were built "
+				"against different DPDK versions",
+				(int)pd.pid, (unsigned)pd.uid, why);
 			kvsp_refuse(p, pd.fd, -ENOEXEC, why);
 			break;
 		}
 		welcome_client(p, &pd);
 		break;
 	case KVS_HELLO_STAT: {
-		struct kvs_welcome w = { .magic = KVS_MAGIC_HELLO, .abi = KVS_ABI,
-					 .instance = p->instance, .ctrl_size = p->ctrl_size };
+		struct kvs_welcome w = { .magic = KVS_MAGIC_HELLO,
+					 .abi = KVS_ABI,
+					 .instance = p->instance,
+					 .ctrl_size = p->ctrl_size };
 		kvs_sock_send(pd.fd, &w, sizeof(w), &p->ctrl_fd, 1);
 		close(pd.fd);
 		break;

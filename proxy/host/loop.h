@@ -52,8 +52,14 @@ void kvsp_admin_poll(struct kvsp *p);
 
 /* poller.c: the loop */
 /* What an fd in the loop's epoll is: the top byte of its data. */
-enum kvsp_ep { KVSP_EP_LISTEN = 1, KVSP_EP_WAKE, KVSP_EP_PENDING, KVSP_EP_CLIENT, KVSP_EP_ADMIN,
-	       KVSP_EP_XPORT /* idx: the transport, id: its tag */ };
+enum kvsp_ep {
+	KVSP_EP_LISTEN = 1,
+	KVSP_EP_WAKE,
+	KVSP_EP_PENDING,
+	KVSP_EP_CLIENT,
+	KVSP_EP_ADMIN,
+	KVSP_EP_XPORT /* idx: the transport, id: its tag */
+};
 
 static inline uint64_t kvsp_ep_tag(unsigned type, unsigned idx, uint32_t id)
 {

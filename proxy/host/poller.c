@@ -164,8 +164,8 @@ static void drain_report(struct kvsp *p, const char *what)
 {
 	const struct kvs_stats *st = p->stats;
 	LOG_INFO("%s: %u rooms active (%llu open), %llu slots in flight, %llu tombstones, "
-		 "%llu clients attached", what, p->rooms_active,
-		 (unsigned long long)st->rooms_open,
+		 "%llu clients attached",
+		 what, p->rooms_active, (unsigned long long)st->rooms_open,
 		 (unsigned long long)st->slots[KVS_SLOT_INFLIGHT],
 		 (unsigned long long)st->slots[KVS_SLOT_TOMBSTONE],
 		 (unsigned long long)st->clients);
@@ -206,7 +206,8 @@ static uint64_t tick(struct kvsp *p)
 	kvsp_rl_flush(&p->rl_died, p->now_ns, KVSP_LOG_INFO, "client deaths", 0);
 	kvsp_rl_flush(&p->rl_attach, p->now_ns, KVSP_LOG_INFO, "clients attached and closed", 0);
 	kvsp_rl_flush(&p->rl_abort, p->now_ns, KVSP_LOG_INFO, "rooms aborted", 0);
-	kvsp_rl_flush(&p->rl_full, p->now_ns, KVSP_LOG_WARN, "connections refused for want of room", 0);
+	kvsp_rl_flush(&p->rl_full, p->now_ns, KVSP_LOG_WARN, "connections refused for want of room",
+		      0);
 	kvsp_admin_poll(p);
 	p->next_tick_ns = p->now_ns + TICK_NS;
 	return next;
@@ -224,7 +225,8 @@ static void sleep_until_work(struct kvsp *p, uint64_t deadline)
 	}
 	int timeout = -1;
 	if (deadline != UINT64_MAX)
-		timeout = deadline <= p->now_ns ? 0 : (int)((deadline - p->now_ns + 999999) / 1000000);
+		timeout = deadline <= p->now_ns ? 0
+						: (int)((deadline - p->now_ns + 999999) / 1000000);
 	struct epoll_event ev[32];
 	KVS_STAT_ADD(p->stats->sleeps, 1);
 	int n = epoll_wait(p->epfd, ev, 32, timeout);
@@ -261,7 +263,8 @@ static bool shutdown_step(struct kvsp *p, int *exit_code)
 	if (p->term > p->terms_seen) {
 		p->terms_seen = p->term;
 		if (p->draining) {
-			LOG_WARN("second signal: exiting now, %u rooms still active", p->rooms_active);
+			LOG_WARN("second signal: exiting now, %u rooms still active",
+				 p->rooms_active);
 			*exit_code = 1;
 			return true;
 		}

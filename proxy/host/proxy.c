@@ -42,7 +42,8 @@ static int transports_create(struct kvsp *p)
 		if (!p->endpoint[0] && t->ops->endpoint) {
 			snprintf(p->endpoint, sizeof(p->endpoint), "%s", t->ops->endpoint(t));
 			if (p->endpoint[0])
-				LOG_INFO("%s: listening, descriptors name %s", t->ops->name, p->endpoint);
+				LOG_INFO("%s: listening, descriptors name %s", t->ops->name,
+					 p->endpoint);
 		}
 	}
 	return 0;

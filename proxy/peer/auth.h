@@ -31,10 +31,10 @@
 
 enum kvsp_auth_step {
 	KVSP_AUTH_SEND_HELLO = 1, /* kvsp_auth_hello() */
-	KVSP_AUTH_RECV_HELLO,     /* kvsp_auth_on_hello() with the peer's KVS_WIRE_HELLO_SIZE bytes */
-	KVSP_AUTH_SEND_PROOF,     /* kvsp_auth_proof() */
-	KVSP_AUTH_RECV_PROOF,     /* kvsp_auth_on_proof() with the peer's KVS_WIRE_PROOF_SIZE bytes */
-	KVSP_AUTH_DONE,           /* kvsp_auth_keys() */
+	KVSP_AUTH_RECV_HELLO, /* kvsp_auth_on_hello() with the peer's KVS_WIRE_HELLO_SIZE bytes */
+	KVSP_AUTH_SEND_PROOF, /* kvsp_auth_proof() */
+	KVSP_AUTH_RECV_PROOF, /* kvsp_auth_on_proof() with the peer's KVS_WIRE_PROOF_SIZE bytes */
+	KVSP_AUTH_DONE,	      /* kvsp_auth_keys() */
 	KVSP_AUTH_FAILED,
 };
 
@@ -43,10 +43,10 @@ enum kvsp_auth_step {
 
 struct kvsp_auth {
 	const struct kvsp_secret *secret; /* the caller's, kept until the handshake ends */
-	uint8_t role;                     /* enum kvs_wire_role: ours */
-	uint8_t step;                     /* enum kvsp_auth_step */
-	uint8_t have_keys;                /* keys derived and not yet taken */
-	int err;                          /* the refusal, once FAILED */
+	uint8_t role;			  /* enum kvs_wire_role: ours */
+	uint8_t step;			  /* enum kvsp_auth_step */
+	uint8_t have_keys;		  /* keys derived and not yet taken */
+	int err;			  /* the refusal, once FAILED */
 	uint64_t instance, peer_instance;
 	uint8_t nonce[32], peer_nonce[32];
 	struct kvsp_frame_keys keys;

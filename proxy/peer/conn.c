@@ -110,15 +110,16 @@ uint32_t pconn_admit(struct pconn_table *t, const struct kvsp_endpoint *from)
 				oldest_mine = i;
 		}
 	}
-	uint32_t victim = mine >= PCONN_PER_SOURCE ? oldest_mine
-			  : all >= PCONN_HANDSHAKES ? oldest : PCONN_NONE;
+	uint32_t victim = mine >= PCONN_PER_SOURCE  ? oldest_mine
+			  : all >= PCONN_HANDSHAKES ? oldest
+						    : PCONN_NONE;
 	if (victim != PCONN_NONE)
 		pconn_close(t, &t->conn[victim]);
 	return victim;
 }
 
-struct pconn *pconn_new(struct pconn_table *t, int fd, bool dialer, const struct kvsp_endpoint *from,
-			uint64_t now)
+struct pconn *pconn_new(struct pconn_table *t, int fd, bool dialer,
+			const struct kvsp_endpoint *from, uint64_t now)
 {
 	unsigned i;
 	for (i = 0; i < PCONN_MAX && t->conn[i].state != PCONN_FREE; i++)
@@ -221,7 +222,8 @@ int pconn_handshake(struct pconn_table *t, struct pconn *c, uint64_t now)
 	}
 	for (;;) {
 		while (c->hs_out_off < c->hs_out_len) {
-			ssize_t n = send(c->fd, c->hs_out + c->hs_out_off, c->hs_out_len - c->hs_out_off,
+			ssize_t n = send(c->fd, c->hs_out + c->hs_out_off,
+					 c->hs_out_len - c->hs_out_off,
 					 MSG_DONTWAIT | MSG_NOSIGNAL);
 			if (n < 0)
 				return errno == EAGAIN ? 0 : -errno;
@@ -243,7 +245,8 @@ int pconn_handshake(struct pconn_table *t, struct pconn *c, uint64_t now)
 			uint32_t need = step == KVSP_AUTH_RECV_HELLO ? KVS_WIRE_HELLO_SIZE
 								     : KVS_WIRE_PROOF_SIZE;
 			/* Exactly this message: what follows it is the first frame's. */
-			ssize_t n = recv(c->fd, c->hs_in + c->hs_have, need - c->hs_have, MSG_DONTWAIT);
+			ssize_t n =
+				recv(c->fd, c->hs_in + c->hs_have, need - c->hs_have, MSG_DONTWAIT);
 			if (n == 0)
 				return -ECONNRESET;
 			if (n < 0)
@@ -312,7 +315,8 @@ int pconn_write(struct pconn_table *t, struct pconn *c, uint16_t *type, struct k
 		struct iovec iov[2];
 		int n_iov = 0;
 		if (c->tx_off < c->tx_len)
-			iov[n_iov++] = (struct iovec){ c->txbuf + c->tx_off, c->tx_len - c->tx_off };
+			iov[n_iov++] =
+				(struct iovec){ c->txbuf + c->tx_off, c->tx_len - c->tx_off };
 		if (c->tx_poff < c->tx_plen && !c->tx_held)
 			iov[n_iov++] = (struct iovec){ (uint8_t *)c->tx_payload + c->tx_poff,
 						       c->tx_plen - c->tx_poff };
@@ -328,7 +332,8 @@ int pconn_write(struct pconn_table *t, struct pconn *c, uint16_t *type, struct k
 		KVS_STAT_ADD(t->st->tcp_bytes_tx, (uint64_t)n);
 		if (c->pub)
 			KVS_STAT_ADD(c->pub->bytes_tx, (uint64_t)n);
-		uint32_t h = c->tx_len - c->tx_off < (size_t)n ? c->tx_len - c->tx_off : (uint32_t)n;
+		uint32_t h = c->tx_len - c->tx_off < (size_t)n ? c->tx_len - c->tx_off
+							       : (uint32_t)n;
 		c->tx_off += h;
 		c->tx_poff += (uint32_t)n - h;
 	}

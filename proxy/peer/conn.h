@@ -41,8 +41,8 @@ enum pconn_state {
 	PCONN_FREE = 0,
 	PCONN_CONNECTING, /* dialer: connect() in progress */
 	PCONN_HANDSHAKE,  /* proving the secret, both ways */
-	PCONN_JOINING,    /* accepted and proved: its first frame must be JOIN */
-	PCONN_UP,         /* in a session: frames */
+	PCONN_JOINING,	  /* accepted and proved: its first frame must be JOIN */
+	PCONN_UP,	  /* in a session: frames */
 };
 
 /* What pconn_read found. */
@@ -52,13 +52,13 @@ struct pconn {
 	int fd;
 	uint8_t state;
 	bool dialer;
-	bool wblocked;  /* the socket is full: wait for EPOLLOUT */
-	bool tx_held;   /* the payload waits (test barrier, datapath/stream.c) */
+	bool wblocked;	/* the socket is full: wait for EPOLLOUT */
+	bool tx_held;	/* the payload waits (test barrier, datapath/stream.c) */
 	bool rx_paused; /* joined a session that is not up: its frames wait in the socket */
-	bool heard;     /* it has said a byte */
+	bool heard;	/* it has said a byte */
 	uint16_t idx;
-	uint32_t id;    /* a generation: the epoll tag is id << 32 | idx */
-	uint32_t sess;  /* its session's id once JOINed; 0: none */
+	uint32_t id;   /* a generation: the epoll tag is id << 32 | idx */
+	uint32_t sess; /* its session's id once JOINed; 0: none */
 	unsigned stream;
 	struct kvsp_endpoint from; /* accepted: the peer's address; dialed: whom we dial */
 	uint64_t born_ns, last_rx_ns;
@@ -94,7 +94,7 @@ struct pconn_table {
 	struct pconn conn[PCONN_MAX];
 	unsigned hi; /* conn[hi..] are FREE: loops stop here; 0: none */
 	uint32_t gen;
-	int epfd;    /* the peer plane's epoll: tags are id << 32 | idx */
+	int epfd; /* the peer plane's epoll: tags are id << 32 | idx */
 	uint8_t *sink;
 	uint32_t max_payload;
 	uint64_t instance; /* ours, in every handshake */
@@ -115,8 +115,8 @@ void pconn_table_fini(struct pconn_table *t);
 uint32_t pconn_admit(struct pconn_table *t, const struct kvsp_endpoint *from);
 /* A connection on fd (non-blocking, ours from now): dialing (connect in
  * progress) or accepted from `from`. Returns it, or NULL (fd closed, the table full). */
-struct pconn *pconn_new(struct pconn_table *t, int fd, bool dialer, const struct kvsp_endpoint *from,
-			uint64_t now);
+struct pconn *pconn_new(struct pconn_table *t, int fd, bool dialer,
+			const struct kvsp_endpoint *from, uint64_t now);
 /* Closes c's socket and frees its place; what it held is its owner's to release. */
 void pconn_close(struct pconn_table *t, struct pconn *c);
 /* The live connection an epoll tag names, or NULL. */

@@ -125,7 +125,8 @@ bool kvsp_endpoint_same_host(const struct kvsp_endpoint *a, const struct kvsp_en
 		return false;
 	if (a->sa.ss_family == AF_INET6)
 		return !memcmp(&((const struct sockaddr_in6 *)&a->sa)->sin6_addr,
-			       &((const struct sockaddr_in6 *)&b->sa)->sin6_addr, sizeof(struct in6_addr));
+			       &((const struct sockaddr_in6 *)&b->sa)->sin6_addr,
+			       sizeof(struct in6_addr));
 	return ((const struct sockaddr_in *)&a->sa)->sin_addr.s_addr ==
 	       ((const struct sockaddr_in *)&b->sa)->sin_addr.s_addr;
 }

@@ -55,20 +55,20 @@ struct kvsp_frame_tx {
 
 /* A verified frame, copied out of the decoder. */
 struct kvsp_frame {
-	uint16_t type;  /* enum kvs_wire_type */
-	uint32_t plen;  /* CHUNK: payload bytes that follow, owed to kvsp_frame_rx_payload() */
+	uint16_t type; /* enum kvs_wire_type */
+	uint32_t plen; /* CHUNK: payload bytes that follow, owed to kvsp_frame_rx_payload() */
 	uint64_t seq;
 	union kvs_wire_body body; /* wire form (little-endian); bytes past the type's size are 0 */
 };
 
 struct kvsp_frame_rx {
 	uint8_t key[KVSP_KEY_SIZE];
-	uint64_t seq;         /* the next one we take */
+	uint64_t seq;	      /* the next one we take */
 	uint32_t max_payload; /* largest CHUNK payload (the slot size) */
-	uint32_t have;        /* header and body bytes in buf */
-	uint32_t need;        /* header and body bytes of this frame; the header's alone until it is judged */
-	uint32_t owed;        /* CHUNK payload bytes the caller has still to take */
-	int err;              /* 0, or the refusal that killed the decoder */
+	uint32_t have;	      /* header and body bytes in buf */
+	uint32_t need; /* header and body bytes of this frame; the header's alone until it is judged */
+	uint32_t owed; /* CHUNK payload bytes the caller has still to take */
+	int err;       /* 0, or the refusal that killed the decoder */
 	_Alignas(8) uint8_t buf[KVS_WIRE_FRAME_MAX];
 };
 

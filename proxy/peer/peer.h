@@ -16,9 +16,10 @@ struct kvsp_xport_kind;
 
 /* --transport: how chunks go to peer proxies. */
 enum kvsp_peer_data {
-	KVSP_DATA_AUTO = 0, /* RDMA READ on --rdma-device, else on the first device found, else TCP */
-	KVSP_DATA_TCP,      /* TCP only; no device is opened */
-	KVSP_DATA_VERBS,    /* RDMA READ: a device must open, or the start fails */
+	KVSP_DATA_AUTO =
+		0,	 /* RDMA READ on --rdma-device, else on the first device found, else TCP */
+	KVSP_DATA_TCP,	 /* TCP only; no device is opened */
+	KVSP_DATA_VERBS, /* RDMA READ: a device must open, or the start fails */
 };
 
 /* --rdma-keys: how the key a peer reads each chunk with is made
@@ -35,10 +36,10 @@ struct kvsp_peer_opts {
 	const char *advertise; /* what goes into descriptors; NULL: the listen address */
 	unsigned streams;      /* connections per peer */
 	uint64_t peer_timeout_ns;
-	bool checksum;         /* CRC32C of every payload */
+	bool checksum; /* CRC32C of every payload */
 	enum kvsp_peer_data data;
 	const char *rdma_device; /* chunks by RDMA READ with peers that have it; NULL: per data */
-	int rdma_gid_index;    /* -1: the device's first RoCE v2 GID, IPv4-mapped first */
+	int rdma_gid_index;	 /* -1: the device's first RoCE v2 GID, IPv4-mapped first */
 	enum kvsp_keys rdma_keys;
 	const struct kvsp_secret *secret;
 };

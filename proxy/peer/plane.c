@@ -52,8 +52,8 @@ struct peer {
 	uint64_t timeout_ns, hs_ns;
 	int epfd, listen_fd, timer_fd;
 	int spare_fd; /* given up to accept (and close) a connection when out of fds */
-	bool woken;  /* our epoll fd woke the loop (the listener, the timer, a socket) */
-	bool tx_due; /* something happened that may owe a frame: the next pass writes */
+	bool woken;   /* our epoll fd woke the loop (the listener, the timer, a socket) */
+	bool tx_due;  /* something happened that may owe a frame: the next pass writes */
 	struct kvsp_endpoint listen, advertise;
 	char endpoint[64]; /* "tcp:" advertise; "" when we do not listen */
 	struct pconn_table conns;
@@ -242,7 +242,8 @@ static int conn_rx(struct peer *pr, struct pconn *c)
 			 pr->by_type[c->rx_type] && pr->by_type[c->rx_type]->ops->payload_end) {
 			struct psess *s = psess_up(&pr->sessions, c->sess);
 			if (s)
-				pr->by_type[c->rx_type]->ops->payload_end(pr->by_type[c->rx_type], s, c);
+				pr->by_type[c->rx_type]->ops->payload_end(pr->by_type[c->rx_type],
+									  s, c);
 		}
 		if (rc < 0) {
 			conn_fail(pr, c, rc);
@@ -279,7 +280,8 @@ static void on_accept(struct peer *pr)
 	for (;;) {
 		struct sockaddr_storage sa;
 		socklen_t sl = sizeof(sa);
-		int fd = accept4(pr->listen_fd, (struct sockaddr *)&sa, &sl, SOCK_NONBLOCK | SOCK_CLOEXEC);
+		int fd = accept4(pr->listen_fd, (struct sockaddr *)&sa, &sl,
+				 SOCK_NONBLOCK | SOCK_CLOEXEC);
 		if (fd < 0 && (errno == EMFILE || errno == ENFILE) && pr->spare_fd >= 0) {
 			/* Out of fds: the listener would stay readable and the loop
 			 * spin. Take the one waiting with our spare, and drop it. */
@@ -289,7 +291,8 @@ static void on_accept(struct peer *pr)
 				close(fd);
 			pr->spare_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
 			KVS_STAT_ADD(pr->st->peer_refused, 1);
-			kvsp_log_rl(&pr->rl_conn, now_of(pr), &pr->st->log_suppressed, KVSP_LOG_WARN,
+			kvsp_log_rl(&pr->rl_conn, now_of(pr), &pr->st->log_suppressed,
+				    KVSP_LOG_WARN,
 				    "peer connection refused: out of file descriptors");
 			continue;
 		}
@@ -304,13 +307,15 @@ static void on_accept(struct peer *pr)
 		 * the place of the longest-silent one, never the other way. */
 		if (pconn_admit(&pr->conns, &from) != PCONN_NONE) {
 			KVS_STAT_ADD(pr->st->peer_refused, 1);
-			kvsp_log_rl(&pr->rl_conn, now_of(pr), &pr->st->log_suppressed, KVSP_LOG_WARN,
+			kvsp_log_rl(&pr->rl_conn, now_of(pr), &pr->st->log_suppressed,
+				    KVSP_LOG_WARN,
 				    "peer handshakes full: the longest silent one made way for %s",
 				    from.text);
 		}
 		if (!pconn_new(&pr->conns, fd, false, &from, now_of(pr))) {
 			KVS_STAT_ADD(pr->st->peer_refused, 1);
-			kvsp_log_rl(&pr->rl_conn, now_of(pr), &pr->st->log_suppressed, KVSP_LOG_WARN,
+			kvsp_log_rl(&pr->rl_conn, now_of(pr), &pr->st->log_suppressed,
+				    KVSP_LOG_WARN,
 				    "peer connection from %s refused: no place for it", from.text);
 		}
 	}
@@ -415,7 +420,8 @@ static int peer_poll(struct kvsp_transport *t)
 	struct peer *pr = peer_of(t);
 	int busy = KVSP_IDLE;
 	for (unsigned k = 0; k < pr->ndps; k++)
-		busy |= pr->dps[k]->ops->poll(pr->dps[k]); /* before: a lost session's READs flush */
+		busy |= pr->dps[k]->ops->poll(
+			pr->dps[k]); /* before: a lost session's READs flush */
 	busy |= psess_reap(&pr->sessions, now_of(pr));
 	pr->tx_due |= busy;
 	/* With no connection, only the listener and the timer can have news,
@@ -555,12 +561,14 @@ static int open_listener(struct peer *pr, bool advertised, char *why, size_t len
 	if (!advertised) {
 		static const struct in6_addr any6 = IN6ADDR_ANY_INIT;
 		bool any = l->sa.ss_family == AF_INET6
-				   ? !memcmp(&((const struct sockaddr_in6 *)&l->sa)->sin6_addr, &any6,
-					     sizeof(any6))
+				   ? !memcmp(&((const struct sockaddr_in6 *)&l->sa)->sin6_addr,
+					     &any6, sizeof(any6))
 				   : ((const struct sockaddr_in *)&l->sa)->sin_addr.s_addr == 0;
 		if (any) {
-			snprintf(why, len, "--listen %s is every address: say which one peers dial "
-				 "with --advertise HOST:PORT", l->text);
+			snprintf(why, len,
+				 "--listen %s is every address: say which one peers dial "
+				 "with --advertise HOST:PORT",
+				 l->text);
 			return -EINVAL;
 		}
 		pr->advertise = bound;
@@ -580,8 +588,13 @@ static int open_listener(struct peer *pr, bool advertised, char *why, size_t len
 
 static int open_datapaths(struct peer *pr, const struct kvsp_peer_opts *o, char *why, size_t len)
 {
-	struct kvsp_dp base = { .p = pr->p, .t = &pr->t, .sessions = &pr->sessions,
-				.conns = &pr->conns, .st = pr->st, .dps = pr->dps, .ndps = &pr->ndps };
+	struct kvsp_dp base = { .p = pr->p,
+				.t = &pr->t,
+				.sessions = &pr->sessions,
+				.conns = &pr->conns,
+				.st = pr->st,
+				.dps = pr->dps,
+				.ndps = &pr->ndps };
 	for (unsigned k = 0; kvsp_datapaths[k] && pr->ndps < MAX_DPS; k++) {
 		base.ops = kvsp_datapaths[k];
 		int err = 0;
@@ -595,7 +608,8 @@ static int open_datapaths(struct peer *pr, const struct kvsp_peer_opts *o, char 
 		struct epoll_event ev = { .events = EPOLLIN, .data.u64 = TAG_DP0 + pr->ndps };
 		pr->dps[pr->ndps++] = dp;
 		if (fd >= 0 && epoll_ctl(pr->epfd, EPOLL_CTL_ADD, fd, &ev) < 0) {
-			snprintf(why, len, "%s data path: epoll: %s", dp->ops->name, strerror(errno));
+			snprintf(why, len, "%s data path: epoll: %s", dp->ops->name,
+				 strerror(errno));
 			return -errno;
 		}
 		for (const uint16_t *ty = dp->ops->types; *ty; ty++)
@@ -611,8 +625,9 @@ static int start(struct peer *pr, const struct kvsp_peer_opts *o, char *why, siz
 		snprintf(why, len, "peer plane: out of memory");
 		return -ENOMEM;
 	}
-	if (pr->epfd < 0 || pr->timer_fd < 0 || pconn_table_init(&pr->conns, pr->epfd,
-			(uint32_t)kvsp_slot_size(pr->p), kvsp_instance(pr->p), o->secret, pr->st) < 0) {
+	if (pr->epfd < 0 || pr->timer_fd < 0 ||
+	    pconn_table_init(&pr->conns, pr->epfd, (uint32_t)kvsp_slot_size(pr->p),
+			     kvsp_instance(pr->p), o->secret, pr->st) < 0) {
 		snprintf(why, len, "peer plane: %s", strerror(errno ? errno : ENOMEM));
 		return -ENOMEM;
 	}
@@ -622,7 +637,8 @@ static int start(struct peer *pr, const struct kvsp_peer_opts *o, char *why, siz
 	}
 	if (o->listen) {
 		if (kvsp_endpoint_parse(o->listen, &pr->listen) < 0) {
-			snprintf(why, len, "--listen '%s': want IPV4:PORT or [IPV6]:PORT", o->listen);
+			snprintf(why, len, "--listen '%s': want IPV4:PORT or [IPV6]:PORT",
+				 o->listen);
 			return -EINVAL;
 		}
 		int rc = open_listener(pr, o->advertise != NULL, why, len);
@@ -633,7 +649,8 @@ static int start(struct peer *pr, const struct kvsp_peer_opts *o, char *why, siz
 	if (rc < 0)
 		return rc;
 	uint64_t q = pr->timeout_ns / 8;
-	struct itimerspec its = { .it_interval = { (time_t)(q / 1000000000), (long)(q % 1000000000) } };
+	struct itimerspec its = { .it_interval = { (time_t)(q / 1000000000),
+						   (long)(q % 1000000000) } };
 	its.it_value = its.it_interval;
 	struct epoll_event ev = { .events = EPOLLIN, .data.u64 = TAG_TIMER };
 	if (timerfd_settime(pr->timer_fd, 0, &its, NULL) < 0 ||
@@ -677,8 +694,12 @@ static struct kvsp_transport *peer_create(struct kvsp *p, const void *opts, char
 	st->idle_ns = 6 * pr->timeout_ns;
 	st->rooms_on = proom_rooms_on;
 	st->rooms_arg = &pr->rooms;
-	pr->rooms = (struct proom_table){ .p = p, .t = &pr->t, .sessions = st, .dps = pr->dps,
-					  .ndps = &pr->ndps, .st = pr->st };
+	pr->rooms = (struct proom_table){ .p = p,
+					  .t = &pr->t,
+					  .sessions = st,
+					  .dps = pr->dps,
+					  .ndps = &pr->ndps,
+					  .st = pr->st };
 	if (proom_init(&pr->rooms) < 0)
 		proom_fini(&pr->rooms);
 	if (start(pr, o, why, len) < 0) {

@@ -90,10 +90,14 @@ int proom_attach(struct proom_table *t, uint32_t sess, uint32_t i, uint32_t gen,
 		 const struct kvs_desc_wire *d)
 {
 	struct proom *r = &t->r[i];
-	*r = (struct proom){ .gen = gen, .sess = sess, .from = KVS_WIRE_FROM_SEND,
+	*r = (struct proom){ .gen = gen,
+			     .sess = sess,
+			     .from = KVS_WIRE_FROM_SEND,
 			     .sender_ref = (uint64_t)gen << 32 | i,
-			     .far_instance = le64toh(d->instance), .bytes = le64toh(d->bytes),
-			     .pend_head = NONE, .pend_tail = NONE };
+			     .far_instance = le64toh(d->instance),
+			     .bytes = le64toh(d->bytes),
+			     .pend_head = NONE,
+			     .pend_tail = NONE };
 	r->name.room = d->room;
 	r->name.gen = d->gen;
 	memcpy(r->name.token, d->token, 16);
@@ -193,14 +197,17 @@ static bool room_frame(struct proom_table *t, struct psess *s, uint32_t i, uint8
 		r->open_ns = now; /* its OPEN_ACK is owed from now */
 		return true;
 	case OWE_ACK:
-		b->open_ack = (struct kvs_wire_open_ack){ .room = r->name, .sender_ref = ref,
-							  .status = (int32_t)htole32(r->ack_status) };
+		b->open_ack =
+			(struct kvs_wire_open_ack){ .room = r->name,
+						    .sender_ref = ref,
+						    .status = (int32_t)htole32(r->ack_status) };
 		*type = KVS_WIRE_OPEN_ACK;
 		return true;
 	case OWE_ABORT:
 		b->abort = (struct kvs_wire_abort){ .room = r->name,
 						    .status = (int32_t)htole32(r->abort_status),
-						    .from = htole32(r->from), .sender_ref = ref };
+						    .from = htole32(r->from),
+						    .sender_ref = ref };
 		*type = KVS_WIRE_ABORT;
 		return true;
 	case OWE_DONE:
@@ -208,7 +215,8 @@ static bool room_frame(struct proom_table *t, struct psess *s, uint32_t i, uint8
 		*type = KVS_WIRE_DONE;
 		return true;
 	default:
-		b->ended = (struct kvs_wire_ended){ .room = r->name, .sender_ref = ref,
+		b->ended = (struct kvs_wire_ended){ .room = r->name,
+						    .sender_ref = ref,
 						    .from = htole32(r->from) };
 		*type = KVS_WIRE_ENDED;
 		return true;
@@ -304,16 +312,21 @@ static void on_open(struct proom_table *t, struct psess *s, const struct kvs_wir
 	if (rc < 0) {
 		/* Said back on the frame's own terms: it may name a room of
 		 * someone else's, whose record must not change. */
-		struct kvs_wire_open_ack a = { .room = b->room, .sender_ref = b->sender_ref,
+		struct kvs_wire_open_ack a = { .room = b->room,
+					       .sender_ref = b->sender_ref,
 					       .status = (int32_t)htole32(rc) };
 		if (!refusal_push(owe_of(t, s), &a))
 			ignored(t);
 		return;
 	}
 	struct proom *r = &t->r[n.room];
-	*r = (struct proom){ .gen = n.gen, .sess = s->id, .name = b->room,
-			     .sender_ref = le64toh(b->sender_ref), .from = KVS_WIRE_FROM_RECV,
-			     .pend_head = NONE, .pend_tail = NONE };
+	*r = (struct proom){ .gen = n.gen,
+			     .sess = s->id,
+			     .name = b->room,
+			     .sender_ref = le64toh(b->sender_ref),
+			     .from = KVS_WIRE_FROM_RECV,
+			     .pend_head = NONE,
+			     .pend_tail = NONE };
 	owe(t, n.room, OWE_ACK);
 }
 

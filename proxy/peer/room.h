@@ -33,20 +33,20 @@ struct kvs_stats;
 
 /* One core room that rides on a session (by core room index). */
 struct proom {
-	uint32_t gen;       /* the core room's generation this record is about */
-	uint32_t sess;      /* its session's id; 0: none */
-	uint8_t owed;       /* frames owed, OWE_* bits */
+	uint32_t gen;  /* the core room's generation this record is about */
+	uint32_t sess; /* its session's id; 0: none */
+	uint8_t owed;  /* frames owed, OWE_* bits */
 	bool on_owe, acked;
 	uint32_t owe_next;
 	int32_t ack_status, abort_status;
 	struct kvs_wire_room name; /* the receiving room (ours, or the peer's from the descriptor) */
-	uint64_t sender_ref;       /* the sending proxy's room: gen << 32 | index */
-	uint64_t far_instance;     /* sending half: the descriptor's instance */
+	uint64_t sender_ref;	   /* the sending proxy's room: gen << 32 | index */
+	uint64_t far_instance;	   /* sending half: the descriptor's instance */
 	uint32_t pend_head, pend_tail; /* sending half: chunks waiting for OPEN_ACK */
-	uint32_t from;             /* the half we hold: KVS_WIRE_FROM_SEND or _RECV */
+	uint32_t from;		       /* the half we hold: KVS_WIRE_FROM_SEND or _RECV */
 	uint64_t bytes;
-	uint64_t open_ns;          /* sending half: our OPEN left, its OPEN_ACK owed since; 0: none */
-	uint64_t abort_ns;         /* aborted: the peer's ENDED owed since; 0: none */
+	uint64_t open_ns;  /* sending half: our OPEN left, its OPEN_ACK owed since; 0: none */
+	uint64_t abort_ns; /* aborted: the peer's ENDED owed since; 0: none */
 };
 
 /* Per session: the rooms with frames owed, and OPENs refused that name no
@@ -59,9 +59,9 @@ struct powe {
 };
 
 struct proom_table {
-	struct proom *r;  /* by core room index */
+	struct proom *r; /* by core room index */
 	uint32_t n;
-	uint32_t *xnext;  /* pending chunks, through slot indices */
+	uint32_t *xnext; /* pending chunks, through slot indices */
 	struct powe owe[PSESS_MAX];
 	struct kvsp *p;
 	struct kvsp_transport *t;

@@ -80,14 +80,16 @@ static int acl_judge(int fd, char *why, size_t why_len, const char *path)
 			uid_t *u = acl_get_qualifier(e);
 			if (any && (!u || *u != geteuid())) {
 				r = refuse(why, why_len, -EPERM,
-					   "%s: its ACL lets uid %u in; only ours (uid %u) may be named",
+					   "%s: its ACL lets uid %u in; only ours (uid %u) may be "
+					   "named",
 					   path, u ? (unsigned)*u : 0u, (unsigned)geteuid());
 				ok = false;
 			}
 			acl_free(u);
 		} else if ((tag == ACL_GROUP_OBJ || tag == ACL_GROUP || tag == ACL_OTHER) && any) {
 			r = refuse(why, why_len, -EPERM,
-				   "%s: its ACL lets %s in; chmod 600 it and drop the ACL (setfacl -b)",
+				   "%s: its ACL lets %s in; chmod 600 it and drop the ACL (setfacl "
+				   "-b)",
 				   path, tag == ACL_OTHER ? "others" : "a group");
 			ok = false;
 		}
@@ -103,9 +105,11 @@ static int acl_judge(int fd, char *why, size_t why_len, const char *path)
 {
 	if (fgetxattr(fd, "system.posix_acl_access", NULL, 0) < 0)
 		return 0; /* none (ENODATA), or a file system without ACLs */
-	return refuse(why, why_len, -EPERM,
-		      "%s: it has a POSIX ACL, and this build cannot judge one (libacl1-dev missing at "
-		      "build time); chmod 600 it and drop the ACL (setfacl -b)", path);
+	return refuse(
+		why, why_len, -EPERM,
+		"%s: it has a POSIX ACL, and this build cannot judge one (libacl1-dev missing at "
+		"build time); chmod 600 it and drop the ACL (setfacl -b)",
+		path);
 }
 #endif
 
@@ -125,7 +129,8 @@ static int read_file(const char *path, uint8_t *buf, size_t cap, size_t *n, char
 		int e = errno;
 		if (e == ELOOP)
 			return refuse(why, why_len, -ELOOP,
-				      "%s: is a symbolic link, which is not followed; name the file itself",
+				      "%s: is a symbolic link, which is not followed; name the "
+				      "file itself",
 				      path);
 		return refuse(why, why_len, -e, "%s: %s", path, strerror(e));
 	}
@@ -136,8 +141,9 @@ static int read_file(const char *path, uint8_t *buf, size_t cap, size_t *n, char
 		r = refuse(why, why_len, -EINVAL, "%s: not a regular file", path);
 	} else if (st.st_uid != geteuid() && st.st_uid != 0) {
 		/* Anyone else who owns it can change it, or chmod it open. */
-		r = refuse(why, why_len, -EPERM, "%s: owned by uid %u; it must be ours (uid %u) or root's",
-			   path, (unsigned)st.st_uid, (unsigned)geteuid());
+		r = refuse(why, why_len, -EPERM,
+			   "%s: owned by uid %u; it must be ours (uid %u) or root's", path,
+			   (unsigned)st.st_uid, (unsigned)geteuid());
 	} else if (st.st_mode & 077) {
 		/* Group bits but no others': maybe an ACL's mask, not a group. */
 		int acl = (st.st_mode & 007) ? 0 : acl_judge(fd, why, why_len, path);
@@ -146,8 +152,9 @@ static int read_file(const char *path, uint8_t *buf, size_t cap, size_t *n, char
 		} else if (acl == 0) {
 			const char *who, *what;
 			mode_says(st.st_mode, &who, &what);
-			r = refuse(why, why_len, -EPERM, "%s: mode %04o lets %s %s it; chmod 600 it",
-				   path, (unsigned)(st.st_mode & 07777), who, what);
+			r = refuse(why, why_len, -EPERM,
+				   "%s: mode %04o lets %s %s it; chmod 600 it", path,
+				   (unsigned)(st.st_mode & 07777), who, what);
 		}
 	}
 	*n = 0;

@@ -18,7 +18,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define KVSP_SECRET_MIN 16   /* bytes, after the trailing newline is stripped */
+#define KVSP_SECRET_MIN 16 /* bytes, after the trailing newline is stripped */
 #define KVSP_SECRET_MAX 4096
 
 struct kvsp_secret {

@@ -47,8 +47,9 @@
 /* A published field, written by the loop, read by kvstage-stat. */
 #define PUB(f, v) __atomic_store_n(&(f), (v), __ATOMIC_RELAXED)
 
-#define SLOG(t, lvl, ...)                                                                  \
-	kvsp_log_rl((t)->rl_sess, kvsp_xport_now((t)->p), &(t)->st->log_suppressed, lvl, __VA_ARGS__)
+#define SLOG(t, lvl, ...)                                                                \
+	kvsp_log_rl((t)->rl_sess, kvsp_xport_now((t)->p), &(t)->st->log_suppressed, lvl, \
+		    __VA_ARGS__)
 
 static bool live(const struct psess *s)
 {
@@ -73,7 +74,8 @@ struct psess *psess_dialed(struct psess_table *t, const struct kvsp_endpoint *ep
 {
 	for (unsigned i = 0; i < PSESS_MAX; i++) {
 		struct psess *s = &t->s[i];
-		if (live(s) && s->dialer && !s->retired && !s->closing && kvsp_endpoint_eq(&s->ep, ep))
+		if (live(s) && s->dialer && !s->retired && !s->closing &&
+		    kvsp_endpoint_eq(&s->ep, ep))
 			return s;
 	}
 	return NULL;
@@ -235,7 +237,8 @@ static struct psess *sess_alloc(struct psess_table *t, uint64_t now)
 		struct psess *v = victim(t);
 		if (!v)
 			return NULL;
-		SLOG(t, KVSP_LOG_INFO, "peer %s (%s) evicted: peer sessions full", v->ep.text, who(v));
+		SLOG(t, KVSP_LOG_INFO, "peer %s (%s) evicted: peer sessions full", v->ep.text,
+		     who(v));
 		KVS_STAT_ADD(t->st->peer_evicted, 1);
 		sess_down(t, v, -ENOSR);
 		if (v->state != PSESS_FREE)
@@ -266,7 +269,8 @@ static void sess_up(struct psess_table *t, struct psess *s, uint64_t now)
 	KVS_STAT_ADD(t->st->peer_sessions, 1);
 	s->counted = true;
 	/* One store of the canonical text: kvstage-stat never sees a peer's bytes. */
-	snprintf(s->pub->endpoint, sizeof(s->pub->endpoint), "%s", s->dialer ? s->ep.text : "accepted");
+	snprintf(s->pub->endpoint, sizeof(s->pub->endpoint), "%s",
+		 s->dialer ? s->ep.text : "accepted");
 	PUB(s->pub->streams, s->nstreams);
 	PUB(s->pub->instance, s->instance);
 	PUB(s->pub->state, KVS_PEER_UP);
@@ -448,8 +452,10 @@ void psess_retire(struct psess_table *t, struct psess *s)
 	if (s->retired)
 		return;
 	s->retired = true;
-	SLOG(t, KVSP_LOG_INFO, "peer %s: another proxy answers there now: this session takes no "
-	     "new room and closes once it has none", s->ep.text);
+	SLOG(t, KVSP_LOG_INFO,
+	     "peer %s: another proxy answers there now: this session takes no "
+	     "new room and closes once it has none",
+	     s->ep.text);
 }
 
 void psess_drain(struct psess_table *t)

@@ -26,7 +26,7 @@ struct kvs_stats;
 struct pconn;
 struct pconn_table;
 
-#define PSESS_MAX 64           /* KVS_MAX_PEERS: one published row each */
+#define PSESS_MAX 64		 /* KVS_MAX_PEERS: one published row each */
 #define PSESS_DIALS_PER_CLIENT 8 /* sessions being dialed for one client at once */
 
 enum psess_state {
@@ -37,28 +37,28 @@ enum psess_state {
 };
 
 struct psess {
-	uint32_t id;      /* index | generation << 8: the core's name for the peer; never 0 */
+	uint32_t id; /* index | generation << 8: the core's name for the peer; never 0 */
 	uint8_t state;
 	uint8_t idx;
 	bool dialer;
-	bool bye;         /* the peer is draining: open nothing new on it */
-	bool retired;     /* open nothing new on it: it closes once nothing rides on it */
-	bool closing;     /* our BYE (close) is on its way: then the sockets close */
-	bool counted;     /* in peer_sessions: it came up */
+	bool bye;		 /* the peer is draining: open nothing new on it */
+	bool retired;		 /* open nothing new on it: it closes once nothing rides on it */
+	bool closing;		 /* our BYE (close) is on its way: then the sockets close */
+	bool counted;		 /* in peer_sessions: it came up */
 	struct kvsp_endpoint ep; /* dialed: whom we dial; accepted: its first stream's source */
-	uint64_t instance;       /* the peer's, once its first stream proved itself */
-	uint64_t sid;            /* the dialer's name for the session */
-	uint32_t dial_cid;       /* dialed: the client whose room made us dial it */
+	uint64_t instance;	 /* the peer's, once its first stream proved itself */
+	uint64_t sid;		 /* the dialer's name for the session */
+	uint32_t dial_cid;	 /* dialed: the client whose room made us dial it */
 	unsigned nstreams, njoined, rr;
 	struct pconn *conn[KVSP_PEER_MAX_STREAMS];
-	uint64_t since_ns;       /* in this state since */
+	uint64_t since_ns; /* in this state since */
 	uint64_t last_rx_ns, last_tx_ns;
-	uint64_t idle_since_ns;  /* UP: since nothing rode on it (0: something does) */
+	uint64_t idle_since_ns; /* UP: since nothing rode on it (0: something does) */
 	bool owe_ping, owe_pong, owe_bye;
 	uint32_t bye_reason;
 	uint64_t pong_value;
 	int lost_status;
-	struct kvs_peer *pub;    /* its row in the published peer table */
+	struct kvs_peer *pub; /* its row in the published peer table */
 };
 
 struct psess_table {
@@ -73,10 +73,10 @@ struct psess_table {
 	struct kvs_stats *st;
 	struct kvs_peer *pub;
 	struct kvsp_rl *rl_sess; /* session lines a peer can cause */
-	unsigned streams;        /* per session we dial */
-	uint64_t timeout_ns;     /* --peer-timeout: silence, answers owed, quiescence */
-	uint64_t hs_ns;          /* handshake and joining */
-	uint64_t idle_ns;        /* a dialed session with nothing on it closes after this */
+	unsigned streams;	 /* per session we dial */
+	uint64_t timeout_ns;	 /* --peer-timeout: silence, answers owed, quiescence */
+	uint64_t hs_ns;		 /* handshake and joining */
+	uint64_t idle_ns;	 /* a dialed session with nothing on it closes after this */
 	bool draining;
 	/* How many rooms ride on each session (the room protocol's count, one
 	 * look at every room): rides[i] for the session at index i. */

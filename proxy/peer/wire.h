@@ -70,22 +70,22 @@ enum kvs_wire_role {
 /* Every field is either checked for its one value or bound into the
  * proofs, so a HELLO changed on the way fails the handshake. */
 struct kvs_wire_hello {
-	uint32_t magic;    /* KVS_WIRE_HELLO_MAGIC */
+	uint32_t magic;	   /* KVS_WIRE_HELLO_MAGIC */
 	uint16_t version;  /* KVS_WIRE_VERSION */
-	uint16_t type;     /* KVS_WIRE_HELLO */
-	uint32_t role;     /* enum kvs_wire_role: the speaker's */
-	uint32_t rsvd;     /* 0 */
+	uint16_t type;	   /* KVS_WIRE_HELLO */
+	uint32_t role;	   /* enum kvs_wire_role: the speaker's */
+	uint32_t rsvd;	   /* 0 */
 	uint64_t instance; /* the speaker's proxy instance */
 	uint8_t nonce[32]; /* fresh per connection (randombytes_buf) */
 };
 static_assert(sizeof(struct kvs_wire_hello) == 56, "hello is 56 bytes");
 
 struct kvs_wire_proof {
-	uint32_t magic;   /* KVS_WIRE_HELLO_MAGIC */
+	uint32_t magic;	  /* KVS_WIRE_HELLO_MAGIC */
 	uint16_t version; /* KVS_WIRE_VERSION */
-	uint16_t type;    /* KVS_WIRE_PROOF */
-	uint32_t role;    /* the prover's */
-	uint32_t rsvd;    /* 0 */
+	uint16_t type;	  /* KVS_WIRE_PROOF */
+	uint32_t role;	  /* the prover's */
+	uint32_t rsvd;	  /* 0 */
 	uint8_t mac[32];  /* HMAC-SHA256 under the master key, see proxy/peer/auth.c */
 };
 static_assert(sizeof(struct kvs_wire_proof) == 48, "proof is 48 bytes");
@@ -96,12 +96,12 @@ static_assert(sizeof(struct kvs_wire_proof) == 48, "proof is 48 bytes");
 #define KVS_WIRE_MAC_SIZE 16
 
 struct kvs_wire_frame_hdr {
-	uint32_t magic;  /* KVS_WIRE_FRAME_MAGIC */
-	uint16_t type;   /* enum kvs_wire_type */
-	uint16_t flags;  /* 0 in version 1 */
-	uint32_t len;    /* body bytes: exactly the type's body size */
-	uint32_t plen;   /* payload bytes after the body: CHUNK only, else 0 */
-	uint64_t seq;    /* this direction's frame count, from 0 after the handshake */
+	uint32_t magic; /* KVS_WIRE_FRAME_MAGIC */
+	uint16_t type;	/* enum kvs_wire_type */
+	uint16_t flags; /* 0 in version 1 */
+	uint32_t len;	/* body bytes: exactly the type's body size */
+	uint32_t plen;	/* payload bytes after the body: CHUNK only, else 0 */
+	uint64_t seq;	/* this direction's frame count, from 0 after the handshake */
 	uint8_t mac[KVS_WIRE_MAC_SIZE]; /* over the 24 bytes above and the body */
 };
 static_assert(sizeof(struct kvs_wire_frame_hdr) == 40, "frame header is 40 bytes");
@@ -109,15 +109,15 @@ static_assert(sizeof(struct kvs_wire_frame_hdr) == 40, "frame header is 40 bytes
 enum kvs_wire_type {
 	KVS_WIRE_OPEN = 1,  /* sender proxy -> receiver proxy: attach a remote sender to a room */
 	KVS_WIRE_OPEN_ACK,  /* receiver -> sender: attached, or why not */
-	KVS_WIRE_CHUNK,     /* sender -> receiver: one chunk; plen payload bytes follow the body */
+	KVS_WIRE_CHUNK,	    /* sender -> receiver: one chunk; plen payload bytes follow the body */
 	KVS_WIRE_CHUNK_ACK, /* receiver -> sender: placed or discarded, and why */
-	KVS_WIRE_ABORT,     /* either way: the room is aborted */
-	KVS_WIRE_DONE,      /* receiver -> sender: every chunk placed */
-	KVS_WIRE_PING,      /* either way: keep-alive, answered with PONG */
+	KVS_WIRE_ABORT,	    /* either way: the room is aborted */
+	KVS_WIRE_DONE,	    /* receiver -> sender: every chunk placed */
+	KVS_WIRE_PING,	    /* either way: keep-alive, answered with PONG */
 	KVS_WIRE_PONG,
-	KVS_WIRE_BYE,       /* either way: no new rooms on this connection (drain) */
-	KVS_WIRE_JOIN,      /* dialer, first frame of each connection: which session, which stream */
-	KVS_WIRE_ENDED,     /* either way: after an abort, nothing of the room is in flight here */
+	KVS_WIRE_BYE,	/* either way: no new rooms on this connection (drain) */
+	KVS_WIRE_JOIN,	/* dialer, first frame of each connection: which session, which stream */
+	KVS_WIRE_ENDED, /* either way: after an abort, nothing of the room is in flight here */
 	KVS_WIRE_RDMA_HELLO, /* either way, once per session: my queue pair and pool, for RDMA READ */
 	KVS_WIRE_CHUNK_READ, /* sender -> receiver: pull this chunk from my pool; CHUNK_ACK when done */
 	KVS_WIRE_NTYPES,
@@ -134,7 +134,7 @@ static_assert(sizeof(struct kvs_wire_room) == 24, "room name is 24 bytes");
 
 struct kvs_wire_open {
 	struct kvs_wire_room room;
-	uint64_t bytes;      /* as the sender understood the descriptor */
+	uint64_t bytes;	     /* as the sender understood the descriptor */
 	uint64_t slot_size;  /* chunking the sender will use: must equal the receiver's */
 	uint64_t sender_ref; /* the sender proxy's name for its side, echoed back */
 };
@@ -153,7 +153,7 @@ static_assert(sizeof(struct kvs_wire_open_ack) == 40, "open ack is 40 bytes");
 struct kvs_wire_chunk {
 	struct kvs_wire_room room;
 	uint32_t chunk;
-	uint32_t len;      /* payload bytes: equals hdr.plen */
+	uint32_t len;	   /* payload bytes: equals hdr.plen */
 	uint64_t xfer_ref; /* the sender's transfer, echoed in the ack */
 	uint32_t crc32c;   /* kvsp_crc32c(payload, len, 0), when flags has KVS_WIRE_CHUNK_CRC */
 	uint32_t flags;

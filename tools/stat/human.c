@@ -9,12 +9,12 @@
 #include "parse.h"
 #include "stat.h"
 
-void print_human(const struct kvs_ctrl *c, size_t len, const char *path, int slots,
-		 int restarted, const struct rates *r, const struct tables *tb)
+void print_human(const struct kvs_ctrl *c, size_t len, const char *path, int slots, int restarted,
+		 const struct rates *r, const struct tables *tb)
 {
 	const struct kvs_stats *st = &c->stats;
-	printf("kvstaged %s: %s  pid %d  instance %016llx  uptime %.1f s%s\n", path,
-	       state_word(st), c->proxy_pid, (unsigned long long)c->instance, uptime_s(c),
+	printf("kvstaged %s: %s  pid %d  instance %016llx  uptime %.1f s%s\n", path, state_word(st),
+	       c->proxy_pid, (unsigned long long)c->instance, uptime_s(c),
 	       restarted ? "  (new instance)" : "");
 	char slot[32], pool[32];
 	printf("pool      %u slots x %s = %s  hugepages %s  locked %s  failpoints %s\n",
@@ -31,8 +31,7 @@ void print_human(const struct kvs_ctrl *c, size_t len, const char *path, int slo
 	for (int i = 0; i < KVS_SLOT_NSTATES; i++)
 		printf(" %s %llu", state_names[i], S(slots[i]));
 	printf("\nrooms     open %llu  done %llu  aborted %llu  failed %llu  timed-out %llu\n",
-	       S(rooms_open), S(rooms_done), S(rooms_aborted), S(rooms_failed),
-	       S(rooms_timed_out));
+	       S(rooms_open), S(rooms_done), S(rooms_aborted), S(rooms_failed), S(rooms_timed_out));
 	printf("clients   now %llu  total %llu  closed %llu  died %llu  refused %llu\n", S(clients),
 	       S(clients_total), S(clients_closed), S(clients_died), S(clients_refused));
 	printf("rejected  stale %llu  perm %llu  busy %llu  inval %llu  token %llu  nobufs %llu"
@@ -43,26 +42,31 @@ void print_human(const struct kvs_ctrl *c, size_t len, const char *path, int slo
 	       "  sleeps %llu\n",
 	       S(chunks_moved), S(bytes_moved), S(ops), S(events), S(events_dropped),
 	       S(tombstones_reaped), S(sleeps));
-	printf("tcp       peers %llu  lost %llu  auth-failed %llu  refused %llu  frames-refused %llu"
+	printf("tcp       peers %llu  lost %llu  auth-failed %llu  refused %llu  frames-refused "
+	       "%llu"
 	       "  frames-ignored %llu  crc-errors %llu  discarded %llu  tx %llu  rx %llu\n",
 	       S(peer_sessions), S(peer_lost), S(peer_auth_failed), S(peer_refused),
 	       S(peer_frames_refused), S(peer_frames_ignored), S(peer_crc_errors),
 	       S(chunks_discarded), S(tcp_bytes_tx), S(tcp_bytes_rx));
-	printf("peers     deadlines %llu  evicted %llu  closed %llu  pings %llu\n", S(peer_timeouts),
-	       S(peer_evicted), S(peer_closed), S(peer_pings));
-	printf("rdma      sessions %llu  reads %llu  rx %llu  binds %llu  invalidates %llu  regions %llu"
+	printf("peers     deadlines %llu  evicted %llu  closed %llu  pings %llu\n",
+	       S(peer_timeouts), S(peer_evicted), S(peer_closed), S(peer_pings));
+	printf("rdma      sessions %llu  reads %llu  rx %llu  binds %llu  invalidates %llu  "
+	       "regions %llu"
 	       "  region-frees %llu  reads-refused %llu  links-lost %llu\n",
-	       S(rdma_sessions), S(rdma_reads), S(rdma_bytes_rx), S(rdma_binds), S(rdma_invalidates),
-	       S(rdma_regions), S(rdma_region_frees), S(rdma_reads_refused), S(rdma_links_lost));
+	       S(rdma_sessions), S(rdma_reads), S(rdma_bytes_rx), S(rdma_binds),
+	       S(rdma_invalidates), S(rdma_regions), S(rdma_region_frees), S(rdma_reads_refused),
+	       S(rdma_links_lost));
 	if (r && r->have)
-		printf("rates     rooms/s %.1f  aborts/s %.1f  failures/s %.1f  chunks/s %.0f  GB/s %.3f"
+		printf("rates     rooms/s %.1f  aborts/s %.1f  failures/s %.1f  chunks/s %.0f  "
+		       "GB/s %.3f"
 		       "  tcp tx %.3f rx %.3f GB/s  rdma rx %.3f GB/s\n",
 		       r->per_s[R_ROOMS], r->per_s[R_ABORTS], r->per_s[R_FAILS], r->per_s[R_CHUNKS],
 		       r->per_s[R_BYTES] / 1e9, r->per_s[R_TCP_TX] / 1e9, r->per_s[R_TCP_RX] / 1e9,
 		       r->per_s[R_RDMA_RX] / 1e9);
 	for (uint32_t i = 0; i < tb->npe; i++) {
 		const struct peer_row *k = &tb->pe[i];
-		printf("peer      %s  %s  streams %u  instance %016llx  tx %llu  rx %llu  sunk %llu  "
+		printf("peer      %s  %s  streams %u  instance %016llx  tx %llu  rx %llu  sunk "
+		       "%llu  "
 		       "chunks by %s  reads-refused %u\n",
 		       k->ep[0] ? k->ep : "(joining)", peer_state(k->p.state), k->p.streams,
 		       (unsigned long long)k->p.instance, (unsigned long long)k->p.bytes_tx,

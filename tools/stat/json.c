@@ -29,11 +29,13 @@ void print_json(const struct kvs_ctrl *c, size_t len, const char *path, int slot
 	kvs_json_string(stdout, inst);
 	printf(",\"uptime_s\":%.3f,", uptime_s(c));
 	if (r && r->have)
-		printf("\"rates\":{\"rooms_per_s\":%.3f,\"aborts_per_s\":%.3f,\"failures_per_s\":%.3f,"
+		printf("\"rates\":{\"rooms_per_s\":%.3f,\"aborts_per_s\":%.3f,\"failures_per_s\":%."
+		       "3f,"
 		       "\"chunks_per_s\":%.3f,\"bytes_per_s\":%.0f,\"tcp_tx_bytes_per_s\":%.0f,"
 		       "\"tcp_rx_bytes_per_s\":%.0f,\"rdma_rx_bytes_per_s\":%.0f},",
 		       r->per_s[R_ROOMS], r->per_s[R_ABORTS], r->per_s[R_FAILS], r->per_s[R_CHUNKS],
-		       r->per_s[R_BYTES], r->per_s[R_TCP_TX], r->per_s[R_TCP_RX], r->per_s[R_RDMA_RX]);
+		       r->per_s[R_BYTES], r->per_s[R_TCP_TX], r->per_s[R_TCP_RX],
+		       r->per_s[R_RDMA_RX]);
 	else if (r)
 		printf("\"rates\":null,");
 	const char *without[4];
@@ -59,7 +61,8 @@ void print_json(const struct kvs_ctrl *c, size_t len, const char *path, int slot
 	       S(rooms_open), S(rooms_done), S(rooms_aborted), S(rooms_failed), S(rooms_timed_out));
 	printf("\"clients\":{\"now\":%llu,\"total\":%llu,\"closed\":%llu,\"died\":%llu,"
 	       "\"refused\":%llu},",
-	       S(clients), S(clients_total), S(clients_closed), S(clients_died), S(clients_refused));
+	       S(clients), S(clients_total), S(clients_closed), S(clients_died),
+	       S(clients_refused));
 	printf("\"rejected\":{\"stale\":%llu,\"perm\":%llu,\"busy\":%llu,\"inval\":%llu,"
 	       "\"token\":%llu,\"nobufs\":%llu},",
 	       S(rej_stale), S(rej_perm), S(rej_busy), S(rej_inval), S(rej_token), S(rej_nobufs));
@@ -85,13 +88,14 @@ void print_json(const struct kvs_ctrl *c, size_t len, const char *path, int slot
 		const struct peer_row *k = &tb->pe[i];
 		printf("%s{\"endpoint\":", i ? "," : "");
 		kvs_json_string(stdout, k->ep);
-		printf(",\"state\":\"%s\",\"streams\":%u,\"instance\":\"%016llx\",\"bytes_tx\":%llu,"
+		printf(",\"state\":\"%s\",\"streams\":%u,\"instance\":\"%016llx\",\"bytes_tx\":%"
+		       "llu,"
 		       "\"bytes_rx\":%llu,\"chunks_sunk\":%llu,\"rdma\":%s,\"reads_refused\":%u,"
 		       "\"keys\":",
 		       peer_state(k->p.state), k->p.streams, (unsigned long long)k->p.instance,
 		       (unsigned long long)k->p.bytes_tx, (unsigned long long)k->p.bytes_rx,
-		       (unsigned long long)k->p.chunks_sunk, k->p.flags & KVS_PEER_RDMA ? "true" : "false",
-		       k->p.reads_refused);
+		       (unsigned long long)k->p.chunks_sunk,
+		       k->p.flags & KVS_PEER_RDMA ? "true" : "false", k->p.reads_refused);
 		const char *keys = peer_keys(k->p.flags);
 		if (keys)
 			printf("\"%s\"}", keys);
@@ -105,29 +109,33 @@ void print_json(const struct kvs_ctrl *c, size_t len, const char *path, int slot
 		printf(",\"clients_table\":[");
 		for (uint32_t i = 0; i < tb->ncl; i++) {
 			const struct client *k = &tb->cl[i];
-			printf("%s{\"id\":%u,\"pid\":%d,\"uid\":%u,\"gid\":%u,\"command\":", i ? "," : "",
-			       k->r.id, (int)k->r.pid, k->r.uid, k->r.gid);
+			printf("%s{\"id\":%u,\"pid\":%d,\"uid\":%u,\"gid\":%u,\"command\":",
+			       i ? "," : "", k->r.id, (int)k->r.pid, k->r.uid, k->r.gid);
 			if (k->comm[0])
 				kvs_json_string(stdout, k->comm);
 			else
 				printf("null");
-			printf(",\"since_ns\":%llu,\"leases\":%u,\"inflight\":%u,\"rooms_open\":%llu,"
+			printf(",\"since_ns\":%llu,\"leases\":%u,\"inflight\":%u,\"rooms_open\":%"
+			       "llu,"
 			       "\"rooms_done\":%llu,\"rooms_aborted\":%llu,\"rooms_failed\":%llu,"
-			       "\"ops\":%llu,\"rejects\":%llu,\"chunks_sent\":%llu,\"bytes_sent\":%llu,"
+			       "\"ops\":%llu,\"rejects\":%llu,\"chunks_sent\":%llu,\"bytes_sent\":%"
+			       "llu,"
 			       "\"chunks_recv\":%llu,\"bytes_recv\":%llu",
 			       (unsigned long long)k->r.since_ns, k->leases, k->inflight,
 			       (unsigned long long)k->r.rooms, (unsigned long long)k->r.rooms_done,
 			       (unsigned long long)k->r.rooms_aborted,
 			       (unsigned long long)k->r.rooms_failed, (unsigned long long)k->r.ops,
-			       (unsigned long long)k->r.rejects, (unsigned long long)k->r.chunks_sent,
-			       (unsigned long long)k->r.bytes_sent, (unsigned long long)k->r.chunks_recv,
+			       (unsigned long long)k->r.rejects,
+			       (unsigned long long)k->r.chunks_sent,
+			       (unsigned long long)k->r.bytes_sent,
+			       (unsigned long long)k->r.chunks_recv,
 			       (unsigned long long)k->r.bytes_recv);
 			if (k->have)
 				printf(",\"rates\":{\"ops_per_s\":%.3f,\"chunks_sent_per_s\":%.3f,"
 				       "\"bytes_sent_per_s\":%.0f,\"chunks_recv_per_s\":%.3f,"
 				       "\"bytes_recv_per_s\":%.0f}",
-				       k->ops_s, k->chunks_sent_s, k->bytes_sent_s, k->chunks_recv_s,
-				       k->bytes_recv_s);
+				       k->ops_s, k->chunks_sent_s, k->bytes_sent_s,
+				       k->chunks_recv_s, k->bytes_recv_s);
 			else if (r)
 				printf(",\"rates\":null");
 			printf("}");
@@ -138,7 +146,8 @@ void print_json(const struct kvs_ctrl *c, size_t len, const char *path, int slot
 	}
 	if (slots) {
 		uint32_t n = table_slots(c, len);
-		const struct kvs_slot *t = n ? (const void *)((const char *)c + c->slots_off) : NULL;
+		const struct kvs_slot *t = n ? (const void *)((const char *)c + c->slots_off)
+					     : NULL;
 		printf(",\"slot_table\":[");
 		int first = 1;
 		for (uint32_t i = 0; i < n; i++) {

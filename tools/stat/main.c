@@ -23,28 +23,30 @@
 static void usage(FILE *f)
 {
 	fprintf(f,
-"Usage: kvstage-stat [OPTION]...\n"
-"Show a running kvstaged's state (serving or draining), pool, slots, rooms,\n"
-"clients and counters.\n"
-"\n"
-"  -s, --socket PATH   proxy socket (default $KVSTAGE_SOCKET, else " KVS_DEFAULT_SOCKET ")\n"
-"  -j, --json          one JSON object per sample (one line each), with a\n"
-"                      clients_table: one entry per attached client\n"
-"  -w, --watch MS      sample every MS milliseconds (1 to 2147483647), with\n"
-"                      rates since the previous sample (rooms/s, aborts/s,\n"
-"                      GB/s) from the second one on, until\n"
-"                      interrupted; each sample asks the proxy anew, so a proxy\n"
-"                      that is down gets one line saying why, and one that\n"
-"                      comes back (a new instance) is shown again\n"
-"  -t, --top[=MS]      a top-like view, redrawn every MS milliseconds (default\n"
-"                      --watch's, else 1000): rates, one row per peer session\n"
-"                      and one per client, busiest first; plain samples, no\n"
-"                      escape codes, when stdout is not a terminal\n"
-"      --slots         also list every slot that is not free (not with --top)\n"
-"  -h, --help          show this help\n"
-"  -V, --version       show the version\n"
-"\n"
-"Exit status: 0 shown, 1 no proxy could be read (without --watch), 2 bad command line.\n");
+		"Usage: kvstage-stat [OPTION]...\n"
+		"Show a running kvstaged's state (serving or draining), pool, slots, rooms,\n"
+		"clients and counters.\n"
+		"\n"
+		"  -s, --socket PATH   proxy socket (default $KVSTAGE_SOCKET, "
+		"else " KVS_DEFAULT_SOCKET ")\n"
+		"  -j, --json          one JSON object per sample (one line each), with a\n"
+		"                      clients_table: one entry per attached client\n"
+		"  -w, --watch MS      sample every MS milliseconds (1 to 2147483647), with\n"
+		"                      rates since the previous sample (rooms/s, aborts/s,\n"
+		"                      GB/s) from the second one on, until\n"
+		"                      interrupted; each sample asks the proxy anew, so a proxy\n"
+		"                      that is down gets one line saying why, and one that\n"
+		"                      comes back (a new instance) is shown again\n"
+		"  -t, --top[=MS]      a top-like view, redrawn every MS milliseconds (default\n"
+		"                      --watch's, else 1000): rates, one row per peer session\n"
+		"                      and one per client, busiest first; plain samples, no\n"
+		"                      escape codes, when stdout is not a terminal\n"
+		"      --slots         also list every slot that is not free (not with --top)\n"
+		"  -h, --help          show this help\n"
+		"  -V, --version       show the version\n"
+		"\n"
+		"Exit status: 0 shown, 1 no proxy could be read (without --watch), 2 bad command "
+		"line.\n");
 }
 
 /* A sample that found no readable proxy: up says whether one answered. */
@@ -65,7 +67,8 @@ static void print_down(const char *path, int json, int up, const char *why)
 
 #define ABI_STR_(x) #x
 #define ABI_STR(x) ABI_STR_(x)
-#define ABI_WHY "it speaks another ABI (its control segment is not kvstage ABI " ABI_STR(KVS_ABI) ")"
+#define ABI_WHY \
+	"it speaks another ABI (its control segment is not kvstage ABI " ABI_STR(KVS_ABI) ")"
 
 /* Maps the proxy's control segment afresh. Returns 0 (unmap *c after use),
  * -1 (no proxy answered) or -2 (one answered with a segment this tool cannot
@@ -74,7 +77,8 @@ static int sample_map(const char *path, const struct kvs_ctrl **c, size_t *len, 
 {
 	int rc = kvs_stat_map(path, c, len);
 	if (rc == -EBADMSG) {
-		*why = "what answers there hands over a control segment smaller than the size it says "
+		*why = "what answers there hands over a control segment smaller than the size it "
+		       "says "
 		       "(not kvstaged?)";
 		return -2;
 	}
@@ -104,22 +108,28 @@ int main(int argc, char **argv)
 	static const struct option opts[] = {
 		{ "socket", required_argument, NULL, 's' }, { "json", no_argument, NULL, 'j' },
 		{ "watch", required_argument, NULL, 'w' },  { "slots", no_argument, NULL, 'S' },
-		{ "top", optional_argument, NULL, 't' },
-		{ "help", no_argument, NULL, 'h' },         { "version", no_argument, NULL, 'V' },
-		{ 0 },
+		{ "top", optional_argument, NULL, 't' },    { "help", no_argument, NULL, 'h' },
+		{ "version", no_argument, NULL, 'V' },	    { 0 },
 	};
 	const char *path = getenv("KVSTAGE_SOCKET");
 	int json = 0, slots = 0, top = 0, opt;
 	uint64_t watch = 0, top_ms = 0;
 	while ((opt = getopt_long(argc, argv, "s:jw:t::hV", opts, NULL)) != -1) {
 		switch (opt) {
-		case 's': path = optarg; break;
-		case 'j': json = 1; break;
-		case 'S': slots = 1; break;
+		case 's':
+			path = optarg;
+			break;
+		case 'j':
+			json = 1;
+			break;
+		case 'S':
+			slots = 1;
+			break;
 		case 'w':
 			if (kvs_parse_uint(optarg, INT_MAX, &watch) || !watch) {
-				fprintf(stderr, "kvstage-stat: invalid --watch '%s': want milliseconds "
-						"from 1 to %d (digits only)\n",
+				fprintf(stderr,
+					"kvstage-stat: invalid --watch '%s': want milliseconds "
+					"from 1 to %d (digits only)\n",
 					optarg, INT_MAX);
 				return 2;
 			}
@@ -127,15 +137,22 @@ int main(int argc, char **argv)
 		case 't':
 			top = 1;
 			if (optarg && (kvs_parse_uint(optarg, INT_MAX, &top_ms) || !top_ms)) {
-				fprintf(stderr, "kvstage-stat: invalid --top '%s': want milliseconds "
-						"from 1 to %d (digits only)\n",
+				fprintf(stderr,
+					"kvstage-stat: invalid --top '%s': want milliseconds "
+					"from 1 to %d (digits only)\n",
 					optarg, INT_MAX);
 				return 2;
 			}
 			break;
-		case 'h': usage(stdout); return 0;
-		case 'V': printf("kvstage-stat %s\n", KVS_VERSION_STRING); return 0;
-		default: fprintf(stderr, "Try 'kvstage-stat --help'.\n"); return 2;
+		case 'h':
+			usage(stdout);
+			return 0;
+		case 'V':
+			printf("kvstage-stat %s\n", KVS_VERSION_STRING);
+			return 0;
+		default:
+			fprintf(stderr, "Try 'kvstage-stat --help'.\n");
+			return 2;
 		}
 	}
 	if (optind < argc) {

@@ -31,8 +31,8 @@ struct client {
 	struct kvs_client_row r;
 	uint32_t leases;   /* slots it owns that it holds: leased, recv_filled */
 	uint32_t inflight; /* slots it owns in a transport's hands: inflight, recv_posted */
-	char comm[20];     /* /proc/PID/comm, as this tool sees that pid; "" if unknown */
-	bool have;         /* the rates below are set */
+	char comm[20];	   /* /proc/PID/comm, as this tool sees that pid; "" if unknown */
+	bool have;	   /* the rates below are set */
 	double ops_s, chunks_sent_s, bytes_sent_s, chunks_recv_s, bytes_recv_s;
 };
 
@@ -88,8 +88,8 @@ void tables_take(const struct kvs_ctrl *c, size_t len, struct tables *tb);
 void tables_free(struct tables *tb);
 
 /* human.c: the default output, one sample to stdout; r NULL without --watch. */
-void print_human(const struct kvs_ctrl *c, size_t len, const char *path, int slots,
-		 int restarted, const struct rates *r, const struct tables *tb);
+void print_human(const struct kvs_ctrl *c, size_t len, const char *path, int slots, int restarted,
+		 const struct rates *r, const struct tables *tb);
 
 /* json.c: --json, one sample as one line to stdout; r NULL without --watch. */
 void print_json(const struct kvs_ctrl *c, size_t len, const char *path, int slots,

@@ -45,9 +45,11 @@ uint32_t peer_rows(const struct kvs_ctrl *c, size_t len, const struct kvs_peer *
 const char *peer_keys(uint32_t flags)
 {
 	uint32_t k = flags & (KVS_PEER_KEYS_WINDOW | KVS_PEER_KEYS_REGION);
-	return !(flags & KVS_PEER_RDMA) ? NULL
-	       : k == KVS_PEER_KEYS_WINDOW ? "windows" : k == KVS_PEER_KEYS_REGION ? "regions"
-	       : k ? "windows+regions" : NULL;
+	return !(flags & KVS_PEER_RDMA)	   ? NULL
+	       : k == KVS_PEER_KEYS_WINDOW ? "windows"
+	       : k == KVS_PEER_KEYS_REGION ? "regions"
+	       : k			   ? "windows+regions"
+					   : NULL;
 }
 
 const char *peer_link(uint32_t flags)
@@ -55,9 +57,10 @@ const char *peer_link(uint32_t flags)
 	if (!(flags & KVS_PEER_RDMA))
 		return "tcp";
 	uint32_t k = flags & (KVS_PEER_KEYS_WINDOW | KVS_PEER_KEYS_REGION);
-	return k == KVS_PEER_KEYS_WINDOW ? "rdma (windows)"
+	return k == KVS_PEER_KEYS_WINDOW   ? "rdma (windows)"
 	       : k == KVS_PEER_KEYS_REGION ? "rdma (regions)"
-	       : k ? "rdma (windows over chunk regions)" : "rdma";
+	       : k			   ? "rdma (windows over chunk regions)"
+					   : "rdma";
 }
 
 const char *peer_state(uint32_t st)
@@ -75,8 +78,10 @@ unsigned built_without(const struct kvs_ctrl *c, const char *names[4])
 	static const struct {
 		uint32_t flag;
 		const char *name;
-	} parts[4] = { { KVS_CTRL_WITHOUT_VERBS, "verbs" }, { KVS_CTRL_WITHOUT_METRICS, "metrics" },
-		       { KVS_CTRL_WITHOUT_SYSTEMD, "systemd" }, { KVS_CTRL_WITHOUT_ACL, "acl" } };
+	} parts[4] = { { KVS_CTRL_WITHOUT_VERBS, "verbs" },
+		       { KVS_CTRL_WITHOUT_METRICS, "metrics" },
+		       { KVS_CTRL_WITHOUT_SYSTEMD, "systemd" },
+		       { KVS_CTRL_WITHOUT_ACL, "acl" } };
 	unsigned n = 0;
 	for (unsigned i = 0; i < 4; i++)
 		if (c->flags & parts[i].flag)
@@ -89,9 +94,11 @@ void rates_take(const struct kvs_ctrl *c, struct rates *r)
 	static uint64_t inst, prev[R_N];
 	static struct timespec prev_t;
 	const struct kvs_stats *st = &c->stats;
-	uint64_t now[R_N] = { S(rooms_done), S(rooms_aborted), S(rooms_failed) + S(rooms_timed_out),
-			      S(chunks_moved), S(bytes_moved), S(tcp_bytes_tx), S(tcp_bytes_rx),
-			      S(rdma_bytes_rx) };
+	uint64_t now[R_N] = {
+		S(rooms_done),	 S(rooms_aborted), S(rooms_failed) + S(rooms_timed_out),
+		S(chunks_moved), S(bytes_moved),   S(tcp_bytes_tx),
+		S(tcp_bytes_rx), S(rdma_bytes_rx)
+	};
 	struct timespec t;
 	clock_gettime(CLOCK_MONOTONIC, &t);
 	double dt = (double)(t.tv_sec - prev_t.tv_sec) + (double)(t.tv_nsec - prev_t.tv_nsec) / 1e9;
@@ -193,7 +200,8 @@ void tables_take(const struct kvs_ctrl *c, size_t len, struct tables *tb)
 	}
 	for (uint32_t i = 0; i < n; i++) {
 		struct client *k = &tb->cl[tb->ncl];
-		if (kvs_client_row_read((const struct kvs_client_row *)(rows + (size_t)i * step), &k->r))
+		if (kvs_client_row_read((const struct kvs_client_row *)(rows + (size_t)i * step),
+					&k->r))
 			tb->ncl++;
 	}
 	if (tb->ncl > 1)

@@ -78,14 +78,16 @@ void print_top(FILE *f, const struct kvs_ctrl *c, const char *path, int restarte
 	for (int i = 0; i < KVS_SLOT_NSTATES; i++)
 		fprintf(f, " %s %llu", state_names[i], S(slots[i]));
 	if (r->have)
-		fprintf(f, "\nrates     rooms/s %.1f  GB/s %.3f  aborts/s %.1f  failures/s %.1f"
-			   "  chunks/s %.0f\n",
+		fprintf(f,
+			"\nrates     rooms/s %.1f  GB/s %.3f  aborts/s %.1f  failures/s %.1f"
+			"  chunks/s %.0f\n",
 			r->per_s[R_ROOMS], r->per_s[R_BYTES] / 1e9, r->per_s[R_ABORTS],
 			r->per_s[R_FAILS], r->per_s[R_CHUNKS]);
 	else
 		fprintf(f, "\nrates     rooms/s -  GB/s -  aborts/s -  failures/s -  chunks/s -\n");
-	fprintf(f, "rooms     open %llu  done %llu  aborted %llu  failed %llu  timed-out %llu"
-		   "  clients %u  peers %u\n",
+	fprintf(f,
+		"rooms     open %llu  done %llu  aborted %llu  failed %llu  timed-out %llu"
+		"  clients %u  peers %u\n",
 		S(rooms_open), S(rooms_done), S(rooms_aborted), S(rooms_failed), S(rooms_timed_out),
 		tb->ncl, tb->npe);
 	if (tb->npe) {
@@ -94,10 +96,12 @@ void print_top(FILE *f, const struct kvs_ctrl *c, const char *path, int restarte
 		for (uint32_t i = 0; i < tb->npe; i++) {
 			const struct peer_row *k = &tb->pe[i];
 			fprintf(f, "%-32s %-7s %7u %7s %7s %7s %7s %7s %6llu\n",
-				k->ep[0] ? k->ep : "(joining)", peer_state(k->p.state), k->p.streams,
-				!(k->p.flags & KVS_PEER_RDMA) ? "tcp"
+				k->ep[0] ? k->ep : "(joining)", peer_state(k->p.state),
+				k->p.streams,
+				!(k->p.flags & KVS_PEER_RDMA)	       ? "tcp"
 				: !(k->p.flags & KVS_PEER_KEYS_REGION) ? "rdma/w"
-				: !(k->p.flags & KVS_PEER_KEYS_WINDOW) ? "rdma/r" : "rdma/wr",
+				: !(k->p.flags & KVS_PEER_KEYS_WINDOW) ? "rdma/r"
+								       : "rdma/wr",
 				compact((double)k->p.bytes_tx, a, sizeof(a)),
 				k->have ? compact(k->tx_s, b, sizeof(b)) : "-",
 				compact((double)k->p.bytes_rx, d, sizeof(d)),
