@@ -849,33 +849,52 @@ int kvs_recv_open_shared(kvs_client *c, uint64_t bytes, unsigned readers, uint64
 	return 0;
 }
 
-int kvs_recv_join(kvs_client *c, const struct kvs_room_desc *desc, uint64_t user_data,
-		  kvs_room **room)
+/* Opens a handle of role by a descriptor (a sender's, a reader's that joins):
+ * desc into the request area, op, the room's size from the reply. Returns
+ * 0 with *out, or -errno (nothing held). */
+static int open_by_desc(kvs_client *c, const struct kvs_room_desc *desc, uint8_t role, uint8_t op,
+			uint64_t user_data, struct kvs_rstate **out)
 {
 	int rc = usable(c);
 	if (rc)
 		return rc;
-	if (!room || !desc)
+	if (!desc)
 		return -EINVAL;
 	if (c->err)
 		return c->err;
-	struct kvs_rstate *r = room_new(c, KVS_ROLE_RECV, user_data);
+	struct kvs_rstate *r = room_new(c, role, user_data);
 	if (!r)
 		return -EMFILE;
+	/* Sized for the largest room the pool allows, so nothing can fail
+	 * after the proxy has opened it. */
+	if (role == KVS_ROLE_SEND &&
+	    !(r->sent = calloc((c->slot_count + 63) / 64, sizeof(uint64_t)))) {
+		room_free(c, r);
+		return -ENOMEM;
+	}
 	memcpy(c->cshm->request, desc->bytes, KVS_ROOM_DESC_SIZE);
-	struct kvs_sqe q = { .op = KVS_OP_RECV_JOIN,
-			     .handle = r->idx,
-			     .gen = r->gen,
-			     .arg2 = user_data };
+	struct kvs_sqe q = { .op = op, .handle = r->idx, .gen = r->gen, .arg2 = user_data };
 	rc = sync_call(c, &q);
 	if (rc < 0) {
 		room_free(c, r);
 		return rc;
 	}
+	room_set_size(r, c->cshm->reply.bytes, c->cshm->reply.slot_size);
+	*out = r;
+	return 0;
+}
+
+int kvs_recv_join(kvs_client *c, const struct kvs_room_desc *desc, uint64_t user_data,
+		  kvs_room **room)
+{
+	struct kvs_rstate *r;
+	int rc = room ? open_by_desc(c, desc, KVS_ROLE_RECV, KVS_OP_RECV_JOIN, user_data, &r)
+		      : -EINVAL;
+	if (rc)
+		return rc;
 	struct kvs_desc_wire d;
 	memcpy(&d, desc->bytes, sizeof(d));
 	r->joined = le32toh(d.room) + 1; /* the proxy said it names our room there */
-	room_set_size(r, c->cshm->reply.bytes, c->cshm->reply.slot_size);
 	*room = handle_of(c, r);
 	return 0;
 }
@@ -883,34 +902,11 @@ int kvs_recv_join(kvs_client *c, const struct kvs_room_desc *desc, uint64_t user
 int kvs_send_open(kvs_client *c, const struct kvs_room_desc *desc, uint64_t user_data,
 		  kvs_room **room)
 {
-	int rc = usable(c);
+	struct kvs_rstate *r;
+	int rc = room ? open_by_desc(c, desc, KVS_ROLE_SEND, KVS_OP_SEND_OPEN, user_data, &r)
+		      : -EINVAL;
 	if (rc)
 		return rc;
-	if (!room || !desc)
-		return -EINVAL;
-	if (c->err)
-		return c->err;
-	struct kvs_rstate *r = room_new(c, KVS_ROLE_SEND, user_data);
-	if (!r)
-		return -EMFILE;
-	/* Sized for the largest room the pool allows, so nothing can fail
-	 * after the proxy has opened it. */
-	r->sent = calloc((c->slot_count + 63) / 64, sizeof(uint64_t));
-	if (!r->sent) {
-		room_free(c, r);
-		return -ENOMEM;
-	}
-	memcpy(c->cshm->request, desc->bytes, KVS_ROOM_DESC_SIZE);
-	struct kvs_sqe q = { .op = KVS_OP_SEND_OPEN,
-			     .handle = r->idx,
-			     .gen = r->gen,
-			     .arg2 = user_data };
-	rc = sync_call(c, &q);
-	if (rc < 0) {
-		room_free(c, r);
-		return rc;
-	}
-	room_set_size(r, c->cshm->reply.bytes, c->cshm->reply.slot_size);
 	*room = handle_of(c, r);
 	return 0;
 }

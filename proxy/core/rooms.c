@@ -506,30 +506,55 @@ static int open_send_far(struct kvsp *p, struct kvsp_client *c, uint16_t h,
 	return 0;
 }
 
-int kvsp_room_open_send(struct kvsp *p, struct kvsp_client *c, uint16_t h,
-			const struct kvs_desc_wire *d, uint64_t user_data, uint64_t *bytes)
+/* The room of ours desc names, its token checked (invariant 4), into *i;
+ * NULL with *rc: -EINVAL (malformed), -ESTALE (gone, or not a room here),
+ * -EPERM (wrong token: counted and logged). */
+static struct kvsp_room *room_named(struct kvsp *p, struct kvsp_client *c,
+				    const struct kvs_desc_wire *d, uint32_t *i, int *rc)
+{
+	*i = le32toh(d->room);
+	*rc = *i >= p->cfg.max_rooms ? -EINVAL : -ESTALE;
+	if (*i >= p->cfg.max_rooms)
+		return NULL;
+	struct kvsp_room *r = &p->rooms[*i];
+	if (r->state == KVSP_ROOM_FREE || r->gen != le32toh(d->gen) || r->far == KVSP_FAR_RECV)
+		return NULL;
+	if (!kvsp_token_eq(r->token, d->token)) {
+		KVS_STAT_ADD(p->stats->rej_token, 1);
+		kvsp_log_rl(&c->rl[KVSP_RL_TOKEN], p->now_ns, &p->stats->log_suppressed,
+			    KVSP_LOG_WARN, "client %u (pid %d): wrong token for room %u", c->id,
+			    (int)c->pid, *i);
+		*rc = -EPERM;
+		return NULL;
+	}
+	return r;
+}
+
+/* Returns 0 if desc is one of ours in form and c's handle h is free, else -errno. */
+static int desc_check(struct kvsp *p, struct kvsp_client *c, uint16_t h,
+		      const struct kvs_desc_wire *d)
 {
 	struct kvsp_handle *hd = handle_of(p, c, h);
 	if (!hd || hd->state != KVSP_H_FREE)
 		return -EBADF;
 	if (le32toh(d->magic) != KVS_MAGIC_DESC || le16toh(d->version) != 1)
 		return -EINVAL;
+	return 0;
+}
+
+int kvsp_room_open_send(struct kvsp *p, struct kvsp_client *c, uint16_t h,
+			const struct kvs_desc_wire *d, uint64_t user_data, uint64_t *bytes)
+{
+	int rc = desc_check(p, c, h, d);
+	if (rc)
+		return rc;
 	if (le64toh(d->instance) != p->instance)
 		/* Another proxy's room, or one of ours from before a restart. */
 		return d->endpoint[0] ? open_send_far(p, c, h, d, user_data, bytes) : -ESTALE;
-	uint32_t i = le32toh(d->room);
-	if (i >= p->cfg.max_rooms)
-		return -EINVAL;
-	struct kvsp_room *r = &p->rooms[i];
-	if (r->state == KVSP_ROOM_FREE || r->gen != le32toh(d->gen) || r->far == KVSP_FAR_RECV)
-		return -ESTALE;
-	if (!kvsp_token_eq(r->token, d->token)) {
-		KVS_STAT_ADD(p->stats->rej_token, 1);
-		kvsp_log_rl(&c->rl[KVSP_RL_TOKEN], p->now_ns, &p->stats->log_suppressed,
-			    KVSP_LOG_WARN, "client %u (pid %d): wrong token for room %u", c->id,
-			    (int)c->pid, i);
-		return -EPERM;
-	}
+	uint32_t i;
+	struct kvsp_room *r = room_named(p, c, d, &i, &rc);
+	if (!r)
+		return rc;
 	if (r->state != KVSP_ROOM_OPEN)
 		return -ECANCELED;
 	if (r->send.client.cid || r->far)
@@ -544,26 +569,15 @@ int kvsp_room_open_send(struct kvsp *p, struct kvsp_client *c, uint16_t h,
 int kvsp_room_join(struct kvsp *p, struct kvsp_client *c, uint16_t h, const struct kvs_desc_wire *d,
 		   uint64_t user_data, uint64_t *bytes)
 {
-	struct kvsp_handle *hd = handle_of(p, c, h);
-	if (!hd || hd->state != KVSP_H_FREE)
-		return -EBADF;
-	if (le32toh(d->magic) != KVS_MAGIC_DESC || le16toh(d->version) != 1)
-		return -EINVAL;
+	int rc = desc_check(p, c, h, d);
+	if (rc)
+		return rc;
 	if (le64toh(d->instance) != p->instance)
 		return -ESTALE; /* readers join where the bytes land: the opener's proxy */
-	uint32_t i = le32toh(d->room);
-	if (i >= p->cfg.max_rooms)
-		return -EINVAL;
-	struct kvsp_room *r = &p->rooms[i];
-	if (r->state == KVSP_ROOM_FREE || r->gen != le32toh(d->gen) || r->far == KVSP_FAR_RECV)
-		return -ESTALE;
-	if (!kvsp_token_eq(r->token, d->token)) {
-		KVS_STAT_ADD(p->stats->rej_token, 1);
-		kvsp_log_rl(&c->rl[KVSP_RL_TOKEN], p->now_ns, &p->stats->log_suppressed,
-			    KVSP_LOG_WARN, "client %u (pid %d): wrong token for room %u", c->id,
-			    (int)c->pid, i);
-		return -EPERM;
-	}
+	uint32_t i;
+	struct kvsp_room *r = room_named(p, c, d, &i, &rc);
+	if (!r)
+		return rc;
 	if (r->recv.readers < 2)
 		return -EINVAL;
 	if (r->recv.njoined + 1u >= r->recv.readers)

@@ -155,34 +155,15 @@ try:
 except Exception as _e:  # no SGLang, or one older than common/conn.py (May 2025), or without aiohttp
     _NO_COMMON = f"{type(_e).__name__}: {_e}"
 
-    class CommonKVBootstrapServer(BaseKVBootstrapServer):  # type: ignore[no-redef]
+    class _NeedsCommon(Exception):
+        """What CommonKVBootstrapServer, PrefillServerInfo and KVTransferError are without SGLang's
+        common/conn.py: nothing of the backend runs then, and making one raises ImportError."""
+
         def __new__(cls, *a, **kw):
             raise ImportError(f"kvstage's bootstrap server is SGLang's own CommonKVBootstrapServer and needs SGLang "
                               f"with sglang.srt.disaggregation.common.conn importable ({_NO_COMMON})")
 
-    @dataclasses.dataclass
-    class PrefillServerInfo:  # type: ignore[no-redef] - SGLang's fields, for try_ensure_parallel_info
-        attn_tp_size: int
-        attn_cp_size: int
-        dp_size: int
-        pp_size: int
-        page_size: Optional[int]
-        kv_cache_dtype: Optional[str]
-        follow_bootstrap_room: bool
-        enable_dsa_cache_layer_split: bool = False
-        prefill_http_port: Optional[int] = None
-
-    class KVTransferError(Exception):
-        """What failure_exception() raises: .bootstrap_room, .failure_reason (SGLang's attributes)."""
-
-        def __init__(self, bootstrap_room, failure_reason, is_from_another_rank=False):
-            super().__init__(failure_reason)
-            self.bootstrap_room = bootstrap_room
-            self.failure_reason = failure_reason
-            self.is_from_another_rank = is_from_another_rank
-
-        def __str__(self):
-            return f"KVTransferError(bootstrap_room={self.bootstrap_room}): {self.failure_reason}"
+    CommonKVBootstrapServer = PrefillServerInfo = KVTransferError = _NeedsCommon  # type: ignore[misc]
 
 
 def _env_float(name, default):

@@ -217,6 +217,8 @@ def test_a_shared_room_lands_once_for_every_reader(proxy, pair):
         assert bytes(j3.lease(1).view()[:8]) == stamp(4, SLOT_SIZE, 8)
         j3.close()
         sroom.close()
+        for c in (r2, r3, tx):  # barriers: each close was taken before a later sync call of its client
+            c.release(c.acquire(1)[0])
     with pytest.raises(ValueError):
         rx.recv_open(1, readers=kvstage.KVS_MAX_READERS + 1)
     rx.release(rx.acquire(SLOTS)[0])  # every slot came back
