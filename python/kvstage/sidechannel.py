@@ -89,6 +89,35 @@ def _strip_one_newline(raw):
     return raw
 
 
+_ACL_USER, _ACL_GROUP_OBJ, _ACL_GROUP, _ACL_OTHER = 0x02, 0x04, 0x08, 0x20
+
+
+def _acl_lets_only_us(fd, path):
+    """kvstaged's rule (proxy/peer/secret.c): True if the file has a POSIX ACL whose entries let in only its owner
+    and our uid (no group, no others, nobody else named); False if it has none (its mode means what it says);
+    raises SecretError naming whom an ACL lets in. Read from the xattr the kernel keeps it in: version 2, then
+    8-byte entries (tag, perm, id), little-endian."""
+    try:
+        x = os.getxattr(fd, "system.posix_acl_access")
+    except OSError:
+        return False  # none, or a file system without ACLs
+    if len(x) < 4 or (len(x) - 4) % 8 or struct.unpack_from("<I", x)[0] != 2:
+        raise SecretError(f"kvstage side channel: peer secret file {path}: an ACL this reader cannot parse; "
+                          f"chmod 600 it and drop the ACL (setfacl -b)")
+    for off in range(4, len(x), 8):
+        tag, perm, uid = struct.unpack_from("<HHI", x, off)
+        if not perm & 7:
+            continue
+        if tag == _ACL_USER and uid != os.geteuid():
+            raise SecretError(f"kvstage side channel: peer secret file {path}: its ACL lets uid {uid} in; only ours "
+                              f"(uid {os.geteuid()}) may be named")
+        if tag in (_ACL_GROUP_OBJ, _ACL_GROUP, _ACL_OTHER):
+            who = "others" if tag == _ACL_OTHER else "a group"
+            raise SecretError(f"kvstage side channel: peer secret file {path}: its ACL lets {who} in; chmod 600 it "
+                              f"and drop the ACL (setfacl -b)")
+    return True
+
+
 def read_secret_file(path):
     """Returns the secret in the file at path, or raises SecretError saying why it is refused."""
     try:
@@ -99,8 +128,12 @@ def read_secret_file(path):
         st = os.fstat(fd)
         if not _stat.S_ISREG(st.st_mode):
             raise SecretError(f"kvstage side channel: peer secret file {path}: not a regular file")
+        if st.st_uid not in (os.geteuid(), 0):
+            raise SecretError(f"kvstage side channel: peer secret file {path}: owned by uid {st.st_uid}; it must be "
+                              f"ours (uid {os.geteuid()}) or root's")
         m = st.st_mode & 0o077
-        if m:
+        # Group bits and no others': maybe an ACL's mask (systemd's LoadCredential= copy: 0400 plus our uid).
+        if m and (m & 0o007 or not _acl_lets_only_us(fd, path)):
             who = "its group and others" if (m & 0o070) and (m & 0o007) else "its group" if m & 0o070 else "others"
             raise SecretError(f"kvstage side channel: peer secret file {path}: {who} can read or write it "
                               f"(mode {st.st_mode & 0o777:04o}); chmod 600 it")

@@ -409,6 +409,51 @@ def test_secret_files(monkeypatch, tmp_path):
         sc.load_key()
 
 
+def _with_acl(f, entries):
+    """Gives file f (mode 0400) the ACL "u::r, <entries>, g::-, m::r, o::-" as the kernel stores it: its mode then
+    shows the mask as group bits (0440), as systemd's LoadCredential= copies do."""
+    import errno
+    import struct
+    f.chmod(0o400)
+    none = 0xFFFFFFFF
+    every = sorted([(0x01, 4, none), (0x04, 0, none), (0x10, 4, none), (0x20, 0, none)] + entries)  # the kernel's order
+    x = struct.pack("<I", 2) + b"".join(struct.pack("<HHI", *e) for e in every)
+    try:
+        os.setxattr(str(f), "system.posix_acl_access", x)
+    except OSError as e:
+        if e.errno not in (errno.EOPNOTSUPP, errno.ENOTSUP):
+            raise
+        pytest.skip(f"no POSIX ACLs on {f.parent} ({e.strerror}): the ACL rule is not checked here")
+
+
+def test_secret_file_acl_judged_by_its_entries_as_kvstaged_does(tmp_path):
+    """systemd's credential copy (0440 by its ACL's mask, our uid named) loads, as kvstaged loads it; an ACL
+    naming another uid or a group is refused with whom it lets in; group bits of the group's own are refused."""
+    f = tmp_path / "peer.secret"
+    f.write_bytes(b"k" * 20)
+    _with_acl(f, [(0x02, 4, os.geteuid())])
+    assert os.stat(f).st_mode & 0o777 == 0o440
+    assert sc.read_secret_file(str(f)) == b"k" * 20
+    for entries, says in (([(0x02, 4, 65534)], "its ACL lets uid 65534 in"),
+                          ([(0x08, 4, 65534)], "its ACL lets a group in"),
+                          ([(0x02, 2, 65534)], "its ACL lets uid 65534 in")):
+        g = tmp_path / f"acl-{len(says)}-{entries[0][0]}-{entries[0][1]}"
+        g.write_bytes(b"k" * 20)
+        _with_acl(g, entries)
+        with pytest.raises(sc.SecretError, match=says):
+            sc.read_secret_file(str(g))
+    h = tmp_path / "plain"
+    h.write_bytes(b"k" * 20)
+    h.chmod(0o440)
+    with pytest.raises(sc.SecretError, match="its group can read or write it"):
+        sc.read_secret_file(str(h))
+    if os.geteuid() == 0:  # a file someone else owns can be changed by them: refused whatever its mode
+        h.chmod(0o600)
+        os.chown(h, 65534, -1)
+        with pytest.raises(sc.SecretError, match="owned by uid 65534; it must be ours"):
+            sc.read_secret_file(str(h))
+
+
 # ------------------------------------------------------------------------------------------------ engine-shaped
 def _attack(port, frames):
     """Sends every refused kind of frame an attacker could to a listener: no handshake, another secret, tampered,
