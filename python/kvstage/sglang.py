@@ -551,7 +551,6 @@ class KvstageKVManager(BaseKVManager):
             self.connection_pool: Dict[str, dict] = {}
             self._peers = _sidechannel.Peers(self._side_key)  # one cached connection per prefill rank
             self._recompute_pool = None                # retract rebootstrap: POSTs /generate off the scheduler thread
-            self._recompute_lock = threading.Lock()
             self._recompute_failed = queue.SimpleQueue()  # (receiver, reason), applied by pump()
         self.client()  # connect now: a missing proxy is a start-up error, not a per-request one
 
@@ -732,11 +731,7 @@ class KvstageKVManager(BaseKVManager):
         room = msg.get("room") if isinstance(msg, dict) else None
         logger.warning("kvstage backend: refused a malformed side-channel message (bootstrap_room %.40r, "
                        "from %.80r): %s", room, msg.get("from") if isinstance(msg, dict) else None, why)
-        if isinstance(msg, dict) and msg.get("desc") is not None:
-            try:
-                desc_bytes(msg.get("desc"))
-            except ValueError:
-                return  # no room to abort: the decode side learns at its timeout
+        if isinstance(msg, dict):  # a descriptor that cannot be read names no room: the decode side times out
             self._reject(msg, f"malformed transfer request: {why}")
 
     def _reject(self, msg, why):
@@ -809,14 +804,12 @@ class KvstageKVManager(BaseKVManager):
                          getattr(kv_receiver, "bootstrap_addr", None))
             return kv_receiver._fail("PD retract rebootstrap could not resolve the prefill /generate URL from "
                                      "bootstrap info (the prefill server registered no HTTP port)")
-        with self._recompute_lock:
-            if self._recompute_pool is None:
-                import concurrent.futures
-                n = os.environ.get("SGLANG_DISAGGREGATION_THREAD_POOL_SIZE")
-                self._recompute_pool = concurrent.futures.ThreadPoolExecutor(
-                    max_workers=max(1, int(n) if n and n.isdigit() else 16), thread_name_prefix="kvstage-rebootstrap")
-            pool = self._recompute_pool
-        pool.submit(self._run_prefill_recompute, kv_receiver, url, payload)
+        if self._recompute_pool is None:  # made here, by the scheduler's thread, the only one that calls this
+            import concurrent.futures
+            n = os.environ.get("SGLANG_DISAGGREGATION_THREAD_POOL_SIZE")
+            self._recompute_pool = concurrent.futures.ThreadPoolExecutor(
+                max_workers=max(1, int(n) if n and n.isdigit() else 16), thread_name_prefix="kvstage-rebootstrap")
+        self._recompute_pool.submit(self._run_prefill_recompute, kv_receiver, url, payload)
 
     def _rebootstrap_prefill_url(self, kv_receiver):
         info = self.prefill_info_table.get(getattr(kv_receiver, "bootstrap_addr", None))
