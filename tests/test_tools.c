@@ -1056,3 +1056,50 @@ Test(tools, bench_json_escapes_strings)
 			*p = ' ';
 	cr_assert_neq(json_lines_ok(out, NULL), 0, "not JSON: %s\n%s", err, out);
 }
+
+/* The abort mode runs briefly at a nonzero rate: its JSON has the figures,
+ * and every point through kvstaged (not the test-only vulnerable build,
+ * whose corruption is the baseline's point) counts 0 wrong bytes. Shape
+ * only: no figure is compared with a speed. */
+Test(tools, bench_abort_mode_shape, .timeout = 120)
+{
+	const char *bench = build_path("tools/bench/kvstage-bench");
+	int rc = RUN(bench, "abort", "--json", "-q", "--abort-rate", "0.3", "--abort-side", "both",
+		     "--chunk", "16K", "--rooms", "2", "-d", "0.2", "--vulnerable",
+		     build_path("tests/kvstaged-vulnerable"));
+	cr_assert_eq(rc, 0, "%s", err);
+	static const char *const keys[] = {
+		"\"mode\": \"abort\"", "\"abort_to_final_us\"", "\"abort_to_reusable_us\"",
+		"\"by_phase\"", "\"gbps_vs_reference\"", "\"tombstones_reaped\"", "\"refused\"",
+		"\"late_events\": 0", "\"pages_bad\": 0", "\"path\": \"tcp\"",
+		"\"proxy\": \"kvstaged-vulnerable\"",
+	};
+	for (unsigned i = 0; i < sizeof(keys) / sizeof(keys[0]); i++)
+		cr_assert(strstr(out, keys[i]), "no %s in: %s", keys[i], out);
+	unsigned fenced = 0, aborted = 0;
+	for (const char *p = out; (p = strstr(p, "\"proxy\": \"kvstaged\",")); p++) {
+		const char *c = strstr(p, "\"corrupt_bytes\": ");
+		cr_assert_not_null(c, "a point without corrupt_bytes");
+		cr_assert_eq(strncmp(c, "\"corrupt_bytes\": 0,", 19), 0, "wrong bytes: %.40s", c);
+		fenced++;
+		const char *r = strstr(p, "\"abort_rate\": ");
+		aborted += r && strncmp(r, "\"abort_rate\": 0,", 16);
+	}
+	/* local and tcp at rates 0 and 0.3, and the staged run through kvstaged */
+	cr_assert_eq(fenced, 5, "points through kvstaged: %u\n%s", fenced, out);
+	cr_assert_eq(aborted, 3, "points with aborts: %u", aborted);
+	for (char *p = out; *p; p++)
+		if (*p == '\n')
+			*p = ' ';
+	cr_assert_neq(json_lines_ok(out, NULL), 0, "not JSON: %s\n%s", err, out);
+
+	rc = RUN(bench, "abort", "--abort-rate", "1.5");
+	cr_assert_eq(rc, 2, "%s", err);
+	cr_assert(strstr(err, "invalid --abort-rate '1.5'"), "%s", err);
+	rc = RUN(bench, "abort", "--abort-side", "sender");
+	cr_assert_eq(rc, 2, "%s", err);
+	cr_assert(strstr(err, "invalid --abort-side 'sender'"), "%s", err);
+	rc = RUN(bench, "abort", "--payload", "copy");
+	cr_assert_eq(rc, 2, "%s", err);
+	cr_assert(strstr(err, "takes no --payload"), "%s", err);
+}

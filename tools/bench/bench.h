@@ -25,7 +25,8 @@
 #define GPU_TARGET_SLOT 0.90   /* gpu: slot copies, both directions, against cudaMallocHost */
 #define GPU_TARGET_GATHER 0.80 /* gpu: gather of 16 KiB pages */
 
-enum bench_mode { MODE_LOCAL, MODE_LATENCY, MODE_IDLE, MODE_BASELINE, MODE_GPU, MODE_TCP, MODE_VERBS };
+enum bench_mode { MODE_LOCAL, MODE_LATENCY, MODE_IDLE, MODE_BASELINE, MODE_GPU, MODE_TCP, MODE_VERBS,
+		  MODE_ABORT };
 enum bench_payload { PAYLOAD_NONE, PAYLOAD_COPY, PAYLOAD_VERIFY, PAYLOAD_IN };
 enum bench_fmt { FMT_TABLE, FMT_JSON, FMT_CSV };
 
@@ -57,6 +58,11 @@ struct bench_opts {
 	unsigned tcp_streams; /* tcp: --tcp-streams of the proxies, and of the raw baseline */
 	const char *rdma_device; /* verbs: the device both proxies and ib_read_bw use */
 	int rdma_gid_index;      /* verbs: -1: the proxies' and perftest's own choice */
+	/* abort */
+	double abort_rates[16];  /* fractions of rooms aborted, one point each; 0 first */
+	unsigned nrates;
+	unsigned abort_sides;    /* 1: the sender aborts, 2: the receiver, 3: either at random */
+	const char *vulnerable;  /* the test-only kvstaged-vulnerable, or NULL: next to the build */
 	/* gpu */
 	uint64_t gpu_size;       /* bytes per slot copy and per gather */
 	uint64_t psizes[16];     /* gather/scatter page sizes */
@@ -225,6 +231,8 @@ double baseline_ib_read_bw(const char *dev, int gid_index, uint64_t chunk, doubl
 /* Moves the calling process into network namespace ns (/run/netns/NS); NULL or "": stays.
  * Returns 0, or -errno. */
 int bench_enter_netns(const char *ns);
+/* One of the published counters (statnames.h) of the proxy at sock, or 0 if unreadable. */
+uint64_t bench_stat(const char *sock, const char *name);
 /* Eventfd ping-pong between two processes that both block (placed like the
  * proxy and a client), one round trip after each gap_ns of quiet: the
  * kernel's floor for waking a sleeping proxy and then its sleeping client.
@@ -295,6 +303,9 @@ int run_latency(const struct bench_opts *o);
 int run_idle(const struct bench_opts *o);
 /* Runs the tcp mode (tcp.c): two proxies, rooms between them, raw TCP. Returns the exit code. */
 int run_tcp(const struct bench_opts *o);
+/* Runs the abort mode (abort.c): rooms aborted at random phases, each
+ * side's final and the slots' return timed, every byte checked. Returns the exit code. */
+int run_abort(const struct bench_opts *o);
 /* Runs the baselines alone. Returns the exit code. */
 int run_baseline(const struct bench_opts *o);
 /* Runs the gpu mode (gpu.c with CUDA, else gpu_stub.c). Returns the exit code. */

@@ -85,4 +85,25 @@ void local_point_counts(struct point *p, const struct local_point *lp, const cha
 /* The table's note on verified bytes. */
 void local_point_notes(const struct bench_opts *o, struct point *p, const struct local_point *lp);
 
+/* tcp.c: what a run over two proxies sets up once: the peer secret and,
+ * with --netns, the namespaces. */
+struct tcp_env {
+	char dir[64];     /* holds the peer secret */
+	char secret[128];
+	char ns[2][32];   /* --netns: A's and B's; "" otherwise */
+	const char *ipbin;
+	const char *b_ip; /* where B listens, and the raw receiver */
+};
+/* Makes the secret (and the namespaces with --netns). Returns 0, or -1 after saying why;
+ * tcp_env_fini in either case. */
+int tcp_env_init(const struct bench_opts *o, struct tcp_env *e);
+/* Removes what tcp_env_init made. */
+void tcp_env_fini(struct tcp_env *e);
+/* Starts B (listens, the receivers' proxy) and A (dials B, the senders'), tcp or verbs
+ * (--rdma-device) as the data path, with one more argument extra (NULL: none) each.
+ * Returns 0, or -1 after saying why (neither left running). */
+int tcp_proxies_start(const struct bench_opts *o, const struct tcp_env *e, bool verbs,
+		      uint64_t chunk, uint32_t slots, const char *extra, struct bench_proxy *a,
+		      struct bench_proxy *b);
+
 #endif

@@ -31,6 +31,7 @@ int main(int argc, char **argv)
 	case MODE_IDLE: rc = run_idle(&o); break;
 	case MODE_BASELINE: rc = run_baseline(&o); break;
 	case MODE_GPU: rc = run_gpu(&o); break;
+	case MODE_ABORT: rc = run_abort(&o); break;
 	}
 	free(orig);
 	return rc;

@@ -21,11 +21,13 @@
 #define FLOW (M(LOCAL) | M(TCP) | M(VERBS))
 #define PROXIED (FLOW | M(LATENCY) | M(IDLE))
 #define CPU (PROXIED | M(BASELINE))
-#define ALL (CPU | M(GPU))
+#define ROOMS (FLOW | M(ABORT)) /* modes that move rooms of several chunks */
+#define ALL (CPU | M(GPU) | M(ABORT))
 
 static const char *const mode_names[] = {
 	[MODE_LOCAL] = "local", [MODE_LATENCY] = "latency", [MODE_IDLE] = "idle",
 	[MODE_BASELINE] = "baseline", [MODE_GPU] = "gpu", [MODE_TCP] = "tcp", [MODE_VERBS] = "verbs",
+	[MODE_ABORT] = "abort",
 };
 #define NMODES (sizeof(mode_names) / sizeof(mode_names[0]))
 
@@ -53,6 +55,16 @@ static const char *const mode_help[] = {
 	[MODE_VERBS] = "the tcp mode with --rdma-device on both proxies: chunks pulled\n"
 		"by RDMA READ; baseline: perftest's ib_read_bw between two\n"
 		"processes on the same device, in the same run",
+	[MODE_ABORT] = "rooms at full rate with --abort-rate of them aborted from\n"
+		"--abort-side at a random phase (before the descriptor reaches\n"
+		"the sender, leased, mid-room, every chunk sent, after\n"
+		"RECV_DONE), through one proxy, then two over tcp (and verbs\n"
+		"with --rdma-device); every byte of every room checked, every\n"
+		"aborted room's pages checked at the end; abort-to-final and\n"
+		"abort-to-reusable latency, goodput against abort rate 0 of\n"
+		"the same run, stale operations refused, tombstones reaped;\n"
+		"baseline: the same staged aborts through the test-only\n"
+		"kvstaged-vulnerable (it frees at abort) beside kvstaged",
 	[MODE_GPU] = "GPU memory into and out of slots (libkvstage_cuda, needs a CUDA\n"
 		"build): device->slot and slot->device GB/s, gather and scatter of\n"
 		"paged GPU memory, each against cudaMemcpy between the device and a\n"
@@ -64,7 +76,7 @@ enum opt_id {
 	O_SOCKET, O_KVSTAGED, O_PROXYARG, O_STREAMS, O_NETNS, O_RDMA, O_GIDX, O_CHUNK, O_SWEEP,
 	O_ROOMBYTES, O_ROOMS, O_SENDERS, O_RECEIVERS, O_PAYLOAD, O_DURATION, O_BYTES, O_WARMUP,
 	O_BASESEC, O_WSET, O_SAMPLES, O_GAP, O_NOPIN, O_SIZE, O_PSIZE, O_PAGES, O_POOL, O_GMODES,
-	O_ITERS, O_REPS, O_DEVICE, O_JSON, O_CSV, O_PLOT, O_PROGRESS, O_QUIET, O_HELP, O_VERSION,
+	O_ITERS, O_REPS, O_DEVICE, O_ARATE, O_ASIDE, O_VULN, O_JSON, O_CSV, O_PLOT, O_PROGRESS, O_QUIET, O_HELP, O_VERSION,
 	O_COUNT
 };
 
@@ -94,32 +106,35 @@ static const struct opt_def defs[O_COUNT] = {
 	[O_SOCKET] = { "socket", "PATH", 's', M(LOCAL) | M(LATENCY) | M(IDLE) | M(GPU), OWN, "Proxy:",
 		"use the kvstaged serving PATH (its slot size is the\nchunk size; gpu: at least "
 		"one copy's bytes);\ndefault: start one" },
-	[O_KVSTAGED] = { "kvstaged", "PATH", 0, PROXIED | M(GPU), STR(kvstaged), NULL,
+	[O_KVSTAGED] = { "kvstaged", "PATH", 0, PROXIED | M(GPU) | M(ABORT), STR(kvstaged), NULL,
 		"the kvstaged to start (default: $KVSTAGED, else\n../../proxy/kvstaged next to "
 		"this binary, else PATH)" },
-	[O_PROXYARG] = { "proxy-arg", "ARG", 0, PROXIED | M(GPU), OWN, NULL,
+	[O_PROXYARG] = { "proxy-arg", "ARG", 0, PROXIED | M(GPU) | M(ABORT), OWN, NULL,
 		"pass ARG to the kvstaged we start (repeatable), e.g.\n--proxy-arg=--spin-us=1000; "
 		"it is started with\n--socket, --slots, --slot-size and --ready-fd" },
-	[O_STREAMS] = { "tcp-streams", "N", 0, M(TCP) | M(VERBS), UINT(tcp_streams, 1, 16), "tcp, verbs:",
+	[O_STREAMS] = { "tcp-streams", "N", 0, M(TCP) | M(VERBS) | M(ABORT), UINT(tcp_streams, 1, 16),
+		"tcp, verbs, abort:",
 		"connections per peer, for the proxies and the raw\nbaseline (default 2, at most 16)" },
 	[O_NETNS] = { "netns", NULL, 0, M(TCP), FLAG(netns), NULL,
 		"put each proxy in a network namespace of its own,\njoined by a veth pair "
 		"(10.78.0.1 - 10.78.0.2) made\nfor this run and removed after it; needs root and\n"
 		"iproute2 (default: both on 127.0.0.1)" },
-	[O_RDMA] = { "rdma-device", "NAME", 0, M(VERBS), OWN, NULL,
-		"the RDMA device (ibv_devices lists them)" },
-	[O_GIDX] = { "rdma-gid-index", "N", 0, M(VERBS), K_INT, OFF(rdma_gid_index), 0, 255, NULL, NULL,
+	[O_RDMA] = { "rdma-device", "NAME", 0, M(VERBS) | M(ABORT), OWN, NULL,
+		"the RDMA device (ibv_devices lists them); abort:\nalso run the verbs path on it "
+		"(default: skipped)" },
+	[O_GIDX] = { "rdma-gid-index", "N", 0, M(VERBS) | M(ABORT), K_INT, OFF(rdma_gid_index), 0, 255, NULL, NULL,
 		"its GID for the proxies and ib_read_bw\n(default: their own choice)" },
-	[O_CHUNK] = { "chunk", "SIZE[,SIZE...]", 'c', CPU, OWN, "Work:",
-		"chunk (slot) sizes, multiples of 4K, K/M/G\nsuffixes (default: 1M; latency: 4K)" },
+	[O_CHUNK] = { "chunk", "SIZE[,SIZE...]", 'c', CPU | M(ABORT), OWN, "Work:",
+		"chunk (slot) sizes, multiples of 4K, K/M/G\nsuffixes (default: 1M; latency: 4K; "
+		"abort: one\nsize, 64K)" },
 	[O_SWEEP] = { "sweep", NULL, 0, FLOW | M(BASELINE), OWN, NULL,
 		"chunk sizes 4K 16K 64K 256K 1M 4M 16M" },
-	[O_ROOMBYTES] = { "room-bytes", "BYTES", 0, FLOW,
+	[O_ROOMBYTES] = { "room-bytes", "BYTES", 0, ROOMS,
 		SIZE(room_bytes, 1, 1ull << 40, "want 1 byte to 1T"), NULL,
 		"bytes per room (default: 16 chunks)" },
-	[O_ROOMS] = { "rooms", "N", 0, FLOW, UINT(rooms, 1, 256), NULL,
+	[O_ROOMS] = { "rooms", "N", 0, ROOMS, UINT(rooms, 1, 256), NULL,
 		"rooms in flight per sender (default 4, at most 256)" },
-	[O_SENDERS] = { "senders", "N", 0, FLOW, UINT(senders, 1, BENCH_MAX_PAIRS), NULL,
+	[O_SENDERS] = { "senders", "N", 0, ROOMS, UINT(senders, 1, BENCH_MAX_PAIRS), NULL,
 		"sender processes (default 1, at most 64)" },
 	[O_RECEIVERS] = { "receivers", "N", 0, FLOW, UINT(receivers, 1, BENCH_MAX_PAIRS), NULL,
 		"receiver processes; each is paired with one sender,\nso it must equal --senders "
@@ -130,12 +145,12 @@ static const struct opt_def defs[O_COUNT] = {
 		"copies in, the receiver takes the slot and\nreads it in place (one copy, like a "
 		"buffer-to-buffer\ntransport); verify: the sender stamps a canary, the\nreceiver "
 		"checks every byte (default: copy;\nlatency and tcp: none)" },
-	[O_DURATION] = { "duration", "SEC", 'd', CPU, SEC(duration, 0.01, 86400), NULL,
+	[O_DURATION] = { "duration", "SEC", 'd', CPU | M(ABORT), SEC(duration, 0.01, 86400), NULL,
 		"measured seconds per point; idle: the quiet window\n(default 2)" },
 	[O_BYTES] = { "bytes", "TOTAL", 'b', FLOW,
 		SIZE(bytes, 1, 1e19, "want a byte count > 0 (K/M/G suffixes)"), NULL,
 		"measure until TOTAL bytes moved instead (K/M/G)" },
-	[O_WARMUP] = { "warmup", "SEC", 0, FLOW | M(LATENCY), SEC(warmup, 0, 3600), NULL,
+	[O_WARMUP] = { "warmup", "SEC", 0, FLOW | M(LATENCY) | M(ABORT), SEC(warmup, 0, 3600), NULL,
 		"unmeasured time first (default: a tenth of --duration,\nat most 0.5; 0 with "
 		"--bytes); local mode also waits\nuntil each receiver has completed --rooms rooms" },
 	[O_BASESEC] = { "baseline-sec", "SEC", 0, FLOW | M(LATENCY) | M(BASELINE),
@@ -152,7 +167,7 @@ static const struct opt_def defs[O_COUNT] = {
 		"wake-up samples (default 200)" },
 	[O_GAP] = { "idle-gap", "MS", 0, M(IDLE), K_SEC, OFF(idle_gap_ms), 0, 60000,
 		"want milliseconds, 0 to 60000", NULL, "quiet milliseconds before each sample (default 2)" },
-	[O_NOPIN] = { "no-pin", NULL, 0, CPU, FLAG(no_pin), NULL,
+	[O_NOPIN] = { "no-pin", NULL, 0, CPU | M(ABORT), FLAG(no_pin), NULL,
 		"leave CPU placement to the scheduler; by default, with\ntwo or more CPUs, a proxy "
 		"we start runs on the last CPU\nwe may use and every client process on the others;\n"
 		"the rte_ring baseline's two spinners take two CPUs" },
@@ -173,13 +188,22 @@ static const struct opt_def defs[O_COUNT] = {
 		"(default 5)" },
 	[O_DEVICE] = { "device", "N", 0, M(GPU), K_INT, OFF(device), 0, 1024, NULL, NULL,
 		"CUDA device (default 0)" },
+	[O_ARATE] = { "abort-rate", "LIST", 0, M(ABORT), OWN, "abort:",
+		"fractions of rooms aborted, 0 to 1, one point each\n(default 0,0.01,0.1,0.5); 0 is "
+		"measured first\nwhether listed or not" },
+	[O_ASIDE] = { "abort-side", "SIDE", 0, M(ABORT), OWN, NULL,
+		"who aborts: send, recv, or both (each abort picks\none at random; default both)" },
+	[O_VULN] = { "vulnerable", "PATH", 0, M(ABORT), STR(vulnerable), NULL,
+		"the test-only kvstaged-vulnerable for the baseline\n(default: tests/kvstaged-"
+		"vulnerable in the build tree\nnext to this binary; none there: skipped, said)" },
 	[O_JSON] = { "json", NULL, 0, ALL, OWN, "Output (the table goes to stdout, progress and notes "
 		"to stderr):", "one JSON object instead of the table" },
 	[O_CSV] = { "csv", NULL, 0, ALL, OWN, NULL, "a header and one row per point instead of the table" },
-	[O_PLOT] = { "plot", "FILE", 0, M(LOCAL) | M(BASELINE), OWN, NULL,
-		"also draw GB/s against chunk size with the baselines\nas lines (FILE ends in .png "
-		"or .svg; needs gnuplot)" },
-	[O_PROGRESS] = { "progress", NULL, 0, CPU, FLAG(progress), NULL,
+	[O_PLOT] = { "plot", "FILE", 0, M(LOCAL) | M(BASELINE) | M(ABORT), OWN, NULL,
+		"also draw GB/s against chunk size with the baselines\nas lines (abort: "
+		"abort-to-final latency against\nabort rate); FILE ends in .png or .svg; needs "
+		"gnuplot" },
+	[O_PROGRESS] = { "progress", NULL, 0, CPU | M(ABORT), FLAG(progress), NULL,
 		"draw the live progress line even if stderr is not a\nterminal" },
 	[O_QUIET] = { "quiet", NULL, 'q', ALL, FLAG(quiet), NULL, "no progress line and no notes" },
 	[O_HELP] = { "help", NULL, 'h', ALL, OWN, NULL, "show this help (MODE --help: that mode's)" },
@@ -361,6 +385,29 @@ static int parse_gather_modes(const char *arg, bool *modes)
 	return 0;
 }
 
+/* --abort-rate: fractions in [0, 1], 0 put first (the no-abort point every ratio needs). */
+static int parse_rates(const char *arg, struct bench_opts *o)
+{
+	char buf[256];
+	if (strlen(arg) >= sizeof(buf))
+		return bad("--abort-rate", arg, "too long");
+	strcpy(buf, arg);
+	o->abort_rates[0] = 0;
+	o->nrates = 1;
+	char *save = NULL;
+	for (char *t = strtok_r(buf, ",", &save); t; t = strtok_r(NULL, ",", &save)) {
+		double v;
+		if (parse_sec(t, 0, 1, &v))
+			return bad("--abort-rate", t, "want a fraction, 0 to 1");
+		if (v == 0)
+			continue;
+		if (o->nrates == sizeof(o->abort_rates) / sizeof(o->abort_rates[0]))
+			return bad("--abort-rate", arg, "at most 15 rates besides 0");
+		o->abort_rates[o->nrates++] = v;
+	}
+	return 0;
+}
+
 /* One option's value into o. Returns 0, or 2 after saying why. */
 static int take(struct bench_opts *o, enum opt_id id, const char *arg, int *payload)
 {
@@ -430,6 +477,13 @@ static int take(struct bench_opts *o, enum opt_id id, const char *arg, int *payl
 		return 0;
 	}
 	case O_GMODES: return parse_gather_modes(arg, o->gather_modes);
+	case O_ARATE: return parse_rates(arg, o);
+	case O_ASIDE:
+		if (!strcmp(arg, "send") || !strcmp(arg, "recv") || !strcmp(arg, "both")) {
+			o->abort_sides = arg[0] == 's' ? 1 : arg[0] == 'r' ? 2 : 3;
+			return 0;
+		}
+		return bad(opt, arg, "want send, recv or both");
 	case O_JSON: o->fmt = FMT_JSON; return 0;
 	case O_CSV: o->fmt = FMT_CSV; return 0;
 	default: return 0;
@@ -440,7 +494,7 @@ static int take(struct bench_opts *o, enum opt_id id, const char *arg, int *payl
 static int check(struct bench_opts *o, const bool *seen, int payload)
 {
 	const char *m = mode_names[o->mode];
-	bool two = o->mode == MODE_TCP || o->mode == MODE_VERBS;
+	bool two = o->mode == MODE_TCP || o->mode == MODE_VERBS || o->mode == MODE_ABORT;
 	for (unsigned i = 0; i < O_COUNT; i++) {
 		if (!seen[i] || (defs[i].modes & (1u << o->mode)))
 			continue;
@@ -456,12 +510,28 @@ static int check(struct bench_opts *o, const bool *seen, int payload)
 			return refuse("%s is for the tcp mode (an RDMA device made in another namespace "
 				      "may not reach this one)", opt);
 		if (i == O_PLOT)
-			return refuse("%s draws GB/s against chunk size: local or baseline mode only",
-				      opt);
+			return refuse("%s draws GB/s against chunk size (local, baseline) or abort "
+				      "latency against abort rate (abort) only", opt);
+		if (i == O_PAYLOAD && o->mode == MODE_ABORT)
+			return refuse("the abort mode stamps and checks every byte (a canary): it "
+				      "takes no --payload");
 		/* how a proxy would be run is harmless where none is: said, not refused */
 		if (i != O_KVSTAGED && i != O_PROXYARG && i != O_PROGRESS && i != O_NOPIN)
 			return refuse("%s is not an option of the %s mode", opt, m);
 		note(o, "%s does nothing in the %s mode", opt, m);
+	}
+	if (o->mode == MODE_ABORT) {
+		if (!o->nrates) {
+			static const double dflt[] = { 0, 0.01, 0.1, 0.5 };
+			memcpy(o->abort_rates, dflt, sizeof(dflt));
+			o->nrates = 4;
+		}
+		if (!o->abort_sides)
+			o->abort_sides = 3;
+		if (o->nchunks > 1)
+			return refuse("the abort mode takes one chunk size");
+		if (!o->nchunks)
+			o->chunks[o->nchunks++] = 64 << 10;
 	}
 	if (o->mode == MODE_VERBS && !o->rdma_device)
 		return refuse("the verbs mode needs --rdma-device NAME (ibv_devices lists them)");
@@ -482,7 +552,8 @@ static int check(struct bench_opts *o, const bool *seen, int payload)
 				"receiver is paired with one sender\n", o->receivers, o->senders);
 		return 2;
 	}
-	o->payload = payload >= 0 ? (enum bench_payload)payload
+	o->payload = o->mode == MODE_ABORT ? PAYLOAD_VERIFY
+		   : payload >= 0 ? (enum bench_payload)payload
 		   : o->mode == MODE_LATENCY || two ? PAYLOAD_NONE : PAYLOAD_COPY;
 	if (o->mode == MODE_LATENCY && o->payload == PAYLOAD_IN)
 		return bad("--payload", "in", "latency mode takes none, copy or verify");
@@ -562,11 +633,11 @@ int bench_opts_parse(int argc, char **argv, struct bench_opts *o)
 		return 1;
 	}
 	if (optind >= argc)
-		return refuse("no mode given (local, tcp, verbs, latency, idle, baseline or gpu)");
+		return refuse("no mode given (local, tcp, verbs, abort, latency, idle, baseline or gpu)");
 	if (optind + 1 < argc)
 		return refuse("unexpected argument '%s'", argv[optind + 1]);
 	if (mode < 0)
-		return bad("mode", argv[optind], "want local, tcp, verbs, latency, idle, baseline or gpu");
+		return bad("mode", argv[optind], "want local, tcp, verbs, abort, latency, idle, baseline or gpu");
 	o->mode = (enum bench_mode)mode;
 	g_mode = mode;
 	return check(o, seen, payload);

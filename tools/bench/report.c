@@ -578,7 +578,9 @@ static unsigned sum_cells(const struct point *p, char (*cell)[SUM_W], const char
 	for (unsigned i = 0; i < p->nfig && c + 3 <= SUM_COLS; i++) {
 		const struct fig *f = &p->fig[i];
 		char tmp[SUM_W];
-		if (f->col && f->unit == U_LAT) {
+		if (f->col && f->unit == U_LAT && !f->l.n) {
+			snprintf(cell[c], SUM_W, "n/a");
+		} else if (f->col && f->unit == U_LAT) {
 			for (int k = 0; k < 3; k++)
 				if (f->pct & (1u << k))
 					cat(cell[c], SUM_W, "%s%.1f", cell[c][0] ? "/" : "",
@@ -659,6 +661,17 @@ int plot(const struct bench_opts *o, const char *title, const uint64_t *x, unsig
 	 const double *const *cols, const char *const *names, const char *const *styles,
 	 unsigned ncols)
 {
+	double xd[BENCH_MAX_CHUNKS];
+	for (unsigned i = 0; i < n && i < BENCH_MAX_CHUNKS; i++)
+		xd[i] = (double)x[i];
+	struct plot_axes ax = { "chunk size", "GB/s (10^9 bytes/s)", true };
+	return plot_xy(o, title, &ax, xd, n, cols, names, styles, ncols);
+}
+
+int plot_xy(const struct bench_opts *o, const char *title, const struct plot_axes *ax,
+	    const double *x, unsigned n, const double *const *cols, const char *const *names,
+	    const char *const *styles, unsigned ncols)
+{
 	/* The data rides in the script (a datablock): no temporary files. */
 	void (*old)(int) = signal(SIGPIPE, SIG_IGN); /* a gnuplot that dies must not kill us */
 	fflush(NULL);
@@ -670,7 +683,7 @@ int plot(const struct bench_opts *o, const char *title, const uint64_t *x, unsig
 	}
 	fprintf(g, "$points << EOD\n");
 	for (unsigned i = 0; i < n; i++) {
-		fprintf(g, "%llu", (unsigned long long)x[i]);
+		fprintf(g, "%.9g", x[i]);
 		for (unsigned c = 0; c < ncols; c++)
 			fprintf(g, " %.6g", cols[c][i] > 0 ? cols[c][i] : NAN);
 		fputc('\n', g);
@@ -678,18 +691,27 @@ int plot(const struct bench_opts *o, const char *title, const uint64_t *x, unsig
 	bool svg = !strcmp(o->plot + strlen(o->plot) - 4, ".svg");
 	fprintf(g, "EOD\nset terminal %s size 900,640 font ',11'\n", svg ? "svg dynamic" : "pngcairo");
 	fprintf(g, "set output '%s'\nset title \"%s\" noenhanced\n", o->plot, title);
-	fprintf(g, "set xlabel 'chunk size'\nset ylabel 'GB/s (10^9 bytes/s)'\n");
-	fprintf(g, "set logscale x 2\nset grid\nset key below noenhanced\n");
-	fprintf(g, "set yrange [0:*]\nset datafile missing 'nan'\nset xtics (");
-	for (unsigned i = 0; i < n; i++) {
-		char cs[16];
-		fprintf(g, "%s\"%s\" %llu", i ? ", " : "", bench_size_str(x[i], cs, sizeof(cs)),
-			(unsigned long long)x[i]);
+	fprintf(g, "set xlabel '%s'\nset ylabel '%s'\n", ax->xlabel, ax->ylabel);
+	fprintf(g, "set grid\nset key below noenhanced\n");
+	fprintf(g, "set yrange [0:*]\nset datafile missing 'nan'\n");
+	if (ax->sizes) {
+		fprintf(g, "set logscale x 2\nset xtics (");
+		for (unsigned i = 0; i < n; i++) {
+			char cs[16];
+			fprintf(g, "%s\"%s\" %.0f", i ? ", " : "",
+				bench_size_str((uint64_t)x[i], cs, sizeof(cs)), x[i]);
+		}
+		fprintf(g, ")\n");
+		if (n == 1)
+			fprintf(g, "set xrange [%.0f:%.0f]\n", x[0] / 2, x[0] * 2);
+	} else {
+		fprintf(g, "set xtics (");
+		for (unsigned i = 0; i < n; i++)
+			fprintf(g, "%s\"%g\" %.9g", i ? ", " : "", x[i], x[i]);
+		fprintf(g, ")\n");
+		if (n == 1)
+			fprintf(g, "set xrange [%.9g:%.9g]\n", x[0] / 2, x[0] * 2 + 0.01);
 	}
-	fprintf(g, ")\n");
-	if (n == 1)
-		fprintf(g, "set xrange [%llu:%llu]\n", (unsigned long long)x[0] / 2,
-			(unsigned long long)x[0] * 2);
 	for (unsigned c = 0; c < ncols; c++)
 		fprintf(g, "%s$points using 1:%u with %s title '%s'", c ? ", \\\n     " : "plot ", c + 2,
 			styles[c], names[c]);

@@ -125,4 +125,14 @@ int plot(const struct bench_opts *o, const char *title, const uint64_t *x, unsig
 	 const double *const *cols, const char *const *names, const char *const *styles,
 	 unsigned ncols);
 
+/* What plot_xy's axes say; sizes: x is a chunk size (log2 axis, "64K" ticks), else linear. */
+struct plot_axes {
+	const char *xlabel, *ylabel;
+	bool sizes;
+};
+/* Draws cols[c][i] against x[i] into o->plot with gnuplot. Returns 0, or 1 after saying why. */
+int plot_xy(const struct bench_opts *o, const char *title, const struct plot_axes *ax,
+	    const double *x, unsigned n, const double *const *cols, const char *const *names,
+	    const char *const *styles, unsigned ncols);
+
 #endif

@@ -107,6 +107,31 @@ else
   echo "bench-smoke: skipping tcp --netns: needs root and iproute2 (loopback ran above)"
 fi
 
+# --- abort: rooms aborted at random phases, every byte checked; kvstaged must count 0 wrong
+run 0 abort.json -q --chunk 16K --rooms 2 --duration 0.2 --abort-rate 0.3 --json \
+  --vulnerable "$build/tests/kvstaged-vulnerable" abort
+valid_json "$tmp/abort.json"
+has_keys "$tmp/abort.json" points path abort_rate gbps gbps_vs_reference abort_to_final_us \
+  abort_to_reusable_us by_phase tombstones_reaped refused corrupt_bytes late_events pages_bad
+if command -v python3 >/dev/null; then
+  python3 - "$tmp/abort.json" <<'PY' || fail "abort.json: wrong bytes through kvstaged, or figures missing"
+import json, sys
+d = json.load(open(sys.argv[1]))
+fenced = [p for p in d["points"] if p["proxy"] == "kvstaged"]
+assert len(fenced) == 5, len(fenced)  # local and tcp at 0 and 0.3, the staged run
+for p in fenced:
+    assert p["corrupt_bytes"] == 0 and p["pages_bad"] == 0 and p["late_events"] == 0, p
+    assert p["verified_bytes"] > 0, p
+    if p["abort_rate"] > 0:
+        assert p["abort_to_final_us"]["n"] > 0, p
+PY
+fi
+run 0 abort.csv -q --chunk 16K --rooms 2 --duration 0.1 --abort-rate 0.5 --abort-side recv \
+  --vulnerable /nonexistent --csv abort
+head -1 "$tmp/abort.csv" | grep -q '^mode,path,proxy,' || fail "abort.csv: no header"
+[ "$(wc -l <"$tmp/abort.csv")" -eq 5 ] || fail "abort.csv: want a header and 4 rows"
+grep -q "fence's baseline: skipped" "$tmp/abort.csv.err" || fail "abort: a missing vulnerable build was not said"
+
 # --- latency, idle, baseline
 run 0 latency.json -q --wset 32M --duration 0.2 --json latency
 valid_json "$tmp/latency.json"
@@ -128,6 +153,9 @@ positive "$tmp/baseline.json" tcp_gbps
 if command -v gnuplot >/dev/null; then
   run 0 plot.txt -q --chunk 4K,64K --baseline-sec 0.02 --plot "$tmp/b.svg" baseline
   grep -q '<svg' "$tmp/b.svg" || fail "--plot wrote no SVG"
+  run 0 abort-plot.txt -q --chunk 16K --rooms 2 --duration 0.1 --abort-rate 0.2,0.5 \
+    --vulnerable /nonexistent --plot "$tmp/a.svg" abort
+  grep -q '<svg' "$tmp/a.svg" || fail "abort --plot wrote no SVG"
 fi
 
 # --- gpu: the real mode or the stub, never a crash

@@ -27,14 +27,6 @@
 #define NS_A_IP "10.78.0.1"
 #define NS_B_IP "10.78.0.2"
 
-struct tcp_env {
-	char dir[64];     /* holds the peer secret */
-	char secret[128];
-	char ns[2][32];   /* --netns: A's and B's; "" otherwise */
-	const char *ipbin;
-	const char *b_ip; /* where B listens, and the raw receiver */
-};
-
 static int run_ip(const char *ipbin, const char *const *args)
 {
 	const char *argv[16] = { ipbin };
@@ -61,7 +53,7 @@ static int run_ip(const char *ipbin, const char *const *args)
 
 #define IP(e, ...) run_ip((e)->ipbin, (const char *[]){ __VA_ARGS__, NULL })
 
-static void env_fini(struct tcp_env *e)
+void tcp_env_fini(struct tcp_env *e)
 {
 	for (unsigned i = 0; i < 2; i++)
 		if (e->ns[i][0])
@@ -134,8 +126,7 @@ static int make_secret(struct tcp_env *e)
 	return 0;
 }
 
-/* One of the sending proxy's counters (the bytes it sent over tcp). */
-static uint64_t stat_of(const char *sock, const char *name)
+uint64_t bench_stat(const char *sock, const char *name)
 {
 	const struct kvs_ctrl *ctrl;
 	size_t len;
@@ -148,6 +139,47 @@ static uint64_t stat_of(const char *sock, const char *name)
 	return v;
 }
 
+int tcp_proxies_start(const struct bench_opts *o, const struct tcp_env *e, bool verbs,
+		      uint64_t chunk, uint32_t slots, const char *extra, struct bench_proxy *a,
+		      struct bench_proxy *b)
+{
+	char streams[8], listen[48], gid[16];
+	snprintf(streams, sizeof(streams), "%u", o->tcp_streams);
+	snprintf(listen, sizeof(listen), "%s:0", e->b_ip);
+	snprintf(gid, sizeof(gid), "%d", o->rdma_gid_index);
+	/* The mode names the data path: tcp must not become RDMA on a host
+	 * with a device (--transport auto would), verbs must not fall back. */
+	const char *data = verbs ? "verbs" : "tcp";
+	const char *b_args[] = { "--peer-secret-file", e->secret, "--tcp-streams", streams,
+				 "--transport", data, "--listen", listen, extra, NULL, NULL, NULL, NULL,
+				 NULL };
+	const char *a_args[] = { "--peer-secret-file", e->secret, "--tcp-streams", streams,
+				 "--transport", data, extra, NULL, NULL, NULL, NULL, NULL };
+	unsigned nb = extra ? 9 : 8, na = extra ? 7 : 6;
+	if (verbs) {
+		b_args[nb++] = a_args[na++] = "--rdma-device";
+		b_args[nb++] = a_args[na++] = o->rdma_device;
+		if (o->rdma_gid_index >= 0) {
+			b_args[nb++] = a_args[na++] = "--rdma-gid-index";
+			b_args[nb++] = a_args[na++] = gid;
+		}
+	}
+	if (proxy_start_ex(b, o, chunk, slots, b_args, g_pin.proxy2_cpu, e->ns[1]) < 0)
+		return -1;
+	if (proxy_start_ex(a, o, chunk, slots, a_args, g_pin.proxy_cpu, e->ns[0]) < 0) {
+		proxy_stop(b);
+		return -1;
+	}
+	return 0;
+}
+
+int tcp_env_init(const struct bench_opts *o, struct tcp_env *e)
+{
+	memset(e, 0, sizeof(*e));
+	e->b_ip = "127.0.0.1";
+	return make_secret(e) < 0 || (o->netns && make_netns(e) < 0) ? -1 : 0;
+}
+
 static int point(const struct bench_opts *o, const struct tcp_env *e, struct local_point *pt,
 		 struct bench_proxy *shown)
 {
@@ -155,7 +187,7 @@ static int point(const struct bench_opts *o, const struct tcp_env *e, struct loc
 	unsigned pairs = o->senders;
 	uint64_t need = (uint64_t)pairs * o->rooms * pt->room_chunks;
 	uint32_t slots = proxy_slots_for(chunk, need);
-	char cs[16], streams[8], listen[48];
+	char cs[16], listen[48];
 	bench_size_str(chunk, cs, sizeof(cs));
 	if ((uint64_t)slots * chunk > (32ull << 30)) {
 		fprintf(stderr, "kvstage-bench: %u x %s would need two %llu GiB pools: lower --rooms, "
@@ -164,7 +196,6 @@ static int point(const struct bench_opts *o, const struct tcp_env *e, struct loc
 		return 2;
 	}
 	pt->slots = slots;
-	snprintf(streams, sizeof(streams), "%u", o->tcp_streams);
 	snprintf(listen, sizeof(listen), "%s:0", e->b_ip);
 
 	bool verbs = o->mode == MODE_VERBS;
@@ -196,29 +227,8 @@ static int point(const struct bench_opts *o, const struct tcp_env *e, struct loc
 		note(o, "baseline: a raw TCP measurement failed; its ratio is n/a");
 
 	struct bench_proxy a, b;
-	char gid[16];
-	snprintf(gid, sizeof(gid), "%d", o->rdma_gid_index);
-	/* The mode names the data path: tcp must not become RDMA on a host
-	 * with a device (--transport auto would), verbs must not fall back. */
-	const char *data = verbs ? "verbs" : "tcp";
-	const char *b_args[] = { "--peer-secret-file", e->secret, "--tcp-streams", streams,
-				 "--transport", data, "--listen", listen, NULL, NULL, NULL, NULL, NULL };
-	const char *a_args[] = { "--peer-secret-file", e->secret, "--tcp-streams", streams,
-				 "--transport", data, NULL, NULL, NULL, NULL, NULL };
-	if (verbs) {
-		b_args[8] = a_args[6] = "--rdma-device";
-		b_args[9] = a_args[7] = o->rdma_device;
-		if (o->rdma_gid_index >= 0) {
-			b_args[10] = a_args[8] = "--rdma-gid-index";
-			b_args[11] = a_args[9] = gid;
-		}
-	}
-	if (proxy_start_ex(&b, o, chunk, slots, b_args, g_pin.proxy2_cpu, e->ns[1]) < 0)
+	if (tcp_proxies_start(o, e, verbs, chunk, slots, NULL, &a, &b))
 		return 1;
-	if (proxy_start_ex(&a, o, chunk, slots, a_args, g_pin.proxy_cpu, e->ns[0]) < 0) {
-		proxy_stop(&b);
-		return 1;
-	}
 	*shown = a; /* the report names A's binary */
 	note(o, "tcp %s: kvstaged A pid %d (senders) -> B pid %d (receivers, %s), %u slots each; "
 		"%u pair(s), %u rooms x %u chunks, payload %s",
@@ -228,14 +238,14 @@ static int point(const struct bench_opts *o, const struct tcp_env *e, struct loc
 	int rc = local_measure(o, &ends, chunk, pt);
 	/* Every room crossed the wire (by READ in verbs mode): at least the
 	 * window's bytes went, or the figure is not this path's. */
-	uint64_t sent = verbs ? stat_of(b.sock, "rdma_bytes_rx") : stat_of(a.sock, "tcp_bytes_tx");
+	uint64_t sent = verbs ? bench_stat(b.sock, "rdma_bytes_rx") : bench_stat(a.sock, "tcp_bytes_tx");
 	if (verbs) {
 		/* What each chunk's key cost A: its operations per chunk B READ. */
-		double reads = (double)stat_of(b.sock, "rdma_reads");
-		pt->binds = reads ? (double)stat_of(a.sock, "rdma_binds") / reads : NAN;
-		pt->invalidates = reads ? (double)stat_of(a.sock, "rdma_invalidates") / reads : NAN;
-		pt->regions = reads ? (double)stat_of(a.sock, "rdma_regions") / reads : NAN;
-		pt->region_frees = reads ? (double)stat_of(a.sock, "rdma_region_frees") / reads : NAN;
+		double reads = (double)bench_stat(b.sock, "rdma_reads");
+		pt->binds = reads ? (double)bench_stat(a.sock, "rdma_binds") / reads : NAN;
+		pt->invalidates = reads ? (double)bench_stat(a.sock, "rdma_invalidates") / reads : NAN;
+		pt->regions = reads ? (double)bench_stat(a.sock, "rdma_regions") / reads : NAN;
+		pt->region_frees = reads ? (double)bench_stat(a.sock, "rdma_region_frees") / reads : NAN;
 	}
 	if (!rc && sent < pt->bytes) {
 		fprintf(stderr, "kvstage-bench: %llu bytes went %s, fewer than the %llu the receivers "
@@ -375,12 +385,12 @@ static void report_tcp(const struct bench_opts *o, const struct local_point *pt,
 int run_tcp(const struct bench_opts *o)
 {
 	local_catch_signals();
-	struct tcp_env e = { .b_ip = "127.0.0.1" };
+	struct tcp_env e;
 	struct local_point *pts = calloc(o->nchunks, sizeof(*pts));
 	struct bench_proxy shown = { .pid = 0 };
 	int rc = 0;
 	unsigned done = 0;
-	if (!pts || make_secret(&e) < 0 || (o->netns && make_netns(&e) < 0))
+	if (tcp_env_init(o, &e) < 0 || !pts)
 		rc = 1;
 	pin_clients();
 	for (unsigned i = 0; i < o->nchunks && !rc && !local_interrupted(); i++) {
@@ -393,7 +403,7 @@ int run_tcp(const struct bench_opts *o)
 			done++;
 	}
 	pin_all();
-	env_fini(&e);
+	tcp_env_fini(&e);
 	if (local_interrupted())
 		rc = 130;
 	if (done)
