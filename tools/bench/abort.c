@@ -52,8 +52,8 @@ static const char *const phase_help[NPH] = {
 	"every chunk's slot leased and stamped, none sent",
 	"half the room's chunks sent",
 	"every chunk sent, no final yet",
-	"after the receiver's RECV_DONE (the receiver's side is final already: its figure is "
-	"kvs_abort's own time)",
+	"after the receiver's RECV_DONE (a side final before its kvs_abort has no "
+	"abort-to-final figure: counted in final_before_abort; its slots are still timed)",
 };
 static const char *const side_names[2] = { "send", "recv" };
 
@@ -62,6 +62,7 @@ struct ab_res {
 	uint64_t rooms, bytes;          /* surviving rooms completed in the window */
 	uint64_t aborted[2];            /* aborts in the window, by side */
 	uint64_t lost_race;             /* aborted, yet the room completed first */
+	uint64_t final_before;          /* the aborting side was final before kvs_abort */
 	uint64_t verified, corrupt;     /* bytes checked, bytes wrong (8-byte words) */
 	uint64_t late_events;           /* an event for a room after its final */
 	uint64_t pages_bad;             /* aborted rooms' pages written after the final */
@@ -219,10 +220,11 @@ static int do_abort(struct pair *p, struct aroom *r)
 	r->aborted = true;
 	if (in_window(p->x, r->t_abort))
 		p->res->aborted[r->side]++;
-	/* Already final on that side (the receiver after RECV_DONE): the
-	 * engine may free its pages once kvs_abort returns. */
-	if (r->side == RECV ? r->rx_final : r->tx_final)
-		record_fin(p, r, now_ns());
+	/* Already final on that side (the receiver after RECV_DONE, a
+	 * sender whose SEND_DONE came first): nothing to wait for, so no
+	 * abort-to-final figure; its slots are still timed. */
+	if ((r->side == RECV ? r->rx_final : r->tx_final) && in_window(p->x, r->t_abort))
+		p->res->final_before++;
 	r->reuse_pending = r->nl > 0;
 	return 0;
 }
@@ -567,7 +569,7 @@ struct abort_point {
 	bool staged, vulnerable;
 	unsigned slots;
 	double seconds, gbps, rooms_s, ratio; /* ratio: gbps over the reference point's */
-	uint64_t rooms, aborted[2], lost_race, verified, corrupt, late_events, pages_bad;
+	uint64_t rooms, aborted[2], lost_race, final_before, verified, corrupt, late_events, pages_bad;
 	uint64_t stale_tried, stale_refused, rejected, rej_stale, tombstones, reaped;
 	struct lat fin_all, reuse_all, fin[2][NPH], reuse[2][NPH];
 };
@@ -703,6 +705,7 @@ static int measure(const struct bench_opts *o, struct ab_ctx *x, unsigned pairs,
 		pt->aborted[0] += r->aborted[0];
 		pt->aborted[1] += r->aborted[1];
 		pt->lost_race += r->lost_race;
+		pt->final_before += r->final_before;
 		pt->verified += r->verified;
 		pt->corrupt += r->corrupt;
 		pt->late_events += r->late_events;
@@ -818,7 +821,8 @@ static const char *const abort_defs[][2] = {
 		   "sent, done (the table's rows name them)" },
 	{ "abort_to_final", "kvs_abort's call to the aborting side's final event (ABORTED, or the "
 			    "RECV_DONE/SEND_DONE that won the race): the moment the engine may "
-			    "free its pages" },
+			    "free its pages; a side already final at its kvs_abort (done phase) "
+			    "has nothing to wait for and is counted in final_before_abort" },
 	{ "abort_to_reusable", "kvs_abort's call until every slot the room leased reads, in the "
 			       "sending proxy's published slot table, free or taken anew (a later "
 			       "epoch, never a tombstone); the pair looks on each pass of its loop "
@@ -867,6 +871,7 @@ static void describe(const struct bench_opts *o, struct point *p, const struct a
 	put_int(p, "aborted.recv", ap->aborted[1]);
 	put_int(p, "|aborted", ap->aborted[0] + ap->aborted[1]);
 	put_int(p, "aborted_lost_race", ap->lost_race);
+	put_int(p, "final_before_abort", ap->final_before);
 	vs(p, fig(p, "goodput GB/s", "GB/s", U_NUM, ap->gbps, "gbps"), ap->ratio > 0 ? ap->gbps / ap->ratio : NAN,
 	   ap->staged ? "kvstaged, the same staged aborts" : "the same path, abort rate 0",
 	   "baseline.gbps", "ratio.gbps_vs_reference|gbps_ratio");
