@@ -111,7 +111,6 @@ struct pair {
 	uint64_t *tomb;           /* per buffer: the canary owner stamped at an abort, or 0 */
 	int *fifo;                /* free buffers, oldest first */
 	unsigned fhead, fn, npages;
-	struct kvs_event ev[EV_BATCH];
 };
 
 static int fail(struct ab_res *res, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
@@ -206,13 +205,13 @@ static int drain(struct pair *p, bool *any);
 
 static int do_abort(struct pair *p, struct aroom *r)
 {
-	kvs_room *h = r->side == SEND ? r->sr : r->rr;
+	kvs_room *h;
 	r->t_abort = now_ns();
 	int rc = 0;
 	bool any;
 	/* No handle: that side was final and closed already (a SEND_DONE
 	 * taken before the RECV_DONE); the engine has nothing to abort. */
-	while (h && (rc = kvs_abort(h)) == -EAGAIN)
+	while ((h = r->side == SEND ? r->sr : r->rr) && (rc = kvs_abort(h)) == -EAGAIN)
 		if (drain(p, &any))
 			return 1;
 	if (rc < 0)
@@ -266,10 +265,13 @@ static int room_fill(struct pair *p, struct aroom *r)
 		return fail(p->res, "pair %u: kvs_acquire: %s", x->pair, kvs_strerror(rc));
 	r->acquiring = false;
 	r->nl = x->room_chunks;
+	bool any;
 	for (unsigned i = 0; i < x->room_chunks; i++) {
 		uint64_t off = (uint64_t)i * x->chunk;
 		uint64_t len = x->room_bytes - off < x->chunk ? x->room_bytes - off : x->chunk;
 		canary_fill(kvs_lease_ptr(p->tx, &r->l[i]), owner_of(p, r->seq), off, len);
+		if (drain(p, &any))
+			return 1;
 	}
 	if (doomed_at(r, PH_LEASE))
 		return do_abort(p, r) || release_from(p, r, 0);
@@ -284,13 +286,14 @@ static int room_fill(struct pair *p, struct aroom *r)
 		}
 		uint64_t off = (uint64_t)i * x->chunk;
 		uint32_t len = (uint32_t)(x->room_bytes - off < x->chunk ? x->room_bytes - off : x->chunk);
-		bool any;
 		while ((rc = kvs_send(r->sr, &r->l[i], off, len)) == -EAGAIN)
 			if (drain(p, &any))
 				return 1;
 		if (rc < 0)
 			return fail(p->res, "pair %u: kvs_send: %s", x->pair, kvs_strerror(rc));
 	}
+	if (drain(p, &any))
+		return 1;
 	if (doomed_at(r, PH_SENT)) {
 		if (do_abort(p, r))
 			return 1;
@@ -364,6 +367,9 @@ static int consume(struct pair *p, struct aroom *r, bool into_pages)
 		p->res->verified += len;
 		if (into_pages)
 			memcpy(pages_of(p, r->pages) + off, s, len);
+		bool any;
+		if (drain(p, &any))
+			return 1;
 	}
 	return 0;
 }
@@ -442,20 +448,45 @@ static int tx_event(struct pair *p, const struct kvs_event *e, uint64_t t)
 	return 0;
 }
 
+/* The aborted rooms whose slots are all back, timed now. */
+static void reuse_check(struct pair *p)
+{
+	uint64_t t = 0;
+	for (unsigned i = 0; i < p->nrooms; i++) {
+		struct aroom *r = &p->rooms[i];
+		if (!r->busy || !r->reuse_pending)
+			continue;
+		bool back = true;
+		for (unsigned k = 0; k < r->nl && back; k++)
+			back = slot_back(p, &r->l[k]);
+		if (!back)
+			continue;
+		t = t ? t : now_ns();
+		r->reuse_pending = false;
+		if (in_window(p->x, r->t_abort))
+			hist_add(&p->res->reuse[r->side][r->phase], t - r->t_abort);
+	}
+}
+
+/* Called between the steps of a room's work (each chunk stamped and sent,
+ * each chunk checked), so a final or a slot's return is seen within one
+ * step of its arrival; handlers may call it again (events on the stack). */
 static int drain(struct pair *p, bool *any)
 {
+	struct kvs_event ev[EV_BATCH];
 	*any = false;
 	for (int side = 0; side < 2; side++) {
 		kvs_client *c = side ? p->rx : p->tx;
-		int n = kvs_poll(c, p->ev, EV_BATCH);
+		int n = kvs_poll(c, ev, EV_BATCH);
 		if (n < 0)
 			return fail(p->res, "pair %u: kvs_poll: %s", p->x->pair, kvs_strerror(n));
 		uint64_t t = now_ns();
 		for (int k = 0; k < n; k++)
-			if (side ? rx_event(p, &p->ev[k], t) : tx_event(p, &p->ev[k], t))
+			if (side ? rx_event(p, &ev[k], t) : tx_event(p, &ev[k], t))
 				return 1;
 		*any |= n > 0;
 	}
+	reuse_check(p);
 	return 0;
 }
 
@@ -467,19 +498,9 @@ static int sweep(struct pair *p, bool *any)
 		struct aroom *r = &p->rooms[i];
 		if (!r->busy)
 			continue;
-		if (r->reuse_pending) {
-			bool back = true;
-			for (unsigned k = 0; k < r->nl && back; k++)
-				back = slot_back(p, &r->l[k]);
-			if (back) {
-				r->reuse_pending = false;
-				if (in_window(p->x, r->t_abort))
-					hist_add(&p->res->reuse[r->side][r->phase], t - r->t_abort);
-			} else if (t - r->t_abort > STUCK_NS) {
-				return fail(p->res, "pair %u: an aborted room's slots not back after "
-					    "10 s", p->x->pair);
-			}
-		}
+		if (r->reuse_pending && t - r->t_abort > STUCK_NS)
+			return fail(p->res, "pair %u: an aborted room's slots not back after 10 s",
+				    p->x->pair);
 		if (r->acquiring) {
 			if (room_fill(p, r))
 				return 1;
