@@ -76,7 +76,8 @@ enum opt_id {
 	O_SOCKET, O_KVSTAGED, O_PROXYARG, O_STREAMS, O_NETNS, O_RDMA, O_GIDX, O_CHUNK, O_SWEEP,
 	O_ROOMBYTES, O_ROOMS, O_SENDERS, O_RECEIVERS, O_PAYLOAD, O_DURATION, O_BYTES, O_WARMUP,
 	O_BASESEC, O_WSET, O_SAMPLES, O_GAP, O_NOPIN, O_SIZE, O_PSIZE, O_PAGES, O_POOL, O_GMODES,
-	O_ITERS, O_REPS, O_DEVICE, O_ARATE, O_ASIDE, O_VULN, O_JSON, O_CSV, O_PLOT, O_PROGRESS, O_QUIET, O_HELP, O_VERSION,
+	O_ITERS, O_REPS, O_DEVICE, O_ARATE, O_ASIDE, O_VULN, O_JSON, O_CSV, O_PLOT, O_PROGRESS,
+	O_QUIET, O_HELP, O_VERSION,
 	O_COUNT
 };
 
@@ -122,7 +123,8 @@ static const struct opt_def defs[O_COUNT] = {
 	[O_RDMA] = { "rdma-device", "NAME", 0, M(VERBS) | M(ABORT), OWN, NULL,
 		"the RDMA device (ibv_devices lists them); abort:\nalso run the verbs path on it "
 		"(default: skipped)" },
-	[O_GIDX] = { "rdma-gid-index", "N", 0, M(VERBS) | M(ABORT), K_INT, OFF(rdma_gid_index), 0, 255, NULL, NULL,
+	[O_GIDX] = { "rdma-gid-index", "N", 0, M(VERBS) | M(ABORT), K_INT, OFF(rdma_gid_index), 0,
+		255, NULL, NULL,
 		"its GID for the proxies and ib_read_bw\n(default: their own choice)" },
 	[O_CHUNK] = { "chunk", "SIZE[,SIZE...]", 'c', CPU | M(ABORT), OWN, "Work:",
 		"chunk (slot) sizes, multiples of 4K, K/M/G\nsuffixes (default: 1M; latency: 4K; "
