@@ -907,9 +907,13 @@ static void describe(const struct bench_opts *o, struct point *p, const struct a
 		for (unsigned f = 0; f < NPH; f++) {
 			if (!ap->fin[s][f].n && !ap->reuse[s][f].n)
 				continue;
-			fig_lat(p, keep(p, "  %s side, %s", side_names[s], phase_names[f]), NULL,
-				&ap->fin[s][f], P50 | P99,
-				keep(p, "by_phase.%s.%s.final_us", side_names[s], phase_names[f]), NULL);
+			const char *key = keep(p, "by_phase.%s.%s.final_us", side_names[s],
+					       phase_names[f]);
+			if (ap->fin[s][f].n)
+				fig_lat(p, keep(p, "  %s side, %s", side_names[s], phase_names[f]),
+					NULL, &ap->fin[s][f], P50 | P99, key, NULL);
+			else
+				put_lat(p, key, &ap->fin[s][f]);
 			put_lat(p, keep(p, "by_phase.%s.%s.reusable_us", side_names[s], phase_names[f]),
 				&ap->reuse[s][f]);
 		}
