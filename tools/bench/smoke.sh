@@ -122,8 +122,9 @@ assert len(fenced) == 5, len(fenced)  # local and tcp at 0 and 0.3, the staged r
 for p in fenced:
     assert p["corrupt_bytes"] == 0 and p["pages_bad"] == 0 and p["late_events"] == 0, p
     assert p["verified_bytes"] > 0, p
-    if p["abort_rate"] > 0:
-        assert p["abort_to_final_us"]["n"] > 0, p
+    assert "p50" in p["abort_to_final_us"] and "p99" in p["abort_to_reusable_us"], p
+# how many rooms a short run aborts depends on the host's load: some, over three points
+assert sum(p["aborted"]["send"] + p["aborted"]["recv"] for p in fenced) > 0
 PY
 fi
 run 0 abort.csv -q --chunk 16K --rooms 2 --duration 0.1 --abort-rate 0.5 --abort-side recv \
