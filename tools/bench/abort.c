@@ -595,7 +595,9 @@ struct abort_point {
 	struct lat fin_all, reuse_all, fin[2][NPH], reuse[2][NPH];
 };
 
-/* Every run's exit: a proxy or a pair failed, or an interruption. */
+/* Forks the pairs of one point, runs them over the window (with admin >= 0,
+ * letting go of the staged chunks every STAGE_NS) and gathers their figures
+ * into pt. Returns 0, or 1 (a pair failed, or an interruption). */
 static int measure(const struct bench_opts *o, struct ab_ctx *x, unsigned pairs, int admin,
 		   struct abort_point *pt)
 {
