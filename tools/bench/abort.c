@@ -819,7 +819,7 @@ static int point(const struct bench_opts *o, const struct tcp_env *e, struct abo
 		proxy_stop(&a);
 		return rc;
 	}
-	if (tcp_proxies_start(o, e, !strcmp(pt->path, "verbs"), x.chunk, slots, NULL, &a, &b) < 0)
+	if (tcp_proxies_start(o, e, !strcmp(pt->path, "verbs"), x.chunk, slots, &a, &b) < 0)
 		return 1;
 	x.rx_sock = b.sock;
 	x.tx_sock = a.sock;

@@ -140,8 +140,7 @@ uint64_t bench_stat(const char *sock, const char *name)
 }
 
 int tcp_proxies_start(const struct bench_opts *o, const struct tcp_env *e, bool verbs,
-		      uint64_t chunk, uint32_t slots, const char *extra, struct bench_proxy *a,
-		      struct bench_proxy *b)
+		      uint64_t chunk, uint32_t slots, struct bench_proxy *a, struct bench_proxy *b)
 {
 	char streams[8], listen[48], gid[16];
 	snprintf(streams, sizeof(streams), "%u", o->tcp_streams);
@@ -151,17 +150,15 @@ int tcp_proxies_start(const struct bench_opts *o, const struct tcp_env *e, bool 
 	 * with a device (--transport auto would), verbs must not fall back. */
 	const char *data = verbs ? "verbs" : "tcp";
 	const char *b_args[] = { "--peer-secret-file", e->secret, "--tcp-streams", streams,
-				 "--transport", data, "--listen", listen, extra, NULL, NULL, NULL, NULL,
-				 NULL };
+				 "--transport", data, "--listen", listen, NULL, NULL, NULL, NULL, NULL };
 	const char *a_args[] = { "--peer-secret-file", e->secret, "--tcp-streams", streams,
-				 "--transport", data, extra, NULL, NULL, NULL, NULL, NULL };
-	unsigned nb = extra ? 9 : 8, na = extra ? 7 : 6;
+				 "--transport", data, NULL, NULL, NULL, NULL, NULL };
 	if (verbs) {
-		b_args[nb++] = a_args[na++] = "--rdma-device";
-		b_args[nb++] = a_args[na++] = o->rdma_device;
+		b_args[8] = a_args[6] = "--rdma-device";
+		b_args[9] = a_args[7] = o->rdma_device;
 		if (o->rdma_gid_index >= 0) {
-			b_args[nb++] = a_args[na++] = "--rdma-gid-index";
-			b_args[nb++] = a_args[na++] = gid;
+			b_args[10] = a_args[8] = "--rdma-gid-index";
+			b_args[11] = a_args[9] = gid;
 		}
 	}
 	if (proxy_start_ex(b, o, chunk, slots, b_args, g_pin.proxy2_cpu, e->ns[1]) < 0)
@@ -227,7 +224,7 @@ static int point(const struct bench_opts *o, const struct tcp_env *e, struct loc
 		note(o, "baseline: a raw TCP measurement failed; its ratio is n/a");
 
 	struct bench_proxy a, b;
-	if (tcp_proxies_start(o, e, verbs, chunk, slots, NULL, &a, &b))
+	if (tcp_proxies_start(o, e, verbs, chunk, slots, &a, &b))
 		return 1;
 	*shown = a; /* the report names A's binary */
 	note(o, "tcp %s: kvstaged A pid %d (senders) -> B pid %d (receivers, %s), %u slots each; "
@@ -238,7 +235,8 @@ static int point(const struct bench_opts *o, const struct tcp_env *e, struct loc
 	int rc = local_measure(o, &ends, chunk, pt);
 	/* Every room crossed the wire (by READ in verbs mode): at least the
 	 * window's bytes went, or the figure is not this path's. */
-	uint64_t sent = verbs ? bench_stat(b.sock, "rdma_bytes_rx") : bench_stat(a.sock, "tcp_bytes_tx");
+	uint64_t sent = verbs ? bench_stat(b.sock, "rdma_bytes_rx")
+			      : bench_stat(a.sock, "tcp_bytes_tx");
 	if (verbs) {
 		/* What each chunk's key cost A: its operations per chunk B READ. */
 		double reads = (double)bench_stat(b.sock, "rdma_reads");
