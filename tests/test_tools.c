@@ -29,10 +29,10 @@
 
 static struct proxy px = PROXY_INIT;
 static char out[65536], err[65536];
-static pid_t watcher;       /* a kvstage-stat --watch child, or 0 */
-static char links[2][128];  /* symlinks with awkward names, or "" */
-static char tmpfile_[64];   /* JSON handed to python3, or "" */
-static kvs_client *client;  /* held across a drain */
+static pid_t watcher;	   /* a kvstage-stat --watch child, or 0 */
+static char links[2][128]; /* symlinks with awkward names, or "" */
+static char tmpfile_[64];  /* JSON handed to python3, or "" */
+static kvs_client *client; /* held across a drain */
 
 static void teardown(void)
 {
@@ -84,9 +84,9 @@ static int json_lines_ok(const char *text, const char *socket)
 	cr_assert_eq(write(fd, text, n), (ssize_t)n);
 	close(fd);
 	char pout[4096], perr[8192];
-	int rc = run_cmd((const char *[]){ "/usr/bin/env", "python3", "-c", script, tmpfile_,
-					   socket, NULL },
-			 pout, sizeof(pout), perr, sizeof(perr));
+	int rc = run_cmd(
+		(const char *[]){ "/usr/bin/env", "python3", "-c", script, tmpfile_, socket, NULL },
+		pout, sizeof(pout), perr, sizeof(perr));
 	unlink(tmpfile_);
 	tmpfile_[0] = 0;
 	if (rc == 127) {
@@ -203,8 +203,8 @@ static int open_fds(pid_t pid)
 Test(tools, ctl_help_tells_every_option_and_number_form)
 {
 	cr_assert_eq(RUN(build_path("tools/kvstage-ctl"), "--help"), 0);
-	const char *says[] = { "--socket", "--timeout", "--match", "--mask", "--help", "--version",
-			       "0x", "1 to 4095", "Exit status" };
+	const char *says[] = { "--socket",  "--timeout", "--match",   "--mask",	    "--help",
+			       "--version", "0x",	 "1 to 4095", "Exit status" };
 	for (unsigned i = 0; i < sizeof(says) / sizeof(says[0]); i++)
 		cr_assert(strstr(out, says[i]), "--help does not mention %s: %s", says[i], out);
 }
@@ -239,8 +239,10 @@ Test(tools, ctl_refuses_lenient_numbers)
 		{ { "--match", "+5", "set", "local.quiesce", "pause" }, "invalid --match '+5'" },
 		{ { "--match", "5x", "set", "local.quiesce", "pause" }, "invalid --match '5x'" },
 		{ { "--match", "0x", "set", "local.quiesce", "pause" }, "invalid --match '0x'" },
-		{ { "--match", "0x 5", "set", "local.quiesce", "pause" }, "invalid --match '0x 5'" },
-		{ { "--match", "0x-1", "set", "local.quiesce", "pause" }, "invalid --match '0x-1'" },
+		{ { "--match", "0x 5", "set", "local.quiesce", "pause" },
+		  "invalid --match '0x 5'" },
+		{ { "--match", "0x-1", "set", "local.quiesce", "pause" },
+		  "invalid --match '0x-1'" },
 		{ { "--match", "0x10000000000000000", "set", "local.quiesce", "pause" },
 		  "invalid --match" },
 		{ { "set", "local.quiesce", "pause", "--match", "-1" }, "invalid --match '-1'" },
@@ -252,7 +254,8 @@ Test(tools, ctl_refuses_lenient_numbers)
 		  "invalid --mask ' 5'" },
 		{ { "set", "local.quiesce", "pause", "--match", "1", "--mask", "0" },
 		  "invalid --mask '0'" },
-		{ { "set", "local.quiesce", "pause", "--match", "1", "-k", "0x0" }, "invalid -k '0x0'" },
+		{ { "set", "local.quiesce", "pause", "--match", "1", "-k", "0x0" },
+		  "invalid -k '0x0'" },
 		{ { "--mask", "0xff", "set", "local.quiesce", "pause" }, "--mask needs --match" },
 		{ { "wait", "local.quiesce", "--match", "1" }, "are for set" },
 		{ { "set", "local.quiesce", "fail=-5" }, "bad action 'fail=-5'" },
@@ -307,8 +310,9 @@ Test(tools, ctl_shows_the_proxys_reason)
 	cr_assert(strstr(err, "--failpoints"), "%s", err);
 	cr_assert_null(strstr(err, "not yours"), "%s", err);
 	char want[256];
-	snprintf(want, sizeof(want), "kvstage-ctl: %s: failpoints are off: start kvstaged with "
-				     "--failpoints\n",
+	snprintf(want, sizeof(want),
+		 "kvstage-ctl: %s: failpoints are off: start kvstaged with "
+		 "--failpoints\n",
 		 px.sock);
 	cr_assert_str_eq(err, want, "the proxy's message is the reason, nothing before it");
 }
@@ -328,8 +332,9 @@ Test(tools, ctl_without_a_proxy_says_why)
 Test(tools, stat_help_tells_every_option)
 {
 	cr_assert_eq(RUN(build_path("tools/kvstage-stat"), "--help"), 0);
-	const char *says[] = { "--socket", "--json", "--watch", "--top", "--slots", "--help",
-			       "--version", "serving or draining", "Exit status" };
+	const char *says[] = { "--socket",   "--json", "--watch",   "--top",
+			       "--slots",    "--help", "--version", "serving or draining",
+			       "Exit status" };
 	for (unsigned i = 0; i < sizeof(says) / sizeof(says[0]); i++)
 		cr_assert(strstr(out, says[i]), "--help does not mention %s: %s", says[i], out);
 }
@@ -424,7 +429,8 @@ Test(tools, stat_json_escapes_strings)
 	cr_assert_eq(symlink(px.dir, links[1]), 0, "symlink: %s", strerror(errno));
 	snprintf(path, sizeof(path), "%s/kvstaged.sock", links[1]);
 	cr_assert_eq(RUN(stat, "-s", path, "--json"), 0, "%s", err);
-	snprintf(want, sizeof(want), "{\"socket\":\"/tmp/kvstage-tools-%d-\\ufffd-\xc3\xa9/", (int)getpid());
+	snprintf(want, sizeof(want), "{\"socket\":\"/tmp/kvstage-tools-%d-\\ufffd-\xc3\xa9/",
+		 (int)getpid());
 	cr_assert_eq(strncmp(out, want, strlen(want)), 0, "want %s, got %s", want, out);
 	cr_assert_neq(json_lines_ok(out, NULL), 0, "not JSON: %s\n%s", err, out);
 }
@@ -555,11 +561,13 @@ Test(tools, stat_watch_shows_rates)
 	for (unsigned n = 0; n < 200 && !(rooms && aborts); n++) {
 		at = read_line(at, "rates     rooms/s", line, sizeof(line));
 		double r, a;
-		cr_assert_eq(sscanf(line, "rates     rooms/s %lf  aborts/s %lf", &r, &a), 2, "%s", line);
+		cr_assert_eq(sscanf(line, "rates     rooms/s %lf  aborts/s %lf", &r, &a), 2, "%s",
+			     line);
 		rooms |= r > 0;
 		aborts |= a > 0;
 	}
-	cr_assert(rooms && aborts, "no sample showed the rooms (%d) or the abort (%d)", rooms, aborts);
+	cr_assert(rooms && aborts, "no sample showed the rooms (%d) or the abort (%d)", rooms,
+		  aborts);
 	kvs_close(tx);
 	kvs_close(rx);
 }
@@ -599,8 +607,9 @@ Test(tools, stat_watch_waits_for_a_proxy)
  * draining. Needs the proxy to keep its socket while draining. */
 Test(tools, stat_shows_draining)
 {
-	proxy_start(&px, NULL, (const char *[]){ "--shutdown-grace", "60000", "--slots", "4",
-						 "--slot-size", "4K", NULL });
+	proxy_start(&px, NULL,
+		    (const char *[]){ "--shutdown-grace", "60000", "--slots", "4", "--slot-size",
+				      "4K", NULL });
 	client = connect_ok(&px);
 	kvs_room *rr;
 	struct kvs_room_desc d;
@@ -612,7 +621,8 @@ Test(tools, stat_shows_draining)
 	int rc = RUN(stat, "-s", px.sock);
 	if (rc == 1 && strstr(err, kvs_strerror(-ENOENT)))
 		cr_assert_fail("the draining proxy removed its socket, so no tool can reach it "
-			       "(kvstaged must keep it while draining): %s", err);
+			       "(kvstaged must keep it while draining): %s",
+			       err);
 	cr_assert_eq(rc, 0, "%s", err);
 	char want[256];
 	snprintf(want, sizeof(want), "kvstaged %s: draining  pid %d", px.sock, px.pid);
@@ -629,8 +639,8 @@ Test(tools, stat_shows_draining)
 Test(tools, stat_refuses_lenient_top)
 {
 	const char *stat = build_path("tools/kvstage-stat");
-	const char *bad[] = { "--top=", "--top=0", "--top= 5", "--top=5x", "--top=+5", "--top=-5",
-			      "--top=2147483648", "-t0", "-t5ms" };
+	const char *bad[] = { "--top=",	  "--top=0",	      "--top= 5", "--top=5x", "--top=+5",
+			      "--top=-5", "--top=2147483648", "-t0",	  "-t5ms" };
 	for (unsigned i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
 		int rc = RUN(stat, "-s", NO_SOCK, bad[i]);
 		cr_assert_eq(rc, 2, "%s: exit %d: %s", bad[i], rc, err);
@@ -679,7 +689,8 @@ static int stepped_client(int rd_, int wr, void *arg)
 				return 13;
 			for (unsigned k = 0; k < n; k++) {
 				uint64_t off = (uint64_t)k * SLOT4K;
-				uint32_t len = bytes - off < SLOT4K ? (uint32_t)(bytes - off) : SLOT4K;
+				uint32_t len = bytes - off < SLOT4K ? (uint32_t)(bytes - off)
+								    : SLOT4K;
 				if (kvs_send(r, &l[k], off, len))
 					return 14;
 			}
@@ -697,9 +708,13 @@ static int stepped_client(int rd_, int wr, void *arg)
 				return 18;
 			answer = l[0].slot;
 			if (st.d.bytes[0]) {
-				struct kvs_sqe q = { .op = KVS_OP_SEND, .handle = kvs_room_handle_idx(r),
-						     .gen = kvs_room_handle_gen(r), .slot = l[0].slot,
-						     .epoch = l[0].epoch, .arg = 1, .arg2 = SLOT4K };
+				struct kvs_sqe q = { .op = KVS_OP_SEND,
+						     .handle = kvs_room_handle_idx(r),
+						     .gen = kvs_room_handle_gen(r),
+						     .slot = l[0].slot,
+						     .epoch = l[0].epoch,
+						     .arg = 1,
+						     .arg2 = SLOT4K };
 				struct kvs_event ev;
 				if (raw_submit(c, &q) || kvs_wait(c, &ev, WAIT_MS) != 1 ||
 				    ev.type != KVS_EV_REJECTED || ev.status != -EINVAL)
@@ -1012,13 +1027,13 @@ Test(tools, bench_refuses_lenient_numbers)
 	struct {
 		const char *opt, *val;
 	} bad[] = {
-		{ "--rooms", " 5" },      { "--rooms", "+5" },       { "--rooms", "5x" },
-		{ "--senders", " 1" },    { "--receivers", " 1" },   { "--samples", " 5" },
-		{ "--duration", " 1" },   { "--duration", "+1" },    { "--duration", "-1" },
-		{ "--duration", "0x1p0" }, { "--duration", "inf" },  { "--duration", "1s" },
-		{ "--warmup", " 0" },     { "--warmup", "-0" },      { "--baseline-sec", "+0.1" },
-		{ "--idle-gap", " 2" },   { "--idle-gap", "nan" },   { "--room-bytes", " 4K" },
-		{ "--bytes", "-1M" },     { "--wset", " 1M" },       { "--chunk", " 4K" },
+		{ "--rooms", " 5" },	   { "--rooms", "+5" },	    { "--rooms", "5x" },
+		{ "--senders", " 1" },	   { "--receivers", " 1" }, { "--samples", " 5" },
+		{ "--duration", " 1" },	   { "--duration", "+1" },  { "--duration", "-1" },
+		{ "--duration", "0x1p0" }, { "--duration", "inf" }, { "--duration", "1s" },
+		{ "--warmup", " 0" },	   { "--warmup", "-0" },    { "--baseline-sec", "+0.1" },
+		{ "--idle-gap", " 2" },	   { "--idle-gap", "nan" }, { "--room-bytes", " 4K" },
+		{ "--bytes", "-1M" },	   { "--wset", " 1M" },	    { "--chunk", " 4K" },
 	};
 	for (unsigned i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
 		int rc = RUN(bench, bad[i].opt, bad[i].val, "local");
@@ -1047,7 +1062,9 @@ Test(tools, bench_json_escapes_strings)
 {
 	const char *bench = build_path("tools/bench/kvstage-bench");
 	int rc = RUN(bench, "baseline", "--json", "-q", "-c", "4K", "-d", "0.01", "--proxy-arg",
-		     "a\"b\\c\x01" "d\xff" "e");
+		     "a\"b\\c\x01"
+		     "d\xff"
+		     "e");
 	cr_assert_eq(rc, 0, "%s", err);
 	cr_assert(strstr(out, "\"a\\\"b\\\\c\\u0001d\\ufffde\""), "%s", out);
 	/* one object, so one "line" for the checker: join it */
@@ -1069,9 +1086,16 @@ Test(tools, bench_abort_mode_shape, .timeout = 120)
 		     build_path("tests/kvstaged-vulnerable"));
 	cr_assert_eq(rc, 0, "%s", err);
 	static const char *const keys[] = {
-		"\"mode\": \"abort\"", "\"abort_to_final_us\"", "\"abort_to_reusable_us\"",
-		"\"by_phase\"", "\"gbps_vs_reference\"", "\"tombstones_reaped\"", "\"refused\"",
-		"\"late_events\": 0", "\"pages_bad\": 0", "\"path\": \"tcp\"",
+		"\"mode\": \"abort\"",
+		"\"abort_to_final_us\"",
+		"\"abort_to_reusable_us\"",
+		"\"by_phase\"",
+		"\"gbps_vs_reference\"",
+		"\"tombstones_reaped\"",
+		"\"refused\"",
+		"\"late_events\": 0",
+		"\"pages_bad\": 0",
+		"\"path\": \"tcp\"",
 		"\"proxy\": \"kvstaged-vulnerable\"",
 	};
 	for (unsigned i = 0; i < sizeof(keys) / sizeof(keys[0]); i++)

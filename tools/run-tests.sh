@@ -11,6 +11,8 @@ cd "$(dirname "$0")/.."
 echo "== $(date -u +%FT%TZ) $(uname -srm), $(nproc) cores, uid $(id -u), in $PWD"
 tools/setup.sh
 
+echo "== C style (tools/check-format.sh: clang-format, .clang-format)"
+tools/check-format.sh
 echo "== tests (build/)"
 meson test -C build --print-errorlogs
 

@@ -39,9 +39,9 @@
 
 #define STUCK_NS (10 * 1000000000ull) /* a room with no final for this long: the run is stuck */
 #define EV_BATCH 64
-#define QUARANTINE 16        /* aborted rooms' pages held stamped before reuse */
+#define QUARANTINE 16	      /* aborted rooms' pages held stamped before reuse */
 #define DOOM_BIT (1ull << 63) /* user_data of a room whose chunks the staged runs hold */
-#define STAGE_NS 1000000ull  /* staged runs: the held chunks are let go this often */
+#define STAGE_NS 1000000ull   /* staged runs: the held chunks are let go this often */
 
 enum phase { PH_DESC, PH_LEASE, PH_MID, PH_SENT, PH_DONE, NPH };
 enum { SEND, RECV };
@@ -59,13 +59,13 @@ static const char *const side_names[2] = { "send", "recv" };
 
 /* One pair's figures, in shared memory. */
 struct ab_res {
-	uint64_t rooms, bytes;          /* surviving rooms completed in the window */
-	uint64_t aborted[2];            /* aborts in the window, by side */
-	uint64_t lost_race;             /* aborted, yet the room completed first */
-	uint64_t final_before;          /* the aborting side was final before kvs_abort */
-	uint64_t verified, corrupt;     /* bytes checked, bytes wrong (8-byte words) */
-	uint64_t late_events;           /* an event for a room after its final */
-	uint64_t pages_bad;             /* aborted rooms' pages written after the final */
+	uint64_t rooms, bytes;	    /* surviving rooms completed in the window */
+	uint64_t aborted[2];	    /* aborts in the window, by side */
+	uint64_t lost_race;	    /* aborted, yet the room completed first */
+	uint64_t final_before;	    /* the aborting side was final before kvs_abort */
+	uint64_t verified, corrupt; /* bytes checked, bytes wrong (8-byte words) */
+	uint64_t late_events;	    /* an event for a room after its final */
+	uint64_t pages_bad;	    /* aborted rooms' pages written after the final */
 	uint64_t stale_tried, stale_refused, rejected;
 	int failed;
 	char msg[256];
@@ -95,7 +95,7 @@ struct aroom {
 	uint8_t side, phase;
 	kvs_room *rr, *sr;
 	uint64_t seq, ud, t_abort;
-	unsigned nl;              /* leases the room took (its reuse check's slots) */
+	unsigned nl; /* leases the room took (its reuse check's slots) */
 	int pages;
 	struct kvs_lease *l;
 };
@@ -107,9 +107,9 @@ struct pair {
 	struct aroom *rooms;
 	unsigned nrooms, active;
 	uint64_t seq, rng;
-	uint8_t *pages;           /* nrooms + QUARANTINE buffers of room_bytes */
-	uint64_t *tomb;           /* per buffer: the canary owner stamped at an abort, or 0 */
-	int *fifo;                /* free buffers, oldest first */
+	uint8_t *pages; /* nrooms + QUARANTINE buffers of room_bytes */
+	uint64_t *tomb; /* per buffer: the canary owner stamped at an abort, or 0 */
+	int *fifo;	/* free buffers, oldest first */
 	unsigned fhead, fn, npages;
 };
 
@@ -243,8 +243,8 @@ static int release_from(struct pair *p, struct aroom *r, unsigned from)
 	for (unsigned i = from; i < r->nl; i++) {
 		int rc = kvs_release(p->tx, &r->l[i]);
 		if (rc < 0)
-			return fail(p->res, "pair %u: kvs_release of an unsent lease: %s", p->x->pair,
-				    kvs_strerror(rc));
+			return fail(p->res, "pair %u: kvs_release of an unsent lease: %s",
+				    p->x->pair, kvs_strerror(rc));
 	}
 	return 0;
 }
@@ -285,7 +285,8 @@ static int room_fill(struct pair *p, struct aroom *r)
 			return 0;
 		}
 		uint64_t off = (uint64_t)i * x->chunk;
-		uint32_t len = (uint32_t)(x->room_bytes - off < x->chunk ? x->room_bytes - off : x->chunk);
+		uint32_t len =
+			(uint32_t)(x->room_bytes - off < x->chunk ? x->room_bytes - off : x->chunk);
 		while ((rc = kvs_send(r->sr, &r->l[i], off, len)) == -EAGAIN)
 			if (drain(p, &any))
 				return 1;
@@ -360,9 +361,10 @@ static int consume(struct pair *p, struct aroom *r, bool into_pages)
 		uint64_t len = x->room_bytes - off < x->chunk ? x->room_bytes - off : x->chunk;
 		uint64_t bad = wrong_bytes(s, owner_of(p, r->seq), off, len);
 		if (bad && !p->res->corrupt)
-			snprintf(p->res->msg, sizeof(p->res->msg), "pair %u: room %llu chunk %u: %llu "
-				 "wrong bytes", x->pair, (unsigned long long)r->seq, i,
-				 (unsigned long long)bad);
+			snprintf(p->res->msg, sizeof(p->res->msg),
+				 "pair %u: room %llu chunk %u: %llu "
+				 "wrong bytes",
+				 x->pair, (unsigned long long)r->seq, i, (unsigned long long)bad);
 		p->res->corrupt += bad;
 		p->res->verified += len;
 		if (into_pages)
@@ -590,7 +592,8 @@ struct abort_point {
 	bool staged, vulnerable;
 	unsigned slots;
 	double seconds, gbps, rooms_s, ref_gbps; /* ref_gbps: the reference point's goodput */
-	uint64_t rooms, aborted[2], lost_race, final_before, verified, corrupt, late_events, pages_bad;
+	uint64_t rooms, aborted[2], lost_race, final_before, verified, corrupt, late_events,
+		pages_bad;
 	uint64_t stale_tried, stale_refused, rejected, rej_stale, tombstones, reaped;
 	struct lat fin_all, reuse_all, fin[2][NPH], reuse[2][NPH];
 };
@@ -676,7 +679,8 @@ static int measure(const struct bench_opts *o, struct ab_ctx *x, unsigned pairs,
 		if (admin >= 0 && t - t_stage >= STAGE_NS) {
 			/* Let go of what is held (the late writes land), hold again. */
 			if (kvs_admin_fp_set(admin, "local.quiesce", "off", NULL) < 0 ||
-			    kvs_admin_fp_set_mask(admin, "local.quiesce", "pause", DOOM_BIT, DOOM_BIT) < 0)
+			    kvs_admin_fp_set_mask(admin, "local.quiesce", "pause", DOOM_BIT,
+						  DOOM_BIT) < 0)
 				admin = -1, rc = 1;
 			t_stage = t;
 		}
@@ -693,7 +697,8 @@ static int measure(const struct bench_opts *o, struct ab_ctx *x, unsigned pairs,
 		kvs_admin_fp_set(admin, "local.quiesce", "off", NULL);
 	progress_clear();
 
-	struct hist *h = malloc(sizeof(*h)), *all = malloc(sizeof(*all)), *rall = malloc(sizeof(*rall));
+	struct hist *h = malloc(sizeof(*h)), *all = malloc(sizeof(*all)),
+		    *rall = malloc(sizeof(*rall));
 	if (!h || !all || !rall)
 		rc = 1;
 	else {
@@ -777,8 +782,7 @@ static const char *find_vulnerable(const struct bench_opts *o, char *buf, size_t
 static int point(const struct bench_opts *o, const struct tcp_env *e, struct abort_point *pt,
 		 const char *vuln_bin, struct bench_proxy *shown)
 {
-	struct ab_ctx x = { .o = o, .rate = pt->rate, .staged = pt->staged,
-			    .chunk = o->chunks[0] };
+	struct ab_ctx x = { .o = o, .rate = pt->rate, .staged = pt->staged, .chunk = o->chunks[0] };
 	x.room_bytes = bench_room_bytes(o, x.chunk);
 	x.room_chunks = bench_room_chunks(o, x.chunk);
 	uint64_t need = (uint64_t)o->senders * o->rooms * x.room_chunks;
@@ -795,10 +799,11 @@ static int point(const struct bench_opts *o, const struct tcp_env *e, struct abo
 			return 1;
 		if (pt->staged) {
 			admin = kvs_admin_connect(a.sock);
-			if (admin < 0 || kvs_admin_fp_set_mask(admin, "local.quiesce", "pause", DOOM_BIT,
-							       DOOM_BIT) < 0) {
-				fprintf(stderr, "kvstage-bench: failpoint local.quiesce on %s: %s\n",
-					a.bin, kvs_strerror(admin < 0 ? admin : -EPROTO));
+			if (admin < 0 || kvs_admin_fp_set_mask(admin, "local.quiesce", "pause",
+							       DOOM_BIT, DOOM_BIT) < 0) {
+				fprintf(stderr,
+					"kvstage-bench: failpoint local.quiesce on %s: %s\n", a.bin,
+					kvs_strerror(admin < 0 ? admin : -EPROTO));
 				if (admin >= 0)
 					close(admin);
 				proxy_stop(&a);
@@ -809,8 +814,10 @@ static int point(const struct bench_opts *o, const struct tcp_env *e, struct abo
 		x.one_proxy = true;
 		if (!pt->staged)
 			*shown = a;
-		note(o, "abort local, rate %g%s: %s pid %d, %u slots; %u pair(s), %u rooms x %u "
-			"chunks", pt->rate, pt->staged ? ", staged" : "", pt->proxy, (int)a.pid, slots,
+		note(o,
+		     "abort local, rate %g%s: %s pid %d, %u slots; %u pair(s), %u rooms x %u "
+		     "chunks",
+		     pt->rate, pt->staged ? ", staged" : "", pt->proxy, (int)a.pid, slots,
 		     o->senders, o->rooms, x.room_chunks);
 		rc = measure(o, &x, o->senders, admin, pt);
 		proxy_counts(pt, (const char *[]){ a.sock }, 1);
@@ -823,9 +830,11 @@ static int point(const struct bench_opts *o, const struct tcp_env *e, struct abo
 		return 1;
 	x.rx_sock = b.sock;
 	x.tx_sock = a.sock;
-	note(o, "abort %s, rate %g: kvstaged A pid %d (senders) -> B pid %d (receivers), %u slots "
-		"each; %u pair(s), %u rooms x %u chunks", pt->path, pt->rate, (int)a.pid, (int)b.pid,
-	     slots, o->senders, o->rooms, x.room_chunks);
+	note(o,
+	     "abort %s, rate %g: kvstaged A pid %d (senders) -> B pid %d (receivers), %u slots "
+	     "each; %u pair(s), %u rooms x %u chunks",
+	     pt->path, pt->rate, (int)a.pid, (int)b.pid, slots, o->senders, o->rooms,
+	     x.room_chunks);
 	rc = measure(o, &x, o->senders, -1, pt);
 	proxy_counts(pt, (const char *[]){ a.sock, b.sock }, 2);
 	proxy_stop(&a);
@@ -846,14 +855,15 @@ static const char *const abort_defs[][2] = {
 			    "RECV_DONE/SEND_DONE that won the race): the moment the engine may "
 			    "free its pages; a side already final at its kvs_abort (done phase) "
 			    "has nothing to wait for and is counted in final_before_abort" },
-	{ "abort_to_reusable", "kvs_abort's call until every slot the room leased reads, in the "
-			       "sending proxy's published slot table, free or taken anew (a later "
-			       "epoch, never a tombstone); the room's unsent leases are released "
-			       "right after the abort, as an engine would; over tcp the receiving "
-			       "proxy's posted slots are not in that table (its tombstones are in "
-			       "the counters). The pair looks for finals and slots between the steps "
-			       "of its rooms' work (a chunk stamped, sent or checked), so both "
-			       "latencies include up to one such step" },
+	{ "abort_to_reusable",
+	  "kvs_abort's call until every slot the room leased reads, in the "
+	  "sending proxy's published slot table, free or taken anew (a later "
+	  "epoch, never a tombstone); the room's unsent leases are released "
+	  "right after the abort, as an engine would; over tcp the receiving "
+	  "proxy's posted slots are not in that table (its tombstones are in "
+	  "the counters). The pair looks for finals and slots between the steps "
+	  "of its rooms' work (a chunk stamped, sent or checked), so both "
+	  "latencies include up to one such step" },
 	{ "gbps", "bytes of rooms never aborted completed in the window / window; ratio: over "
 		  "the same path's abort rate 0 of this run" },
 	{ "verified", "every completed room (aborted or not) is read in full and checked "
@@ -877,17 +887,22 @@ static const char *const abort_defs[][2] = {
 static void describe(const struct bench_opts *o, struct point *p, const struct abort_point *ap)
 {
 	snprintf(p->name, sizeof(p->name), "%s %g%s", ap->path, ap->rate,
-		 ap->vulnerable ? " vuln" : ap->staged ? " staged" : "");
-	snprintf(p->title, sizeof(p->title), "%s, abort rate %g, %s%s: %.2f s, %llu rooms "
-		 "completed, %llu aborted (%llu by the sender, %llu by the receiver)", ap->path,
-		 ap->rate, ap->proxy, ap->staged ? " (aborts staged in flight)" : "", ap->seconds,
-		 (unsigned long long)ap->rooms, (unsigned long long)(ap->aborted[0] + ap->aborted[1]),
+		 ap->vulnerable ? " vuln"
+		 : ap->staged	? " staged"
+				: "");
+	snprintf(p->title, sizeof(p->title),
+		 "%s, abort rate %g, %s%s: %.2f s, %llu rooms "
+		 "completed, %llu aborted (%llu by the sender, %llu by the receiver)",
+		 ap->path, ap->rate, ap->proxy, ap->staged ? " (aborts staged in flight)" : "",
+		 ap->seconds, (unsigned long long)ap->rooms,
+		 (unsigned long long)(ap->aborted[0] + ap->aborted[1]),
 		 (unsigned long long)ap->aborted[0], (unsigned long long)ap->aborted[1]);
 	put_str(p, "path", "%s", ap->path);
 	put_str(p, "proxy", "%s", ap->proxy);
 	put_bool(p, "staged", ap->staged);
 	put_num(p, "abort_rate", ap->rate);
-	put_str(p, "abort_side", "%s", o->abort_sides == 3 ? "both" : side_names[o->abort_sides - 1]);
+	put_str(p, "abort_side", "%s",
+		o->abort_sides == 3 ? "both" : side_names[o->abort_sides - 1]);
 	put_int(p, "slots", ap->slots);
 	put_num(p, "seconds", ap->seconds);
 	put_int(p, "rooms", ap->rooms);
@@ -909,14 +924,16 @@ static void describe(const struct bench_opts *o, struct point *p, const struct a
 		for (unsigned f = 0; f < NPH; f++) {
 			if (!ap->fin[s][f].n && !ap->reuse[s][f].n)
 				continue;
-			const char *key = keep(p, "by_phase.%s.%s.final_us", side_names[s],
-					       phase_names[f]);
+			const char *key =
+				keep(p, "by_phase.%s.%s.final_us", side_names[s], phase_names[f]);
 			if (ap->fin[s][f].n)
 				fig_lat(p, keep(p, "  %s side, %s", side_names[s], phase_names[f]),
 					NULL, &ap->fin[s][f], P50 | P99, key, NULL);
 			else
 				put_lat(p, key, &ap->fin[s][f]);
-			put_lat(p, keep(p, "by_phase.%s.%s.reusable_us", side_names[s], phase_names[f]),
+			put_lat(p,
+				keep(p, "by_phase.%s.%s.reusable_us", side_names[s],
+				     phase_names[f]),
 				&ap->reuse[s][f]);
 		}
 	fig(p, "stale ops refused", "stale", U_INT, (double)ap->stale_refused, "stale.refused");
@@ -929,9 +946,10 @@ static void describe(const struct bench_opts *o, struct point *p, const struct a
 	put_int(p, "verified_bytes", ap->verified);
 	put_int(p, "late_events", ap->late_events);
 	put_int(p, "pages_bad", ap->pages_bad);
-	CAT(p->notes, "  checked: %llu bytes verified, %llu wrong; %llu events after a final; %llu "
-		      "aborted rooms' pages written after it; stale ops %llu of %llu refused "
-		      "(proxies' rej_stale %llu)\n",
+	CAT(p->notes,
+	    "  checked: %llu bytes verified, %llu wrong; %llu events after a final; %llu "
+	    "aborted rooms' pages written after it; stale ops %llu of %llu refused "
+	    "(proxies' rej_stale %llu)\n",
 	    (unsigned long long)ap->verified, (unsigned long long)ap->corrupt,
 	    (unsigned long long)ap->late_events, (unsigned long long)ap->pages_bad,
 	    (unsigned long long)ap->stale_refused, (unsigned long long)ap->stale_tried,
@@ -953,11 +971,15 @@ static int report_abort(const struct bench_opts *o, const struct abort_point *pt
 	d->npt = n;
 	d->sections = true;
 	d->col0 = "point";
-	CAT(d->head, "kvstage-bench %s abort: %u pair(s), %u rooms in flight each, rooms of %s "
-		     "in %s chunks, %.2f s per point, aborts from %s\n", KVS_VERSION_STRING,
-	    o->senders, o->rooms, bench_size_str(bench_room_bytes(o, o->chunks[0]), a, sizeof(a)),
+	CAT(d->head,
+	    "kvstage-bench %s abort: %u pair(s), %u rooms in flight each, rooms of %s "
+	    "in %s chunks, %.2f s per point, aborts from %s\n",
+	    KVS_VERSION_STRING, o->senders, o->rooms,
+	    bench_size_str(bench_room_bytes(o, o->chunks[0]), a, sizeof(a)),
 	    bench_size_str(o->chunks[0], b, sizeof(b)), o->duration,
-	    o->abort_sides == 3 ? "either side" : o->abort_sides == 1 ? "the sender" : "the receiver");
+	    o->abort_sides == 3	  ? "either side"
+	    : o->abort_sides == 1 ? "the sender"
+				  : "the receiver");
 	doc_head(d, o, px, ", started per point with --slot-size = chunk size", false, NULL);
 	put_defs(d, abort_defs, sizeof(abort_defs) / sizeof(abort_defs[0]));
 	for (unsigned f = 0; f < NPH; f++)
@@ -994,7 +1016,8 @@ static int report_abort(const struct bench_opts *o, const struct abort_point *pt
 				for (unsigned j = 0; j < n; j++)
 					if (!pt[j].staged && !strcmp(pt[j].path, paths[k]) &&
 					    pt[j].rate == x[i] && pt[j].fin_all.n) {
-						cols[nc][i] = q ? pt[j].fin_all.p99 : pt[j].fin_all.p50;
+						cols[nc][i] = q ? pt[j].fin_all.p99
+								: pt[j].fin_all.p50;
 						have = true;
 					}
 			}
@@ -1047,9 +1070,11 @@ int run_abort(const struct bench_opts *o)
 	}
 	/* The fence's baseline: the same staged aborts, kvstaged then kvstaged-vulnerable. */
 	if (!rc && top > 0 && !vuln) /* said even with -q: a figure is missing */
-		fprintf(stderr, "kvstage-bench: the fence's baseline: skipped (no executable "
-				"kvstaged-vulnerable at %s: build the tests, or give --vulnerable "
-				"PATH)\n", o->vulnerable ? o->vulnerable : vbuf);
+		fprintf(stderr,
+			"kvstage-bench: the fence's baseline: skipped (no executable "
+			"kvstaged-vulnerable at %s: build the tests, or give --vulnerable "
+			"PATH)\n",
+			o->vulnerable ? o->vulnerable : vbuf);
 	for (unsigned v = 0; !rc && top > 0 && vuln && v < 2 && !local_interrupted(); v++) {
 		struct abort_point *pt = &pts[n];
 		pt->path = "local";
@@ -1061,8 +1086,9 @@ int run_abort(const struct bench_opts *o)
 		pt->ref_gbps = v ? pts[n - 1].gbps : pt->gbps;
 		if (v) {
 			if (prc) { /* it may well break in other ways: said, not a failure of ours */
-				fprintf(stderr, "kvstage-bench: the vulnerable baseline's run failed "
-						"(above); its figures are what it got to\n");
+				fprintf(stderr,
+					"kvstage-bench: the vulnerable baseline's run failed "
+					"(above); its figures are what it got to\n");
 				prc = 0;
 			}
 		}
@@ -1080,9 +1106,10 @@ int run_abort(const struct bench_opts *o)
 		if (pt->vulnerable || !(pt->corrupt || pt->pages_bad || pt->late_events ||
 					pt->stale_refused < pt->stale_tried))
 			continue;
-		fprintf(stderr, "kvstage-bench: CORRUPTION through kvstaged (%s, abort rate %g%s): "
-				"%llu wrong bytes, %llu pages written after their final, %llu events "
-				"after a final, %llu stale ops accepted; no figure is printed\n",
+		fprintf(stderr,
+			"kvstage-bench: CORRUPTION through kvstaged (%s, abort rate %g%s): "
+			"%llu wrong bytes, %llu pages written after their final, %llu events "
+			"after a final, %llu stale ops accepted; no figure is printed\n",
 			pt->path, pt->rate, pt->staged ? ", staged" : "",
 			(unsigned long long)pt->corrupt, (unsigned long long)pt->pages_bad,
 			(unsigned long long)pt->late_events,

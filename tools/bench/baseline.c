@@ -99,8 +99,8 @@ static void __attribute__((noreturn)) ring_echo(struct rte_ring *ping, struct rt
 {
 	struct ring_rec buf[RING_BURST];
 	for (;;) {
-		unsigned n = rte_ring_sc_dequeue_burst_elem(ping, buf, sizeof(buf[0]), RING_BURST,
-							    NULL);
+		unsigned n =
+			rte_ring_sc_dequeue_burst_elem(ping, buf, sizeof(buf[0]), RING_BURST, NULL);
 		if (!n) {
 			rte_pause();
 			continue;
@@ -288,7 +288,8 @@ double baseline_pipe(uint64_t chunk, uint64_t inflight, uint64_t wset, double se
 	}
 	memset(m, 0, 4096);
 	struct pipe_shared *ps = (struct pipe_shared *)m;
-	struct rte_ring *free_r = (struct rte_ring *)(m + 4096), *full = (struct rte_ring *)(m + 4096 + each);
+	struct rte_ring *free_r = (struct rte_ring *)(m + 4096),
+			*full = (struct rte_ring *)(m + 4096 + each);
 	double gbps = -1;
 	pid_t pid[2] = { -1, -1 };
 	if (rte_ring_init(free_r, "pipe-free", count, RING_F_SP_ENQ | RING_F_SC_DEQ) < 0 ||
@@ -299,7 +300,8 @@ double baseline_pipe(uint64_t chunk, uint64_t inflight, uint64_t wset, double se
 	for (int k = 0; k < 2; k++) {
 		pid[k] = bench_fork(-1);
 		if (pid[k] == 0)
-			pipe_side(k == 0, fd, plen, chunk, wset, k ? full : free_r, k ? free_r : full, ps);
+			pipe_side(k == 0, fd, plen, chunk, wset, k ? full : free_r,
+				  k ? free_r : full, ps);
 		if (pid[k] < 0)
 			goto out;
 	}
@@ -324,7 +326,8 @@ out:
 	__atomic_store_n(&ps->stop, 1, __ATOMIC_RELAXED);
 	for (int k = 0; k < 2; k++) {
 		int st;
-		if (pid[k] > 0 && (waitpid(pid[k], &st, 0) < 0 || !WIFEXITED(st) || WEXITSTATUS(st)))
+		if (pid[k] > 0 &&
+		    (waitpid(pid[k], &st, 0) < 0 || !WIFEXITED(st) || WEXITSTATUS(st)))
 			gbps = -1;
 	}
 	close(fd);
@@ -384,8 +387,8 @@ int baseline_wake(unsigned samples, uint64_t gap_ns, struct lat *out)
 
 /* ---------------------------------------------------------------- mode */
 
-static int report_baseline(const struct bench_opts *o, const struct baseline_point *pt,
-			   unsigned n, const struct ring_base *ring)
+static int report_baseline(const struct bench_opts *o, const struct baseline_point *pt, unsigned n,
+			   const struct ring_base *ring)
 {
 	char a[16];
 	struct doc *d = calloc(1, sizeof(*d));
@@ -404,8 +407,9 @@ static int report_baseline(const struct bench_opts *o, const struct baseline_poi
 	d->col0 = "chunk";
 	d->pt = pts;
 	d->npt = n;
-	CAT(d->tail, "\nmemcpy: one thread, chunk-sized buffers around a %s ring each way.\n"
-		     "TCP: one connection on 127.0.0.1, writes of the chunk size, two processes.\n",
+	CAT(d->tail,
+	    "\nmemcpy: one thread, chunk-sized buffers around a %s ring each way.\n"
+	    "TCP: one connection on 127.0.0.1, writes of the chunk size, two processes.\n",
 	    bench_size_str(o->wset, a, sizeof(a)));
 	for (unsigned i = 0; i < n; i++) {
 		bench_size_str(pt[i].chunk, pts[i].name, sizeof(pts[i].name));
@@ -447,7 +451,8 @@ int run_baseline(const struct bench_opts *o)
 		pts[i].chunk = o->chunks[i];
 		bench_size_str(o->chunks[i], cs, sizeof(cs));
 		if (prog)
-			progress_line("baseline %s: memcpy, then TCP (%u of %u)", cs, i + 1, o->nchunks);
+			progress_line("baseline %s: memcpy, then TCP (%u of %u)", cs, i + 1,
+				      o->nchunks);
 		pts[i].memcpy_gbps = baseline_memcpy(o->chunks[i], o->wset, o->baseline_sec);
 		baseline_fini();
 		pts[i].tcp_gbps = baseline_tcp(o->chunks[i], o->baseline_sec);

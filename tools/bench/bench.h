@@ -25,52 +25,60 @@
 #define GPU_TARGET_SLOT 0.90   /* gpu: slot copies, both directions, against cudaMallocHost */
 #define GPU_TARGET_GATHER 0.80 /* gpu: gather of 16 KiB pages */
 
-enum bench_mode { MODE_LOCAL, MODE_LATENCY, MODE_IDLE, MODE_BASELINE, MODE_GPU, MODE_TCP, MODE_VERBS,
-		  MODE_ABORT };
+enum bench_mode {
+	MODE_LOCAL,
+	MODE_LATENCY,
+	MODE_IDLE,
+	MODE_BASELINE,
+	MODE_GPU,
+	MODE_TCP,
+	MODE_VERBS,
+	MODE_ABORT
+};
 enum bench_payload { PAYLOAD_NONE, PAYLOAD_COPY, PAYLOAD_VERIFY, PAYLOAD_IN };
 enum bench_fmt { FMT_TABLE, FMT_JSON, FMT_CSV };
 
 struct bench_opts {
 	enum bench_mode mode;
-	const char *socket;   /* a running proxy, or NULL: start one */
-	const char *kvstaged; /* proxy binary, or NULL: search (see proxy.c) */
+	const char *socket;	    /* a running proxy, or NULL: start one */
+	const char *kvstaged;	    /* proxy binary, or NULL: search (see proxy.c) */
 	const char *proxy_args[16]; /* extra arguments for a proxy we start */
 	unsigned nproxy_args;
 	uint64_t chunks[BENCH_MAX_CHUNKS];
 	unsigned nchunks;
 	bool chunk_set;
 	uint64_t room_bytes; /* 0: 16 chunks */
-	unsigned rooms;      /* concurrent rooms per sender */
+	unsigned rooms;	     /* concurrent rooms per sender */
 	unsigned senders, receivers;
 	enum bench_payload payload;
 	double duration;     /* seconds measured per point (when bytes == 0) */
-	uint64_t bytes;      /* total bytes per point, or 0 */
-	double warmup;       /* seconds before the measured window */
+	uint64_t bytes;	     /* total bytes per point, or 0 */
+	double warmup;	     /* seconds before the measured window */
 	double baseline_sec; /* seconds per baseline measurement */
-	uint64_t wset;       /* bytes of each private buffer ring (memcpy, client copies) */
+	uint64_t wset;	     /* bytes of each private buffer ring (memcpy, client copies) */
 	unsigned samples;    /* idle: wake-up samples */
 	double idle_gap_ms;  /* idle: quiet time before each wake-up sample */
 	enum bench_fmt fmt;
 	const char *plot;
 	bool progress, quiet;
-	bool no_pin;         /* leave CPU placement to the scheduler */
-	bool netns;          /* tcp: the two proxies in network namespaces joined by veth */
-	unsigned tcp_streams; /* tcp: --tcp-streams of the proxies, and of the raw baseline */
+	bool no_pin;		 /* leave CPU placement to the scheduler */
+	bool netns;		 /* tcp: the two proxies in network namespaces joined by veth */
+	unsigned tcp_streams;	 /* tcp: --tcp-streams of the proxies, and of the raw baseline */
 	const char *rdma_device; /* verbs: the device both proxies and ib_read_bw use */
-	int rdma_gid_index;      /* verbs: -1: the proxies' and perftest's own choice */
+	int rdma_gid_index;	 /* verbs: -1: the proxies' and perftest's own choice */
 	/* abort */
-	double abort_rates[16];  /* fractions of rooms aborted, one point each; 0 first */
+	double abort_rates[16]; /* fractions of rooms aborted, one point each; 0 first */
 	unsigned nrates;
-	unsigned abort_sides;    /* 1: the sender aborts, 2: the receiver, 3: either at random */
-	const char *vulnerable;  /* the test-only kvstaged-vulnerable, or NULL: next to the build */
+	unsigned abort_sides;	/* 1: the sender aborts, 2: the receiver, 3: either at random */
+	const char *vulnerable; /* the test-only kvstaged-vulnerable, or NULL: next to the build */
 	/* gpu */
-	uint64_t gpu_size;       /* bytes per slot copy and per gather */
-	uint64_t psizes[16];     /* gather/scatter page sizes */
+	uint64_t gpu_size;   /* bytes per slot copy and per gather */
+	uint64_t psizes[16]; /* gather/scatter page sizes */
 	unsigned npsizes;
-	unsigned pages;          /* pages per gather; 0: a whole gpu_size */
-	uint64_t pool;           /* device page pool the tables draw from */
+	unsigned pages; /* pages per gather; 0: a whole gpu_size */
+	uint64_t pool;	/* device page pool the tables draw from */
 	unsigned iters, reps;
-	bool gather_modes[3];    /* enum kvs_cuda_gather_mode */
+	bool gather_modes[3]; /* enum kvs_cuda_gather_mode */
 	int device;
 	int argc;
 	char **argv; /* as given, for --json */
@@ -135,9 +143,9 @@ void bench_free(void *p, size_t len);
 /* ----------------------------------------------------------- proxy.c */
 
 struct bench_proxy {
-	pid_t pid;       /* ours to stop, or 0 for an external proxy */
-	pid_t cpu_pid;   /* whose /proc/PID/stat to read, or 0: n/a */
-	char dir[64];    /* our temporary directory, "" if none */
+	pid_t pid;     /* ours to stop, or 0 for an external proxy */
+	pid_t cpu_pid; /* whose /proc/PID/stat to read, or 0: n/a */
+	char dir[64];  /* our temporary directory, "" if none */
 	char sock[128];
 	char log[128];
 	char bin[512];
@@ -169,10 +177,10 @@ void proxy_stop(struct bench_proxy *px);
  * (on a busy 2-core machine that costs ~100 us a round trip), and the
  * clients' copies share one core, which is what the memcpy/2 bound assumes. */
 struct bench_pin {
-	bool on;              /* clients pinned away from the proxy */
-	bool spread;          /* two or more CPUs and no --no-pin: baselines may spread */
-	int proxy_cpu;        /* for a proxy we start; -1: none */
-	int proxy2_cpu;       /* tcp: the receiving side's proxy; -1: none */
+	bool on;	/* clients pinned away from the proxy */
+	bool spread;	/* two or more CPUs and no --no-pin: baselines may spread */
+	int proxy_cpu;	/* for a proxy we start; -1: none */
+	int proxy2_cpu; /* tcp: the receiving side's proxy; -1: none */
 	cpu_set_t all, clients;
 };
 extern struct bench_pin g_pin;
@@ -199,8 +207,8 @@ uint32_t proxy_slots_for(uint64_t slot_size, uint64_t need);
 
 struct ring_base {
 	bool done;
-	double rt_per_s;        /* ping-pong: one record out and back, one at a time */
-	struct lat rtt;         /* ping-pong round-trip time */
+	double rt_per_s;	/* ping-pong: one record out and back, one at a time */
+	struct lat rtt;		/* ping-pong round-trip time */
 	double batch_rec_per_s; /* records out and back per second, bursts of 32, 512 in flight */
 };
 
@@ -262,9 +270,9 @@ struct local_point {
 	double memcpy_gbps, bound_gbps;
 	double pipe_gbps; /* payload copy/verify: baseline_pipe, else 0 */
 	/* tcp mode */
-	double proxy_rx_cpu;          /* the receiving side's proxy, % of one core; < 0: n/a */
-	double tcp1_gbps, tcpn_gbps;  /* raw TCP, one stream and --tcp-streams; < 0: failed */
-	double rdma_gbps;             /* verbs: ib_read_bw on the same device; < 0: failed */
+	double proxy_rx_cpu;	     /* the receiving side's proxy, % of one core; < 0: n/a */
+	double tcp1_gbps, tcpn_gbps; /* raw TCP, one stream and --tcp-streams; < 0: failed */
+	double rdma_gbps;	     /* verbs: ib_read_bw on the same device; < 0: failed */
 	/* verbs: each chunk's key on the sending proxy, per chunk READ */
 	double binds, invalidates, regions, region_frees;
 };
@@ -280,14 +288,14 @@ struct latency_result {
 
 struct idle_result {
 	double window_s;
-	double proxy_cpu;    /* % of one core over the idle window */
+	double proxy_cpu;      /* % of one core over the idle window */
 	uint64_t proxy_sleeps; /* times the proxy went to sleep in the window */
-	double client_cpu;   /* % of one core used by a client blocked in kvs_wait */
+	double client_cpu;     /* % of one core used by a client blocked in kvs_wait */
 	unsigned samples, not_asleep;
 	double gap_ms;
-	struct lat wake;     /* first sync op after an idle gap */
-	struct lat warm;     /* the same op back to back */
-	struct lat efd;      /* baseline: eventfd round trip between two sleeping processes, same gap */
+	struct lat wake; /* first sync op after an idle gap */
+	struct lat warm; /* the same op back to back */
+	struct lat efd;	 /* baseline: eventfd round trip between two sleeping processes, same gap */
 };
 
 struct baseline_point {

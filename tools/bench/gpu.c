@@ -20,7 +20,7 @@
 #include "kvstage.h"
 #include "kvstage_cuda.h"
 
-#define TABLES 8            /* gather tables rotated through, each a different shuffle */
+#define TABLES 8 /* gather tables rotated through, each a different shuffle */
 
 static const char *const mode_str[] = { "auto", "copy", "kernel" };
 
@@ -31,11 +31,11 @@ struct gctx {
 	kvs_client *c;
 	cudaStream_t s;
 	cudaEvent_t e0, e1;
-	struct kvs_lease l[2]; /* two slots, used in turn */
-	void *dsrc, *ddst;     /* --size bytes each */
-	void *hpin;            /* cudaMallocHost, --size bytes at least */
+	struct kvs_lease l[2];	 /* two slots, used in turn */
+	void *dsrc, *ddst;	 /* --size bytes each */
+	void *hpin;		 /* cudaMallocHost, --size bytes at least */
 	uint8_t *dpool, *dpool2; /* the engine's paged memory: gather from, scatter into */
-	uint8_t *hpool;        /* what dpool holds */
+	uint8_t *hpool;		 /* what dpool holds */
 	/* the figure being measured */
 	uint64_t bytes;
 	size_t psize;
@@ -43,17 +43,17 @@ struct gctx {
 	const void **tables[TABLES];
 	void **wtables[TABLES];
 	int32_t *idx[TABLES];
-	int err;               /* first failure of an op (kvstage or CUDA), 0 if none */
+	int err; /* first failure of an op (kvstage or CUDA), 0 if none */
 };
 
-#define CK(call)                                                                              \
-	do {                                                                                  \
-		cudaError_t e_ = (call);                                                      \
-		if (e_ != cudaSuccess) {                                                      \
-			fprintf(stderr, "kvstage-bench gpu: %s: %s (%s)\n", #call,            \
-				cudaGetErrorName(e_), cudaGetErrorString(e_));                \
-			return -1;                                                            \
-		}                                                                             \
+#define CK(call)                                                                   \
+	do {                                                                       \
+		cudaError_t e_ = (call);                                           \
+		if (e_ != cudaSuccess) {                                           \
+			fprintf(stderr, "kvstage-bench gpu: %s: %s (%s)\n", #call, \
+				cudaGetErrorName(e_), cudaGetErrorString(e_));     \
+			return -1;                                                 \
+		}                                                                  \
 	} while (0)
 
 typedef int (*op_fn)(struct gctx *g, unsigned i);
@@ -88,8 +88,8 @@ static int op_gather(struct gctx *g, unsigned i)
 
 static int op_scatter(struct gctx *g, unsigned i)
 {
-	return kvs_cuda_scatter(g->c, &g->l[i & 1], 0, g->wtables[i % TABLES], g->npages,
-				g->psize, g->s, NULL);
+	return kvs_cuda_scatter(g->c, &g->l[i & 1], 0, g->wtables[i % TABLES], g->npages, g->psize,
+				g->s, NULL);
 }
 
 /* GB/s (1e9) of one timed run of op: iters ops back to back, timed by
@@ -125,12 +125,12 @@ static double median(double *v, unsigned n)
 }
 
 struct figure {
-	const char *name;   /* to_slot, from_slot, gather, scatter */
-	const char *mode;   /* gather mode, or NULL */
-	uint64_t psize;     /* 0 for slot copies */
+	const char *name; /* to_slot, from_slot, gather, scatter */
+	const char *mode; /* gather mode, or NULL */
+	uint64_t psize;	  /* 0 for slot copies */
 	uint64_t bytes;
 	double gbps, base_gbps, ratio;
-	const char *base;   /* "D2H" or "H2D" */
+	const char *base; /* "D2H" or "H2D" */
 	bool verified;
 };
 
@@ -325,9 +325,8 @@ static void target(struct doc *d, struct point *t, const char *key, const char *
 	    f->ratio >= min ? "met" : "MISSED");
 }
 
-static void report_gpu(const struct bench_opts *o, const struct cudaDeviceProp *p,
-		       const char *pool, double reg_ms, unsigned long page_kb, const struct figure *f,
-		       unsigned n)
+static void report_gpu(const struct bench_opts *o, const struct cudaDeviceProp *p, const char *pool,
+		       double reg_ms, unsigned long page_kb, const struct figure *f, unsigned n)
 {
 	char b1[32];
 	struct doc *d = calloc(1, sizeof(*d));
@@ -339,9 +338,11 @@ static void report_gpu(const struct bench_opts *o, const struct cudaDeviceProp *
 	}
 	struct point *t = &d->top;
 	d->o = o;
-	CAT(d->head, "kvstage-bench gpu: %s (sm_%d%d, PCI %04x:%02x:%02x), %s per copy, %u copies "
-		     "x %u runs (medians)\n", p->name, p->major, p->minor, p->pciDomainID, p->pciBusID,
-	    p->pciDeviceID, bench_size_str(o->gpu_size, b1, sizeof(b1)), o->iters, o->reps);
+	CAT(d->head,
+	    "kvstage-bench gpu: %s (sm_%d%d, PCI %04x:%02x:%02x), %s per copy, %u copies "
+	    "x %u runs (medians)\n",
+	    p->name, p->major, p->minor, p->pciDomainID, p->pciBusID, p->pciDeviceID,
+	    bench_size_str(o->gpu_size, b1, sizeof(b1)), o->iters, o->reps);
 	CAT(d->head, "pool: %s, %lu KiB pages, registered with CUDA in %.1f ms\n", pool, page_kb,
 	    reg_ms);
 	CAT(d->head, "baseline: cudaMemcpy between the device and a cudaMallocHost buffer of the "
@@ -420,8 +421,9 @@ static int run(const struct bench_opts *o, struct gctx *g, struct figure *figs, 
 		g->bytes = (uint64_t)g->npages * g->psize;
 		uint64_t pool_pages = o->pool / g->psize;
 		if (!g->npages || g->npages > pool_pages) {
-			fprintf(stderr, "kvstage-bench gpu: %" PRIu64 "-byte pages: %u per gather, the "
-					"pool holds %" PRIu64 ": skipped\n",
+			fprintf(stderr,
+				"kvstage-bench gpu: %" PRIu64 "-byte pages: %u per gather, the "
+				"pool holds %" PRIu64 ": skipped\n",
 				g->psize, g->npages, pool_pages);
 			continue;
 		}
@@ -433,18 +435,25 @@ static int run(const struct bench_opts *o, struct gctx *g, struct figure *figs, 
 			if (kvs_cuda_set_gather_mode(g->c, m) < 0)
 				return -1;
 			f = &figs[n++];
-			*f = (struct figure){ .name = "gather", .mode = mode_str[m], .psize = g->psize,
-					      .bytes = g->bytes, .base = "D2H" };
+			*f = (struct figure){ .name = "gather",
+					      .mode = mode_str[m],
+					      .psize = g->psize,
+					      .bytes = g->bytes,
+					      .base = "D2H" };
 			if (!o->quiet)
-				fprintf(stderr, "kvstage-bench gpu: gather/scatter %" PRIu64
-						"-byte pages, %s\n",
+				fprintf(stderr,
+					"kvstage-bench gpu: gather/scatter %" PRIu64
+					"-byte pages, %s\n",
 					g->psize, mode_str[m]);
 			if (measure(g, op_gather, op_base_d2h, f) < 0)
 				return -1;
 			f->verified = check_gather(g) == 0;
 			f = &figs[n++];
-			*f = (struct figure){ .name = "scatter", .mode = mode_str[m], .psize = g->psize,
-					      .bytes = g->bytes, .base = "H2D" };
+			*f = (struct figure){ .name = "scatter",
+					      .mode = mode_str[m],
+					      .psize = g->psize,
+					      .bytes = g->bytes,
+					      .base = "H2D" };
 			if (measure(g, op_scatter, op_base_h2d, f) < 0)
 				return -1;
 			f->verified = check_scatter(g) == 0;
@@ -521,7 +530,8 @@ int run_gpu(const struct bench_opts *o)
 	/* A slot holds one copy and one gather of every page size. */
 	uint64_t slot = o->gpu_size;
 	for (unsigned i = 0; i < o->npsizes; i++) {
-		uint64_t b = (uint64_t)(o->pages ? o->pages : o->gpu_size / o->psizes[i]) * o->psizes[i];
+		uint64_t b = (uint64_t)(o->pages ? o->pages : o->gpu_size / o->psizes[i]) *
+			     o->psizes[i];
 		if (b > slot)
 			slot = b;
 	}
@@ -532,8 +542,10 @@ int run_gpu(const struct bench_opts *o)
 	if ((rc = proxy_open(&px, o, slot, 4)))
 		return rc;
 	if (px.slot_size < slot) { /* a running one */
-		fprintf(stderr, "kvstage-bench gpu: the proxy at %s has %" PRIu64 "-byte slots; this run "
-				"needs %" PRIu64 "\n", o->socket, px.slot_size, slot);
+		fprintf(stderr,
+			"kvstage-bench gpu: the proxy at %s has %" PRIu64 "-byte slots; this run "
+			"needs %" PRIu64 "\n",
+			o->socket, px.slot_size, slot);
 		return 2;
 	}
 	snprintf(pooldesc, sizeof(pooldesc), "%u slots of %" PRIu64 " bytes (%s)", px.slots,

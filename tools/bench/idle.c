@@ -111,7 +111,8 @@ static int measure(const struct bench_opts *o, const struct bench_proxy *px,
 		uint64_t left = end - now_ns();
 		sleep_ns(left < 250000000ull ? left : 250000000ull);
 		if (prog)
-			progress_line("idle: %.1f / %.1f s", (double)(now_ns() - t_a) / 1e9, o->duration);
+			progress_line("idle: %.1f / %.1f s", (double)(now_ns() - t_a) / 1e9,
+				      o->duration);
 	}
 	double cpu_b = proc_cpu_seconds(px->cpu_pid), wcpu_b = proc_cpu_seconds(waiter);
 	uint64_t t_b = now_ns();
@@ -160,8 +161,10 @@ static int measure(const struct bench_opts *o, const struct bench_proxy *px,
 	progress_clear();
 	r->wake = hist_lat(wake);
 	r->warm = hist_lat(warm);
-	note(o, "idle: baseline: %u eventfd round trips between two sleeping processes, %.1f ms "
-		"apart", o->samples, o->idle_gap_ms);
+	note(o,
+	     "idle: baseline: %u eventfd round trips between two sleeping processes, %.1f ms "
+	     "apart",
+	     o->samples, o->idle_gap_ms);
 	if (baseline_wake(o->samples, (uint64_t)(o->idle_gap_ms * 1e6), &r->efd) < 0)
 		note(o, "idle: the eventfd baseline failed; its ratios are n/a");
 out:
@@ -187,8 +190,10 @@ static void report_idle(const struct bench_opts *o, const struct idle_result *r,
 	if (!d)
 		return;
 	struct point *p = (struct point *)(d + 1);
-	CAT(d->head, "kvstage-bench %s idle: %.2f s with no work, then %u wake-up samples %.1f ms "
-		     "apart\n", KVS_VERSION_STRING, r->window_s, r->samples, r->gap_ms);
+	CAT(d->head,
+	    "kvstage-bench %s idle: %.2f s with no work, then %u wake-up samples %.1f ms "
+	    "apart\n",
+	    KVS_VERSION_STRING, r->window_s, r->samples, r->gap_ms);
 	doc_head(d, o, px, "", false, NULL);
 	put(&d->top, "result", U_POINTS);
 	put_defs(d, idle_defs, sizeof(idle_defs) / sizeof(idle_defs[0]));
@@ -201,23 +206,27 @@ static void report_idle(const struct bench_opts *o, const struct idle_result *r,
 	put_num(p, "window_s", r->window_s);
 	vs(p, fig(p, "proxy CPU (% of one core)", NULL, U_NUM, r->proxy_cpu, "proxy_cpu_pct"), NAN,
 	   "(no baseline: lower is better)", NULL, NULL);
-	vs(p, fig(p, "times it went to sleep", NULL, U_INT, (double)r->proxy_sleeps, "proxy_sleeps"),
+	vs(p,
+	   fig(p, "times it went to sleep", NULL, U_INT, (double)r->proxy_sleeps, "proxy_sleeps"),
 	   NAN, "(0: it slept through the window)", NULL, NULL);
-	vs(p, fig(p, "kvs_wait client CPU (%)", NULL, U_NUM, r->client_cpu, "waiting_client_cpu_pct"),
+	vs(p,
+	   fig(p, "kvs_wait client CPU (%)", NULL, U_NUM, r->client_cpu, "waiting_client_cpu_pct"),
 	   NAN, "(a client blocked in kvs_wait)", NULL, NULL);
 	put_int(p, "samples", r->samples);
 	put_int(p, "samples_not_asleep", r->not_asleep);
 	put_num(p, "gap_ms", r->gap_ms);
-	vs_lat(p, fig_lat(p, "wake-up latency", NULL, &r->wake, PALL, "wake_latency_us", "wake_%s_us"),
+	vs_lat(p,
+	       fig_lat(p, "wake-up latency", NULL, &r->wake, PALL, "wake_latency_us", "wake_%s_us"),
 	       &r->efd, "eventfd round trip, both asleep,", "eventfd_wake_rtt_us|eventfd_%s_us",
 	       "ratio.wake_%s_vs_eventfd");
-	vs(p, fig_lat(p, "awake latency", NULL, &r->warm, PALL, "warm_latency_us", "warm_%s_us"), NAN,
-	   "(the same request, back to back)", NULL, NULL);
+	vs(p, fig_lat(p, "awake latency", NULL, &r->warm, PALL, "warm_latency_us", "warm_%s_us"),
+	   NAN, "(the same request, back to back)", NULL, NULL);
 	vs_lat(p, fig_lat(p, NULL, NULL, &r->wake, PALL, NULL, NULL), &r->warm, NULL, NULL,
 	       "ratio.wake_%s_vs_warm");
 	CAT(d->tail, "\nproxy CPU: utime + stime from /proc/PID/stat over the idle window.\n");
 	if (r->not_asleep)
-		CAT(p->notes, "  %u of %u samples found the proxy not asleep after the gap (its flag)\n",
+		CAT(p->notes,
+		    "  %u of %u samples found the proxy not asleep after the gap (its flag)\n",
 		    r->not_asleep, r->samples);
 	report(d);
 	free(d);
@@ -231,7 +240,8 @@ int run_idle(const struct bench_opts *o)
 	if (rc)
 		return rc;
 	if (o->socket)
-		note(o, "idle: the proxy at %s must have no other clients for this to mean anything",
+		note(o,
+		     "idle: the proxy at %s must have no other clients for this to mean anything",
 		     o->socket);
 	const struct kvs_ctrl *ctrl;
 	size_t clen;

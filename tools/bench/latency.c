@@ -121,7 +121,8 @@ static int cycles(const struct bench_opts *o, kvs_client *rx, kvs_client *tx, ui
 				memcpy(buf + pos, q, chunk);
 				pos = (pos + chunk) % blen;
 			} else if (canary_check(q, seq, 0, chunk) != chunk) {
-				fprintf(stderr, "kvstage-bench latency: room %llu: wrong bytes received\n",
+				fprintf(stderr,
+					"kvstage-bench latency: room %llu: wrong bytes received\n",
 					(unsigned long long)seq);
 				return 1;
 			}
@@ -131,7 +132,8 @@ static int cycles(const struct bench_opts *o, kvs_client *rx, kvs_client *tx, ui
 		if ((rc = spin_event(tx, &ev)) < 0)
 			return lfail("waiting for SEND_DONE", rc);
 		if (ev.type != KVS_EV_SEND_DONE)
-			return lfail("the sender's room did not complete", ev.status ? ev.status : -EPROTO);
+			return lfail("the sender's room did not complete",
+				     ev.status ? ev.status : -EPROTO);
 		if ((rc = kvs_room_close(sr)) < 0)
 			return lfail("kvs_room_close (sender)", rc);
 		if (t_a) {
@@ -159,7 +161,8 @@ static int cycles(const struct bench_opts *o, kvs_client *rx, kvs_client *tx, ui
 	r->sync_lat = hist_lat(&h->sync);
 	bench_free(buf, blen);
 	if (!r->iters)
-		fprintf(stderr, "kvstage-bench latency: no hand-off completed in the measured window\n");
+		fprintf(stderr,
+			"kvstage-bench latency: no hand-off completed in the measured window\n");
 	return r->iters ? 0 : 1;
 }
 
@@ -181,8 +184,9 @@ static void report_latency(const struct bench_opts *o, const struct latency_resu
 	if (!d)
 		return;
 	struct point *p = (struct point *)(d + 1);
-	CAT(d->head, "kvstage-bench %s latency: one %s chunk in flight, payload %s, %.2f s, %llu "
-		     "hand-offs (one busy-polling client process)\n",
+	CAT(d->head,
+	    "kvstage-bench %s latency: one %s chunk in flight, payload %s, %.2f s, %llu "
+	    "hand-offs (one busy-polling client process)\n",
 	    KVS_VERSION_STRING, bench_size_str(r->chunk, a, sizeof(a)),
 	    bench_payload_str(o->payload), r->seconds, (unsigned long long)r->iters);
 	doc_head(d, o, px, "", true, ring);
@@ -201,11 +205,17 @@ static void report_latency(const struct bench_opts *o, const struct latency_resu
 	vs(p, fig(p, "hand-offs/s (1 in flight)", NULL, U_RATE, r->handoffs_s, "handoffs_per_s"),
 	   ring ? ring->rt_per_s : -1, "rte_ring ping-pong round trips/s", NULL,
 	   "ratio.handoffs_per_s_vs_ring_rt");
-	vs_lat(p, fig_lat(p, "chunk latency", NULL, &r->chunk_lat, PALL, "chunk_latency_us", "chunk_%s_us"),
+	vs_lat(p,
+	       fig_lat(p, "chunk latency", NULL, &r->chunk_lat, PALL, "chunk_latency_us",
+		       "chunk_%s_us"),
 	       ring ? &ring->rtt : NULL, "rte_ring round trip", NULL, "ratio.chunk_%s_vs_ring_rtt");
-	vs_lat(p, fig_lat(p, "room latency", NULL, &r->room_lat, PALL, "room_latency_us", "room_%s_us"),
+	vs_lat(p,
+	       fig_lat(p, "room latency", NULL, &r->room_lat, PALL, "room_latency_us",
+		       "room_%s_us"),
 	       ring ? &ring->rtt : NULL, "rte_ring round trip", NULL, NULL);
-	vs_lat(p, fig_lat(p, "kvs_acquire", NULL, &r->sync_lat, PALL, "acquire_latency_us", "acquire_%s_us"),
+	vs_lat(p,
+	       fig_lat(p, "kvs_acquire", NULL, &r->sync_lat, PALL, "acquire_latency_us",
+		       "acquire_%s_us"),
 	       ring ? &ring->rtt : NULL, "rte_ring round trip", NULL, NULL);
 	fig(p, "proxy CPU (% of one core)", NULL, U_NUM, r->proxy_cpu, "proxy_cpu_pct");
 	report(d);

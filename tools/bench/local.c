@@ -138,8 +138,13 @@ int local_measure(const struct bench_opts *o, const struct bench_ends *e, uint64
 		hist_init(&sh->rx[i].h);
 		hist_init(&sh->tx[i].h);
 	}
-	struct lctx x = { .o = o, .rx_sock = e->rx_sock, .tx_sock = e->tx_sock, .chunk = chunk,
-			  .room_bytes = pt->room_bytes, .room_chunks = pt->room_chunks, .sh = sh };
+	struct lctx x = { .o = o,
+			  .rx_sock = e->rx_sock,
+			  .tx_sock = e->tx_sock,
+			  .chunk = chunk,
+			  .room_bytes = pt->room_bytes,
+			  .room_chunks = pt->room_chunks,
+			  .sh = sh };
 	int go[2], ready[2], done[2];
 	if (pipe(go) < 0 || pipe(ready) < 0 || pipe(done) < 0) {
 		fprintf(stderr, "kvstage-bench: pipe: %s\n", strerror(errno));
@@ -286,9 +291,11 @@ int local_measure(const struct bench_opts *o, const struct bench_ends *e, uint64
 		pt->room_lat = hist_lat(hr);
 		pt->chunk_lat = hist_lat(hs);
 		double win = (double)(t_b - t_a) / 1e9;
-		pt->proxy_cpu = cpu_a >= 0 && cpu_b >= 0 && t_b > t_a ? (cpu_b - cpu_a) / win * 100 : -1;
-		pt->proxy_rx_cpu = rcpu_a >= 0 && rcpu_b >= 0 && t_b > t_a ? (rcpu_b - rcpu_a) / win * 100
-									 : -1;
+		pt->proxy_cpu = cpu_a >= 0 && cpu_b >= 0 && t_b > t_a ? (cpu_b - cpu_a) / win * 100
+								      : -1;
+		pt->proxy_rx_cpu = rcpu_a >= 0 && rcpu_b >= 0 && t_b > t_a
+					   ? (rcpu_b - rcpu_a) / win * 100
+					   : -1;
 	}
 	if (rc || pt->errors)
 		print_child_errors(sh, pairs);
@@ -348,10 +355,12 @@ void local_point_counts(struct point *p, const struct local_point *lp, const cha
 {
 	char a[16], b[16];
 	bench_size_str(lp->chunk, p->name, sizeof(p->name));
-	snprintf(p->title, sizeof(p->title), "chunk %s: rooms of %u chunks (%s bytes), %u slots %s, "
-		 "%.2f s measured after %.2f s warm-up, %llu rooms", bench_size_str(lp->chunk, a, 16),
-		 lp->room_chunks, bench_size_str(lp->room_bytes, b, 16), lp->slots, pool,
-		 lp->seconds, lp->warmup_s, (unsigned long long)lp->rooms);
+	snprintf(p->title, sizeof(p->title),
+		 "chunk %s: rooms of %u chunks (%s bytes), %u slots %s, "
+		 "%.2f s measured after %.2f s warm-up, %llu rooms",
+		 bench_size_str(lp->chunk, a, 16), lp->room_chunks,
+		 bench_size_str(lp->room_bytes, b, 16), lp->slots, pool, lp->seconds, lp->warmup_s,
+		 (unsigned long long)lp->rooms);
 	fig(p, NULL, NULL, U_SIZE, (double)lp->chunk, "chunk_bytes");
 	fig(p, NULL, NULL, U_SIZE, (double)lp->room_bytes, "room_bytes");
 	put_int(p, "room_chunks", lp->room_chunks);
@@ -374,32 +383,38 @@ void local_point_notes(const struct bench_opts *o, struct point *p, const struct
 static void describe(const struct bench_opts *o, struct point *p, const struct local_point *lp,
 		     const struct ring_base *ring)
 {
-	bool copy = o->payload == PAYLOAD_COPY, one = o->payload == PAYLOAD_NONE || o->payload == PAYLOAD_IN;
+	bool copy = o->payload == PAYLOAD_COPY,
+	     one = o->payload == PAYLOAD_NONE || o->payload == PAYLOAD_IN;
 	local_point_counts(p, lp, "in the pool");
 	struct fig *f = fig(p, "GB/s", "GB/s", U_NUM, lp->gbps, "gbps");
 	f->bcol = "bound";
-	vs(p, f, lp->bound_gbps, o->payload == PAYLOAD_NONE ? "memcpy (bytes untouched: 0 copies)"
-				 : one ? "memcpy (copy in; read in place)"
-				       : "memcpy / 2 (copy in + copy out, one core)",
+	vs(p, f, lp->bound_gbps,
+	   o->payload == PAYLOAD_NONE ? "memcpy (bytes untouched: 0 copies)"
+	   : one		      ? "memcpy (copy in; read in place)"
+				      : "memcpy / 2 (copy in + copy out, one core)",
 	   "baseline.bound_gbps", "ratio.gbps_vs_bound");
 	put_str(p, "baseline.bound", one ? "memcpy" : "memcpy/2");
 	vs(p, fig(p, "", NULL, U_NUM, lp->gbps, NULL), lp->memcpy_gbps,
-	   keep(p, "single-thread memcpy at %s", p->name), "baseline.memcpy_gbps", "ratio.gbps_vs_memcpy");
+	   keep(p, "single-thread memcpy at %s", p->name), "baseline.memcpy_gbps",
+	   "ratio.gbps_vs_memcpy");
 	f = fig(p, copy ? "" : NULL, NULL, U_NUM, lp->gbps, NULL);
 	f->bcol = copy ? "pipe" : NULL;
 	vs(p, f, lp->pipe_gbps > 0 ? lp->pipe_gbps : -1, "same copies, 2 procs, raw rte_ring",
 	   "baseline.pipe_gbps", "ratio.gbps_vs_pipe");
 	vs(p, fig(p, "chunks/s", "chunks/s", U_RATE, lp->chunks_s, "chunks_per_s"),
 	   ring ? ring->batch_rec_per_s : -1, "rte_ring records/s, bursts of 32",
-	   "baseline.ring_batched_records_per_s", "ratio.chunks_per_s_vs_ring_batched|chunks_vs_ring");
+	   "baseline.ring_batched_records_per_s",
+	   "ratio.chunks_per_s_vs_ring_batched|chunks_vs_ring");
 	vs(p, fig(p, "rooms/s", "rooms/s", U_RATE, lp->rooms_s, "rooms_per_s"),
 	   ring ? ring->rt_per_s : -1, "rte_ring ping-pong round trips/s", "baseline.ring_rt_per_s",
 	   "ratio.rooms_per_s_vs_ring_rt");
-	vs_lat(p, fig_lat(p, "chunk latency", "chunk p50/p99/p99.9 us", &lp->chunk_lat, PALL,
-			  "chunk_latency_us", "chunk_%s_us"),
+	vs_lat(p,
+	       fig_lat(p, "chunk latency", "chunk p50/p99/p99.9 us", &lp->chunk_lat, PALL,
+		       "chunk_latency_us", "chunk_%s_us"),
 	       ring ? &ring->rtt : NULL, "rte_ring round trip", NULL, "ratio.chunk_%s_vs_ring_rtt");
-	vs_lat(p, fig_lat(p, "room latency", "room p50/p99/p99.9 us", &lp->room_lat, PALL,
-			  "room_latency_us", "room_%s_us"),
+	vs_lat(p,
+	       fig_lat(p, "room latency", "room p50/p99/p99.9 us", &lp->room_lat, PALL,
+		       "room_latency_us", "room_%s_us"),
 	       ring ? &ring->rtt : NULL, "rte_ring round trip", NULL, "ratio.room_%s_vs_ring_rtt");
 	fig(p, "proxy CPU (% of one core)", "CPU%", U_NUM, lp->proxy_cpu, "proxy_cpu_pct");
 	local_point_notes(o, p, lp);
@@ -416,7 +431,8 @@ static int report_local(const struct bench_opts *o, const struct local_point *pt
 		free(pts);
 		return 1;
 	}
-	snprintf(title, sizeof(title), "local: %u sender(s) x %u receiver(s)", o->senders, o->receivers);
+	snprintf(title, sizeof(title), "local: %u sender(s) x %u receiver(s)", o->senders,
+		 o->receivers);
 	local_doc_begin(d, o, n, title);
 	doc_head(d, o, px, ", started per point with --slot-size = chunk size", true, ring);
 	put_defs(d, local_defs, sizeof(local_defs) / sizeof(local_defs[0]));
@@ -435,7 +451,8 @@ static int report_local(const struct bench_opts *o, const struct local_point *pt
 	if (!o->plot)
 		return 0;
 	uint64_t x[BENCH_MAX_CHUNKS];
-	double kv[BENCH_MAX_CHUNKS], mc[BENCH_MAX_CHUNKS], bd[BENCH_MAX_CHUNKS], pp[BENCH_MAX_CHUNKS];
+	double kv[BENCH_MAX_CHUNKS], mc[BENCH_MAX_CHUNKS], bd[BENCH_MAX_CHUNKS],
+		pp[BENCH_MAX_CHUNKS];
 	for (unsigned i = 0; i < n; i++) {
 		x[i] = pt[i].chunk;
 		kv[i] = pt[i].gbps;
@@ -501,8 +518,9 @@ int run_local(const struct bench_opts *o)
 		     bench_size_str(o->wset, (char[16]){ 0 }, 16), o->baseline_sec);
 		pt->memcpy_gbps = baseline_memcpy(chunk, o->wset, o->baseline_sec);
 		if (pt->memcpy_gbps <= 0) {
-			fprintf(stderr, "kvstage-bench: cannot allocate the memcpy baseline's 2 x %llu "
-					"bytes (--wset)\n",
+			fprintf(stderr,
+				"kvstage-bench: cannot allocate the memcpy baseline's 2 x %llu "
+				"bytes (--wset)\n",
 				(unsigned long long)o->wset);
 			rc = 1;
 			break;
@@ -515,33 +533,41 @@ int run_local(const struct bench_opts *o)
 					 : pt->memcpy_gbps / 2;
 		baseline_fini(); /* give its 2 x wset back before the clients take theirs */
 		if (o->payload == PAYLOAD_COPY) {
-			note(o, "baseline: the same two copies through shared memory by two processes, "
-				"raw rte_rings instead of kvstage (%.2f s)", o->baseline_sec);
-			pt->pipe_gbps = baseline_pipe(chunk, need * chunk, o->wset, o->baseline_sec);
+			note(o,
+			     "baseline: the same two copies through shared memory by two "
+			     "processes, "
+			     "raw rte_rings instead of kvstage (%.2f s)",
+			     o->baseline_sec);
+			pt->pipe_gbps =
+				baseline_pipe(chunk, need * chunk, o->wset, o->baseline_sec);
 			if (pt->pipe_gbps <= 0)
 				note(o, "baseline: the copy pipe failed; its ratio is n/a");
 		}
 
 		if (o->socket) {
 			if (px.slots < need) {
-				fprintf(stderr, "kvstage-bench: the proxy at %s has %u slots; %u pairs x "
-						"%u rooms x %u chunks need %llu: lower --rooms, "
-						"--senders or --room-bytes\n",
+				fprintf(stderr,
+					"kvstage-bench: the proxy at %s has %u slots; %u pairs x "
+					"%u rooms x %u chunks need %llu: lower --rooms, "
+					"--senders or --room-bytes\n",
 					o->socket, px.slots, pairs, o->rooms, pt->room_chunks,
 					(unsigned long long)need);
 				rc = 2;
 				break;
 			}
 			pt->slots = px.slots;
-			note(o, "local %s: %u pair(s) through the proxy at %s", cs, pairs, o->socket);
+			note(o, "local %s: %u pair(s) through the proxy at %s", cs, pairs,
+			     o->socket);
 			struct bench_ends e = { o->socket, o->socket, px.cpu_pid, px.cpu_pid };
 			rc = local_measure(o, &e, chunk, pt);
 		} else {
 			uint32_t slots = proxy_slots_for(chunk, need);
 			if ((uint64_t)slots * chunk > (64ull << 30)) {
-				fprintf(stderr, "kvstage-bench: %u x %s would need a %llu GiB pool: "
-						"lower --rooms, --senders or --room-bytes\n",
-					slots, cs, (unsigned long long)((uint64_t)slots * chunk >> 30));
+				fprintf(stderr,
+					"kvstage-bench: %u x %s would need a %llu GiB pool: "
+					"lower --rooms, --senders or --room-bytes\n",
+					slots, cs,
+					(unsigned long long)((uint64_t)slots * chunk >> 30));
 				rc = 2;
 				break;
 			}
@@ -550,8 +576,10 @@ int run_local(const struct bench_opts *o)
 				break;
 			}
 			pt->slots = slots;
-			note(o, "local %s: kvstaged pid %d, %u slots; %u pair(s), %u rooms x %u chunks, "
-				"payload %s",
+			note(o,
+			     "local %s: kvstaged pid %d, %u slots; %u pair(s), %u rooms x %u "
+			     "chunks, "
+			     "payload %s",
 			     cs, (int)px.pid, slots, pairs, o->rooms, pt->room_chunks,
 			     bench_payload_str(o->payload));
 			struct bench_ends e = { px.sock, px.sock, px.cpu_pid, px.cpu_pid };

@@ -19,10 +19,10 @@ struct desc_msg {
 
 /* One child's figures, in shared memory: the parent reads them once it is reaped. */
 struct child_res {
-	uint64_t p_bytes;               /* progress since go (receivers) */
-	uint64_t bytes, chunks, rooms;  /* completed in the measured window */
-	uint64_t errors;                /* verify: chunks with a wrong byte */
-	uint64_t t_last;                /* last counted completion */
+	uint64_t p_bytes;	       /* progress since go (receivers) */
+	uint64_t bytes, chunks, rooms; /* completed in the measured window */
+	uint64_t errors;	       /* verify: chunks with a wrong byte */
+	uint64_t t_last;	       /* last counted completion */
 	int failed;
 	char msg[256];
 	struct hist h; /* receiver: room latency; sender: hand-off latency */
@@ -35,7 +35,7 @@ struct child_res {
  * out of the figures. */
 struct lshared {
 	uint64_t t0, t_warm;
-	uint64_t nwarm;  /* receivers past their warm-up */
+	uint64_t nwarm;	 /* receivers past their warm-up */
 	uint64_t t_meas; /* the window's start; 0 until every receiver is warm */
 	uint64_t target; /* bytes per pair with --bytes, else 0 */
 	unsigned pairs;
@@ -88,9 +88,9 @@ void local_point_notes(const struct bench_opts *o, struct point *p, const struct
 /* tcp.c: what a run over two proxies sets up once: the peer secret and,
  * with --netns, the namespaces. */
 struct tcp_env {
-	char dir[64];     /* holds the peer secret */
+	char dir[64]; /* holds the peer secret */
 	char secret[128];
-	char ns[2][32];   /* --netns: A's and B's; "" otherwise */
+	char ns[2][32]; /* --netns: A's and B's; "" otherwise */
 	const char *ipbin;
 	const char *b_ip; /* where B listens, and the raw receiver */
 };

@@ -49,12 +49,18 @@ static uint32_t chunk_len(const struct lctx *x, unsigned i)
 static const char *ev_name(uint32_t t)
 {
 	switch (t) {
-	case KVS_EV_SEND_DONE: return "SEND_DONE";
-	case KVS_EV_RECV_DONE: return "RECV_DONE";
-	case KVS_EV_ABORTED: return "ABORTED";
-	case KVS_EV_FAILED: return "FAILED";
-	case KVS_EV_REJECTED: return "REJECTED";
-	default: return "an unknown event";
+	case KVS_EV_SEND_DONE:
+		return "SEND_DONE";
+	case KVS_EV_RECV_DONE:
+		return "RECV_DONE";
+	case KVS_EV_ABORTED:
+		return "ABORTED";
+	case KVS_EV_FAILED:
+		return "FAILED";
+	case KVS_EV_REJECTED:
+		return "REJECTED";
+	default:
+		return "an unknown event";
 	}
 }
 
@@ -97,7 +103,8 @@ static int rx_open(struct receiver *rv, unsigned idx)
 	struct desc_msg *m = &rv->out[rv->nout];
 	int rc = kvs_recv_open(rv->c, rv->x->room_bytes, idx, &rr->r, &m->d);
 	if (rc < 0)
-		return fail(rv->res, "receiver %u: kvs_recv_open: %s", rv->x->pair, kvs_strerror(rc));
+		return fail(rv->res, "receiver %u: kvs_recv_open: %s", rv->x->pair,
+			    kvs_strerror(rc));
 	m->seq = rr->seq;
 	rv->nout++;
 	rv->open++;
@@ -131,7 +138,8 @@ static int rx_consume(struct receiver *rv, struct rroom *rr)
 				    kvs_strerror(rc));
 		const uint8_t *p = kvs_lease_ptr(rv->c, &l);
 		if (!p)
-			return fail(rv->res, "receiver %u: chunk %u of a completed room is not ours",
+			return fail(rv->res,
+				    "receiver %u: chunk %u of a completed room is not ours",
 				    x->pair, i);
 		uint32_t len = chunk_len(x, i);
 		if (pl == PAYLOAD_COPY) {
@@ -144,7 +152,8 @@ static int rx_consume(struct receiver *rv, struct rroom *rr)
 			uint64_t bad = canary_check(p, canary_owner(x->pair, rr->seq), off, len);
 			if (bad != len && !rv->res->errors++)
 				snprintf(rv->res->msg, sizeof(rv->res->msg),
-					 "receiver %u: room %llu chunk %u: wrong byte at offset %llu",
+					 "receiver %u: room %llu chunk %u: wrong byte at offset "
+					 "%llu",
 					 x->pair, (unsigned long long)rr->seq, i,
 					 (unsigned long long)(off + bad));
 		}
@@ -198,9 +207,9 @@ int local_receiver(struct lctx *x, int desc_wr, int ready_wr, int go_rd, int don
 		uint64_t t_seen = now_ns();
 		for (int k = 0; k < n; k++) {
 			if (ev[k].type != KVS_EV_RECV_DONE || ev[k].user_data >= o->rooms)
-				return fail(rv.res, "receiver %u: room %llu ended with %s: %s", x->pair,
-					    (unsigned long long)ev[k].user_data, ev_name(ev[k].type),
-					    kvs_strerror(ev[k].status));
+				return fail(rv.res, "receiver %u: room %llu ended with %s: %s",
+					    x->pair, (unsigned long long)ev[k].user_data,
+					    ev_name(ev[k].type), kvs_strerror(ev[k].status));
 			unsigned idx = (unsigned)ev[k].user_data;
 			struct rroom *rr = &rv.rooms[idx];
 			if (rx_consume(&rv, rr))
@@ -215,7 +224,8 @@ int local_receiver(struct lctx *x, int desc_wr, int ready_wr, int go_rd, int don
 			uint64_t t = now_ns();
 			if (!rv.warm && ++rv.completed >= o->rooms && t >= sh->t_warm) {
 				rv.warm = true;
-				if (__atomic_add_fetch(&sh->nwarm, 1, __ATOMIC_ACQ_REL) == sh->pairs)
+				if (__atomic_add_fetch(&sh->nwarm, 1, __ATOMIC_ACQ_REL) ==
+				    sh->pairs)
 					__atomic_store_n(&sh->t_meas, t, __ATOMIC_RELEASE);
 			}
 			uint64_t t_meas = __atomic_load_n(&sh->t_meas, __ATOMIC_ACQUIRE);
@@ -297,7 +307,8 @@ static int tx_drain(struct sender *sv)
 	for (;;) {
 		int n = kvs_poll(sv->c, sv->ev, EV_BATCH);
 		if (n < 0)
-			return fail(sv->res, "sender %u: kvs_poll: %s", sv->x->pair, kvs_strerror(n));
+			return fail(sv->res, "sender %u: kvs_poll: %s", sv->x->pair,
+				    kvs_strerror(n));
 		if (!n)
 			return 0;
 		uint64_t t = now_ns();
@@ -363,8 +374,9 @@ static int tx_acquire(struct sender *sv, unsigned n)
 		if (tx_drain(sv))
 			return 1;
 		if (now_ns() > until)
-			return fail(sv->res, "sender %u: no %u free slots for %d ms: is another "
-					     "client using the proxy?",
+			return fail(sv->res,
+				    "sender %u: no %u free slots for %d ms: is another "
+				    "client using the proxy?",
 				    sv->x->pair, n, WAIT_MS);
 		if (rc == -ENOBUFS)
 			sleep_ns(20000);
@@ -471,7 +483,8 @@ int local_sender(struct lctx *x, int desc_rd, int ready_wr, int go_rd)
 		if (tx_drain(sv))
 			return 1;
 		if (!eof) {
-			ssize_t k = read(desc_rd, (uint8_t *)buf + have, DESC_BATCH * sizeof(*buf) - have);
+			ssize_t k = read(desc_rd, (uint8_t *)buf + have,
+					 DESC_BATCH * sizeof(*buf) - have);
 			if (k > 0)
 				have += (size_t)k;
 			else if (k == 0)
@@ -502,7 +515,8 @@ int local_sender(struct lctx *x, int desc_rd, int ready_wr, int go_rd)
 		struct pollfd pf = { .fd = desc_rd, .events = POLLIN };
 		int pr = poll(&pf, 1, WAIT_MS);
 		if (pr == 0)
-			return fail(res, "sender %u: no room descriptor for %d ms", x->pair, WAIT_MS);
+			return fail(res, "sender %u: no room descriptor for %d ms", x->pair,
+				    WAIT_MS);
 	}
 	kvs_close(sv->c);
 	bench_free(sv->src, sv->slen);

@@ -24,14 +24,28 @@ int main(int argc, char **argv)
 		pin_init(&o);
 	setvbuf(stdout, NULL, _IOLBF, 0);
 	switch (o.mode) {
-	case MODE_LOCAL: rc = run_local(&o); break;
+	case MODE_LOCAL:
+		rc = run_local(&o);
+		break;
 	case MODE_TCP:
-	case MODE_VERBS: rc = run_tcp(&o); break;
-	case MODE_LATENCY: rc = run_latency(&o); break;
-	case MODE_IDLE: rc = run_idle(&o); break;
-	case MODE_BASELINE: rc = run_baseline(&o); break;
-	case MODE_GPU: rc = run_gpu(&o); break;
-	case MODE_ABORT: rc = run_abort(&o); break;
+	case MODE_VERBS:
+		rc = run_tcp(&o);
+		break;
+	case MODE_LATENCY:
+		rc = run_latency(&o);
+		break;
+	case MODE_IDLE:
+		rc = run_idle(&o);
+		break;
+	case MODE_BASELINE:
+		rc = run_baseline(&o);
+		break;
+	case MODE_GPU:
+		rc = run_gpu(&o);
+		break;
+	case MODE_ABORT:
+		rc = run_abort(&o);
+		break;
 	}
 	free(orig);
 	return rc;

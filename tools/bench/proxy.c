@@ -141,18 +141,21 @@ const char *pin_desc(char *buf, size_t len)
 {
 	char cl[128];
 	if (!g_pin.on) {
-		snprintf(buf, len, "not pinned (--no-pin, one CPU (tcp: fewer than 4), or an unpinned "
+		snprintf(buf, len,
+			 "not pinned (--no-pin, one CPU (tcp: fewer than 4), or an unpinned "
 			 "external proxy)");
 		return buf;
 	}
 	cpuset_str(&g_pin.clients, cl, sizeof(cl));
 	if (g_pin.proxy2_cpu >= 0)
-		snprintf(buf, len, "sending proxy on CPU %d, receiving proxy on CPU %d, clients on CPU %s",
+		snprintf(buf, len,
+			 "sending proxy on CPU %d, receiving proxy on CPU %d, clients on CPU %s",
 			 g_pin.proxy_cpu, g_pin.proxy2_cpu, cl);
 	else if (g_pin.proxy_cpu >= 0)
 		snprintf(buf, len, "proxy on CPU %d, clients on CPU %s", g_pin.proxy_cpu, cl);
 	else
-		snprintf(buf, len, "clients on CPU %s (the external proxy's affinity excludes them)", cl);
+		snprintf(buf, len,
+			 "clients on CPU %s (the external proxy's affinity excludes them)", cl);
 	return buf;
 }
 
@@ -261,8 +264,8 @@ int proxy_start_ex(struct bench_proxy *px, const struct bench_opts *o, uint64_t 
 	char nslots[16], size[32];
 	snprintf(nslots, sizeof(nslots), "%u", slots);
 	snprintf(size, sizeof(size), "%llu", (unsigned long long)slot_size);
-	const char *argv[48] = { px->bin, "--socket", px->sock, "--slots", nslots, "--slot-size",
-				 size, "--ready-fd", "3" };
+	const char *argv[48] = { px->bin,	"--socket", px->sock,	  "--slots", nslots,
+				 "--slot-size", size,	    "--ready-fd", "3" };
 	unsigned argc = 9;
 	for (unsigned i = 0; extra && extra[i] && argc < 30; i++)
 		argv[argc++] = extra[i];
@@ -366,8 +369,10 @@ int proxy_open(struct bench_proxy *px, const struct bench_opts *o, uint64_t chun
 	if (proxy_attach(px, o->socket) < 0)
 		return 1;
 	if (o->chunk_set && px->slot_size != chunk) {
-		fprintf(stderr, "kvstage-bench: the proxy at %s has %s slots; --chunk %s must match it "
-				"(or be left out)\n", o->socket, bench_size_str(px->slot_size, a, sizeof(a)),
+		fprintf(stderr,
+			"kvstage-bench: the proxy at %s has %s slots; --chunk %s must match it "
+			"(or be left out)\n",
+			o->socket, bench_size_str(px->slot_size, a, sizeof(a)),
 			bench_size_str(chunk, b, sizeof(b)));
 		return 2;
 	}
@@ -386,8 +391,9 @@ void proxy_stop(struct bench_proxy *px)
 			if (r == px->pid || (r < 0 && errno != EINTR))
 				break;
 			if (now_ns() > until) {
-				fprintf(stderr, "kvstage-bench: kvstaged (pid %d) ignored SIGTERM for "
-						"10 s: killing it\n",
+				fprintf(stderr,
+					"kvstage-bench: kvstaged (pid %d) ignored SIGTERM for "
+					"10 s: killing it\n",
 					(int)px->pid);
 				kill(px->pid, SIGKILL);
 				waitpid(px->pid, &st, 0);

@@ -102,8 +102,9 @@ static void receiver(const struct raw_tcp *r, int ls, int out_fd)
 		_exit(1);
 	for (unsigned k = 0; k < r->streams; k++) {
 		struct pollfd lp = { .fd = ls, .events = POLLIN };
-		int fd = poll(&lp, 1, 10000) == 1 ? accept4(ls, NULL, NULL, SOCK_CLOEXEC | SOCK_NONBLOCK)
-						 : -1;
+		int fd = poll(&lp, 1, 10000) == 1
+				 ? accept4(ls, NULL, NULL, SOCK_CLOEXEC | SOCK_NONBLOCK)
+				 : -1;
 		if (fd < 0)
 			_exit(1);
 		pf[k] = (struct pollfd){ .fd = fd, .events = POLLIN };
@@ -165,11 +166,12 @@ double baseline_raw_tcp(const struct raw_tcp *r)
 		close(port_pipe[0]);
 		close(res_pipe[0]);
 		/* The listener lives in the receiver's namespace. */
-		int ls = bench_enter_netns(r->rx_ns) < 0 ? -1
-						: socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+		int ls = bench_enter_netns(r->rx_ns) < 0
+				 ? -1
+				 : socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
 		socklen_t sl = sizeof(sa);
-		if (ls < 0 || bind(ls, (struct sockaddr *)&sa, sizeof(sa)) < 0 || listen(ls, 16) < 0 ||
-		    getsockname(ls, (struct sockaddr *)&sa, &sl) < 0 ||
+		if (ls < 0 || bind(ls, (struct sockaddr *)&sa, sizeof(sa)) < 0 ||
+		    listen(ls, 16) < 0 || getsockname(ls, (struct sockaddr *)&sa, &sl) < 0 ||
 		    write(port_pipe[1], &sa.sin_port, sizeof(sa.sin_port)) != sizeof(sa.sin_port))
 			_exit(1);
 		close(port_pipe[1]);
@@ -179,7 +181,8 @@ double baseline_raw_tcp(const struct raw_tcp *r)
 	close(res_pipe[1]);
 	pid_t tx = -1;
 	double gbps = -1;
-	if (rx > 0 && read(port_pipe[0], &sa.sin_port, sizeof(sa.sin_port)) == sizeof(sa.sin_port)) {
+	if (rx > 0 &&
+	    read(port_pipe[0], &sa.sin_port, sizeof(sa.sin_port)) == sizeof(sa.sin_port)) {
 		tx = bench_fork(r->tx_cpu);
 		if (tx == 0) {
 			if (bench_enter_netns(r->tx_ns) < 0)

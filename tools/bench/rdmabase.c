@@ -30,8 +30,9 @@ static bool listening(unsigned port)
 		char line[512];
 		while (fp && fgets(line, sizeof(line), fp)) {
 			char local[128], st[8];
-			if (sscanf(line, " %*s %127s %*s %7s", local, st) == 2 && !strcmp(st, "0A") &&
-			    strlen(local) > 5 && !strcmp(local + strlen(local) - 5, want)) {
+			if (sscanf(line, " %*s %127s %*s %7s", local, st) == 2 &&
+			    !strcmp(st, "0A") && strlen(local) > 5 &&
+			    !strcmp(local + strlen(local) - 5, want)) {
 				fclose(fp);
 				return true;
 			}
@@ -65,10 +66,13 @@ double baseline_ib_read_bw(const char *dev, int gid_index, uint64_t chunk, doubl
 	snprintf(dur, sizeof(dur), "%d", sec < 1 ? 1 : (int)lround(sec)); /* whole seconds only */
 	snprintf(port, sizeof(port), "%u", p);
 	snprintf(gid, sizeof(gid), "%d", gid_index < 0 ? 0 : gid_index);
-	const char *srv[] = { "ib_read_bw", "-d", dev, "-s", size, "-D", dur, "-F", "--report_gbits",
-			      "-p", port, gid_index >= 0 ? "-x" : NULL, gid, NULL };
-	const char *cli[] = { "ib_read_bw", "-d", dev, "-s", size, "-D", dur, "-F", "--report_gbits",
-			      "-p", port, "-x", gid, "127.0.0.1", NULL };
+	const char *srv[] = { "ib_read_bw", "-d", dev,
+			      "-s",	    size, "-D",
+			      dur,	    "-F", "--report_gbits",
+			      "-p",	    port, gid_index >= 0 ? "-x" : NULL,
+			      gid,	    NULL };
+	const char *cli[] = { "ib_read_bw",	"-d", dev,  "-s", size, "-D",	     dur, "-F",
+			      "--report_gbits", "-p", port, "-x", gid,	"127.0.0.1", NULL };
 	if (gid_index < 0) { /* let perftest choose, as the server does */
 		cli[11] = "127.0.0.1";
 		cli[12] = NULL;
@@ -81,8 +85,10 @@ double baseline_ib_read_bw(const char *dev, int gid_index, uint64_t chunk, doubl
 	uint64_t until = now_ns() + 10000000000ull;
 	while (!listening(p) && now_ns() < until) {
 		if (waitpid(s, NULL, WNOHANG) == s) {
-			snprintf(why, why_len, "ib_read_bw's server exited at once (is perftest "
-				 "installed? apt install perftest; does -d %s exist?)", dev);
+			snprintf(why, why_len,
+				 "ib_read_bw's server exited at once (is perftest "
+				 "installed? apt install perftest; does -d %s exist?)",
+				 dev);
 			return -1;
 		}
 		sleep_ns(5000000);
@@ -104,7 +110,8 @@ double baseline_ib_read_bw(const char *dev, int gid_index, uint64_t chunk, doubl
 	char out[8192];
 	size_t have = 0;
 	ssize_t k;
-	while (have < sizeof(out) - 1 && (k = read(pipefd[0], out + have, sizeof(out) - 1 - have)) > 0)
+	while (have < sizeof(out) - 1 &&
+	       (k = read(pipefd[0], out + have, sizeof(out) - 1 - have)) > 0)
 		have += (size_t)k;
 	out[have] = 0;
 	close(pipefd[0]);
@@ -118,12 +125,17 @@ double baseline_ib_read_bw(const char *dev, int gid_index, uint64_t chunk, doubl
 	const char *row = h ? strchr(h, '\n') : NULL;
 	unsigned long long bytes, iters;
 	double peak, avg;
-	if (!row || sscanf(row, " %llu %llu %lf %lf", &bytes, &iters, &peak, &avg) != 4 || avg <= 0) {
+	if (!row || sscanf(row, " %llu %llu %lf %lf", &bytes, &iters, &peak, &avg) != 4 ||
+	    avg <= 0) {
 		/* Its result row if it printed one (a run that moved nothing in
 		 * its window), else the end of what it said. */
-		const char *say = row ? row + 1 : have > 200 ? out + have - 200 : have ? out : "(no output)";
+		const char *say = row	       ? row + 1
+				  : have > 200 ? out + have - 200
+				  : have       ? out
+					       : "(no output)";
 		snprintf(why, why_len, "ib_read_bw (exit %d) gave no bandwidth: %.*s",
-			 WIFEXITED(st) ? WEXITSTATUS(st) : -1, (int)strcspn(say, row ? "\n" : ""), say);
+			 WIFEXITED(st) ? WEXITSTATUS(st) : -1, (int)strcspn(say, row ? "\n" : ""),
+			 say);
 		return -1;
 	}
 	return avg / 8; /* Gb/s (1e9 bits) to GB/s (1e9 bytes) */

@@ -122,10 +122,22 @@ struct item *put(struct point *p, const char *key, enum unit u)
 	return it;
 }
 
-void put_num(struct point *p, const char *key, double v) { put(p, key, U_NUM)->v = v; }
-void put_int(struct point *p, const char *key, uint64_t v) { put(p, key, U_INT)->u = v; }
-void put_bool(struct point *p, const char *key, bool v) { put(p, key, U_BOOL)->u = v; }
-void put_lat(struct point *p, const char *key, const struct lat *l) { put(p, key, U_LAT)->l = *l; }
+void put_num(struct point *p, const char *key, double v)
+{
+	put(p, key, U_NUM)->v = v;
+}
+void put_int(struct point *p, const char *key, uint64_t v)
+{
+	put(p, key, U_INT)->u = v;
+}
+void put_bool(struct point *p, const char *key, bool v)
+{
+	put(p, key, U_BOOL)->u = v;
+}
+void put_lat(struct point *p, const char *key, const struct lat *l)
+{
+	put(p, key, U_LAT)->l = *l;
+}
 
 static const char *vkeep(struct point *p, const char *fmt, va_list ap)
 {
@@ -310,7 +322,8 @@ void doc_head(struct doc *d, const struct bench_opts *o, const struct bench_prox
 		} else {
 			CAT(d->head, "proxy: %s%s", px->bin, how);
 			for (unsigned i = 0; i < o->nproxy_args; i++)
-				CAT(d->head, "%s %s", i ? "" : "; extra arguments:", o->proxy_args[i]);
+				CAT(d->head, "%s %s",
+				    i ? "" : "; extra arguments:", o->proxy_args[i]);
 			CAT(d->head, "\n");
 		}
 	}
@@ -321,14 +334,16 @@ void doc_head(struct doc *d, const struct bench_opts *o, const struct bench_prox
 		CAT(d->head, "baseline rte_ring: n/a (the measurement failed)\n");
 		return;
 	}
-	put_str(t, "baselines.ring.what", "raw SPSC rte_ring between two processes, 32-byte records");
+	put_str(t, "baselines.ring.what",
+		"raw SPSC rte_ring between two processes, 32-byte records");
 	put_num(t, "baselines.ring.pingpong_rt_per_s|ring_rt_per_s", ring->rt_per_s);
 	put_lat(t, "baselines.ring.pingpong_rtt_us|ring_rtt_%s_us", &ring->rtt);
 	put_num(t, "baselines.ring.batched_records_per_s|ring_batched_records_per_s",
 		ring->batch_rec_per_s);
-	CAT(d->head, "baseline rte_ring (two processes, SPSC, 32-byte records): ping-pong %s round "
-		     "trips/s, RTT p50/p99/p99.9 %.2f/%.2f/%.2f us; bursts of 32: %s records/s out "
-		     "and back\n",
+	CAT(d->head,
+	    "baseline rte_ring (two processes, SPSC, 32-byte records): ping-pong %s round "
+	    "trips/s, RTT p50/p99/p99.9 %.2f/%.2f/%.2f us; bursts of 32: %s records/s out "
+	    "and back\n",
 	    human(ring->rt_per_s, a, sizeof(a)), ring->rtt.p50, ring->rtt.p99, ring->rtt.p999,
 	    human(ring->batch_rec_per_s, b, sizeof(b)));
 }
@@ -417,11 +432,20 @@ static void emit_leaf(struct jw *j, const struct doc *d, const char *name, const
 	jw_sep(j, name);
 	switch (it->unit) {
 	case U_INT:
-	case U_SIZE: printf("%llu", (unsigned long long)it->u); break;
-	case U_STR: kvs_json_string(stdout, it->s); break;
-	case U_BOOL: fputs(it->u ? "true" : "false", stdout); break;
-	case U_NULL: fputs("null", stdout); break;
-	default: jw_num(it->v);
+	case U_SIZE:
+		printf("%llu", (unsigned long long)it->u);
+		break;
+	case U_STR:
+		kvs_json_string(stdout, it->s);
+		break;
+	case U_BOOL:
+		fputs(it->u ? "true" : "false", stdout);
+		break;
+	case U_NULL:
+		fputs("null", stdout);
+		break;
+	default:
+		jw_num(it->v);
 	}
 }
 
@@ -482,13 +506,23 @@ static void csv_field(const struct item *it, int pct)
 	double v = it ? it->v : NAN;
 	switch (it ? it->unit : U_NULL) {
 	case U_INT:
-	case U_SIZE: printf("%llu", (unsigned long long)it->u); return;
-	case U_STR: fputs(it->s, stdout); return;
-	case U_BOOL: fputs(it->u ? "true" : "false", stdout); return;
-	case U_LAT: v = it->l.n ? pct_of(&it->l, pct) : NAN; break;
+	case U_SIZE:
+		printf("%llu", (unsigned long long)it->u);
+		return;
+	case U_STR:
+		fputs(it->s, stdout);
+		return;
+	case U_BOOL:
+		fputs(it->u ? "true" : "false", stdout);
+		return;
+	case U_LAT:
+		v = it->l.n ? pct_of(&it->l, pct) : NAN;
+		break;
 	case U_NUM:
-	case U_RATE: break;
-	default: return;
+	case U_RATE:
+		break;
+	default:
+		return;
 	}
 	if (isfinite(v) && v >= 0)
 		printf("%.6g", v);
@@ -516,16 +550,21 @@ static void csv(const struct doc *d)
 static const char *text(const struct fig *f, double v, char *buf, size_t len)
 {
 	switch (f->unit) {
-	case U_STR: return f->s ? f->s : "";
-	case U_RATE: return human(v, buf, len);
-	case U_SIZE: return bench_size_str((uint64_t)v, buf, len);
-	case U_INT: snprintf(buf, len, "%llu", (unsigned long long)v); return buf;
-	default: return num(v, buf, len);
+	case U_STR:
+		return f->s ? f->s : "";
+	case U_RATE:
+		return human(v, buf, len);
+	case U_SIZE:
+		return bench_size_str((uint64_t)v, buf, len);
+	case U_INT:
+		snprintf(buf, len, "%llu", (unsigned long long)v);
+		return buf;
+	default:
+		return num(v, buf, len);
 	}
 }
 
-static void row(const char *what, const char *kv, const char *base, const char *base_what,
-		double r)
+static void row(const char *what, const char *kv, const char *base, const char *base_what, double r)
 {
 	char rb[32];
 	printf("  %-28s %12s %12s  %-42s %8s\n", what, kv, base, base_what ? base_what : "",
@@ -538,7 +577,8 @@ static void section(const struct point *p)
 	printf("\n");
 	if (p->title[0])
 		printf("== %s\n", p->title);
-	printf("  %-28s %12s %12s  %-42s %8s\n", "", "kvstage", "baseline", "(baseline is)", "ratio");
+	printf("  %-28s %12s %12s  %-42s %8s\n", "", "kvstage", "baseline", "(baseline is)",
+	       "ratio");
 	for (unsigned i = 0; i < p->nfig; i++) {
 		const struct fig *f = &p->fig[i];
 		if (!f->label)
@@ -689,7 +729,8 @@ int plot_xy(const struct bench_opts *o, const char *title, const struct plot_axe
 		fputc('\n', g);
 	}
 	bool svg = !strcmp(o->plot + strlen(o->plot) - 4, ".svg");
-	fprintf(g, "EOD\nset terminal %s size 900,640 font ',11'\n", svg ? "svg dynamic" : "pngcairo");
+	fprintf(g, "EOD\nset terminal %s size 900,640 font ',11'\n",
+		svg ? "svg dynamic" : "pngcairo");
 	fprintf(g, "set output '%s'\nset title \"%s\" noenhanced\n", o->plot, title);
 	fprintf(g, "set xlabel '%s'\nset ylabel '%s'\n", ax->xlabel, ax->ylabel);
 	fprintf(g, "set grid\nset key below noenhanced\n");
@@ -713,14 +754,15 @@ int plot_xy(const struct bench_opts *o, const char *title, const struct plot_axe
 			fprintf(g, "set xrange [%.9g:%.9g]\n", x[0] / 2, x[0] * 2 + 0.01);
 	}
 	for (unsigned c = 0; c < ncols; c++)
-		fprintf(g, "%s$points using 1:%u with %s title '%s'", c ? ", \\\n     " : "plot ", c + 2,
-			styles[c], names[c]);
+		fprintf(g, "%s$points using 1:%u with %s title '%s'", c ? ", \\\n     " : "plot ",
+			c + 2, styles[c], names[c]);
 	fprintf(g, "\n");
 	int st = pclose(g);
 	signal(SIGPIPE, old);
 	if (WIFEXITED(st) && WEXITSTATUS(st) == 127) {
-		fprintf(stderr, "kvstage-bench: --plot needs gnuplot, which is not in PATH (Debian: "
-				"apt-get install gnuplot-nox)\n");
+		fprintf(stderr,
+			"kvstage-bench: --plot needs gnuplot, which is not in PATH (Debian: "
+			"apt-get install gnuplot-nox)\n");
 		return 1;
 	}
 	if (st) {

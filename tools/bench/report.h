@@ -16,14 +16,14 @@
 #include "bench.h"
 
 enum unit {
-	U_NUM,    /* negative or NaN: unknown (null, empty, n/a) */
-	U_RATE,   /* per second, shown as "12.30 k" */
+	U_NUM,	/* negative or NaN: unknown (null, empty, n/a) */
+	U_RATE, /* per second, shown as "12.30 k" */
 	U_INT,
-	U_SIZE,   /* bytes, shown as "64K" */
+	U_SIZE, /* bytes, shown as "64K" */
 	U_STR,
 	U_BOOL,
-	U_LAT,    /* microsecond percentiles: an object, a row and a CSV field each */
-	U_STRS,   /* an array of strings */
+	U_LAT,	/* microsecond percentiles: an object, a row and a CSV field each */
+	U_STRS, /* an array of strings */
 	U_NULL,
 	U_POINTS, /* where the points go: an array, or under key "result" the one point */
 };
@@ -43,12 +43,13 @@ struct item {
 };
 
 struct fig {
-	const char *label, *col; /* table row ("": under the row above), summary column; NULL: none */
+	const char *label,
+		*col; /* table row ("": under the row above), summary column; NULL: none */
 	enum unit unit;
-	double v, b;       /* value, baseline (NaN: none) */
-	struct lat l, bl;  /* U_LAT: value, and baseline if has_bl */
+	double v, b;	  /* value, baseline (NaN: none) */
+	struct lat l, bl; /* U_LAT: value, and baseline if has_bl */
 	bool has_bl;
-	unsigned pct;      /* U_LAT: the percentiles shown */
+	unsigned pct;		     /* U_LAT: the percentiles shown */
 	const char *s, *what, *bcol; /* U_STR's text; what the baseline is; its summary column */
 };
 
@@ -56,27 +57,28 @@ struct fig {
 #define REPORT_FIGS 40
 
 struct point {
-	char name[64];     /* summary table: the first column */
-	char title[256];   /* table: the section's heading */
-	char notes[512];   /* table: lines below the rows */
+	char name[64];	 /* summary table: the first column */
+	char title[256]; /* table: the section's heading */
+	char notes[512]; /* table: lines below the rows */
 	struct item it[REPORT_ITEMS];
 	unsigned nit;
 	struct fig fig[REPORT_FIGS];
 	unsigned nfig;
-	char arena[4096];  /* the strings members hold */
+	char arena[4096]; /* the strings members hold */
 	size_t used;
 };
 
 struct doc {
 	const struct bench_opts *o;
-	struct point top;  /* the document's own members (its figures are unused) */
-	char head[2048];   /* table: the lines above the points */
-	char tail[2048];   /* table: the lines below them */
+	struct point top;	      /* the document's own members (its figures are unused) */
+	char head[2048];	      /* table: the lines above the points */
+	char tail[2048];	      /* table: the lines below them */
 	const char *const (*defs)[2]; /* JSON "definitions"; the table's "How to read it" */
 	unsigned ndefs;
-	const char *csv;   /* the CSV header: each column is looked up in the point, then the document */
-	const char *col0;  /* summary table's first column head; NULL: no summary */
-	bool sections;     /* table: a section per point (and the summary only with two or more) */
+	const char
+		*csv; /* the CSV header: each column is looked up in the point, then the document */
+	const char *col0; /* summary table's first column head; NULL: no summary */
+	bool sections;	  /* table: a section per point (and the summary only with two or more) */
 	struct point *pt;
 	unsigned npt;
 };
@@ -88,7 +90,8 @@ void put_int(struct point *p, const char *key, uint64_t v);
 void put_bool(struct point *p, const char *key, bool v);
 void put_lat(struct point *p, const char *key, const struct lat *l);
 /* A string, kept in p (printf-style). */
-void put_str(struct point *p, const char *key, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+void put_str(struct point *p, const char *key, const char *fmt, ...)
+	__attribute__((format(printf, 3, 4)));
 /* A string kept in p's arena (printf-style), for members and figures. */
 const char *keep(struct point *p, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 /* The defs as the document's "definitions" (and the table's reading guide). */

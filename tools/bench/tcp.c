@@ -74,7 +74,8 @@ static int make_netns(struct tcp_env *e)
 	}
 	e->ipbin = access("/usr/sbin/ip", X_OK) == 0 ? "/usr/sbin/ip" : "/sbin/ip";
 	if (access(e->ipbin, X_OK)) {
-		fprintf(stderr, "kvstage-bench: --netns needs iproute2's ip (apt install iproute2)\n");
+		fprintf(stderr,
+			"kvstage-bench: --netns needs iproute2's ip (apt install iproute2)\n");
 		return -1;
 	}
 	unsigned tag = (unsigned)getpid() % 100000;
@@ -149,10 +150,30 @@ int tcp_proxies_start(const struct bench_opts *o, const struct tcp_env *e, bool 
 	/* The mode names the data path: tcp must not become RDMA on a host
 	 * with a device (--transport auto would), verbs must not fall back. */
 	const char *data = verbs ? "verbs" : "tcp";
-	const char *b_args[] = { "--peer-secret-file", e->secret, "--tcp-streams", streams,
-				 "--transport", data, "--listen", listen, NULL, NULL, NULL, NULL, NULL };
-	const char *a_args[] = { "--peer-secret-file", e->secret, "--tcp-streams", streams,
-				 "--transport", data, NULL, NULL, NULL, NULL, NULL };
+	const char *b_args[] = { "--peer-secret-file",
+				 e->secret,
+				 "--tcp-streams",
+				 streams,
+				 "--transport",
+				 data,
+				 "--listen",
+				 listen,
+				 NULL,
+				 NULL,
+				 NULL,
+				 NULL,
+				 NULL };
+	const char *a_args[] = { "--peer-secret-file",
+				 e->secret,
+				 "--tcp-streams",
+				 streams,
+				 "--transport",
+				 data,
+				 NULL,
+				 NULL,
+				 NULL,
+				 NULL,
+				 NULL };
 	if (verbs) {
 		b_args[8] = a_args[6] = "--rdma-device";
 		b_args[9] = a_args[7] = o->rdma_device;
@@ -187,8 +208,9 @@ static int point(const struct bench_opts *o, const struct tcp_env *e, struct loc
 	char cs[16], listen[48];
 	bench_size_str(chunk, cs, sizeof(cs));
 	if ((uint64_t)slots * chunk > (32ull << 30)) {
-		fprintf(stderr, "kvstage-bench: %u x %s would need two %llu GiB pools: lower --rooms, "
-				"--senders or --room-bytes\n",
+		fprintf(stderr,
+			"kvstage-bench: %u x %s would need two %llu GiB pools: lower --rooms, "
+			"--senders or --room-bytes\n",
 			slots, cs, (unsigned long long)((uint64_t)slots * chunk >> 30));
 		return 2;
 	}
@@ -196,9 +218,14 @@ static int point(const struct bench_opts *o, const struct tcp_env *e, struct loc
 	snprintf(listen, sizeof(listen), "%s:0", e->b_ip);
 
 	bool verbs = o->mode == MODE_VERBS;
-	struct raw_tcp raw = { .chunk = chunk, .sec = o->baseline_sec, .streams = 1,
-			       .tx_ns = e->ns[0], .rx_ns = e->ns[1], .rx_ip = e->b_ip,
-			       .tx_cpu = g_pin.proxy_cpu, .rx_cpu = g_pin.proxy2_cpu };
+	struct raw_tcp raw = { .chunk = chunk,
+			       .sec = o->baseline_sec,
+			       .streams = 1,
+			       .tx_ns = e->ns[0],
+			       .rx_ns = e->ns[1],
+			       .rx_ip = e->b_ip,
+			       .tx_cpu = g_pin.proxy_cpu,
+			       .rx_cpu = g_pin.proxy2_cpu };
 	pt->rdma_gbps = -1;
 	if (verbs) {
 		char why[320];
@@ -211,13 +238,14 @@ static int point(const struct bench_opts *o, const struct tcp_env *e, struct loc
 			fprintf(stderr, "kvstage-bench: baseline: %s; its ratio is n/a\n", why);
 		}
 	}
-	note(o, "baseline: raw TCP %s, one stream, writes of %s (%.2f s)", listen, cs, o->baseline_sec);
+	note(o, "baseline: raw TCP %s, one stream, writes of %s (%.2f s)", listen, cs,
+	     o->baseline_sec);
 	pt->tcp1_gbps = baseline_raw_tcp(&raw);
 	pt->tcpn_gbps = pt->tcp1_gbps;
 	if (o->tcp_streams > 1) {
 		raw.streams = o->tcp_streams;
-		note(o, "baseline: raw TCP, %u streams in one thread each side (%.2f s)", raw.streams,
-		     o->baseline_sec);
+		note(o, "baseline: raw TCP, %u streams in one thread each side (%.2f s)",
+		     raw.streams, o->baseline_sec);
 		pt->tcpn_gbps = baseline_raw_tcp(&raw);
 	}
 	if (pt->tcp1_gbps <= 0 || pt->tcpn_gbps <= 0)
@@ -227,8 +255,9 @@ static int point(const struct bench_opts *o, const struct tcp_env *e, struct loc
 	if (tcp_proxies_start(o, e, verbs, chunk, slots, &a, &b))
 		return 1;
 	*shown = a; /* the report names A's binary */
-	note(o, "tcp %s: kvstaged A pid %d (senders) -> B pid %d (receivers, %s), %u slots each; "
-		"%u pair(s), %u rooms x %u chunks, payload %s",
+	note(o,
+	     "tcp %s: kvstaged A pid %d (senders) -> B pid %d (receivers, %s), %u slots each; "
+	     "%u pair(s), %u rooms x %u chunks, payload %s",
 	     cs, (int)a.pid, (int)b.pid, listen, slots, pairs, o->rooms, pt->room_chunks,
 	     bench_payload_str(o->payload));
 	struct bench_ends ends = { b.sock, a.sock, b.pid, a.pid };
@@ -241,13 +270,16 @@ static int point(const struct bench_opts *o, const struct tcp_env *e, struct loc
 		/* What each chunk's key cost A: its operations per chunk B READ. */
 		double reads = (double)bench_stat(b.sock, "rdma_reads");
 		pt->binds = reads ? (double)bench_stat(a.sock, "rdma_binds") / reads : NAN;
-		pt->invalidates = reads ? (double)bench_stat(a.sock, "rdma_invalidates") / reads : NAN;
+		pt->invalidates = reads ? (double)bench_stat(a.sock, "rdma_invalidates") / reads
+					: NAN;
 		pt->regions = reads ? (double)bench_stat(a.sock, "rdma_regions") / reads : NAN;
-		pt->region_frees = reads ? (double)bench_stat(a.sock, "rdma_region_frees") / reads : NAN;
+		pt->region_frees = reads ? (double)bench_stat(a.sock, "rdma_region_frees") / reads
+					 : NAN;
 	}
 	if (!rc && sent < pt->bytes) {
-		fprintf(stderr, "kvstage-bench: %llu bytes went %s, fewer than the %llu the receivers "
-				"counted: the rooms did not take this path\n",
+		fprintf(stderr,
+			"kvstage-bench: %llu bytes went %s, fewer than the %llu the receivers "
+			"counted: the rooms did not take this path\n",
 			(unsigned long long)sent, verbs ? "by RDMA READ" : "over tcp",
 			(unsigned long long)pt->bytes);
 		rc = 1;
@@ -263,10 +295,11 @@ static const char *const tcp_defs[][2] = {
 	{ "path", "proxy A (the senders' clients) dials proxy B (the receivers' clients) with the "
 		  "tcp transport: --tcp-streams connections, authenticated, frames MACed; every "
 		  "chunk is read off a socket into B's posted slot through the fence" },
-	{ "raw_tcp", "the same two endpoints with nothing of kvstage: one sender process and one "
-		     "receiver process placed like the proxies, each holding all its sockets in "
-		     "one thread, writes and reads of the chunk size from a 64 MiB ring of buffers; "
-		     "one stream, and --tcp-streams streams" },
+	{ "raw_tcp",
+	  "the same two endpoints with nothing of kvstage: one sender process and one "
+	  "receiver process placed like the proxies, each holding all its sockets in "
+	  "one thread, writes and reads of the chunk size from a 64 MiB ring of buffers; "
+	  "one stream, and --tcp-streams streams" },
 	{ "gbps", "room bytes completed in the window / window; 1 GB = 1e9 bytes; ratio over the "
 		  "raw figure" },
 	{ "chunks_per_s", "chunks completed per second; baseline: the better raw figure in "
@@ -274,7 +307,8 @@ static const char *const tcp_defs[][2] = {
 	{ "room_latency", "kvs_recv_open on B to RECV_DONE, under load; baseline: the room bytes "
 			  "in flight (senders x --rooms x room bytes) over the better raw rate, "
 			  "the least a room can wait at that rate (Little's law)" },
-	{ "chunk_latency", "a room's last kvs_send on A to its SEND_DONE (the bytes left A's slot)" },
+	{ "chunk_latency",
+	  "a room's last kvs_send on A to its SEND_DONE (the bytes left A's slot)" },
 	{ "proxy_cpu", "utime + stime of each proxy over the window, % of one core" },
 };
 
@@ -283,7 +317,9 @@ static const char *keys_name(const struct local_point *p)
 {
 	if (!(p->binds > 0) && !(p->regions > 0))
 		return "none counted";
-	return !(p->binds > 0) ? "regions" : p->regions > 0 ? "windows over chunk regions" : "windows";
+	return !(p->binds > 0)	? "regions"
+	       : p->regions > 0 ? "windows over chunk regions"
+				: "windows";
 }
 
 static void describe(const struct bench_opts *o, struct point *p, const struct local_point *lp)
@@ -294,34 +330,42 @@ static void describe(const struct bench_opts *o, struct point *p, const struct l
 	double raw_cps = raw > 0 ? raw * 1e9 / (double)lp->chunk : NAN;
 	/* Little's law: with this many room bytes in flight, a room waits at
 	 * least in_flight / rate, the floor for room latency at the raw rate. */
-	double floor = raw > 0 ? (double)o->senders * o->rooms * (double)lp->room_bytes / (raw * 1e3)
+	double floor = raw > 0 ? (double)o->senders * o->rooms * (double)lp->room_bytes /
+					 (raw * 1e3)
 			       : NAN;
 	local_point_counts(p, lp, "on each proxy");
 	struct fig *f = fig(p, "GB/s", "GB/s", U_NUM, lp->gbps, "gbps");
 	if (verbs) {
 		f->bcol = "ib_read_bw";
-		vs(p, f, lp->rdma_gbps > 0 ? lp->rdma_gbps : -1, keep(p, "ib_read_bw, %s", o->rdma_device),
-		   "baseline.ib_read_bw_gbps", "ratio.gbps_vs_ib_read_bw");
+		vs(p, f, lp->rdma_gbps > 0 ? lp->rdma_gbps : -1,
+		   keep(p, "ib_read_bw, %s", o->rdma_device), "baseline.ib_read_bw_gbps",
+		   "ratio.gbps_vs_ib_read_bw");
 		f = fig(p, "", NULL, U_NUM, lp->gbps, NULL);
 	}
 	f->bcol = "raw 1";
-	vs(p, f, lp->tcp1_gbps > 0 ? lp->tcp1_gbps : -1, "raw TCP, 1 stream", "baseline.raw_tcp_1_gbps",
-	   "ratio.gbps_vs_raw_tcp_1");
+	vs(p, f, lp->tcp1_gbps > 0 ? lp->tcp1_gbps : -1, "raw TCP, 1 stream",
+	   "baseline.raw_tcp_1_gbps", "ratio.gbps_vs_raw_tcp_1");
 	f = fig(p, o->tcp_streams > 1 ? "" : NULL, NULL, U_NUM, lp->gbps, NULL);
 	f->bcol = "raw N";
-	vs(p, f, lp->tcpn_gbps > 0 ? lp->tcpn_gbps : -1, keep(p, "raw TCP, %u streams", o->tcp_streams),
-	   "baseline.raw_tcp_n_gbps", "ratio.gbps_vs_raw_tcp_n");
+	vs(p, f, lp->tcpn_gbps > 0 ? lp->tcpn_gbps : -1,
+	   keep(p, "raw TCP, %u streams", o->tcp_streams), "baseline.raw_tcp_n_gbps",
+	   "ratio.gbps_vs_raw_tcp_n");
 	vs(p, fig(p, "chunks/s", "chunks/s", U_RATE, lp->chunks_s, "chunks_per_s"), raw_cps,
 	   verbs ? "ib_read_bw, in chunks" : "raw TCP (better), in chunks",
 	   "baseline.raw_tcp_chunks_per_s", "ratio.chunks_per_s_vs_raw_tcp");
-	vs(p, fig_lat(p, "room latency", "room p50/p99 us", &lp->room_lat, P50 | P99, "room_latency_us",
-		      "room_%s_us"),
+	vs(p,
+	   fig_lat(p, "room latency", "room p50/p99 us", &lp->room_lat, P50 | P99,
+		   "room_latency_us", "room_%s_us"),
 	   floor, verbs ? "bytes in flight / ib_read_bw rate" : "bytes in flight / raw TCP rate",
 	   "baseline.room_latency_floor_us", "ratio.room_%s_vs_floor");
-	fig_lat(p, "chunk latency", NULL, &lp->chunk_lat, P50 | P99, "chunk_latency_us", "chunk_%s_us");
-	vs(p, fig(p, "proxy A CPU (% of a core)", "A CPU%", U_NUM, lp->proxy_cpu, "proxy_a_cpu_pct"),
+	fig_lat(p, "chunk latency", NULL, &lp->chunk_lat, P50 | P99, "chunk_latency_us",
+		"chunk_%s_us");
+	vs(p,
+	   fig(p, "proxy A CPU (% of a core)", "A CPU%", U_NUM, lp->proxy_cpu, "proxy_a_cpu_pct"),
 	   NAN, "senders' side", NULL, NULL);
-	vs(p, fig(p, "proxy B CPU (% of a core)", "B CPU%", U_NUM, lp->proxy_rx_cpu, "proxy_b_cpu_pct"),
+	vs(p,
+	   fig(p, "proxy B CPU (% of a core)", "B CPU%", U_NUM, lp->proxy_rx_cpu,
+	       "proxy_b_cpu_pct"),
 	   NAN, "receivers' side", NULL, NULL);
 	if (verbs) {
 		put_str(p, "keys.kind", "%s", keys_name(lp));
@@ -329,9 +373,10 @@ static void describe(const struct bench_opts *o, struct point *p, const struct l
 		put_num(p, "keys.invalidates_per_chunk", lp->invalidates);
 		put_num(p, "keys.regions_per_chunk", lp->regions);
 		put_num(p, "keys.region_frees_per_chunk", lp->region_frees);
-		CAT(p->notes, "  keys: %s; per chunk: %.2f binds, %.2f invalidates, %.2f region "
-			      "registrations, %.2f deregistrations (their cost is in the ratios to "
-			      "ib_read_bw, which reads one region under one key)\n",
+		CAT(p->notes,
+		    "  keys: %s; per chunk: %.2f binds, %.2f invalidates, %.2f region "
+		    "registrations, %.2f deregistrations (their cost is in the ratios to "
+		    "ib_read_bw, which reads one region under one key)\n",
 		    keys_name(lp), lp->binds, lp->invalidates, lp->regions, lp->region_frees);
 	}
 	put_str(p, "|path", o->netns ? "veth" : "loopback");
@@ -349,29 +394,35 @@ static void report_tcp(const struct bench_opts *o, const struct local_point *pt,
 		free(pts);
 		return;
 	}
-	snprintf(title, sizeof(title), "%s: %u sender(s) on proxy A -> %u receiver(s) on proxy B "
-		 "over %s, --tcp-streams %u", bench_mode_name(o->mode), o->senders, o->receivers,
-		 path, o->tcp_streams);
+	snprintf(title, sizeof(title),
+		 "%s: %u sender(s) on proxy A -> %u receiver(s) on proxy B "
+		 "over %s, --tcp-streams %u",
+		 bench_mode_name(o->mode), o->senders, o->receivers, path, o->tcp_streams);
 	local_doc_begin(d, o, n, title);
 	doc_head(d, o, px, ", two started per point with --slot-size = chunk size", false, NULL);
 	put_str(&d->top, "transport.path", "%s", path);
 	put_int(&d->top, "transport.tcp_streams", o->tcp_streams);
 	put_defs(d, tcp_defs, sizeof(tcp_defs) / sizeof(tcp_defs[0]));
 	put(&d->top, "points", U_POINTS);
-	d->csv = "mode,path,tcp_streams,chunk_bytes,room_bytes,payload,pairs,rooms_in_flight,seconds,"
+	d->csv = "mode,path,tcp_streams,chunk_bytes,room_bytes,payload,pairs,rooms_in_flight,"
+		 "seconds,"
 		 "bytes,chunks,rooms,errors,gbps,chunks_per_s,room_p50_us,room_p99_us,chunk_p50_us,"
 		 "chunk_p99_us,proxy_a_cpu_pct,proxy_b_cpu_pct,raw_tcp_1_gbps,raw_tcp_n_gbps,"
 		 "gbps_vs_raw_tcp_1,gbps_vs_raw_tcp_n";
 	if (o->mode == MODE_VERBS)
-		CAT(d->tail, "\nverbs: the same two proxies with --rdma-device %s: every chunk is pulled "
-			     "by RDMA READ from A's slot into B's posted slot (the fence decides at the "
-			     "completion), under a key of its own that A grants before and revokes "
-			     "after (--proxy-arg=--rdma-keys=regions measures the fallback for a device "
-			     "without windows); the baselines are the device's ib_read_bw and, for "
-			     "scale, raw TCP; latency floors and chunks/s use ib_read_bw.%s\n",
-		    o->rdma_device, strncmp(o->rdma_device, "rxe", 3) ? ""
-		    : " The device is soft-RoCE (rxe): the CPU does the NIC's work, so no figure "
-		      "here is a NIC's (and under emulation no speed means anything).");
+		CAT(d->tail,
+		    "\nverbs: the same two proxies with --rdma-device %s: every chunk is pulled "
+		    "by RDMA READ from A's slot into B's posted slot (the fence decides at the "
+		    "completion), under a key of its own that A grants before and revokes "
+		    "after (--proxy-arg=--rdma-keys=regions measures the fallback for a device "
+		    "without windows); the baselines are the device's ib_read_bw and, for "
+		    "scale, raw TCP; latency floors and chunks/s use ib_read_bw.%s\n",
+		    o->rdma_device,
+		    strncmp(o->rdma_device, "rxe", 3)
+			    ? ""
+			    : " The device is soft-RoCE (rxe): the CPU does the NIC's work, so no "
+			      "figure "
+			      "here is a NIC's (and under emulation no speed means anything).");
 	d->pt = pts;
 	for (unsigned i = 0; i < n; i++)
 		describe(o, &pts[i], &pt[i]);
@@ -406,9 +457,10 @@ int run_tcp(const struct bench_opts *o)
 		rc = 130;
 	if (done)
 		report_tcp(o, pts, done, &shown,
-			   o->mode == MODE_VERBS ? "RDMA READ on the device, control on loopback TCP"
-			   : o->netns		 ? "veth between two network namespaces"
-						 : "loopback");
+			   o->mode == MODE_VERBS
+				   ? "RDMA READ on the device, control on loopback TCP"
+			   : o->netns ? "veth between two network namespaces"
+				      : "loopback");
 	free(pts);
 	return rc;
 }
