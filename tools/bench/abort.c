@@ -959,15 +959,11 @@ static void describe(const struct bench_opts *o, struct point *p, const struct a
 static int report_abort(const struct bench_opts *o, const struct abort_point *pt, unsigned n,
 			const struct bench_proxy *px)
 {
-	struct doc *d = calloc(1, sizeof(*d));
-	struct point *pts = calloc(n, sizeof(*pts));
-	if (!d || !pts) {
-		free(d);
-		free(pts);
+	struct doc *d = doc_new(o, n);
+	if (!d)
 		return 1;
-	}
+	struct point *pts = d->pt;
 	char a[16], b[16];
-	d->o = o;
 	d->npt = n;
 	d->sections = true;
 	d->col0 = "point";
@@ -995,8 +991,7 @@ static int report_abort(const struct bench_opts *o, const struct abort_point *pt
 	for (unsigned i = 0; i < n; i++)
 		describe(o, &pts[i], &pt[i]);
 	report(d);
-	free(pts);
-	free(d);
+	doc_free(d);
 	if (!o->plot)
 		return 0;
 	/* Abort-to-final against abort rate, a line per path and percentile. */

@@ -391,13 +391,10 @@ static int report_baseline(const struct bench_opts *o, const struct baseline_poi
 			   const struct ring_base *ring)
 {
 	char a[16];
-	struct doc *d = calloc(1, sizeof(*d));
-	struct point *pts = calloc(n, sizeof(*pts));
-	if (!d || !pts) {
-		free(d);
-		free(pts);
+	struct doc *d = doc_new(o, n);
+	if (!d)
 		return 1;
-	}
+	struct point *pts = d->pt;
 	CAT(d->head, "kvstage-bench %s baseline: %.2f s per figure\n", KVS_VERSION_STRING,
 	    o->baseline_sec);
 	doc_head(d, o, NULL, NULL, true, ring);
@@ -418,8 +415,7 @@ static int report_baseline(const struct bench_opts *o, const struct baseline_poi
 		fig(&pts[i], NULL, "TCP GB/s", U_NUM, pt[i].tcp_gbps, "tcp_gbps");
 	}
 	report(d);
-	free(pts);
-	free(d);
+	doc_free(d);
 	if (!o->plot)
 		return 0;
 	uint64_t x[BENCH_MAX_CHUNKS];

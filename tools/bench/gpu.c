@@ -329,15 +329,11 @@ static void report_gpu(const struct bench_opts *o, const struct cudaDeviceProp *
 		       double reg_ms, unsigned long page_kb, const struct figure *f, unsigned n)
 {
 	char b1[32];
-	struct doc *d = calloc(1, sizeof(*d));
-	struct point *pts = calloc(n, sizeof(*pts));
-	if (!d || !pts) {
-		free(d);
-		free(pts);
+	struct doc *d = doc_new(o, n);
+	if (!d)
 		return;
-	}
+	struct point *pts = d->pt;
 	struct point *t = &d->top;
-	d->o = o;
 	CAT(d->head,
 	    "kvstage-bench gpu: %s (sm_%d%d, PCI %04x:%02x:%02x), %s per copy, %u copies "
 	    "x %u runs (medians)\n",
@@ -396,8 +392,7 @@ static void report_gpu(const struct bench_opts *o, const struct cudaDeviceProp *
 	target(d, t, "gather_16k", "gather 16K", g16, GPU_TARGET_GATHER);
 	CAT(d->tail, "\n");
 	report(d);
-	free(pts);
-	free(d);
+	doc_free(d);
 }
 
 static int run(const struct bench_opts *o, struct gctx *g, struct figure *figs, unsigned *nfig)

@@ -424,13 +424,10 @@ static int report_local(const struct bench_opts *o, const struct local_point *pt
 			const struct ring_base *ring, const struct bench_proxy *px)
 {
 	char title[128];
-	struct doc *d = calloc(1, sizeof(*d));
-	struct point *pts = calloc(n, sizeof(*pts));
-	if (!d || !pts) {
-		free(d);
-		free(pts);
+	struct doc *d = doc_new(o, n);
+	if (!d)
 		return 1;
-	}
+	struct point *pts = d->pt;
 	snprintf(title, sizeof(title), "local: %u sender(s) x %u receiver(s)", o->senders,
 		 o->receivers);
 	local_doc_begin(d, o, n, title);
@@ -446,8 +443,7 @@ static int report_local(const struct bench_opts *o, const struct local_point *pt
 	for (unsigned i = 0; i < n; i++)
 		describe(o, &pts[i], &pt[i], ring);
 	report(d);
-	free(pts);
-	free(d);
+	doc_free(d);
 	if (!o->plot)
 		return 0;
 	uint64_t x[BENCH_MAX_CHUNKS];

@@ -61,6 +61,28 @@ void note(const struct bench_opts *o, const char *fmt, ...)
 
 /* ------------------------------------------------------------- numbers */
 
+struct doc *doc_new(const struct bench_opts *o, unsigned n)
+{
+	struct doc *d = calloc(1, sizeof(*d));
+	struct point *pts = calloc(n ? n : 1, sizeof(*pts));
+	if (!d || !pts) {
+		free(d);
+		free(pts);
+		return NULL;
+	}
+	d->o = o;
+	d->pt = pts;
+	d->npt = n;
+	return d;
+}
+
+void doc_free(struct doc *d)
+{
+	if (d)
+		free(d->pt);
+	free(d);
+}
+
 double ratio(double a, double b)
 {
 	return a >= 0 && b > 0 ? a / b : NAN;

@@ -75,8 +75,8 @@ struct doc {
 	char tail[2048];	      /* table: the lines below them */
 	const char *const (*defs)[2]; /* JSON "definitions"; the table's "How to read it" */
 	unsigned ndefs;
-	const char
-		*csv; /* the CSV header: each column is looked up in the point, then the document */
+	/* the CSV header: each column is looked up in the point, then the document */
+	const char *csv;
 	const char *col0; /* summary table's first column head; NULL: no summary */
 	bool sections;	  /* table: a section per point (and the summary only with two or more) */
 	struct point *pt;
@@ -117,6 +117,10 @@ void cat(char *buf, size_t len, const char *fmt, ...) __attribute__((format(prin
  * proxy (px != NULL); the ring baseline (with_ring, NULL ring: failed). */
 void doc_head(struct doc *d, const struct bench_opts *o, const struct bench_proxy *px,
 	      const char *how, bool with_ring, const struct ring_base *ring);
+/* A zeroed document for o with n zeroed points (d->pt, d->npt), or NULL
+ * (out of memory). */
+struct doc *doc_new(const struct bench_opts *o, unsigned n);
+void doc_free(struct doc *d);
 /* Renders d in d->o->fmt on stdout. */
 void report(const struct doc *d);
 

@@ -387,13 +387,10 @@ static void report_tcp(const struct bench_opts *o, const struct local_point *pt,
 		       const struct bench_proxy *px, const char *path)
 {
 	char title[160];
-	struct doc *d = calloc(1, sizeof(*d));
-	struct point *pts = calloc(n, sizeof(*pts));
-	if (!d || !pts) {
-		free(d);
-		free(pts);
+	struct doc *d = doc_new(o, n);
+	if (!d)
 		return;
-	}
+	struct point *pts = d->pt;
 	snprintf(title, sizeof(title),
 		 "%s: %u sender(s) on proxy A -> %u receiver(s) on proxy B "
 		 "over %s, --tcp-streams %u",
@@ -427,8 +424,7 @@ static void report_tcp(const struct bench_opts *o, const struct local_point *pt,
 	for (unsigned i = 0; i < n; i++)
 		describe(o, &pts[i], &pt[i]);
 	report(d);
-	free(pts);
-	free(d);
+	doc_free(d);
 }
 
 int run_tcp(const struct bench_opts *o)
