@@ -109,10 +109,15 @@ static void lclock_init(void)
 /* The pass's time: the TSC scaled from the last anchor, or CLOCK_MONOTONIC. */
 static inline uint64_t lclock_now(void)
 {
-	if (!lclock.on)
-		return kvsp_now_ns();
-	uint64_t ns = lclock.ns0 +
-		      (uint64_t)(((unsigned __int128)(rdtsc() - lclock.tsc0) * lclock.mult) >> 32);
+	/* Never back, either way: a TSC turned off may have run up to 100 us
+	 * ahead, and every "now - then" of the loop is unsigned. */
+	uint64_t ns;
+	if (lclock.on) {
+		unsigned __int128 d = (unsigned __int128)(rdtsc() - lclock.tsc0) * lclock.mult;
+		ns = lclock.ns0 + (uint64_t)(d >> 32);
+	} else {
+		ns = kvsp_now_ns();
+	}
 	if (ns < lclock.last)
 		ns = lclock.last;
 	lclock.last = ns;
@@ -131,7 +136,7 @@ static uint64_t lclock_sync(void)
 		LOG_WARN("loop clock: the TSC missed CLOCK_MONOTONIC by %lld us: CLOCK_MONOTONIC "
 			 "from now on",
 			 (long long)((int64_t)(est - ns) / 1000));
-		return ns > lclock.last ? ns : lclock.last;
+		return lclock_now();
 	}
 	lclock_anchor(ns);
 	return lclock.ns0;
