@@ -67,16 +67,21 @@ void hp_wait_closed(int fd)
 	}
 }
 
-void hp_handshake(struct hpeer *h, const char *endpoint, const char *src,
-		  const struct kvsp_secret *s, uint64_t inst)
+void hp_dial(struct hpeer *h, const char *endpoint, const char *src, const struct kvsp_secret *s,
+	     uint64_t inst)
 {
 	h->fd = hp_connect(endpoint, src);
 	h->pings = 0;
 	cr_assert_eq(kvsp_auth_start(&h->a, s, KVS_WIRE_DIALER, inst | 1), 0);
 	cr_assert_eq(kvsp_auth_hello(&h->a, h->hello), 0);
 	hp_put(h->fd, h->hello, sizeof(h->hello));
+}
+
+int hp_dial_end(struct hpeer *h)
+{
 	uint8_t in[KVS_WIRE_HELLO_SIZE];
-	cr_assert_eq(hp_get(h->fd, in, KVS_WIRE_HELLO_SIZE), 0);
+	if (hp_get(h->fd, in, KVS_WIRE_HELLO_SIZE) < 0)
+		return -1;
 	cr_assert_eq(kvsp_auth_on_hello(&h->a, in), 0);
 	cr_assert_eq(hp_get(h->fd, in, KVS_WIRE_PROOF_SIZE), 0);
 	cr_assert_eq(kvsp_auth_on_proof(&h->a, in), 0, "the listener's proof");
@@ -86,6 +91,14 @@ void hp_handshake(struct hpeer *h, const char *endpoint, const char *src,
 	cr_assert_eq(kvsp_auth_keys(&h->a, &k), 0);
 	kvsp_frame_tx_init(&h->tx, k.tx);
 	kvsp_frame_rx_init(&h->rx, k.rx, 16u << 20);
+	return 0;
+}
+
+void hp_handshake(struct hpeer *h, const char *endpoint, const char *src,
+		  const struct kvsp_secret *s, uint64_t inst)
+{
+	hp_dial(h, endpoint, src, s, inst);
+	cr_assert_eq(hp_dial_end(h), 0, "the proxy closed before its HELLO");
 }
 
 void hp_join(struct hpeer *h, const char *endpoint, const char *src, const struct kvsp_secret *s,

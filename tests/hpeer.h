@@ -29,6 +29,11 @@ struct hpeer {
 /* A TCP connection to the proxy at "IPV4:PORT", from source address src
  * (NULL: any). Returns the fd (blocking). */
 int hp_connect(const char *endpoint, const char *src);
+/* The dialer's first half: a new connection from src (NULL: any), its HELLO sent. */
+void hp_dial(struct hpeer *h, const char *endpoint, const char *src, const struct kvsp_secret *s,
+	     uint64_t inst);
+/* The rest of the dialer's handshake. Returns 0, or -1 if the proxy closed before its HELLO. */
+int hp_dial_end(struct hpeer *h);
 /* The dialer's handshake with secret s as proxy instance inst, on a new connection from src (NULL: any). */
 void hp_handshake(struct hpeer *h, const char *endpoint, const char *src,
 		  const struct kvsp_secret *s, uint64_t inst);

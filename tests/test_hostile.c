@@ -224,6 +224,31 @@ Test(hostile, silent_unauthenticated_connections_cannot_lock_proxies_out)
 	kvs_close(rx);
 }
 
+/* The honest dialer's HELLO waits, unread, in the accept queue behind
+ * forty silent connections from its own address (the proxy was frozen
+ * while they came). Accepting them all in one pass must not take its
+ * place for one of theirs: it has spoken, they never will. */
+Test(hostile, a_dialer_queued_behind_silent_ones_is_heard_first)
+{
+	listener(&pb, NULL);
+	const char *ep = endpoint_of(&pb);
+	proxy_freeze(&pb);
+	struct hpeer h;
+	hp_dial(&h, ep, "127.0.0.1", &good, rnd64());
+	int silent[40];
+	for (unsigned i = 0; i < 40; i++)
+		silent[i] = hp_connect(ep, "127.0.0.1");
+	kill(pb.pid, SIGCONT);
+	cr_assert_eq(hp_dial_end(&h), 0, "the dialer that spoke lost its place to a silent one");
+	struct kvs_wire_join j = { htole64(rnd64()), htole32(0), htole32(1) };
+	hp_send(&h, KVS_WIRE_JOIN, &j, 0, NULL);
+	hp_in_sync(&h);
+	cr_assert_geq(stat_get(&pb, "peer_refused"), 8, "the silent ones past the share made way");
+	for (unsigned i = 0; i < 40; i++)
+		close(silent[i]);
+	close(h.fd);
+}
+
 /* ------------------------------------------- 3: failed handshakes, logged */
 
 Test(hostile, five_thousand_failed_handshakes_write_a_handful_of_lines)

@@ -73,8 +73,12 @@ static inline void one_room(kvs_client *rx, kvs_client *tx, uint64_t owner)
 	struct xroom x;
 	xroom_open(&x, rx, tx, 3 * SLOT, owner);
 	xroom_send(&x, tx);
-	cr_assert_eq(wait_event(tx).type, KVS_EV_SEND_DONE);
-	cr_assert_eq(wait_event(rx).type, KVS_EV_RECV_DONE);
+	struct kvs_event e = wait_event(tx);
+	cr_assert_eq(e.type, KVS_EV_SEND_DONE, "room %llx: the sender's final is %u (%s)",
+		     (unsigned long long)owner, e.type, kvs_strerror(e.status));
+	e = wait_event(rx);
+	cr_assert_eq(e.type, KVS_EV_RECV_DONE, "room %llx: the receiver's final is %u (%s)",
+		     (unsigned long long)owner, e.type, kvs_strerror(e.status));
 	xroom_verify(&x, rx);
 	xroom_close(&x);
 }

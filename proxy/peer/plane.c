@@ -275,9 +275,11 @@ static void on_conn_event(struct peer *pr, struct pconn *c, uint32_t events)
 
 /* ----------------------------------------------------- accept and timer */
 
+/* At most a burst a pass: a flood of connections must not keep the loop
+ * from everything else (the listener stays readable for the next pass). */
 static void on_accept(struct peer *pr)
 {
-	for (;;) {
+	for (unsigned k = 0; k < BURST; k++) {
 		struct sockaddr_storage sa;
 		socklen_t sl = sizeof(sa);
 		int fd = accept4(pr->listen_fd, (struct sockaddr *)&sa, &sl,
@@ -312,12 +314,19 @@ static void on_accept(struct peer *pr)
 				    "peer handshakes full: the longest silent one made way for %s",
 				    from.text);
 		}
-		if (!pconn_new(&pr->conns, fd, false, &from, now_of(pr))) {
+		struct pconn *c = pconn_new(&pr->conns, fd, false, &from, now_of(pr));
+		if (!c) {
 			KVS_STAT_ADD(pr->st->peer_refused, 1);
 			kvsp_log_rl(&pr->rl_conn, now_of(pr), &pr->st->log_suppressed,
 				    KVSP_LOG_WARN,
 				    "peer connection from %s refused: no place for it", from.text);
+			continue;
 		}
+		/* A dialer speaks first, so an honest HELLO is usually here
+		 * already: read it now. Unread, the connection would count as
+		 * silent, and the next ones accepted in this pass from its
+		 * address could evict it. */
+		on_conn_event(pr, c, EPOLLIN);
 	}
 }
 
