@@ -310,7 +310,7 @@ static void room_settle(struct kvsp *p, uint32_t i)
 		room_free(p, i);
 }
 
-void kvsp_rooms_settle(struct kvsp *p)
+void kvsp_rooms_settle_marked(struct kvsp *p)
 {
 	while (p->mark_head != NONE) {
 		uint32_t i = p->mark_head;

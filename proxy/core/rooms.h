@@ -17,6 +17,7 @@
 #include <stdint.h>
 
 #include "core/clients.h"
+#include "core/proxy.h"
 #include "kvstage.h"
 #include "layout.h"
 
@@ -116,7 +117,12 @@ void kvsp_room_mark(struct kvsp *p, uint32_t i);
  * room: completes, ends or frees it. The core settles at the end of each
  * event the loop hands it (a client's op or death, a transport's poll or
  * fd, a tick); transports only mark. */
-void kvsp_rooms_settle(struct kvsp *p);
+void kvsp_rooms_settle_marked(struct kvsp *p);
+static inline void kvsp_rooms_settle(struct kvsp *p)
+{
+	if (p->mark_head != KVSP_NONE) /* after most ops and passes, none is */
+		kvsp_rooms_settle_marked(p);
+}
 /* xfer.c: pins lease l (checked) for chunk of room i and gives it to the room's transport. */
 void kvsp_xfer_send(struct kvsp *p, uint32_t owner, uint32_t i, const struct kvs_lease *l,
 		    uint32_t chunk);

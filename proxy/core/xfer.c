@@ -49,17 +49,18 @@ static void count_moved(struct kvsp *p, uint64_t len)
 	KVS_STAT_ADD(p->stats->bytes_moved, len);
 }
 
-/* A landed chunk: on the receiver's list; the room completes with its last. */
-static void placed(struct kvsp *p, uint32_t i, uint32_t slot, uint32_t chunk)
+/* A landed chunk of len bytes: on the receiver's list; the room completes
+ * with its last (before it, room_settle has nothing to do: not marked). */
+static void placed(struct kvsp *p, uint32_t i, uint32_t slot, uint32_t chunk, uint32_t len)
 {
 	struct kvsp_room *r = &p->rooms[i];
 	kvsp_slist_push(p, &r->recv.placed_head, slot);
-	count_moved(p, kvsp_chunk_len(p, r, chunk));
+	count_moved(p, len);
 	if (chunk == 0)
 		r->recv.chunk0 = slot;
 	kvsp_room_touch(p, i);
-	r->recv.placed++;
-	kvsp_room_mark(p, i);
+	if (++r->recv.placed == r->nchunks)
+		kvsp_room_mark(p, i);
 }
 
 /* ------------------------------------------------------- sending side */
@@ -98,7 +99,11 @@ static int send_quiesce(struct kvsp *p, struct kvsp_xfer *x)
 	struct kvsp_room *r = &p->rooms[x->room];
 	kvsp_slist_del(p, &r->send.inflight_head, x->slot);
 	r->send.inflight--;
-	kvsp_room_mark(p, x->room);
+	/* room_settle's rule reads the send half only once the room is over,
+	 * or for a far receiver with nothing left in flight: a local open
+	 * room ends with its last landing (placed), not here. */
+	if (r->state != KVSP_ROOM_OPEN || (r->far && !r->send.inflight))
+		kvsp_room_mark(p, x->room);
 	int st = kvsp_slot_unpin(&p->slots, x->slot);
 	xfer_end(x);
 	return st;
@@ -128,6 +133,7 @@ void kvsp_xfer_handoff(struct kvsp *p, struct kvsp_xfer *x, int status)
 	if (x->dir != KVSP_XFER_SEND)
 		return;
 	uint32_t i = x->room, gen = x->room_gen, slot = x->slot, epoch = x->epoch, chunk = x->chunk;
+	uint32_t len = x->len;
 	uint64_t sent_ns = x->sent_ns;
 	struct kvsp_room *r = &p->rooms[i];
 	int st = send_quiesce(p, x);
@@ -139,7 +145,7 @@ void kvsp_xfer_handoff(struct kvsp *p, struct kvsp_xfer *x, int status)
 	if (lands) {
 		kvsp_slot_handoff(&p->slots, slot, r->recv.client.cid);
 		kvsp_hist_add(&p->chunk_hist, p->now_ns - sent_ns);
-		placed(p, i, slot, chunk);
+		placed(p, i, slot, chunk, len);
 	} else if (st == KVS_SLOT_INFLIGHT) {
 		/* Not tombstoned, yet not landing: the transport failed it. */
 		kvsp_slot_kill(&p->slots, slot);
@@ -255,6 +261,7 @@ int kvsp_chunk_land(struct kvsp *p, struct kvsp_xfer *x)
 	if (x->dir != KVSP_XFER_RECV)
 		return -EINVAL;
 	uint32_t i = x->room, gen = x->room_gen, slot = x->slot, epoch = x->epoch, chunk = x->chunk;
+	uint32_t len = x->len;
 	struct kvsp_room *r = &p->rooms[i];
 	int st = recv_quiesce(p, x);
 	/* The fence (invariant 5): the slot is still posted for this room at
@@ -263,7 +270,7 @@ int kvsp_chunk_land(struct kvsp *p, struct kvsp_xfer *x)
 	if (st == KVS_SLOT_RECV_POSTED && p->slots.pub[slot].epoch == epoch && r->gen == gen &&
 	    r->state == KVSP_ROOM_OPEN) {
 		kvsp_slot_fill(&p->slots, slot);
-		placed(p, i, slot, chunk);
+		placed(p, i, slot, chunk, len);
 		return 0;
 	}
 	if (st == KVS_SLOT_RECV_POSTED)
