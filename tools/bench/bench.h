@@ -228,9 +228,10 @@ struct raw_tcp {
 	unsigned streams;
 	const char *tx_ns, *rx_ns, *rx_ip;
 	int tx_cpu, rx_cpu;
+	double cpu_s_per_gb; /* out: both processes' CPU seconds per GB moved; < 0: n/a */
 };
 /* GB/s the receiver counted over r->sec, or < 0 on failure. */
-double baseline_raw_tcp(const struct raw_tcp *r);
+double baseline_raw_tcp(struct raw_tcp *r);
 /* rdmabase.c: perftest's ib_read_bw between two processes on dev (gid_index
  * < 0: its own choice), READs of chunk bytes for sec (whole seconds, at
  * least 1): GB/s, or < 0 with why filled in. */
@@ -267,11 +268,13 @@ struct local_point {
 	double gbps, chunks_s, rooms_s;
 	struct lat chunk_lat, room_lat;
 	double proxy_cpu; /* % of one core, < 0: n/a */
+	double clients_cpu; /* every sender and receiver process, summed, % of one core; < 0: n/a */
 	double memcpy_gbps, bound_gbps;
 	double pipe_gbps; /* payload copy/verify: baseline_pipe, else 0 */
 	/* tcp mode */
 	double proxy_rx_cpu;	     /* the receiving side's proxy, % of one core; < 0: n/a */
 	double tcp1_gbps, tcpn_gbps; /* raw TCP, one stream and --tcp-streams; < 0: failed */
+	double tcp1_cpu_gb, tcpn_cpu_gb; /* their two processes' CPU seconds per GB; < 0: n/a */
 	double rdma_gbps;	     /* verbs: ib_read_bw on the same device; < 0: failed */
 	/* verbs: each chunk's key on the sending proxy, per chunk READ */
 	double binds, invalidates, regions, region_frees;

@@ -11,6 +11,7 @@
 #include <signal.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -44,6 +45,7 @@ struct kids {
 	pid_t pid[2 * BENCH_MAX_PAIRS];
 	int status[2 * BENCH_MAX_PAIRS];
 	bool reaped[2 * BENCH_MAX_PAIRS];
+	double cpu[2 * BENCH_MAX_PAIRS]; /* once reaped: its CPU seconds */
 	unsigned n;
 };
 
@@ -55,11 +57,14 @@ static bool kids_reap(struct kids *k, bool block)
 		if (k->reaped[i])
 			continue;
 		pid_t r;
-		while ((r = waitpid(k->pid[i], &k->status[i], block ? 0 : WNOHANG)) < 0 &&
+		struct rusage ru;
+		while ((r = wait4(k->pid[i], &k->status[i], block ? 0 : WNOHANG, &ru)) < 0 &&
 		       errno == EINTR)
 			;
 		if (r == k->pid[i]) {
 			k->reaped[i] = true;
+			k->cpu[i] = (double)(ru.ru_utime.tv_sec + ru.ru_stime.tv_sec) +
+				    (double)(ru.ru_utime.tv_usec + ru.ru_stime.tv_usec) / 1e6;
 			if (!WIFEXITED(k->status[i]) || WEXITSTATUS(k->status[i]))
 				bad = true;
 		}
@@ -73,6 +78,19 @@ static void kids_kill(struct kids *k)
 		if (!k->reaped[i])
 			kill(k->pid[i], SIGKILL);
 	kids_reap(k, true);
+}
+
+/* CPU seconds of every child still running, summed; < 0 if one cannot be read. */
+static double kids_cpu_seconds(const struct kids *k)
+{
+	double sum = 0;
+	for (unsigned i = 0; i < k->n; i++) {
+		double s = k->reaped[i] ? k->cpu[i] : proc_cpu_seconds(k->pid[i]);
+		if (s < 0)
+			return -1;
+		sum += s;
+	}
+	return sum;
 }
 
 static pid_t spawn(struct kids *k)
@@ -204,7 +222,7 @@ int local_measure(const struct bench_opts *o, const struct bench_ends *e, uint64
 			nready += (unsigned)k;
 	}
 	pid_t rx_pid = e->rx_cpu_pid != e->tx_cpu_pid ? e->rx_cpu_pid : 0;
-	double cpu_a = -1, cpu_b = -1, rcpu_a = -1, rcpu_b = -1;
+	double cpu_a = -1, cpu_b = -1, rcpu_a = -1, rcpu_b = -1, kcpu_a = -1, kcpu_b = -1;
 	uint64_t t_a = 0, t_b = 0;
 	if (!rc) {
 		uint64_t t0 = now_ns();
@@ -236,6 +254,7 @@ int local_measure(const struct bench_opts *o, const struct bench_ends *e, uint64
 			if (!t_a && __atomic_load_n(&sh->t_meas, __ATOMIC_ACQUIRE)) {
 				cpu_a = proc_cpu_seconds(e->tx_cpu_pid);
 				rcpu_a = proc_cpu_seconds(rx_pid);
+				kcpu_a = kids_cpu_seconds(&kids);
 				t_a = now_ns();
 			}
 			if (interrupted || kids_reap(&kids, false)) {
@@ -247,6 +266,7 @@ int local_measure(const struct bench_opts *o, const struct bench_ends *e, uint64
 		}
 		cpu_b = proc_cpu_seconds(e->tx_cpu_pid);
 		rcpu_b = proc_cpu_seconds(rx_pid);
+		kcpu_b = kids_cpu_seconds(&kids);
 		t_b = now_ns();
 		progress_clear();
 	}
@@ -296,6 +316,9 @@ int local_measure(const struct bench_opts *o, const struct bench_ends *e, uint64
 		pt->proxy_rx_cpu = rcpu_a >= 0 && rcpu_b >= 0 && t_b > t_a
 					   ? (rcpu_b - rcpu_a) / win * 100
 					   : -1;
+		pt->clients_cpu = kcpu_a >= 0 && kcpu_b >= 0 && t_b > t_a
+					  ? (kcpu_b - kcpu_a) / win * 100
+					  : -1;
 	}
 	if (rc || pt->errors)
 		print_child_errors(sh, pairs);
@@ -334,6 +357,8 @@ static const char *const local_defs[][2] = {
 			   "ping-pong round trip" },
 	{ "proxy_cpu", "utime + stime of the proxy from /proc/PID/stat over the window, as % "
 		       "of one core" },
+	{ "cpu_s_per_gb", "CPU seconds per GB moved, of the proxy and every sender and "
+			  "receiver process, over the window" },
 };
 
 void local_doc_begin(struct doc *d, const struct bench_opts *o, unsigned n, const char *title)
@@ -417,6 +442,12 @@ static void describe(const struct bench_opts *o, struct point *p, const struct l
 		       "room_latency_us", "room_%s_us"),
 	       ring ? &ring->rtt : NULL, "rte_ring round trip", NULL, "ratio.room_%s_vs_ring_rtt");
 	fig(p, "proxy CPU (% of one core)", "CPU%", U_NUM, lp->proxy_cpu, "proxy_cpu_pct");
+	fig(p, "clients CPU (% of one core)", NULL, U_NUM, lp->clients_cpu, "clients_cpu_pct");
+	fig(p, "CPU s per GB, every process", NULL, U_NUM,
+	    lp->proxy_cpu >= 0 && lp->clients_cpu >= 0 && lp->gbps > 0
+		    ? (lp->proxy_cpu + lp->clients_cpu) / 100 / lp->gbps
+		    : -1,
+	    "cpu_s_per_gb");
 	local_point_notes(o, p, lp);
 }
 
@@ -438,7 +469,8 @@ static int report_local(const struct bench_opts *o, const struct local_point *pt
 		 "bytes,chunks,rooms,errors,gbps,chunks_per_s,rooms_per_s,chunk_p50_us,"
 		 "chunk_p99_us,chunk_p999_us,room_p50_us,room_p99_us,room_p999_us,proxy_cpu_pct,"
 		 "memcpy_gbps,bound_gbps,gbps_vs_bound,ring_batched_records_per_s,"
-		 "chunks_vs_ring,ring_rtt_p50_us,chunk_p50_vs_ring_rtt,pipe_gbps,gbps_vs_pipe";
+		 "chunks_vs_ring,ring_rtt_p50_us,chunk_p50_vs_ring_rtt,pipe_gbps,gbps_vs_pipe,"
+		 "clients_cpu_pct,cpu_s_per_gb";
 	d->pt = pts;
 	for (unsigned i = 0; i < n; i++)
 		describe(o, &pts[i], &pt[i], ring);

@@ -18,6 +18,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -90,14 +91,31 @@ static void sender(const struct raw_tcp *r, const struct sockaddr_in *sa)
 	}
 }
 
-/* Accepts every stream, then reads for r->sec; writes GB/s to out_fd. */
+/* What the receiver tells the parent: GB/s (< 0: failed), and the bytes
+ * and its own CPU seconds over the same window. */
+struct raw_result {
+	double gbps, bytes, cpu_s;
+};
+
+static double cpu_of(const struct rusage *ru)
+{
+	return (double)(ru->ru_utime.tv_sec + ru->ru_stime.tv_sec) +
+	       (double)(ru->ru_utime.tv_usec + ru->ru_stime.tv_usec) / 1e6;
+}
+
+static double self_cpu_seconds(void)
+{
+	struct rusage ru;
+	return getrusage(RUSAGE_SELF, &ru) == 0 ? cpu_of(&ru) : -1;
+}
+
+/* Accepts every stream, then reads for r->sec; writes a raw_result to out_fd. */
 static void receiver(const struct raw_tcp *r, int ls, int out_fd)
 {
 	size_t n, len = ring_len(r->chunk, &n);
 	uint8_t *dst = bench_alloc(len, false);
 	struct pollfd pf[RAW_MAX_STREAMS];
 	size_t off[RAW_MAX_STREAMS] = { 0 }, idx[RAW_MAX_STREAMS] = { 0 };
-	double gbps = -1;
 	if (!dst)
 		_exit(1);
 	for (unsigned k = 0; k < r->streams; k++) {
@@ -114,6 +132,7 @@ static void receiver(const struct raw_tcp *r, int ls, int out_fd)
 	 * instrumented host) must not leave the window empty. */
 	if (poll(pf, r->streams, 10000) <= 0)
 		_exit(1);
+	double cpu0 = self_cpu_seconds();
 	uint64_t bytes = 0, t0 = now_ns(), t = t0, end = t0 + (uint64_t)(r->sec * 1e9);
 	while (t < end) {
 		if (poll(pf, r->streams, 0) < 0 && errno != EINTR)
@@ -138,16 +157,18 @@ static void receiver(const struct raw_tcp *r, int ls, int out_fd)
 		}
 		t = now_ns();
 	}
-out:
+out:;
+	struct raw_result res = { -1, (double)bytes, self_cpu_seconds() - cpu0 };
 	if (t >= end)
-		gbps = (double)bytes / (double)(t - t0);
-	if (write(out_fd, &gbps, sizeof(gbps)) != sizeof(gbps))
+		res.gbps = (double)bytes / (double)(t - t0);
+	if (write(out_fd, &res, sizeof(res)) != sizeof(res))
 		_exit(1);
 	_exit(0);
 }
 
-double baseline_raw_tcp(const struct raw_tcp *r)
+double baseline_raw_tcp(struct raw_tcp *r)
 {
+	r->cpu_s_per_gb = -1;
 	if (r->streams < 1 || r->streams > RAW_MAX_STREAMS)
 		return -1;
 	struct sockaddr_in sa = { .sin_family = AF_INET };
@@ -180,7 +201,7 @@ double baseline_raw_tcp(const struct raw_tcp *r)
 	close(port_pipe[1]);
 	close(res_pipe[1]);
 	pid_t tx = -1;
-	double gbps = -1;
+	struct raw_result res = { -1, 0, -1 };
 	if (rx > 0 &&
 	    read(port_pipe[0], &sa.sin_port, sizeof(sa.sin_port)) == sizeof(sa.sin_port)) {
 		tx = bench_fork(r->tx_cpu);
@@ -189,17 +210,21 @@ double baseline_raw_tcp(const struct raw_tcp *r)
 				_exit(1);
 			sender(r, &sa);
 		}
-		if (read(res_pipe[0], &gbps, sizeof(gbps)) != sizeof(gbps))
-			gbps = -1;
+		if (read(res_pipe[0], &res, sizeof(res)) != sizeof(res))
+			res.gbps = -1;
 	}
 	close(port_pipe[0]);
 	close(res_pipe[0]);
-	/* The receiver exits after writing; the sender on its hang-up. */
+	/* The receiver exits after writing; the sender on its hang-up. The
+	 * sender's CPU is its whole life: connecting, and the moment after
+	 * the window until it hears the hang-up, are small beside it. */
+	struct rusage ru;
 	if (rx > 0)
 		waitpid(rx, NULL, 0);
-	if (tx > 0)
-		waitpid(tx, NULL, 0);
-	return gbps;
+	if (tx > 0 && wait4(tx, NULL, 0, &ru) == tx && res.gbps > 0 && res.bytes > 0 &&
+	    res.cpu_s >= 0)
+		r->cpu_s_per_gb = (res.cpu_s + cpu_of(&ru)) / (res.bytes / 1e9);
+	return res.gbps;
 }
 
 double baseline_tcp(uint64_t chunk, double sec)

@@ -62,7 +62,8 @@ run 0 local.json -q --wset 32M --chunk 64K --duration 0.3 --payload verify --jso
 valid_json "$tmp/local.json"
 has_keys "$tmp/local.json" tool version mode command machine nproc cpu config proxy baselines \
   ring points chunk_bytes gbps chunks_per_s rooms_per_s chunk_latency_us room_latency_us \
-  p50 p99 p999 proxy_cpu_pct memcpy_gbps bound_gbps ratio gbps_vs_bound errors
+  p50 p99 p999 proxy_cpu_pct clients_cpu_pct cpu_s_per_gb memcpy_gbps bound_gbps ratio gbps_vs_bound \
+  errors
 grep -q '"mode": "local"' "$tmp/local.json" || fail "local.json: mode is not local"
 grep -q '"errors": 0' "$tmp/local.json" || fail "local.json: verify found wrong bytes"
 for k in gbps chunks_per_s rooms_per_s memcpy_gbps bound_gbps pingpong_rt_per_s; do
@@ -86,10 +87,11 @@ done
 run 0 tcp.json -q --chunk 64K --duration 0.3 --payload verify --json tcp
 valid_json "$tmp/tcp.json"
 has_keys "$tmp/tcp.json" transport tcp_streams points gbps chunks_per_s room_latency_us \
-  proxy_a_cpu_pct proxy_b_cpu_pct raw_tcp_1_gbps raw_tcp_n_gbps gbps_vs_raw_tcp_1 errors
+  proxy_a_cpu_pct proxy_b_cpu_pct clients_cpu_pct raw_tcp_1_gbps raw_tcp_n_gbps gbps_vs_raw_tcp_1 \
+  cpu_s_per_gb raw_tcp_cpu_s_per_gb cpu_s_per_gb_vs_raw_tcp errors
 grep -q '"mode": "tcp"' "$tmp/tcp.json" || fail "tcp.json: mode is not tcp"
 grep -q '"errors": 0' "$tmp/tcp.json" || fail "tcp.json: verify found wrong bytes"
-for k in gbps chunks_per_s raw_tcp_1_gbps raw_tcp_n_gbps; do
+for k in gbps chunks_per_s raw_tcp_1_gbps raw_tcp_n_gbps raw_tcp_cpu_s_per_gb; do
   positive "$tmp/tcp.json" "$k"
 done
 run 2 tcp-socket.txt --socket /nonexistent tcp

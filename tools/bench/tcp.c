@@ -241,12 +241,15 @@ static int point(const struct bench_opts *o, const struct tcp_env *e, struct loc
 	note(o, "baseline: raw TCP %s, one stream, writes of %s (%.2f s)", listen, cs,
 	     o->baseline_sec);
 	pt->tcp1_gbps = baseline_raw_tcp(&raw);
+	pt->tcp1_cpu_gb = raw.cpu_s_per_gb;
 	pt->tcpn_gbps = pt->tcp1_gbps;
+	pt->tcpn_cpu_gb = pt->tcp1_cpu_gb;
 	if (o->tcp_streams > 1) {
 		raw.streams = o->tcp_streams;
 		note(o, "baseline: raw TCP, %u streams in one thread each side (%.2f s)",
 		     raw.streams, o->baseline_sec);
 		pt->tcpn_gbps = baseline_raw_tcp(&raw);
+		pt->tcpn_cpu_gb = raw.cpu_s_per_gb;
 	}
 	if (pt->tcp1_gbps <= 0 || pt->tcpn_gbps <= 0)
 		note(o, "baseline: a raw TCP measurement failed; its ratio is n/a");
@@ -310,7 +313,18 @@ static const char *const tcp_defs[][2] = {
 	{ "chunk_latency",
 	  "a room's last kvs_send on A to its SEND_DONE (the bytes left A's slot)" },
 	{ "proxy_cpu", "utime + stime of each proxy over the window, % of one core" },
+	{ "cpu_s_per_gb",
+	  "CPU seconds per GB moved, of every process on the path: both proxies and every "
+	  "sender and receiver process (utime + stime over the window, over the window's "
+	  "bytes); baseline: raw TCP's two processes (the receiver's over its window, the "
+	  "sender's whole life), the lower of its two figures" },
 };
+
+/* CPU seconds per GB of a process that used pct % of a core while gbps moved; < 0: n/a. */
+static double cpu_per_gb(double pct, double gbps)
+{
+	return pct >= 0 && gbps > 0 ? pct / 100 / gbps : -1;
+}
 
 /* The keys A's chunks went under, from what it did per chunk. */
 static const char *keys_name(const struct local_point *p)
@@ -367,6 +381,22 @@ static void describe(const struct bench_opts *o, struct point *p, const struct l
 	   fig(p, "proxy B CPU (% of a core)", "B CPU%", U_NUM, lp->proxy_rx_cpu,
 	       "proxy_b_cpu_pct"),
 	   NAN, "receivers' side", NULL, NULL);
+	fig(p, "clients CPU (% of a core)", NULL, U_NUM, lp->clients_cpu, "clients_cpu_pct");
+	double a = cpu_per_gb(lp->proxy_cpu, lp->gbps), b = cpu_per_gb(lp->proxy_rx_cpu, lp->gbps),
+	       cl = cpu_per_gb(lp->clients_cpu, lp->gbps);
+	double raw_cpu = lp->tcp1_cpu_gb > 0 && lp->tcpn_cpu_gb > 0
+				 ? fmin(lp->tcp1_cpu_gb, lp->tcpn_cpu_gb)
+				 : fmax(lp->tcp1_cpu_gb, lp->tcpn_cpu_gb);
+	put_num(p, "cpu_s_per_gb.proxy_a", a);
+	put_num(p, "cpu_s_per_gb.proxy_b", b);
+	put_num(p, "cpu_s_per_gb.clients", cl);
+	put_num(p, "baseline.raw_tcp_1_cpu_s_per_gb", lp->tcp1_cpu_gb);
+	put_num(p, "baseline.raw_tcp_n_cpu_s_per_gb", lp->tcpn_cpu_gb);
+	vs(p,
+	   fig(p, "CPU s per GB, every process", "CPU s/GB", U_NUM,
+	       a >= 0 && b >= 0 && cl >= 0 ? a + b + cl : -1, "cpu_s_per_gb.all|cpu_s_per_gb"),
+	   raw_cpu > 0 ? raw_cpu : -1, "raw TCP's two processes", "baseline.raw_tcp_cpu_s_per_gb",
+	   "ratio.cpu_s_per_gb_vs_raw_tcp");
 	if (verbs) {
 		put_str(p, "keys.kind", "%s", keys_name(lp));
 		put_num(p, "keys.binds_per_chunk", lp->binds);
@@ -404,8 +434,9 @@ static void report_tcp(const struct bench_opts *o, const struct local_point *pt,
 	d->csv = "mode,path,tcp_streams,chunk_bytes,room_bytes,payload,pairs,rooms_in_flight,"
 		 "seconds,"
 		 "bytes,chunks,rooms,errors,gbps,chunks_per_s,room_p50_us,room_p99_us,chunk_p50_us,"
-		 "chunk_p99_us,proxy_a_cpu_pct,proxy_b_cpu_pct,raw_tcp_1_gbps,raw_tcp_n_gbps,"
-		 "gbps_vs_raw_tcp_1,gbps_vs_raw_tcp_n";
+		 "chunk_p99_us,proxy_a_cpu_pct,proxy_b_cpu_pct,clients_cpu_pct,raw_tcp_1_gbps,"
+		 "raw_tcp_n_gbps,gbps_vs_raw_tcp_1,gbps_vs_raw_tcp_n,cpu_s_per_gb,"
+		 "raw_tcp_cpu_s_per_gb,cpu_s_per_gb_vs_raw_tcp";
 	if (o->mode == MODE_VERBS)
 		CAT(d->tail,
 		    "\nverbs: the same two proxies with --rdma-device %s: every chunk is pulled "

@@ -17,8 +17,9 @@ usage() {
   cat <<EOF
 Usage: tools/bench/ucx-compare.sh [OPTION]...
 Runs ucx_perftest (server and client, two processes on this host) and
-kvstage-bench local at the same message sizes and prints one table:
-size, kvstage GB/s (payload copy and none), UCX GB/s, ratios.
+kvstage-bench local at the same message sizes and prints two tables:
+size, kvstage GB/s (payload in, copy and none), UCX GB/s, ratios; and the
+same in CPU seconds per GB of every process on the path.
 
   --build DIR        kvstage build directory (default: build, else build-bench)
   --sizes LIST       message/chunk sizes (default 64K,256K,1M,4M)
@@ -129,10 +130,21 @@ listening() {
     /proc/net/tcp /proc/net/tcp6 2>/dev/null
 }
 
-# One ucx_perftest run at size $1; sets gbps. (Not in $(...): die must end
-# the script, and the trap must know the server's pid.)
+# Sets children_cpu: CPU seconds of every child this shell has waited for
+# (bash's times, its second line; in $(...) it would be the subshell's).
+children_cpu_now() {
+  times >"$tmp/times"
+  children_cpu=$(awk 'NR == 2 { s = 0; for (i = 1; i <= 2; i++) { split($i, t, /[ms]/); s += t[1] * 60 + t[2] }
+    printf "%.3f\n", s }' "$tmp/times")
+}
+
+# One ucx_perftest run at size $1; sets gbps, and cpu (both processes' CPU
+# seconds per GB moved, warm-up and start-up included). (Not in $(...): die
+# must end the script, and the trap must know the server's pid.)
 ucx_run() {
-  local size=$1 iters warm port out i
+  local size=$1 iters warm port out i cpu0
+  children_cpu_now
+  cpu0=$children_cpu
   iters=$((ucx_bytes / size)); [ "$iters" -lt 1000 ] && iters=1000
   warm=$((iters / 10)); [ "$warm" -lt 100 ] && warm=100
   port=$((20000 + RANDOM % 20000))
@@ -154,12 +166,16 @@ ucx_run() {
   fi
   wait "$srv" || true
   srv=""
+  children_cpu_now
+  cpu=$(awk -v a="$cpu0" -v b="$children_cpu" -v n=$(( (iters + warm) * size )) \
+    'BEGIN { printf "%.4f\n", (b - a) / (n / 1e9) }')
   # CSV: iterations,50.0_percentile_lat,avg_lat,overall_lat,avg_bw,overall_bw,...
   gbps=$(echo "$out" | awk -F, '$1 ~ /^[0-9]+$/ { printf "%.4f\n", $6 * 1048576 / 1e9; found = 1 }
     END { if (!found) exit 1 }') || { echo "$out" >&2; die "cannot read ucx_perftest's output"; }
 }
 
-# One kvstage-bench run; sets gbps.
+# One kvstage-bench run; sets gbps, and cpu (CPU seconds per GB of every
+# process on the path: the proxies and the clients, over the window).
 kv_run() {
   local size=$1 payload=$2 mode=$3 rc=0 b room=()
   b=$(to_bytes "$size")
@@ -182,6 +198,10 @@ kv_run() {
   fi
   gbps=$(grep -oE '"gbps": [0-9][-0-9.e+]*' "$tmp/kv.json" | head -1 | awk '{printf "%.4f\n", $2}')
   [ -n "$gbps" ] || die "no GB/s in kvstage-bench's JSON ($tmp/kv.json)"
+  # local: "cpu_s_per_gb": N; tcp: "cpu_s_per_gb": { ..., "all": N }
+  cpu=$(awk '/"cpu_s_per_gb": [0-9]/ { v = $2 } /"all": / { v = $2 } END { if (v != "") printf "%.4f\n", v + 0 }' \
+    "$tmp/kv.json")
+  [ -n "$cpu" ] || cpu=-
 }
 
 ratio() { awk -v a="$1" -v b="$2" 'BEGIN { if (b > 0) printf "%.2f", a / b; else print "-" }'; }
@@ -203,19 +223,27 @@ printf "%-6s %13s %13s %13s %13s %9s %9s %9s\n" size "kvstage in" "kvstage copy"
 printf "%-6s %13s %13s %13s %13s %9s %9s %9s\n" "" "GB/s" "GB/s" "GB/s" "GB/s" "" "" ""
 IFS=, read -ra list <<<"$sizes"
 median() { printf '%s\n' "$@" | sort -g | awk '{ v[NR] = $1 } END { print (NR % 2) ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2 }'; }
+cpu_rows=()
 for s in "${list[@]}"; do
   b=$(to_bytes "$s")
-  us=() is=() cs=() ns=()
+  us=() is=() cs=() ns=() ucpu=() icpu=() ccpu=() ncpu_=()
   for ((k = 0; k < repeat; k++)); do
-    ucx_run "$b"; us+=("$gbps")
-    kv_run "$s" in "$transport"; is+=("$gbps")
-    kv_run "$s" copy "$transport"; cs+=("$gbps")
-    kv_run "$s" none "$transport"; ns+=("$gbps")
+    ucx_run "$b"; us+=("$gbps"); ucpu+=("$cpu")
+    kv_run "$s" in "$transport"; is+=("$gbps"); icpu+=("$cpu")
+    kv_run "$s" copy "$transport"; cs+=("$gbps"); ccpu+=("$cpu")
+    kv_run "$s" none "$transport"; ns+=("$gbps"); ncpu_+=("$cpu")
   done
   u=$(median "${us[@]}") i=$(median "${is[@]}") c=$(median "${cs[@]}") n=$(median "${ns[@]}")
   [ "$repeat" -gt 1 ] && echo "  $s runs (GB/s): UCX ${us[*]}; in ${is[*]}; copy ${cs[*]}; none ${ns[*]}" >&2
+  [ "$repeat" -gt 1 ] && echo "  $s runs (CPU s/GB): UCX ${ucpu[*]}; in ${icpu[*]}; copy ${ccpu[*]}; none ${ncpu_[*]}" >&2
   printf "%-6s %13.3f %13.3f %13.3f %13.3f %9s %9s %9s\n" "$s" "$i" "$c" "$n" "$u" "$(ratio "$i" "$u")" "$(ratio "$c" "$u")" "$(ratio "$n" "$u")"
+  u=$(median "${ucpu[@]}") i=$(median "${icpu[@]}") c=$(median "${ccpu[@]}") n=$(median "${ncpu_[@]}")
+  cpu_rows+=("$(printf "%-6s %13.3f %13.3f %13.3f %13.3f %9s %9s %9s" "$s" "$i" "$c" "$n" "$u" "$(ratio "$i" "$u")" "$(ratio "$c" "$u")" "$(ratio "$n" "$u")")")
 done
+echo
+echo "CPU seconds per GB moved, every process on the path (lower is better; ratio < 1: kvstage spends less):"
+printf "%-6s %13s %13s %13s %13s %9s %9s %9s\n" size "kvstage in" "kvstage copy" "kvstage none" "UCX $test" "in/UCX" "copy/UCX" "none/UCX"
+printf '%s\n' "${cpu_rows[@]}"
 echo
 if [ "$transport" = tcp ]; then
   echo "Both cross a TCP connection on loopback: UCX from the sender's buffer to the"
@@ -232,6 +260,8 @@ else
   echo "none: kvstage hands filled slots over without touching them (zero copies)."
 fi
 [ "$repeat" -gt 1 ] && echo "Each figure is the median of $repeat runs, taken in turn (each run's figures on stderr)."
+echo "CPU: kvstage's proxies and clients over the measured window (kvstage-bench's cpu_s_per_gb);"
+echo "UCX's two processes over their whole lives (bash's times), warm-up and start-up included."
 echo "Working sets match: UCX reuses one buffer per side; kvstage's clients copy from and"
 echo "to private buffers of two chunks (kvstage-bench --wset), into and out of pool slots."
 if [ "$inflight" -gt 0 ]; then
