@@ -268,7 +268,8 @@ static void room_complete(struct kvsp *p, uint32_t i, uint8_t type)
 
 /*
  * The one end-of-life rule of a room, looked at whenever something it
- * holds changed (kvsp_room_mark):
+ * holds changed that can end it (kvsp_room_mark; the per-chunk paths mark
+ * only what can: a local open room's last landing, not each chunk):
  *
  *   OPEN      every chunk landed here, and every reader
  *             of a shared room joined                  -> ENDED (RECV_DONE)

@@ -110,8 +110,9 @@ void kvsp_slist_del(struct kvsp *p, uint32_t *head, uint32_t slot);
 void kvsp_room_touch(struct kvsp *p, uint32_t i);
 /* Aborts room i (type KVS_EV_ABORTED or FAILED); told_by_peer: the peer aborted it. */
 void kvsp_room_abort(struct kvsp *p, uint32_t i, int status, uint8_t type, bool told_by_peer);
-/* Something room i holds changed (a pin, a landing, its state, the peer's
- * half, a client): kvsp_rooms_settle looks at it. */
+/* Something room i holds changed that can end it (its last landing, the
+ * last pin of an ended or far half, its state, the peer's half, a client):
+ * kvsp_rooms_settle looks at it. */
 void kvsp_room_mark(struct kvsp *p, uint32_t i);
 /* Applies the one end-of-life rule (rooms.c, room_settle) to every marked
  * room: completes, ends or frees it. The core settles at the end of each
