@@ -12,10 +12,20 @@ default 7), so that a machine that drifts drifts for both; each is given --json.
 Prints, for every figure of every point (chunk size; latency mode: its one result), each side's runs, their medians,
 and B's median over A's. A figure that moves less than the runs spread says nothing:
 the runs are printed so that the spread can be seen.
+
+  tools/bench/ab.py --callgrind A B -- KVSTAGE-BENCH-ARGS...
+
+runs each side once under valgrind's callgrind instead (give --bytes, not --duration: a
+fixed amount of work) and prints instructions per chunk: the proxy's loop (kvsp_run,
+inclusive) and its op path (kvsp_client_op), over the chunks it was sent (kvsp_room_send's
+calls), and per call of the clients' non-blocking libkvstage calls. Instructions are not
+time (a cache miss or a division costs more than its count), but they do not move with
+the host's load: where timed runs scatter, they still show which side does more work.
 """
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -74,6 +84,89 @@ def run(build, args):
     return json.loads(r.stdout)
 
 
+PROXY_FNS = ("kvsp_run", "kvsp_client_poll", "kvsp_client_op", "kvsp_room_send")
+CLIENT_FNS = ("kvs_acquire", "kvs_send", "kvs_release", "kvs_poll", "kvs_room_lease")
+
+
+def callgrind_costs(path, names):
+    """{name: (inclusive Ir, calls)} for the named functions in one callgrind output file."""
+    out = subprocess.run(["callgrind_annotate", "--inclusive=yes", "--auto=no", "--threshold=100", path],
+                         capture_output=True, text=True, check=True).stdout
+    ir = {}
+    for line in out.splitlines():
+        m = re.match(r"\s*([\d,]+)\s+\([^)]*\)\s+\S*?:?(\w+)\s+\[", line)
+        if m and m.group(2) in names and m.group(2) not in ir:
+            ir[m.group(2)] = int(m.group(1).replace(",", ""))
+    calls, ids, cur = dict.fromkeys(names, 0), {}, None
+    with open(path) as f:
+        for line in f:
+            m = re.match(r"c?fn=\((\d+)\)(?: (.*))?", line)
+            if m:
+                if m.group(2):
+                    ids[m.group(1)] = m.group(2).strip()
+                cur = ids.get(m.group(1)) if line.startswith("cfn=") else None
+                continue
+            m = re.match(r"calls=(\d+)", line)
+            if m and cur in calls:
+                calls[cur] += int(m.group(1))
+                cur = None
+    return {n: (ir.get(n, 0), calls[n]) for n in names}
+
+
+def callgrind_side(build, args, outdir):
+    """Runs the bench once under callgrind; returns (proxy costs, summed client costs)."""
+    os.makedirs(outdir, exist_ok=True)
+    for old in os.listdir(outdir):
+        os.unlink(os.path.join(outdir, old))
+    bench = os.path.join(build, "tools", "bench", "kvstage-bench")
+    env = dict(os.environ, KVSTAGED=os.path.join(build, "proxy", "kvstaged"))
+    r = subprocess.run(["valgrind", "--tool=callgrind", "--trace-children=yes",
+                        f"--callgrind-out-file={outdir}/cg.%p", bench, "-q", *args],
+                       capture_output=True, text=True, env=env)
+    if r.returncode:
+        sys.exit(f"ab: callgrind of {bench} {' '.join(args)} failed ({r.returncode}):\n{r.stderr[-3000:]}")
+    proxy, clients = None, {n: [0, 0] for n in CLIENT_FNS}
+    for name in sorted(os.listdir(outdir)):
+        path = os.path.join(outdir, name)
+        with open(path) as f:
+            head = f.read(4096)
+        if "proxy/kvstaged" in head:
+            proxy = callgrind_costs(path, PROXY_FNS)
+        else:
+            for n, (ir, calls) in callgrind_costs(path, CLIENT_FNS).items():
+                clients[n][0] += ir
+                clients[n][1] += calls
+    if not proxy:
+        sys.exit(f"ab: no kvstaged among the callgrind outputs in {outdir} (is the mode one that starts it?)")
+    return proxy, clients
+
+
+def callgrind_main(o, bench_args):
+    if not any(a.startswith("--bytes") or a in ("-b",) for a in bench_args):
+        sys.exit("ab: --callgrind wants a fixed amount of work: give kvstage-bench --bytes")
+    sides = {"A": build_of(o.a), "B": build_of(o.b)}
+    res = {}
+    for s in ("A", "B"):
+        print(f"ab: callgrind {s}", file=sys.stderr)
+        res[s] = callgrind_side(sides[s], bench_args, os.path.join(ROOT, "build-ab", f"callgrind-{s}"))
+    print(f"A = {o.a} ({sides['A']})\nB = {o.b} ({sides['B']})\n"
+          f"kvstage-bench {' '.join(bench_args)} under callgrind, once each")
+    chunks = {s: res[s][0]["kvsp_room_send"][1] for s in res}
+    print(f"\nproxy, instructions per chunk sent (chunks: A {chunks['A']}, B {chunks['B']})")
+    for n in PROXY_FNS:
+        per = {s: res[s][0][n][0] / chunks[s] if chunks[s] else float("nan") for s in res}
+        print(f"  {n:18s} A {per['A']:8.1f}  B {per['B']:8.1f}  B/A {per['B'] / per['A']:.3f}"
+              if per["A"] else f"  {n:18s} A -  B {per['B']:8.1f}")
+    print("\nclients, instructions per call (every sender and receiver process)")
+    for n in CLIENT_FNS:
+        per = {s: res[s][1][n][0] / res[s][1][n][1] if res[s][1][n][1] else None for s in res}
+        if per["A"] is None or per["B"] is None:
+            continue
+        print(f"  {n:18s} A {per['A']:8.1f}  B {per['B']:8.1f}  B/A {per['B'] / per['A']:.3f}"
+              f"  (calls A {res['A'][1][n][1]}, B {res['B'][1][n][1]})")
+    return 0
+
+
 def figure(point, path):
     v = point
     for k in path:
@@ -93,6 +186,7 @@ def points(report):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], usage=__doc__.split("\n\n")[1])
     ap.add_argument("-n", "--runs", type=int, default=7)
+    ap.add_argument("--callgrind", action="store_true")
     ap.add_argument("a")
     ap.add_argument("b")
     ap.add_argument("bench", nargs=argparse.REMAINDER)
@@ -100,6 +194,8 @@ def main():
     bench_args = o.bench[1:] if o.bench[:1] == ["--"] else o.bench
     if o.runs < 1 or not bench_args:
         ap.error("want RUNS >= 1 and a kvstage-bench command after --")
+    if o.callgrind:
+        return callgrind_main(o, bench_args)
     sides = {"A": build_of(o.a), "B": build_of(o.b)}
     runs = {"A": [], "B": []}
     for i in range(o.runs):
