@@ -26,28 +26,6 @@
 
 /* ------------------------------------------------------------ helpers */
 
-void kvsp_slist_push(struct kvsp *p, uint32_t *head, uint32_t slot)
-{
-	struct kvsp_slot_priv *sp = p->slots.priv;
-	sp[slot].prev = NONE;
-	sp[slot].next = *head;
-	if (*head != NONE)
-		sp[*head].prev = slot;
-	*head = slot;
-}
-
-void kvsp_slist_del(struct kvsp *p, uint32_t *head, uint32_t slot)
-{
-	struct kvsp_slot_priv *sp = p->slots.priv;
-	if (sp[slot].prev != NONE)
-		sp[sp[slot].prev].next = sp[slot].next;
-	else
-		*head = sp[slot].next;
-	if (sp[slot].next != NONE)
-		sp[sp[slot].next].prev = sp[slot].prev;
-	sp[slot].prev = sp[slot].next = NONE;
-}
-
 static void lru_del(struct kvsp *p, uint32_t i)
 {
 	struct kvsp_room *r = &p->rooms[i];
@@ -64,12 +42,9 @@ static void lru_del(struct kvsp *p, uint32_t i)
 	r->lru_prev = r->lru_next = NONE;
 }
 
-void kvsp_room_touch(struct kvsp *p, uint32_t i)
+void kvsp_room_touch_move(struct kvsp *p, uint32_t i)
 {
 	struct kvsp_room *r = &p->rooms[i];
-	r->progress_ns = p->now_ns;
-	if (p->lru_tail == i)
-		return;
 	lru_del(p, i);
 	r->lru_prev = p->lru_tail;
 	r->lru_next = NONE;
@@ -101,13 +76,6 @@ bool kvsp_token_eq(const uint8_t a[16], const uint8_t b[16])
 	for (int i = 0; i < 16; i++)
 		d |= a[i] ^ b[i];
 	return d == 0;
-}
-
-uint64_t kvsp_chunk_len(const struct kvsp *p, const struct kvsp_room *r, uint32_t chunk)
-{
-	uint64_t off = (uint64_t)chunk * p->cfg.slot_size;
-	uint64_t left = r->bytes - off;
-	return left < p->cfg.slot_size ? left : p->cfg.slot_size;
 }
 
 static struct kvsp_handle *handle_of(struct kvsp *p, struct kvsp_client *c, uint16_t h)
@@ -233,11 +201,9 @@ static void note(struct kvsp *p, uint32_t i, int what, int status)
 
 /* ------------------------------------------------------- end of life */
 
-void kvsp_room_mark(struct kvsp *p, uint32_t i)
+void kvsp_room_mark_new(struct kvsp *p, uint32_t i)
 {
 	struct kvsp_room *r = &p->rooms[i];
-	if (r->marked)
-		return;
 	r->marked = true;
 	r->mark_next = p->mark_head;
 	p->mark_head = i;

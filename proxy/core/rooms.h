@@ -103,17 +103,61 @@ void kvsp_client_destroy(struct kvsp *p, struct kvsp_client *c);
 uint64_t kvsp_rooms_tick(struct kvsp *p);
 void kvsp_rooms_abort_all(struct kvsp *p, int status);
 
-/* Core-internal, shared by rooms.c and xfer.c. */
-void kvsp_slist_push(struct kvsp *p, uint32_t *head, uint32_t slot);
-void kvsp_slist_del(struct kvsp *p, uint32_t *head, uint32_t slot);
-/* Progress: the room moves to the young end of the timeout list. */
-void kvsp_room_touch(struct kvsp *p, uint32_t i);
+/* Core-internal, shared by rooms.c and xfer.c; inline: every chunk takes them. */
+
+/* Puts slot at the head of a room's list (linked through the slots' private records). */
+static inline void kvsp_slist_push(struct kvsp *p, uint32_t *head, uint32_t slot)
+{
+	struct kvsp_slot_priv *sp = p->slots.priv;
+	sp[slot].prev = KVSP_NONE;
+	sp[slot].next = *head;
+	if (*head != KVSP_NONE)
+		sp[*head].prev = slot;
+	*head = slot;
+}
+
+/* Takes slot off the list at head. */
+static inline void kvsp_slist_del(struct kvsp *p, uint32_t *head, uint32_t slot)
+{
+	struct kvsp_slot_priv *sp = p->slots.priv;
+	if (sp[slot].prev != KVSP_NONE)
+		sp[sp[slot].prev].next = sp[slot].next;
+	else
+		*head = sp[slot].next;
+	if (sp[slot].next != KVSP_NONE)
+		sp[sp[slot].next].prev = sp[slot].prev;
+	sp[slot].prev = sp[slot].next = KVSP_NONE;
+}
+
+void kvsp_room_touch_move(struct kvsp *p, uint32_t i);
+/* Progress: the room moves to the young end of the timeout list (where a
+ * room being sent already is). */
+static inline void kvsp_room_touch(struct kvsp *p, uint32_t i)
+{
+	p->rooms[i].progress_ns = p->now_ns;
+	if (p->lru_tail != i)
+		kvsp_room_touch_move(p, i);
+}
+
+/* Bytes of chunk of room r: a slot's, or what is left for the last. */
+static inline uint64_t kvsp_chunk_len(const struct kvsp *p, const struct kvsp_room *r,
+				      uint32_t chunk)
+{
+	uint64_t off = (uint64_t)chunk * p->cfg.slot_size;
+	uint64_t left = r->bytes - off;
+	return left < p->cfg.slot_size ? left : p->cfg.slot_size;
+}
 /* Aborts room i (type KVS_EV_ABORTED or FAILED); told_by_peer: the peer aborted it. */
 void kvsp_room_abort(struct kvsp *p, uint32_t i, int status, uint8_t type, bool told_by_peer);
 /* Something room i holds changed that can end it (its last landing, the
  * last pin of an ended or far half, its state, the peer's half, a client):
  * kvsp_rooms_settle looks at it. */
-void kvsp_room_mark(struct kvsp *p, uint32_t i);
+void kvsp_room_mark_new(struct kvsp *p, uint32_t i);
+static inline void kvsp_room_mark(struct kvsp *p, uint32_t i)
+{
+	if (!p->rooms[i].marked)
+		kvsp_room_mark_new(p, i);
+}
 /* Applies the one end-of-life rule (rooms.c, room_settle) to every marked
  * room: completes, ends or frees it. The core settles at the end of each
  * event the loop hands it (a client's op or death, a transport's poll or
@@ -127,7 +171,6 @@ static inline void kvsp_rooms_settle(struct kvsp *p)
 /* xfer.c: pins lease l (checked) for chunk of room i and gives it to the room's transport. */
 void kvsp_xfer_send(struct kvsp *p, uint32_t owner, uint32_t i, const struct kvs_lease *l,
 		    uint32_t chunk);
-uint64_t kvsp_chunk_len(const struct kvsp *p, const struct kvsp_room *r, uint32_t chunk);
 bool kvsp_token_eq(const uint8_t a[16], const uint8_t b[16]);
 
 #endif

@@ -82,18 +82,6 @@ int kvsp_slot_acquire(struct kvsp_slots *s, uint32_t owner, unsigned n, struct k
 	return 0;
 }
 
-int kvsp_slot_check(const struct kvsp_slots *s, uint32_t owner, const struct kvs_lease *l)
-{
-	if (l->slot >= s->count)
-		return -EINVAL;
-	const struct kvs_slot *p = &s->pub[l->slot];
-	if (p->epoch != l->epoch)
-		return -ESTALE;
-	if (p->owner != owner || owner == 0)
-		return -EPERM;
-	return p->state;
-}
-
 int kvsp_slot_release(struct kvsp_slots *s, uint32_t owner, const struct kvs_lease *l)
 {
 	int st = kvsp_slot_check(s, owner, l);

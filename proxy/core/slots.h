@@ -15,6 +15,7 @@
 #ifndef KVSP_SLOTS_H
 #define KVSP_SLOTS_H
 
+#include <errno.h>
 #include <stdbool.h>
 #include <stdint.h>
 
@@ -49,7 +50,18 @@ void kvsp_slots_fini(struct kvsp_slots *s);
 /* Leases n FREE slots to owner into out[]. Returns 0, or -ENOBUFS (none leased). */
 int kvsp_slot_acquire(struct kvsp_slots *s, uint32_t owner, unsigned n, struct kvs_lease *out);
 /* Judges owner's lease l. Returns its state, or -EINVAL (no such slot), -ESTALE, -EPERM. */
-int kvsp_slot_check(const struct kvsp_slots *s, uint32_t owner, const struct kvs_lease *l);
+static inline int kvsp_slot_check(const struct kvsp_slots *s, uint32_t owner,
+				  const struct kvs_lease *l)
+{
+	if (l->slot >= s->count)
+		return -EINVAL;
+	const struct kvs_slot *p = &s->pub[l->slot];
+	if (p->epoch != l->epoch)
+		return -ESTALE;
+	if (p->owner != owner || owner == 0)
+		return -EPERM;
+	return p->state;
+}
 /* LEASED or RECV_FILLED l -> FREE. Returns 0, or -EINVAL, -ESTALE, -EPERM, -EBUSY (in flight). */
 int kvsp_slot_release(struct kvsp_slots *s, uint32_t owner, const struct kvs_lease *l);
 /* LEASED l -> INFLIGHT with one transport pin. Returns 0, or -EINVAL, -ESTALE, -EPERM, -EBUSY. */
