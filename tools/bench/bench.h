@@ -267,15 +267,15 @@ struct local_point {
 	uint64_t bytes, chunks, rooms, errors;
 	double gbps, chunks_s, rooms_s;
 	struct lat chunk_lat, room_lat;
-	double proxy_cpu; /* % of one core, < 0: n/a */
+	double proxy_cpu;   /* % of one core, < 0: n/a */
 	double clients_cpu; /* every sender and receiver process, summed, % of one core; < 0: n/a */
 	double memcpy_gbps, bound_gbps;
 	double pipe_gbps; /* payload copy/verify: baseline_pipe, else 0 */
 	/* tcp mode */
-	double proxy_rx_cpu;	     /* the receiving side's proxy, % of one core; < 0: n/a */
-	double tcp1_gbps, tcpn_gbps; /* raw TCP, one stream and --tcp-streams; < 0: failed */
+	double proxy_rx_cpu;		 /* the receiving side's proxy, % of one core; < 0: n/a */
+	double tcp1_gbps, tcpn_gbps;	 /* raw TCP, one stream and --tcp-streams; < 0: failed */
 	double tcp1_cpu_gb, tcpn_cpu_gb; /* their two processes' CPU seconds per GB; < 0: n/a */
-	double rdma_gbps;	     /* verbs: ib_read_bw on the same device; < 0: failed */
+	double rdma_gbps;		 /* verbs: ib_read_bw on the same device; < 0: failed */
 	/* verbs: each chunk's key on the sending proxy, per chunk READ */
 	double binds, invalidates, regions, region_frees;
 };
