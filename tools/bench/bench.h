@@ -232,7 +232,14 @@ struct raw_tcp {
 };
 /* GB/s the receiver counted over r->sec, or < 0 on failure. */
 double baseline_raw_tcp(struct raw_tcp *r);
-/* rdmabase.c: perftest's ib_read_bw between two processes on dev (gid_index
+/* extbase.c: UCX's ucx_perftest tag_bw with UCX_TLS=tcp between r's two
+ * endpoints (server in rx_ns on rx_ip, client in tx_ns; r->streams is not
+ * used), iters messages of r->chunk bytes after a tenth as many to warm up:
+ * GB/s, with both processes' CPU seconds per GB (their whole lives, warm-up
+ * included) in *cpu_s_per_gb; or < 0 with why filled in. */
+double baseline_ucx_tcp(const struct raw_tcp *r, uint64_t iters, double *cpu_s_per_gb, char *why,
+			size_t why_len);
+/* extbase.c: perftest's ib_read_bw between two processes on dev (gid_index
  * < 0: its own choice), READs of chunk bytes for sec (whole seconds, at
  * least 1): GB/s, or < 0 with why filled in. */
 double baseline_ib_read_bw(const char *dev, int gid_index, uint64_t chunk, double sec, char *why,
@@ -275,6 +282,7 @@ struct local_point {
 	double proxy_rx_cpu;		 /* the receiving side's proxy, % of one core; < 0: n/a */
 	double tcp1_gbps, tcpn_gbps;	 /* raw TCP, one stream and --tcp-streams; < 0: failed */
 	double tcp1_cpu_gb, tcpn_cpu_gb; /* their two processes' CPU seconds per GB; < 0: n/a */
+	double ucx_gbps, ucx_cpu_gb;	 /* UCX tag_bw over UCX_TLS=tcp; < 0: not measured */
 	double rdma_gbps;		 /* verbs: ib_read_bw on the same device; < 0: failed */
 	/* verbs: each chunk's key on the sending proxy, per chunk READ */
 	double binds, invalidates, regions, region_frees;

@@ -253,6 +253,19 @@ static int point(const struct bench_opts *o, const struct tcp_env *e, struct loc
 	}
 	if (pt->tcp1_gbps <= 0 || pt->tcpn_gbps <= 0)
 		note(o, "baseline: a raw TCP measurement failed; its ratio is n/a");
+	pt->ucx_gbps = pt->ucx_cpu_gb = -1;
+	if (!verbs) {
+		/* About --baseline-sec at the better raw rate, at least 200 messages. */
+		double rate = fmax(fmax(pt->tcp1_gbps, pt->tcpn_gbps), 0.5) * 1e9;
+		uint64_t iters = (uint64_t)(o->baseline_sec * rate / (double)chunk);
+		char why[320];
+		note(o, "baseline: UCX tag_bw over UCX_TLS=tcp, %llu messages of %s",
+		     (unsigned long long)(iters < 200 ? 200 : iters), cs);
+		pt->ucx_gbps = baseline_ucx_tcp(&raw, iters < 200 ? 200 : iters, &pt->ucx_cpu_gb,
+						why, sizeof(why));
+		if (pt->ucx_gbps <= 0)
+			note(o, "baseline: no UCX figure: %s", why);
+	}
 
 	struct bench_proxy a, b;
 	if (tcp_proxies_start(o, e, verbs, chunk, slots, &a, &b))
@@ -303,6 +316,10 @@ static const char *const tcp_defs[][2] = {
 	  "receiver process placed like the proxies, each holding all its sockets in "
 	  "one thread, writes and reads of the chunk size from a 64 MiB ring of buffers; "
 	  "one stream, and --tcp-streams streams" },
+	{ "ucx_tcp", "UCX's ucx_perftest -t tag_bw with UCX_TLS=tcp between the same two "
+		     "endpoints, placed like the proxies, about --baseline-sec of messages of the "
+		     "chunk size (where ucx-utils is installed; what NIXL builds on); its CPU is "
+		     "both processes' whole lives" },
 	{ "gbps", "room bytes completed in the window / window; 1 GB = 1e9 bytes; ratio over the "
 		  "raw figure" },
 	{ "chunks_per_s", "chunks completed per second; baseline: the better raw figure in "
@@ -364,6 +381,12 @@ static void describe(const struct bench_opts *o, struct point *p, const struct l
 	vs(p, f, lp->tcpn_gbps > 0 ? lp->tcpn_gbps : -1,
 	   keep(p, "raw TCP, %u streams", o->tcp_streams), "baseline.raw_tcp_n_gbps",
 	   "ratio.gbps_vs_raw_tcp_n");
+	if (!verbs) {
+		f = fig(p, "", NULL, U_NUM, lp->gbps, NULL);
+		f->bcol = "UCX tcp";
+		vs(p, f, lp->ucx_gbps > 0 ? lp->ucx_gbps : -1, "UCX tag_bw, UCX_TLS=tcp",
+		   "baseline.ucx_tcp_gbps", "ratio.gbps_vs_ucx_tcp");
+	}
 	vs(p, fig(p, "chunks/s", "chunks/s", U_RATE, lp->chunks_s, "chunks_per_s"), raw_cps,
 	   verbs ? "ib_read_bw, in chunks" : "raw TCP (better), in chunks",
 	   "baseline.raw_tcp_chunks_per_s", "ratio.chunks_per_s_vs_raw_tcp");
@@ -397,6 +420,10 @@ static void describe(const struct bench_opts *o, struct point *p, const struct l
 	       a >= 0 && b >= 0 && cl >= 0 ? a + b + cl : -1, "cpu_s_per_gb.all|cpu_s_per_gb"),
 	   raw_cpu > 0 ? raw_cpu : -1, "raw TCP's two processes", "baseline.raw_tcp_cpu_s_per_gb",
 	   "ratio.cpu_s_per_gb_vs_raw_tcp");
+	if (!verbs)
+		vs(p, fig(p, "", NULL, U_NUM, a >= 0 && b >= 0 && cl >= 0 ? a + b + cl : -1, NULL),
+		   lp->ucx_cpu_gb > 0 ? lp->ucx_cpu_gb : -1, "UCX's two processes",
+		   "baseline.ucx_tcp_cpu_s_per_gb", "ratio.cpu_s_per_gb_vs_ucx_tcp");
 	if (verbs) {
 		put_str(p, "keys.kind", "%s", keys_name(lp));
 		put_num(p, "keys.binds_per_chunk", lp->binds);
@@ -436,7 +463,8 @@ static void report_tcp(const struct bench_opts *o, const struct local_point *pt,
 		 "bytes,chunks,rooms,errors,gbps,chunks_per_s,room_p50_us,room_p99_us,chunk_p50_us,"
 		 "chunk_p99_us,proxy_a_cpu_pct,proxy_b_cpu_pct,clients_cpu_pct,raw_tcp_1_gbps,"
 		 "raw_tcp_n_gbps,gbps_vs_raw_tcp_1,gbps_vs_raw_tcp_n,cpu_s_per_gb,"
-		 "raw_tcp_cpu_s_per_gb,cpu_s_per_gb_vs_raw_tcp";
+		 "raw_tcp_cpu_s_per_gb,cpu_s_per_gb_vs_raw_tcp,ucx_tcp_gbps,gbps_vs_ucx_tcp,"
+		 "ucx_tcp_cpu_s_per_gb,cpu_s_per_gb_vs_ucx_tcp";
 	if (o->mode == MODE_VERBS)
 		CAT(d->tail,
 		    "\nverbs: the same two proxies with --rdma-device %s: every chunk is pulled "
