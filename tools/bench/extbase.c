@@ -69,11 +69,6 @@ static pid_t run_in(const char *const *argv, int out_fd, int cpu, const char *ns
 	return pid;
 }
 
-static pid_t run(const char *const *argv, int out_fd)
-{
-	return run_in(argv, out_fd, -1, NULL);
-}
-
 /* Reads fd to its end into out (NUL-terminated). Returns the length. */
 static size_t slurp(int fd, char *out, size_t len)
 {
@@ -89,6 +84,68 @@ static double cpu_of(const struct rusage *ru)
 {
 	return (double)(ru->ru_utime.tv_sec + ru->ru_stime.tv_sec) +
 	       (double)(ru->ru_utime.tv_usec + ru->ru_stime.tv_usec) / 1e6;
+}
+
+/* One server and one client run of a tool. */
+struct ext_run {
+	const char *const *srv, *const *cli; /* argv */
+	int srv_cpu, cli_cpu;		     /* -1: anywhere */
+	const char *srv_ns, *cli_ns;	     /* NULL: ours */
+	unsigned port;			     /* the server's, to know it is up */
+	bool srv_ends;			     /* the server exits with the test; else SIGTERM */
+	/* out */
+	char out[8192]; /* the client's stdout */
+	size_t have;
+	int srv_status; /* wait status, if it exited before it listened */
+	int cli_status;
+	double cpu_s; /* both processes' whole lives */
+};
+
+/* Starts e->srv, and once it listens runs e->cli to its end. Returns 0,
+ * -1 (the server exited at once: srv_status), or -2 (it never listened). */
+static int ext_run(struct ext_run *e)
+{
+	e->have = 0;
+	e->out[0] = 0;
+	e->cpu_s = 0;
+	pid_t s = run_in(e->srv, -1, e->srv_cpu, e->srv_ns);
+	if (s < 0)
+		return -2;
+	uint64_t until = now_ns() + 10000000000ull;
+	bool up = false;
+	while (!(up = listening(s, e->port)) && now_ns() < until) {
+		if (waitpid(s, &e->srv_status, WNOHANG) == s)
+			return -1;
+		sleep_ns(5000000);
+	}
+	int pipefd[2];
+	if (!up || pipe2(pipefd, O_CLOEXEC) < 0) {
+		kill(s, SIGKILL);
+		waitpid(s, NULL, 0);
+		return -2;
+	}
+	pid_t c = run_in(e->cli, pipefd[1], e->cli_cpu, e->cli_ns);
+	close(pipefd[1]);
+	e->have = slurp(pipefd[0], e->out, sizeof(e->out));
+	close(pipefd[0]);
+	struct rusage rc = { 0 }, rs = { 0 };
+	if (c > 0)
+		wait4(c, &e->cli_status, 0, &rc);
+	pid_t done = 0;
+	for (int k = 0; e->srv_ends && k < 200 && !(done = wait4(s, NULL, WNOHANG, &rs)); k++)
+		sleep_ns(10000000);
+	if (!done) {
+		kill(s, SIGTERM);
+		wait4(s, NULL, 0, &rs);
+	}
+	e->cpu_s = cpu_of(&rc) + cpu_of(&rs);
+	return 0;
+}
+
+/* The tail of what a tool said, for an error line: from its line at `at` if given. */
+static const char *said(const struct ext_run *e, const char *at)
+{
+	return at ? at : e->have > 200 ? e->out + e->have - 200 : e->have ? e->out : "(no output)";
 }
 
 double baseline_ib_read_bw(const char *dev, int gid_index, uint64_t chunk, double sec, char *why,
@@ -111,46 +168,22 @@ double baseline_ib_read_bw(const char *dev, int gid_index, uint64_t chunk, doubl
 		cli[11] = "127.0.0.1";
 		cli[12] = NULL;
 	}
-	pid_t s = run(srv, -1);
-	if (s < 0) {
-		snprintf(why, why_len, "fork: %s", strerror(errno));
+	static struct ext_run e;
+	e = (struct ext_run){ .srv = srv, .cli = cli, .srv_cpu = -1, .cli_cpu = -1, .port = p };
+	int rc = ext_run(&e);
+	if (rc == -1) {
+		snprintf(why, why_len,
+			 "ib_read_bw's server exited at once (is perftest installed? apt install "
+			 "perftest; does -d %s exist?)",
+			 dev);
 		return -1;
 	}
-	uint64_t until = now_ns() + 10000000000ull;
-	while (!listening(s, p) && now_ns() < until) {
-		if (waitpid(s, NULL, WNOHANG) == s) {
-			snprintf(why, why_len,
-				 "ib_read_bw's server exited at once (is perftest "
-				 "installed? apt install perftest; does -d %s exist?)",
-				 dev);
-			return -1;
-		}
-		sleep_ns(5000000);
-	}
-	if (!listening(s, p)) {
-		kill(s, SIGKILL);
-		waitpid(s, NULL, 0);
+	if (rc < 0) {
 		snprintf(why, why_len, "ib_read_bw's server never listened on port %u", p);
 		return -1;
 	}
-	int pipefd[2];
-	if (pipe2(pipefd, O_CLOEXEC) < 0) {
-		kill(s, SIGKILL);
-		waitpid(s, NULL, 0);
-		return -1;
-	}
-	pid_t c = run(cli, pipefd[1]);
-	close(pipefd[1]);
-	char out[8192];
-	size_t have = slurp(pipefd[0], out, sizeof(out));
-	close(pipefd[0]);
-	int st = 0;
-	if (c > 0)
-		waitpid(c, &st, 0);
-	kill(s, SIGTERM);
-	waitpid(s, NULL, 0);
 	/* " #bytes #iterations BW peak[Gb/sec] BW average[Gb/sec] MsgRate[Mpps]", then the numbers */
-	const char *h = strstr(out, "BW average[Gb/sec]");
+	const char *h = strstr(e.out, "BW average[Gb/sec]");
 	const char *row = h ? strchr(h, '\n') : NULL;
 	unsigned long long bytes, iters;
 	double peak, avg;
@@ -158,13 +191,10 @@ double baseline_ib_read_bw(const char *dev, int gid_index, uint64_t chunk, doubl
 	    avg <= 0) {
 		/* Its result row if it printed one (a run that moved nothing in
 		 * its window), else the end of what it said. */
-		const char *say = row	       ? row + 1
-				  : have > 200 ? out + have - 200
-				  : have       ? out
-					       : "(no output)";
+		const char *say = said(&e, row ? row + 1 : NULL);
 		snprintf(why, why_len, "ib_read_bw (exit %d) gave no bandwidth: %.*s",
-			 WIFEXITED(st) ? WEXITSTATUS(st) : -1, (int)strcspn(say, row ? "\n" : ""),
-			 say);
+			 WIFEXITED(e.cli_status) ? WEXITSTATUS(e.cli_status) : -1,
+			 (int)strcspn(say, row ? "\n" : ""), say);
 		return -1;
 	}
 	return avg / 8; /* Gb/s (1e9 bits) to GB/s (1e9 bytes) */
@@ -186,79 +216,42 @@ double baseline_ucx_tcp(const struct raw_tcp *r, uint64_t iters, double *cpu_s_p
 	const char *cli[] = { "ucx_perftest", host, "-t", "tag_bw", "-s", size, "-n", n,
 			      "-w",	      warm, "-p", port,	    "-f", "-v", NULL };
 	*cpu_s_per_gb = -1;
-	/* Its TCP transport only, like ours; the children inherit it. */
-	char *had = getenv("UCX_TLS");
+	static struct ext_run e;
+	e = (struct ext_run){ .srv = srv,
+			      .cli = cli,
+			      .srv_cpu = r->rx_cpu,
+			      .cli_cpu = r->tx_cpu,
+			      .srv_ns = r->rx_ns,
+			      .cli_ns = r->tx_ns,
+			      .port = p,
+			      .srv_ends = true };
+	/* Its TCP transport only, like ours: both children inherit it. */
+	const char *had = getenv("UCX_TLS");
 	char *saved = had ? strdup(had) : NULL;
 	setenv("UCX_TLS", "tcp", 1);
-	pid_t s = run_in(srv, -1, r->rx_cpu, r->rx_ns);
-	if (saved) {
+	int rc = ext_run(&e);
+	if (saved)
 		setenv("UCX_TLS", saved, 1);
-		free(saved);
-	} else {
-		unsetenv("UCX_TLS");
-	}
-	if (s < 0) {
-		snprintf(why, why_len, "fork: %s", strerror(errno));
-		return -1;
-	}
-	uint64_t until = now_ns() + 10000000000ull;
-	bool up = false;
-	while (!up && now_ns() < until) {
-		int st;
-		if (waitpid(s, &st, WNOHANG) == s) {
-			if (WIFEXITED(st) && WEXITSTATUS(st) == 127)
-				snprintf(why, why_len,
-					 "ucx_perftest is not installed (Debian: "
-					 "apt install ucx-utils)");
-			else
-				snprintf(why, why_len,
-					 "ucx_perftest's server exited at once (exit %d)",
-					 WIFEXITED(st) ? WEXITSTATUS(st) : -1);
-			return -1;
-		}
-		up = listening(s, p);
-		if (!up)
-			sleep_ns(5000000);
-	}
-	if (!up) {
-		kill(s, SIGKILL);
-		waitpid(s, NULL, 0);
-		snprintf(why, why_len, "ucx_perftest's server never listened on port %u", p);
-		return -1;
-	}
-	int pipefd[2];
-	if (pipe2(pipefd, O_CLOEXEC) < 0) {
-		kill(s, SIGKILL);
-		waitpid(s, NULL, 0);
-		return -1;
-	}
-	setenv("UCX_TLS", "tcp", 1);
-	pid_t c = run_in(cli, pipefd[1], r->tx_cpu, r->tx_ns);
-	if (had)
-		setenv("UCX_TLS", had, 1);
 	else
 		unsetenv("UCX_TLS");
-	close(pipefd[1]);
-	char out[8192];
-	size_t have = slurp(pipefd[0], out, sizeof(out));
-	close(pipefd[0]);
-	struct rusage rc = { 0 }, rs = { 0 };
-	int st = 0;
-	if (c > 0)
-		wait4(c, &st, 0, &rc);
-	/* The server ends with the test; a server still up after that is killed. */
-	int sst;
-	pid_t done = 0;
-	for (int k = 0; k < 200 && (done = wait4(s, &sst, WNOHANG, &rs)) == 0; k++)
-		sleep_ns(10000000);
-	if (done == 0) {
-		kill(s, SIGKILL);
-		wait4(s, &sst, 0, &rs);
+	free(saved);
+	if (rc == -1) {
+		if (WIFEXITED(e.srv_status) && WEXITSTATUS(e.srv_status) == 127)
+			snprintf(why, why_len,
+				 "ucx_perftest is not installed (Debian: apt install ucx-utils)");
+		else
+			snprintf(why, why_len, "ucx_perftest's server exited at once (exit %d)",
+				 WIFEXITED(e.srv_status) ? WEXITSTATUS(e.srv_status) : -1);
+		return -1;
+	}
+	if (rc < 0) {
+		snprintf(why, why_len, "ucx_perftest's server never listened on port %u", p);
+		return -1;
 	}
 	/* -f -v: "iterations,50.0_percentile_lat,avg_lat,overall_lat,avg_bw,overall_bw,..."
 	 * rows; overall_bw is MB/s meaning MiB/s. */
 	double bw = -1;
-	for (char *line = out; line && *line;
+	for (const char *line = e.out; line;
 	     line = strchr(line, '\n') ? strchr(line, '\n') + 1 : NULL) {
 		unsigned long long it;
 		double f2, f3, f4, f5, f6;
@@ -266,12 +259,12 @@ double baseline_ucx_tcp(const struct raw_tcp *r, uint64_t iters, double *cpu_s_p
 			bw = f6 * 1048576 / 1e9;
 	}
 	if (!(bw > 0)) {
-		const char *say = have > 200 ? out + have - 200 : have ? out : "(no output)";
+		const char *say = said(&e, NULL);
 		snprintf(why, why_len, "ucx_perftest (exit %d) gave no bandwidth: %.*s",
-			 WIFEXITED(st) ? WEXITSTATUS(st) : -1, (int)strcspn(say, "\n"), say);
+			 WIFEXITED(e.cli_status) ? WEXITSTATUS(e.cli_status) : -1,
+			 (int)strcspn(say, "\n"), say);
 		return -1;
 	}
-	*cpu_s_per_gb = (cpu_of(&rc) + cpu_of(&rs)) /
-			((double)(iters + w) * (double)r->chunk / 1e9);
+	*cpu_s_per_gb = e.cpu_s / ((double)(iters + w) * (double)r->chunk / 1e9);
 	return bw;
 }
