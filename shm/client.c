@@ -1212,8 +1212,10 @@ const char *kvs_strerror(int err)
 	case -ECANCELED:
 		return "room aborted";
 	case -ETIMEDOUT:
-		return "timed out (from a sync call: the proxy did not answer within the bound, "
-		       "and the connection is no longer usable)";
+		return "timed out (a room's final: its peer proxy stopped answering within "
+		       "--peer-timeout, or the room within --room-timeout; from a sync call: the "
+		       "proxy did not answer within the bound, and the connection is no longer "
+		       "usable)";
 	case -EBUSY:
 		return "busy: the slot is in flight, or the room already has a sender";
 	case -EEXIST:
