@@ -265,7 +265,8 @@ def test_scheduler_side_decode():
         rb = E.Request("d4", 10, _decode_params(remote_request_id="p4", **bad), 4)
         assert c.get_num_new_matched_tokens(rb, 0) == (0, False)
         c.update_state_after_alloc(rb, E.KVCacheBlocks([5, 6, 9], [5, 6, 9]), 0)
-        assert _step(c).reqs_to_drop == [("10.0.0.1", 7600, "p4")]
+        # a prefill of another TP size: its ranks that hold this rank's heads are told
+        assert _step(c).reqs_to_drop == [("10.0.0.1", 7600, "p4") + ((2,) if "tp_size" in bad else ())]
     nixl = E.Request("d5", 10, dict(do_remote_prefill=True, remote_block_ids=[1], remote_engine_id="e",
                                     remote_host="h", remote_port=1), 5)
     assert c.get_num_new_matched_tokens(nixl, 0) == (0, False)

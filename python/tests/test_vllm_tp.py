@@ -216,3 +216,203 @@ def test_a_load_reaching_another_rank_is_refused(kv_proxy, caplog):
     finally:
         pair.close()
     assert_pool_free(kv_proxy.socket)
+
+
+# Prefill and decode of different TP sizes (NixlConnector's TransferTopology @ 9aaf83ef502f): the model has KV_HEADS KV
+# heads, each engine's rank r holds heads [r * KV_HEADS / tp, (r + 1) * KV_HEADS / tp); the prefill instance stages
+# each rank's KV in the head slices of the decode ranks it serves (kvstage_decode_tp_size).
+KV_HEADS = 4
+HET = [(1, 2, "kv-first"), (2, 4, "kv-first"), (4, 2, "kv-first"), (2, 1, "kv-first"), (2, 4, "hnd"),
+       (4, 2, "block-first")]
+HET_PLANS = {0: "prefix", 1: "prefix", 2: "d-abort-waiting", 3: "d-mid", 4: "d-mid-share", 5: "d-fail",
+             6: "d-after", 7: "p-abort-staging"}
+HET_EXPECT = {
+    None: ("FINISHED_LENGTH_CAPPED", "ok"),
+    "prefix": ("FINISHED_LENGTH_CAPPED", "ok"),              # half the blocks already cached on the decode side
+    "d-abort-waiting": ("FINISHED_LENGTH_CAPPED", "aborted"),  # aborted before allocation: every prefill rank told
+    "d-mid": ("FINISHED_LENGTH_CAPPED", "aborted"),          # decode rank 0 loaded, the last one's copy-out held
+    "d-mid-share": ("FINISHED_LENGTH_CAPPED", "aborted"),    # prefill rank 0's shares landed, the last rank's held
+    "d-fail": ("FINISHED_LENGTH_CAPPED", "load-failed"),     # the last prefill rank's copy into slots fails
+    "d-after": ("FINISHED_LENGTH_CAPPED", "ok+aborted"),     # aborted after the load, while decoding
+    "p-abort-staging": ("FINISHED_ABORTED", None),           # aborted while the last rank's copies into slots wait
+}
+
+
+@pytest.mark.parametrize("p_tp,d_tp,layout", HET, ids=[f"P{p}-D{d}-{layout}" for p, d, layout in HET])
+def test_tp_sizes_differ(kv_proxy, p_tp, d_tp, layout):
+    """24 requests from a prefill engine of TP size p_tp to a decode engine of TP size d_tp, one room per rank pair
+    carrying that pair's heads: every completed request's decode blocks hold, on each decode rank, exactly its heads
+    of the prefill's KV; aborts from either side while shares are in flight (one decode rank done and another's share
+    held; one prefill rank's shares landed and another's held; one prefill rank's copy failed); blocks of aborted
+    requests untouched once given back; each rank pair's room ends done for a completed request; pools end free. With
+vLLM's cache layouts: (2, num_blocks, block_size, heads, head_size), blocks first, and HND (a block's heads
+outermost in memory: one run per head slice of a block instead of one per position)."""
+    import vllm_engine as E
+    n = 24
+    rng = random.Random(20261202 + 10 * p_tp + d_tp)
+    plans = {k: HET_PLANS.get(k) for k in range(n)}
+    if d_tp == 1:
+        plans[3] = None  # one decode rank: no two to disagree
+    if p_tp == 1:
+        plans[4] = None  # one prefill rank: no other's share to land first
+    sizes = {k: rng.randint(5, 40) for k in range(n)}
+    seeds = {k: rng.getrandbits(40) for k in range(n)}
+    pair = E.PD(kv_proxy.socket,
+                p_kw=dict(tp=p_tp, num_blocks=192, kv_heads=KV_HEADS, extra={"kvstage_decode_tp_size": d_tp},
+                          kv_layout=layout),
+                d_kw=dict(tp=d_tp, num_blocks=256, kv_heads=KV_HEADS, kv_layout=layout))
+    P, D = pair.P, pair.D
+    try:
+        k_of = {f"p{k}": k for k in range(n)} | {f"d{k}": k for k in range(n)}
+        p_gate = E.GatedCopier(hold={("p7", "stage")}, fail={("p5", "stage")})
+        P.agents[-1].copier = p_gate
+        if plans[4] == "d-mid-share":
+            P.agents[-1].hold_send = lambda req, chunk: req == "p4"
+        if d_tp > 1:
+            D.agents[-1].copier = E.GatedCopier(hold={("d3", "load")})
+        results, quarantine = {}, []
+
+        def d_free(r, how):
+            k = k_of[r.request_id]
+            status = D.done[r.request_id][0]
+            if status == "FINISHED_ABORTED":
+                D.mark(r.blocks, E.MARK)  # the blocks are the engine's again (every rank's); nothing else may write
+                quarantine.append((k, list(r.blocks)))
+                outcome = "ok+aborted" if r.load_done else "aborted"
+            else:
+                outcome = "load-failed" if status == "FINISHED_ERROR" else "ok"
+            results[k] = dict(outcome=outcome, wrong=D.loaded.get(r.request_id) if r.load_done else None, how=how,
+                              why=[a.ended.get(r.request_id) for a in D.agents])
+            return status == "FINISHED_ABORTED"
+        D.on_free = d_free
+
+        def drive(new):
+            for r in new:
+                if plans[k_of[r.request_id]] == "d-abort-waiting":
+                    D.abort(r.request_id)  # before the decode scheduler ever saw it
+            for rid, r in list(P.requests.items()):
+                if plans[k_of[rid]] == "p-abort-staging" and not r.is_finished() and r.output:
+                    # its prompt's forward sealed the stage: the last rank's copies are (about to be) queued behind
+                    # the gate, the other ranks' done; waited for here, or the request might finish first
+                    E.wait_for(lambda: p_gate.queued(rid, "stage"), what="the last rank's copies queued")
+                    P.abort(rid)
+            recv = {(rank, rid) for _, rank, how, rid in D.reports if how == "finished_recving"}
+            for rid, r in list(D.requests.items()):
+                plan = plans[k_of[rid]]
+                if r.is_finished():
+                    continue
+                waiting = r.status == E.RequestStatus.WAITING_FOR_REMOTE_KVS
+                if plan == "d-mid" and waiting and (0, rid) in recv and (d_tp - 1, rid) not in recv:
+                    D.abort(rid)  # decode rank 0 reported its load, the last rank's copy-out is held
+                elif plan == "d-mid-share" and waiting and P.agents[0].ended.get("p4") == "sent":
+                    D.abort(rid)  # prefill rank 0's shares landed; the last prefill rank's are held
+                elif plan == "d-after" and r.load_done and r.output:
+                    D.abort(rid)
+
+        for k in range(n):
+            pair.add(k, sizes[k], seed=seeds[k], max_tokens=64 if plans[k] == "p-abort-staging" else 1)
+        want = {k for k in range(n) if HET_EXPECT[plans[k]][1] is not None}
+        prefix = {k: (sizes[k] // E.BLOCK_SIZE) // 2 for k in range(n) if plans[k] == "prefix"}
+        pair.run(lambda: set(results) == want and not P.requests and not D.requests, timeout=60,
+                 what="every request ended", on_route=drive, prefix=prefix)
+
+        problems = []
+        for k in range(n):
+            want_status, want_outcome = HET_EXPECT[plans[k]]
+            if P.done[f"p{k}"][0] != want_status:
+                problems.append(f"request {k} ({plans[k]}): prefill ended {P.done[f'p{k}'][0]}, expected {want_status}")
+            got = results.get(k)
+            if want_outcome is None:
+                if got is not None or f"d{k}" in D.done:
+                    problems.append(f"request {k} ({plans[k]}): reached the decode engine: {got}")
+            elif got is None or got["outcome"] != want_outcome:
+                problems.append(f"request {k} ({plans[k]}): decode {got}, expected {want_outcome}")
+            elif want_outcome.startswith("ok") and got["wrong"] is not None:
+                problems.append(f"request {k} ({plans[k]}): decode blocks differ from the prefill's: {got['wrong']}")
+        assert not problems, "\n".join(problems)
+        normal = [k for k in range(n) if plans[k] in (None, "prefix")]
+        assert len(normal) >= 16 and all(D.loaded[f"d{k}"] is None for k in normal)
+        if "d-fail" in plans.values():
+            assert "copying blocks into slots failed" in P.agents[-1].ended["p5"]
+        for rank in range(p_tp):  # the decode side aborted before allocating: every prefill rank was told
+            assert "released" in P.agents[rank].ended["p2"], (rank, P.agents[rank].ended["p2"])
+        for eng in (P, D):
+            twice = [key for key, c in collections.Counter((rk, h, rid) for _, rk, h, rid in eng.reports).items()
+                     if c > 1]
+            assert twice == [] and eng.double == []
+            assert eng.aggregator is None or eng.aggregator.pending() == ({}, {})
+        assert len(quarantine) >= 3 and all(D.marked(b, E.MARK) for _, b in quarantine)
+        assert len(P.free) == P.num_blocks and len(D.free) + sum(len(b) for _, b in quarantine) == D.num_blocks
+    finally:
+        pair.close()
+    s = assert_pool_free(kv_proxy.socket)
+    assert s["rooms"]["done"] >= max(p_tp, d_tp) * len(normal)  # one room per rank pair of a request
+
+
+def test_a_misrouted_share_is_refused(kv_proxy, caplog):
+    """Prefill TP 2 staged for decode TP 4 (prefill rank 1 holds the shares of decode ranks 2 and 3): a share load
+    that reaches the wrong prefill rank, comes from a decode instance of another TP size, or expects other heads (a
+    decode model of another KV head count) is refused at open with the reason, its room aborted, nothing written into
+    the decode blocks; the staged shares stay for their own decode ranks, which load them exact afterwards."""
+    import vllm_engine as E
+    caplog.set_level(logging.INFO, logger="kvstage.vllm")
+    pair = E.PD(kv_proxy.socket, p_kw=dict(tp=2, kv_heads=KV_HEADS, extra={"kvstage_decode_tp_size": 4}),
+                d_kw=dict(tp=4, kv_heads=KV_HEADS))
+    P, D = pair.P, pair.D
+    wrong = E.Engine(kv_proxy.socket, E.free_port(), 64, role="kv_consumer", tp=4, kv_heads=2 * KV_HEADS)
+    narrow = E.Engine(kv_proxy.socket, E.free_port(), 64, role="kv_consumer", tp=4, kv_heads=KV_HEADS, head_dim=8)
+    try:
+        pair.add(0, 22)
+        P.step_until(lambda: "p0" in P.freed, what="staged on both ranks")
+        pair.routed.add("p0")  # the test routes it itself
+        base = P.cfg.kv_transfer_config.kv_connector_extra_config["kvstage_port"]
+        nb = kv._cdiv(22, E.BLOCK_SIZE)
+        got = set()
+
+        def load(eng, rank, spec, tp_size=None):
+            a = eng.agents[rank]
+            a.tp_size, saved = tp_size or a.tp_size, a.tp_size
+            try:
+                a.post(a.cmd_recv, spec)
+
+                def ended():
+                    got.update(a.take_finished()[1])  # drained: these loads are not the decode scheduler's
+                    return spec.req_id in got
+                E.wait_for(ended, what=f"load {spec.req_id} ended")
+            finally:
+                a.tp_size = saved
+            return a.ended[spec.req_id]
+
+        blocks = D._alloc(nb)
+        # decode rank 0 (its heads are prefill rank 0's) at prefill rank 1's port
+        why = load(D, 0, kv.RecvSpec("x0", "p0", "127.0.0.1", base + 1, nb, tuple(blocks), 0, 10.0, remote_tp=1))
+        assert "aborted by the prefill side" in why, why
+        # rank 0 of a decode instance of TP size 2 (as it takes itself): staged for 4
+        why = load(D, 0, kv.RecvSpec("x1", "p0", "127.0.0.1", base, nb, tuple(blocks), 0, 10.0), tp_size=2)
+        assert "aborted by the prefill side" in why, why
+        # decode rank 0 of a model with twice the KV heads: it expects heads [0, 2) of prefill rank 0, which holds
+        # heads [0, 1) for it
+        wb = wrong._alloc(nb)
+        why = load(wrong, 0, kv.RecvSpec("x2", "p0", "127.0.0.1", base, nb, tuple(wb), 0, 10.0, remote_tp=2))
+        assert "aborted by the prefill side" in why, why
+        # decode rank 1 of a model with other head sizes (its dtype, layer count would show the same way)
+        nbk = narrow._alloc(nb)
+        why = load(narrow, 1, kv.RecvSpec("x3", "p0", "127.0.0.1", base, nb, tuple(nbk), 0, 10.0, remote_tp=2))
+        assert "aborted by the prefill side" in why, why
+        msgs = "\n".join(caplog.messages)
+        assert "share layouts differ" in msgs, msgs
+        assert "a load for decode TP rank 0 reached prefill rank 1, which serves decode ranks [2, 3]" in msgs, msgs
+        assert "staged for decode TP size 4, a load from a decode rank of TP size 2" in msgs, msgs
+        assert "decode rank 0 expects KV heads [0, 2] from prefill rank 0, whose share for it is heads [0, 1]" in msgs
+        assert D.marked(blocks, 0) and wrong.marked(wb, 0) and narrow.marked(nbk, 0)
+        assert [a.stage_state("p0")[0] for a in P.agents] == ["ready", "ready"]
+        D.free.extend(reversed(blocks))
+        pair.routed.discard("p0")
+        pair.run(lambda: "d0" in D.freed, what="d0 loaded")
+        assert D.loaded["d0"] is None and D.done["d0"][0] == "FINISHED_LENGTH_CAPPED"
+        assert D.double == [] and P.double == []
+    finally:
+        wrong.close()
+        narrow.close()
+        pair.close()
+    assert_pool_free(kv_proxy.socket)

@@ -184,14 +184,17 @@ class KVOutputAggregator:
         return dict(self._send_remaining_count), dict(self._recv_remaining_count)
 
 
-def kv_cache(num_blocks, head_dim=HEAD_DIM, layout="kv-first"):
+def kv_cache(num_blocks, head_dim=HEAD_DIM, layout="kv-first", heads=HEADS):
     """One layer's paged KV cache, indexed (K/V, block, position, head, dim) either way: "kv-first" is vLLM's
     (2, num_blocks, ...) in memory (a block's K one span, its V another, blocks item bytes apart); "block-first" is
-    (num_blocks, 2, ...) in memory (a block's K then its V: the blocks of each part 2 x item bytes apart)."""
+    (num_blocks, 2, ...) in memory (a block's K then its V: the blocks of each part 2 x item bytes apart); "hnd" is
+    vLLM's HND cache layout: the same logical shape, each block's heads outermost in memory."""
     if layout == "block-first":
-        return torch.zeros((num_blocks, 2, BLOCK_SIZE, HEADS, head_dim), dtype=torch.float16).transpose(0, 1)
+        return torch.zeros((num_blocks, 2, BLOCK_SIZE, heads, head_dim), dtype=torch.float16).transpose(0, 1)
+    if layout == "hnd":
+        return torch.zeros((2, num_blocks, heads, BLOCK_SIZE, head_dim), dtype=torch.float16).transpose(2, 3)
     assert layout == "kv-first", layout
-    return torch.zeros((2, num_blocks, BLOCK_SIZE, HEADS, head_dim), dtype=torch.float16)
+    return torch.zeros((2, num_blocks, BLOCK_SIZE, heads, head_dim), dtype=torch.float16)
 
 
 def cdiv(a, b):
@@ -252,8 +255,13 @@ class Engine:
     .worker, .kv, .agent are rank 0's; .workers, .kvs, .agents every rank's."""
 
     def __init__(self, socket_path, port, num_blocks, role="kv_both", connector_cls=kv.KvstageConnector,
-                 chunk=8, budget=48, extra=None, max_running=64, head_dim=HEAD_DIM, kv_layout="kv-first", tp=1):
+                 chunk=8, budget=48, extra=None, max_running=64, head_dim=HEAD_DIM, kv_layout="kv-first", tp=1,
+                 kv_heads=None):
         self.head_dim, self.tp = head_dim, tp
+        # the model's KV heads (HEADS per rank unless given), each rank holding its tp-th of them as vLLM shards them
+        self.kv_heads = kv_heads or HEADS * tp
+        assert self.kv_heads % tp == 0, (self.kv_heads, tp)
+        self.heads = self.kv_heads // tp
         self.cfg = vllm_config(socket_path, port, role, tp=tp, extra=extra)
         self.num_blocks = num_blocks
         kvcc = kv_cache_config(num_blocks)
@@ -262,7 +270,7 @@ class Engine:
         for rank in range(tp):  # each worker process: its connector, then its shard of the KV cache registered
             self.workers.append(connector_cls(self.cfg if tp == 1 else rank_config(self.cfg, rank),
                                               kv.KVConnectorRole.WORKER, kvcc))
-            self.kvs.append({n: kv_cache(num_blocks, head_dim, kv_layout) for n in LAYER_NAMES})
+            self.kvs.append({n: kv_cache(num_blocks, head_dim, kv_layout, self.heads) for n in LAYER_NAMES})
             self.workers[-1].register_kv_caches(self.kvs[-1])
             self.agents.append(self.workers[-1].connector_worker.agent)
         self.worker, self.kv, self.agent = self.workers[0], self.kvs[0], self.agents[0]
@@ -286,14 +294,15 @@ class Engine:
     # -- the model -------------------------------------------------------------------------------
     def content(self, r, rank=0):
         """(layers, 2, positions, heads, head_dim) int16: what the model writes for r at each position on TP rank
-        `rank` (its heads: other bytes on every rank)."""
-        c = self._content.get((r.seed, rank))
+        `rank`: its heads of the model's (other bytes on every rank; an engine of another TP size with as many KV heads
+        has the same bytes at each head)."""
+        c = self._content.get(r.seed)
         if c is None:
-            g = torch.Generator().manual_seed(r.seed if rank == 0 else (r.seed * 1000003 + rank) % (1 << 62))
-            c = self._content[r.seed, rank] = torch.randint(
-                -32768, 32767, (LAYERS, 2, MAX_POS, HEADS, self.head_dim), dtype=torch.int16, generator=g)
+            g = torch.Generator().manual_seed(r.seed)
+            c = self._content[r.seed] = torch.randint(
+                -32768, 32767, (LAYERS, 2, MAX_POS, self.kv_heads, self.head_dim), dtype=torch.int16, generator=g)
         assert r.num_tokens <= MAX_POS, r.num_tokens
-        return c
+        return c[:, :, :, rank * self.heads:(rank + 1) * self.heads]
 
     def _where(self, blocks, c0, n):
         pos = torch.arange(c0, c0 + n)
