@@ -563,6 +563,7 @@ class RecvSpec:
     load_timeout: float
     error: Optional[str] = None  # set: fail the load at once (the scheduler found it unusable)
     remote_tp: int = 0  # the prefill side's TP size (0: this side's): which prefill ranks hold this rank's heads
+    mla: bool = False  # replicated KV (MLA): rank 0 opens one room all this instance's ranks read (join)
 
 
 @dataclasses.dataclass
@@ -697,6 +698,9 @@ class _Settings:
         # ranks it serves, before any decode side asks); a request's kv_transfer_params may name its own
         self.decode_tp = _tp_pair(extra.get("kvstage_decode_tp_size", self.tp_size), self.tp_size,
                                   "kvstage_decode_tp_size")
+        # MLA (vLLM's model_config.use_mla, NixlConnector's is_mla): every TP rank holds the same KV; prefill rank 0
+        # stages it once, the decode ranks read it from one room they share (Client.recv_open(readers=n), join)
+        self.mla = bool(getattr(getattr(vllm_config, "model_config", None), "use_mla", False))
         if int(getattr(pc, "pipeline_parallel_size", 1) or 1) > 1:
             raise NotImplementedError("kvstage connector: pipeline parallelism is not supported")
         dp = 0
@@ -803,8 +807,11 @@ class _SchedulerSide:
             remote_tp = _tp_pair(p.get("tp_size", 1), self.s.tp_size, "the prefill side's TP size")
         except ValueError as e:
             return None, str(e)
+        if bool(kv.get("mla", False)) != self.s.mla:
+            return None, f"the prefill side's model {'is' if kv.get('mla') else 'is not'} MLA, this side's " + (
+                "is" if self.s.mla else "is not")
         staged_for = int(kv.get("decode_tp_size", remote_tp))
-        if staged_for != self.s.tp_size:
+        if staged_for != self.s.tp_size and not self.s.mla:
             return None, (f"the prefill side (TP size {remote_tp}) staged its KV for decode TP size {staged_for}, this "
                           f"side has {self.s.tp_size} (kvstage_decode_tp_size of the prefill instance)")
         n = self._staged(request)
@@ -892,7 +899,8 @@ class _SchedulerSide:
             remote_tp = int(p.get("tp_size", self.s.tp_size))
             self._recv[rid] = RecvSpec(rid, str(p["remote_request_id"]), str(p["remote_host"]), int(p["remote_port"]),
                                        count, local, skip, timeout, err,
-                                       remote_tp if remote_tp != self.s.tp_size else 0)
+                                       remote_tp if remote_tp != self.s.tp_size and not self.s.mla else 0,
+                                       self.s.mla)
             self._d_loading.add(rid)
 
     def _ids(self, ids):
@@ -948,9 +956,10 @@ class _SchedulerSide:
         p = st.request.kv_transfer_params or {}
         timeout = _float(p.get("kvstage_stage_timeout", self.s.stage_timeout), "kvstage_stage_timeout")
         decode_tp = self._decode_tp(st.request)
+        if decode_tp == self.s.tp_size or self.s.mla:
+            decode_tp = 0  # the plain layout
         st.saved = True
-        self._saves[st.request.request_id] = SaveSpec(st.request.request_id, ids, n, timeout,
-                                                      decode_tp if decode_tp != self.s.tp_size else 0)
+        self._saves[st.request.request_id] = SaveSpec(st.request.request_id, ids, n, timeout, decode_tp)
 
     def _decode_tp(self, request):
         """The decode TP size a prefill request is staged for: its kv_transfer_params' kvstage_decode_tp_size (a
@@ -1038,7 +1047,9 @@ class _SchedulerSide:
         nb = _cdiv(n, self.s.block_size)
         kvs = dict(version=1, num_blocks=nb, num_tokens=n, block_size=self.s.block_size)
         decode_tp = self._decode_tp(request)
-        if decode_tp != self.s.tp_size:  # the head slices its ranks' KV is staged in
+        if self.s.mla:  # staged once, by rank 0, for any decode TP size
+            kvs["mla"] = True
+        elif decode_tp != self.s.tp_size:  # the head slices its ranks' KV is staged in
             kvs["decode_tp_size"] = decode_tp
         if self.s.grouped:  # each group's staged positions [first, end); remote_block_ids: those blocks, as NIXL's
             spans = self.s.group_blocks(n)
@@ -1179,6 +1190,8 @@ class _Agent:
 
     IDLE_S, BUSY_S = 0.05, 0.002
     tp_size = 1  # the instance's TP size (the worker side sets it)
+    mla = False  # replicated KV (the worker side sets it): prefill rank 0 stages, decode rank 0 opens a shared room
+    JOINS_MAX = 4096
 
     def __init__(self, socket_path, layout, copier, tp_rank, listen, stage_timeout, side_key=None):
         self.socket_path, self.layout, self.copier, self.tp_rank = socket_path, layout, copier, tp_rank
@@ -1190,6 +1203,8 @@ class _Agent:
         self._finished_sending, self._finished_recving, self._load_errors = set(), set(), set()
         self._stages, self._loads, self._by_uid = {}, {}, {}
         self._pending_pulls = collections.deque()
+        self._listen = listen
+        self._joins = collections.OrderedDict()  # MLA decode rank > 0: req_id -> the shared room's descriptor
         self.ended = collections.OrderedDict()  # req_id -> why its stage or load ended (the last 4096)
         self.stats = KvstageKVConnectorStats()  # under _lock: taken by the worker thread (take_stats)
         # req_id -> time.time() of its abort or preemption (the scheduler's), till its blocks are free
@@ -1208,7 +1223,7 @@ class _Agent:
             if listen is not None:
                 self._listener = FrameListener(
                     listen[0], listen[1], self._on_msg,
-                    lambda m: m.get("t") in ("pull", "drop") and isinstance(m.get("req"), str), "vllm",
+                    lambda m: m.get("t") in ("pull", "drop", "join") and isinstance(m.get("req"), str), "vllm",
                     self.side_key)
             self._thread = threading.Thread(target=self._main, name="kvstage-vllm-agent", daemon=True)
             self._thread.start()
@@ -1459,6 +1474,8 @@ class _Agent:
         except KvstageError as e:  # no proxy: nothing is staged (the blocks are freed when the request ends)
             logger.error("kvstage connector: cannot stage %s: %s", spec.req_id, e)
             return self._end(spec.req_id, f"no connection to kvstaged: {e}")
+        if self.mla and self.tp_rank != 0:
+            return self._end(spec.req_id, "MLA: prefill rank 0 stages the KV every rank holds")
         shares, why = None, None
         if spec.decode_tp and spec.decode_tp != self.tp_size:
             try:
@@ -1685,6 +1702,8 @@ class _Agent:
 
     def _share_of(self, st, rank):
         """The index of the share of stage st that decode rank `rank` loads, or None (it loads none of this rank's)."""
+        if self.mla:
+            return 0  # the one stage every decode rank reads (through decode rank 0's shared room)
         if st.shares is None:
             return 0 if rank == self.tp_rank else None
         return next((j for j, (d, _, _) in enumerate(st.shares) if d == rank), None)
@@ -1701,6 +1720,11 @@ class _Agent:
             if st is not None and st.rooms[j] is None and st.finals[j] is None:
                 self._stage_fail(st, "released: the decode side will not load it", failure=False)
             return
+        if msg["t"] == "join":  # MLA: decode rank 0's shared room, for this rank's load of req to join
+            self._joins[msg["req"]] = msg.get("desc")
+            while len(self._joins) > self.JOINS_MAX:
+                self._joins.popitem(last=False)
+            return
         self._pull(msg)
 
     def _reject(self, msg, why):
@@ -1714,7 +1738,11 @@ class _Agent:
 
     def _pull(self, msg):
         d, dtp = msg.get("tp_rank"), msg.get("tp_size", self.tp_size)
-        if dtp == self.tp_size and d != self.tp_rank:  # each rank holds its own shard: another's would load silently
+        if self.mla:
+            if d != 0 or self.tp_rank != 0:
+                return self._reject(msg, f"MLA: decode rank 0 loads from prefill rank 0 alone, not decode rank {d} "
+                                         f"from prefill rank {self.tp_rank} (remote_port misconfigured?)")
+        elif dtp == self.tp_size and d != self.tp_rank:  # each rank holds its own shard: another's would load silently
             return self._reject(msg, f"a load for TP rank {d} reached rank {self.tp_rank} "
                                      "(kvstage_port or remote_port misconfigured?)")
         st = self._stages.get(msg["req"])
@@ -1723,7 +1751,7 @@ class _Agent:
         if st.terminal:
             return self._reject(msg, st.why or st.state)
         staged_for = st.decode_tp or self.tp_size
-        if dtp != staged_for:
+        if dtp != staged_for and not self.mla:
             return self._reject(msg, f"staged for decode TP size {staged_for}, a load from a decode rank of TP size "
                                      f"{dtp}")
         j = self._share_of(st, d)
@@ -1806,6 +1834,8 @@ class _Agent:
         self._load_open(ld)
 
     def _load_open(self, ld):
+        if ld.spec.mla and self.tp_size > 1:
+            return self._load_open_shared(ld)
         for sh in ld.shares:
             if sh.room is not None or sh.final is not None:
                 continue
@@ -1836,6 +1866,54 @@ class _Agent:
                 return self._load_fail(ld, f"could not reach the prefill worker at {sh.endpoint[0]}:{sh.endpoint[1]}: "
                                            f"{e}")
         ld.state = "open"
+
+    def _load_open_shared(self, ld):
+        """MLA with several ranks: rank 0 opens one room for every rank (readers: the TP size), tells the others its
+        descriptor over their side channels and asks prefill rank 0 for the KV; rank r > 0 joins that room once the
+        descriptor came. The bytes land once; each rank copies them into its own blocks."""
+        sh = ld.shares[0]
+        if sh.room is not None or sh.final is not None:
+            return
+        uid = next(self._uids)
+        self._by_uid[uid] = ld
+        desc = None
+        try:
+            if self.tp_rank == 0:
+                sh.room, desc = self._c().recv_open(sh.nbytes, user_data=uid, readers=self.tp_size)
+            else:
+                joined = self._joins.pop(ld.req, None)
+                if joined is None:
+                    self._by_uid.pop(uid, None)
+                    return  # rank 0's descriptor has not come yet
+                sh.room = self._c().join(_sidechannel.desc_bytes(joined), user_data=uid)
+        except (NotConnected, Timeout):
+            raise
+        except (KvstageError, ValueError) as e:
+            self._by_uid.pop(uid, None)
+            if isinstance(e, KvstageError) and e.errno in (_errno.EMFILE, _errno.ENFILE, _errno.EAGAIN):
+                return  # no room handle free yet: the next step tries again
+            return self._load_fail(ld, f"could not {'open' if self.tp_rank == 0 else 'join'} the shared room: {e}")
+        sh.uid = uid
+        ld.uids[uid] = sh
+        ld.state = "open"
+        if self.tp_rank != 0:
+            if sh.room.nbytes != sh.nbytes:
+                self._load_fail(ld, f"the shared room has {sh.room.nbytes} bytes, this rank expects {sh.nbytes}")
+            return
+        b64 = base64.b64encode(desc).decode()
+        host, base = self._listen[0], self._listen[1] - self.tp_rank
+        try:
+            for rank in range(1, self.tp_size):
+                self._send_msg((host, base + rank), {"t": "join", "req": ld.req, "desc": b64})
+        except OSError as e:
+            return self._load_fail(ld, f"could not tell decode rank {rank} the shared room (at {host}:{base + rank}): "
+                                       f"{e}")
+        msg = {"t": "pull", "req": ld.spec.remote_request_id, "desc": b64, "nbytes": sh.nbytes, "tp_rank": 0,
+               "tp_size": self.tp_size, "layout": self.layout.fingerprint()}
+        try:
+            self._send_msg(sh.endpoint, msg)
+        except OSError as e:
+            self._load_fail(ld, f"could not reach the prefill worker at {sh.endpoint[0]}:{sh.endpoint[1]}: {e}")
 
     def cmd_abort(self, req):
         ld = self._loads.get(req)
@@ -2010,10 +2088,12 @@ class _WorkerSide:
             copier = CudaCopier(gpu)  # a torch stream on that device
         else:
             copier = CpuCopier()
-        listen = (self.s.host, self.s.base_port + self.tp_rank) if self.s.producer else None
+        # a prefill rank listens for loads; an MLA decode rank for its shared rooms (decode rank 0 tells the others)
+        serves = self.s.producer or (self.s.mla and self.s.consumer and self.s.tp_size > 1)
+        listen = (self.s.host, self.s.base_port + self.tp_rank) if serves else None
         self.agent = self.agent_class(self.s.socket_path, self.layout, copier, self.tp_rank, listen,
                                       self.s.stage_timeout, side_key=self.side_key)
-        self.agent.tp_size = self.s.tp_size
+        self.agent.tp_size, self.agent.mla = self.s.tp_size, self.s.mla
 
     def _event(self):
         if not self.layout.device:

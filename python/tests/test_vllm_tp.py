@@ -416,3 +416,76 @@ def test_a_misrouted_share_is_refused(kv_proxy, caplog):
         narrow.close()
         pair.close()
     assert_pool_free(kv_proxy.socket)
+
+
+MLA_TP = [(2, 4), (1, 2), (2, 1), (2, 2)]
+
+
+@pytest.mark.parametrize("p_tp,d_tp", MLA_TP, ids=[f"P{p}-D{d}" for p, d in MLA_TP])
+def test_mla_kv_is_read_once(kv_proxy, p_tp, d_tp):
+    """MLA (use_mla: every TP rank holds the same KV): prefill rank 0 stages it, no other prefill rank copies a byte;
+    decode rank 0 opens one room that every decode rank reads (the others join it): by the proxy's own counters each
+    request's bytes move once and in one room, whatever the decode TP size; every decode rank's blocks hold the
+    prefill's KV. Then aborts: one decode rank's copy-out held when the request is aborted, a prefill copy failing
+    (the load fails on every rank), an abort before the load; blocks given back untouched; the pool ends free."""
+    import vllm_engine as E
+    from sglang_common import stat
+    pair = E.PD(kv_proxy.socket, p_kw=dict(tp=p_tp, num_blocks=192, mla=True),
+                d_kw=dict(tp=d_tp, num_blocks=256, mla=True))
+    P, D = pair.P, pair.D
+    try:
+        sizes = {k: 5 + 3 * k for k in range(12)}
+        nbytes = {k: P.agents[0].layout.nbytes(kv._cdiv(n, E.BLOCK_SIZE)) for k, n in sizes.items()}
+        before = stat(kv_proxy.socket)
+        for k, n in sizes.items():
+            pair.add(k, n)
+        pair.run(lambda: {f"d{k}" for k in sizes} <= set(D.freed), what="every request loaded")
+        after = stat(kv_proxy.socket)
+        assert all(D.loaded[f"d{k}"] is None and D.done[f"d{k}"][0] == "FINISHED_LENGTH_CAPPED" for k in sizes)
+        moved = after["bytes_moved"] - before["bytes_moved"]
+        assert moved == sum(nbytes.values()), (moved, sum(nbytes.values()), d_tp)  # once, not once per decode rank
+        assert after["rooms"]["done"] - before["rooms"]["done"] == len(sizes)
+        for rank in range(1, p_tp):
+            assert all("prefill rank 0 stages" in P.agents[rank].ended[f"p{k}"] for k in sizes)
+
+        # aborts and failures
+        gate = E.GatedCopier(fail={("p21", "stage")})
+        P.agents[0].copier = gate
+        if d_tp > 1:
+            D.agents[-1].copier = E.GatedCopier(hold={("d20", "load")})
+        results, quarantine = {}, []
+
+        def d_free(r, how):
+            status = D.done[r.request_id][0]
+            if status == "FINISHED_ABORTED":
+                D.mark(r.blocks, E.MARK)
+                quarantine.append(list(r.blocks))
+            results[r.request_id] = (status, r.load_done, [a.ended.get(r.request_id) for a in D.agents])
+            return status == "FINISHED_ABORTED"
+        D.on_free = d_free
+
+        def drive(new):
+            recv = {(rank, rid) for _, rank, how, rid in D.reports if how == "finished_recving"}
+            for r in new:
+                if r.request_id == "d22":
+                    D.abort(r.request_id)
+            r = D.requests.get("d20")
+            if r is not None and not r.is_finished() and (0, "d20") in recv and d_tp > 1:
+                D.abort("d20")  # rank 0 copied the shared room; the last rank's copy-out is held
+        for k in (20, 21, 22, 23):
+            pair.add(k, 30)
+        pair.run(lambda: {f"d{k}" for k in (20, 21, 22, 23)} <= set(results) and not P.requests and not D.requests,
+                 on_route=drive, what="the aborts ended")
+        assert results["d20"][0] == ("FINISHED_ABORTED" if d_tp > 1 else "FINISHED_LENGTH_CAPPED"), results["d20"]
+        assert results["d21"][0] == "FINISHED_ERROR", results["d21"]
+        # the room ended for every reader, also one that came to join it after (its join refused: aborted, or gone
+        # once the others closed it)
+        assert all("aborted" in w or "ESTALE" in w for w in results["d21"][2]), results["d21"]
+        assert results["d22"][0] == "FINISHED_ABORTED" and "released" in P.agents[0].ended["p22"]
+        assert results["d23"][0] == "FINISHED_LENGTH_CAPPED" and D.loaded["d23"] is None
+        assert all(D.marked(b, E.MARK) for b in quarantine)
+        assert len(P.free) == P.num_blocks and len(D.free) + sum(map(len, quarantine)) == D.num_blocks
+        assert D.double == [] and P.double == []
+    finally:
+        pair.close()
+    assert_pool_free(kv_proxy.socket)

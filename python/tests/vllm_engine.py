@@ -121,7 +121,7 @@ class KVConnectorOutput:
     invalid_block_ids: set
 
 
-def vllm_config(socket_path, port, role="kv_both", tp=1, extra=None):
+def vllm_config(socket_path, port, role="kv_both", tp=1, extra=None, mla=False):
     """A stand-in of VllmConfig with the fields the connector reads (KVTransferConfig's names)."""
     ex = {"kvstage_socket": socket_path, "kvstage_host": "127.0.0.1", "kvstage_port": port}
     ex.update(extra or {})
@@ -135,7 +135,7 @@ def vllm_config(socket_path, port, role="kv_both", tp=1, extra=None):
         kv_transfer_config=kt, cache_config=types.SimpleNamespace(block_size=BLOCK_SIZE),
         parallel_config=types.SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=1, data_parallel_rank=0),
         scheduler_config=types.SimpleNamespace(disable_hybrid_kv_cache_manager=True),
-        model_config=types.SimpleNamespace(use_mla=False))
+        model_config=types.SimpleNamespace(use_mla=mla))
 
 
 def kv_cache_config(num_blocks):
@@ -197,6 +197,12 @@ def kv_cache(num_blocks, head_dim=HEAD_DIM, layout="kv-first", heads=HEADS):
     return torch.zeros((2, num_blocks, BLOCK_SIZE, heads, head_dim), dtype=torch.float16)
 
 
+def mla_cache(num_blocks, head_dim=HEAD_DIM):
+    """One layer's MLA cache as vLLM's MLA backends shape it (num_blocks, block_size, head_size): no K/V parts, no
+    heads; the same bytes on every TP rank."""
+    return torch.zeros((num_blocks, BLOCK_SIZE, head_dim), dtype=torch.float16)
+
+
 def cdiv(a, b):
     return -(-a // b)
 
@@ -256,13 +262,14 @@ class Engine:
 
     def __init__(self, socket_path, port, num_blocks, role="kv_both", connector_cls=kv.KvstageConnector,
                  chunk=8, budget=48, extra=None, max_running=64, head_dim=HEAD_DIM, kv_layout="kv-first", tp=1,
-                 kv_heads=None):
-        self.head_dim, self.tp = head_dim, tp
+                 kv_heads=None, mla=False):
+        self.head_dim, self.tp, self.mla = head_dim, tp, mla
         # the model's KV heads (HEADS per rank unless given), each rank holding its tp-th of them as vLLM shards them
-        self.kv_heads = kv_heads or HEADS * tp
-        assert self.kv_heads % tp == 0, (self.kv_heads, tp)
-        self.heads = self.kv_heads // tp
-        self.cfg = vllm_config(socket_path, port, role, tp=tp, extra=extra)
+        self.kv_heads = 1 if mla else kv_heads or HEADS * tp
+        self.heads = 1 if mla else None
+        assert mla or self.kv_heads % tp == 0, (self.kv_heads, tp)
+        self.heads = self.heads or self.kv_heads // tp
+        self.cfg = vllm_config(socket_path, port, role, tp=tp, extra=extra, mla=mla)
         self.num_blocks = num_blocks
         kvcc = kv_cache_config(num_blocks)
         self.sched = connector_cls(self.cfg, kv.KVConnectorRole.SCHEDULER, kvcc)
@@ -270,7 +277,8 @@ class Engine:
         for rank in range(tp):  # each worker process: its connector, then its shard of the KV cache registered
             self.workers.append(connector_cls(self.cfg if tp == 1 else rank_config(self.cfg, rank),
                                               kv.KVConnectorRole.WORKER, kvcc))
-            self.kvs.append({n: kv_cache(num_blocks, head_dim, kv_layout, self.heads) for n in LAYER_NAMES})
+            self.kvs.append({n: (mla_cache(num_blocks, head_dim) if mla
+                                 else kv_cache(num_blocks, head_dim, kv_layout, self.heads)) for n in LAYER_NAMES})
             self.workers[-1].register_kv_caches(self.kvs[-1])
             self.agents.append(self.workers[-1].connector_worker.agent)
         self.worker, self.kv, self.agent = self.workers[0], self.kvs[0], self.agents[0]
@@ -300,9 +308,17 @@ class Engine:
         if c is None:
             g = torch.Generator().manual_seed(r.seed)
             c = self._content[r.seed] = torch.randint(
-                -32768, 32767, (LAYERS, 2, MAX_POS, self.kv_heads, self.head_dim), dtype=torch.int16, generator=g)
+                -32768, 32767, (LAYERS, 1 if self.mla else 2, MAX_POS, self.kv_heads, self.head_dim),
+                dtype=torch.int16, generator=g)
         assert r.num_tokens <= MAX_POS, r.num_tokens
+        if self.mla:  # one latent "head", every rank's the same
+            return c
         return c[:, :, :, rank * self.heads:(rank + 1) * self.heads]
+
+    def _i16(self, t):
+        """A layer's cache as int16 (K/V, block, position, head, dim); an MLA cache as one part of one head."""
+        t = t.view(torch.int16)
+        return t.unsqueeze(0).unsqueeze(3) if self.mla else t
 
     def _where(self, blocks, c0, n):
         pos = torch.arange(c0, c0 + n)
@@ -310,7 +326,7 @@ class Engine:
 
     def write(self, r, li, c0, n, blocks=None, rank=0):
         b, o = self._where(blocks if blocks is not None else r.blocks, c0, n)
-        self.kvs[rank][LAYER_NAMES[li]].view(torch.int16)[:, b, o] = self.content(r, rank)[li][:, c0:c0 + n]
+        self._i16(self.kvs[rank][LAYER_NAMES[li]])[:, b, o] = self.content(r, rank)[li][:, c0:c0 + n]
 
     def holds(self, r, n=None, blocks=None, rank=None):
         """None if blocks hold r's KV at positions < n (default: its prompt) on `rank` (default: every rank, each its
@@ -320,13 +336,13 @@ class Engine:
         for k in (range(self.tp) if rank is None else [rank]):
             where = f"rank {k}: " if self.tp > 1 else ""
             for li in range(LAYERS):
-                got = self.kvs[k][LAYER_NAMES[li]].view(torch.int16)[:, b, o]
+                got = self._i16(self.kvs[k][LAYER_NAMES[li]])[:, b, o]
                 want = self.content(r, k)[li][:, :n]
                 if not torch.equal(got, want):
                     other = [j for j in range(self.tp) if j != k and torch.equal(got, self.content(r, j)[li][:, :n])]
                     if other:
                         return f"{where}layer {li}: holds rank {other[0]}'s KV"
-                    bad = (got != want).reshape(2, n, -1).any(-1).any(0).nonzero().flatten().tolist()
+                    bad = (got != want).reshape(got.shape[0], n, -1).any(-1).any(0).nonzero().flatten().tolist()
                     return f"{where}layer {li}: positions {bad[:8]}{'...' if len(bad) > 8 else ''} differ"
         return None
 
@@ -334,11 +350,11 @@ class Engine:
         idx = torch.tensor(blocks, dtype=torch.long)
         for kv_ in self.kvs:
             for n in LAYER_NAMES:
-                kv_[n].view(torch.int16)[:, idx] = value
+                self._i16(kv_[n])[:, idx] = value
 
     def marked(self, blocks, value):
         idx = torch.tensor(blocks, dtype=torch.long)
-        return all(bool((kv_[n].view(torch.int16)[:, idx] == value).all()) for kv_ in self.kvs for n in LAYER_NAMES)
+        return all(bool((self._i16(kv_[n])[:, idx] == value).all()) for kv_ in self.kvs for n in LAYER_NAMES)
 
     # -- requests --------------------------------------------------------------------------------
     def add(self, r):
@@ -557,7 +573,7 @@ class PD:
         self.P = self.D = None
         self.P = Engine(socket_path, free_port((p_kw or {}).get("tp", 1)), connector_cls=p_cls, role="kv_producer",
                         **dict(dict(num_blocks=128), **(p_kw or {})))
-        self.D = Engine(socket_path, free_port(), connector_cls=d_cls, role="kv_consumer",
+        self.D = Engine(socket_path, free_port((d_kw or {}).get("tp", 1)), connector_cls=d_cls, role="kv_consumer",
                         **dict(dict(num_blocks=128), **(d_kw or {})))
         self.routed = set()
 
