@@ -339,6 +339,59 @@ class VllmLayout:
             fp["groups"] = self._fp["groups"]
         return json.loads(json.dumps(fp))
 
+    # -- blocks of another size on the other side: the room as token positions --------------------------------
+    def _token_bytes(self, r, k):
+        """Bytes of one token position of region r's blocks (the k-th region), or 0 unless its blocks are token-major
+        (a (block_size, ...) block whose first dimension is outermost in memory: vLLM's NHD and MLA caches)."""
+        shape = self._fp["regions"][k][2]
+        if self.ngroups > 1 or r.group != 0 or not r.order or r.order[0] != 0 or len(shape) < 2 or not shape[0]:
+            return 0
+        return r.item // shape[0]
+
+    def token_fingerprint(self):
+        """What two sides with blocks of different sizes must agree on (JSON-native), or None when a region's blocks
+        are not token-major: per region a token's bytes, the dtype, the rest of the block's shape and its memory
+        order; the layer count."""
+        regions = []
+        for k, r in enumerate(self.regions):
+            tok = self._token_bytes(r, k)
+            if not tok:
+                return None
+            _, dtype, shape, order = self._fp["regions"][k]
+            regions.append([tok, dtype, list(shape[1:]), list(order)])
+        return json.loads(json.dumps({"layers": len(self.layer_names), "regions": regions}))
+
+    def token_nbytes(self, tokens):
+        """Bytes of a room of `tokens` token positions per region (the sender's blocks x its block size)."""
+        return tokens * sum(self._token_bytes(r, k) for k, r in enumerate(self.regions))
+
+    def token_extents(self, tokens, blocks, first_pos, block_size):
+        """The extents of blocks (of block_size tokens) at request positions first_pos... in a room of `tokens` token
+        positions per region, token-major: the bytes of a side with blocks of another size. A room of token-major
+        blocks (the plain layout) is that room with tokens = its blocks x their size, so the sender's plain layout
+        needs nothing else; a block the room ends inside takes only the positions it has."""
+        ids = [int(b) for b in blocks]
+        out, base = [], 0
+        for k, r in enumerate(self.regions):
+            tok = self._token_bytes(r, k)
+            if not tok:
+                raise ValueError(f"layer {r.layer}: its blocks are not token-major (a HND cache?): blocks of another "
+                                 "size cannot be mapped")
+            for b in ids:
+                if not 0 <= b < r.nblocks:
+                    raise ValueError(f"block {b} is outside the cache of layer {r.layer} ({r.nblocks} blocks)")
+            full = [b for i, b in enumerate(ids) if (first_pos + i + 1) * block_size <= tokens]
+            if full:
+                out.append(Extent(base + first_pos * block_size * tok, r.ptr, r.stride, block_size * tok, tuple(full),
+                                  r.device))
+            if len(full) < len(ids):
+                q = (first_pos + len(full)) * block_size
+                if q < tokens:
+                    out.append(Extent(base + q * tok, r.ptr, r.stride, (tokens - q) * tok, (ids[len(full)],),
+                                      r.device))
+            base += tokens * tok
+        return out
+
     def _share_bases(self, counts, h0, h1):
         sizes = []
         for r in self.regions:
@@ -564,6 +617,7 @@ class RecvSpec:
     error: Optional[str] = None  # set: fail the load at once (the scheduler found it unusable)
     remote_tp: int = 0  # the prefill side's TP size (0: this side's): which prefill ranks hold this rank's heads
     mla: bool = False  # replicated KV (MLA): rank 0 opens one room all this instance's ranks read (join)
+    remote_block_size: int = 0  # the prefill side's block size (0: this side's): the room is its blocks' tokens
 
 
 @dataclasses.dataclass
@@ -801,12 +855,20 @@ class _SchedulerSide:
         for k in ("remote_request_id", "remote_host", "remote_port"):
             if p.get(k) is None:
                 return None, f"kv_transfer_params lack {k}"
-        if int(kv.get("block_size", -1)) != self.s.block_size:
-            return None, f"prefill block size {kv.get('block_size')}, this side {self.s.block_size}"
         try:
             remote_tp = _tp_pair(p.get("tp_size", 1), self.s.tp_size, "the prefill side's TP size")
         except ValueError as e:
             return None, str(e)
+        remote_bs, bs = int(kv.get("block_size", -1)), self.s.block_size
+        if remote_bs != bs:  # NixlConnector's block_size_ratio: one divides the other
+            if remote_bs <= 0 or (remote_bs % bs and bs % remote_bs):
+                return None, f"prefill block size {kv.get('block_size')}, this side {bs}: one must divide the other"
+            if self.s.grouped:
+                return None, (f"prefill block size {remote_bs}, this side {bs}: blocks of another size move with one "
+                              "full-attention KV cache group only")
+            if remote_tp != self.s.tp_size and not self.s.mla:
+                return None, (f"prefill block size {remote_bs} and TP size {remote_tp}, this side {bs} and "
+                              f"{self.s.tp_size}: block sizes and TP sizes do not both differ")
         if bool(kv.get("mla", False)) != self.s.mla:
             return None, f"the prefill side's model {'is' if kv.get('mla') else 'is not'} MLA, this side's " + (
                 "is" if self.s.mla else "is not")
@@ -817,7 +879,7 @@ class _SchedulerSide:
         n = self._staged(request)
         if n <= 0:
             return None, "a one-token prompt of a model with a state (Mamba) group is computed here"
-        if int(kv.get("num_tokens", -1)) != n or int(kv.get("num_blocks", -1)) != _cdiv(n, self.s.block_size):
+        if int(kv.get("num_tokens", -1)) != n or int(kv.get("num_blocks", -1)) != _cdiv(n, remote_bs):
             return None, (f"the prefill side staged {kv.get('num_tokens')} tokens, this side expects {n} "
                           f"(a prompt of {self._num_prompt(request)})")
         want = [[first, end] for first, end in self.s.group_blocks(n)] if self.s.grouped else None
@@ -889,18 +951,21 @@ class _SchedulerSide:
                 self._drop(request)  # the prefill side can release its slots now
                 return
             timeout = _float(p.get("kvstage_load_timeout", self.s.load_timeout), "kvstage_load_timeout")
+            remote_bs = int(kv["block_size"])
             if self.s.grouped:
                 count, local, skip, err = self._recv_groups(request, blocks)
             else:
                 local = tuple(_unhashed(blocks))
-                count, skip = int(kv["num_blocks"]), int(kv["num_blocks"]) - len(local)
+                count = int(kv["num_blocks"])  # the room's: the prefill side's blocks
+                mine = count if remote_bs == self.s.block_size else _cdiv(self._staged(request), self.s.block_size)
+                skip = mine - len(local)
                 err = None if 0 <= skip else f"{len(local)} blocks to fill, the prefill side staged {kv['num_blocks']}"
                 skip = max(skip, 0)
             remote_tp = int(p.get("tp_size", self.s.tp_size))
             self._recv[rid] = RecvSpec(rid, str(p["remote_request_id"]), str(p["remote_host"]), int(p["remote_port"]),
                                        count, local, skip, timeout, err,
                                        remote_tp if remote_tp != self.s.tp_size and not self.s.mla else 0,
-                                       self.s.mla)
+                                       self.s.mla, remote_bs if remote_bs != self.s.block_size else 0)
             self._d_loading.add(rid)
 
     def _ids(self, ids):
@@ -1152,7 +1217,12 @@ class _Share:
     def __init__(self, spec, layout, rank, h0=0, h1=0, plain=True):
         self.rank, self.h0, self.h1, self.plain = rank, h0, h1, plain
         self.endpoint = (spec.remote_host, spec.remote_port + rank)
-        self.nbytes = layout.nbytes(spec.num_blocks) if plain else layout.share_nbytes(spec.num_blocks, h0, h1)
+        if spec.remote_block_size:  # the prefill's blocks, token-major: its plain layout
+            self.nbytes = layout.token_nbytes(spec.num_blocks * spec.remote_block_size)
+        elif plain:
+            self.nbytes = layout.nbytes(spec.num_blocks)
+        else:
+            self.nbytes = layout.share_nbytes(spec.num_blocks, h0, h1)
         self.room = self.uid = self.final = self.job = None
         self.copied = False
 
@@ -1190,6 +1260,7 @@ class _Agent:
 
     IDLE_S, BUSY_S = 0.05, 0.002
     tp_size = 1  # the instance's TP size (the worker side sets it)
+    block_size = 0  # the instance's block size (the worker side sets it)
     mla = False  # replicated KV (the worker side sets it): prefill rank 0 stages, decode rank 0 opens a shared room
     JOINS_MAX = 4096
 
@@ -1760,7 +1831,14 @@ class _Agent:
                                      f"serves decode ranks {[r for r, _, _ in st.shares]} (remote_port misconfigured?)")
         if st.rooms[j] is not None or st.finals[j] is not None:
             return self._reject(msg, "a second load of the same request")
-        if st.shares is None:
+        if st.shares is None and msg.get("block_size", self.block_size) != self.block_size:
+            mine = self.layout.token_fingerprint()
+            if mine is None:
+                return self._reject(msg, f"decode block size {msg.get('block_size')}, this side {self.block_size}: "
+                                         "this side's blocks are not token-major (a HND cache?)")
+            if msg.get("tokens") != mine:
+                return self._reject(msg, f"token layouts differ: decode {msg.get('tokens')}, prefill {mine}")
+        elif st.shares is None:
             if msg.get("layout") != self.layout.fingerprint():
                 return self._reject(msg, f"cache layouts differ: decode {msg.get('layout')}, "
                                          f"prefill {self.layout.fingerprint()}")
@@ -1818,20 +1896,34 @@ class _Agent:
         ld = _Load(spec, self.layout, self.tp_rank, shares)
         self._loads[ld.req] = ld
         if spec.error or why:
-            return self._load_fail(ld, spec.error or why)
+            return self._refuse_load(ld, spec.error or why)
         try:
             self.layout.check(spec.local_block_ids)
         except ValueError as e:
-            return self._load_fail(ld, f"refused: {e}")
-        if isinstance(spec.num_blocks, int):
+            return self._refuse_load(ld, f"refused: {e}")
+        if spec.remote_block_size:  # the room: the prefill's blocks' tokens; the last block here starts inside it
+            tokens, mine = spec.num_blocks * spec.remote_block_size, spec.skip + len(spec.local_block_ids)
+            if self.layout.token_fingerprint() is None:
+                return self._refuse_load(ld, f"refused: prefill block size {spec.remote_block_size}, this side "
+                                             f"{self.block_size}: this side's blocks are not token-major (a HND "
+                                             "cache?)")
+            fits = (mine - 1) * self.block_size < tokens and mine * self.block_size > tokens - spec.remote_block_size
+        elif isinstance(spec.num_blocks, int):
             fits = spec.skip + len(spec.local_block_ids) == spec.num_blocks
         else:
             fits = len(spec.num_blocks) == len(spec.skip) == len(spec.local_block_ids) and all(
                 s + len(b) == n for n, b, s in zip(spec.num_blocks, spec.local_block_ids, spec.skip))
         if not fits:
-            return self._load_fail(ld, f"{len(_flat(spec.local_block_ids))} blocks after {spec.skip} cached, the room "
-                                       f"has {spec.num_blocks}")
+            return self._refuse_load(ld, f"{len(_flat(spec.local_block_ids))} blocks after {spec.skip} cached, the "
+                                         f"room has {spec.num_blocks}")
         self._load_open(ld)
+
+    def _refuse_load(self, ld, why):
+        """Fails a load refused before any room opened, and tells the prefill rank(s) to release what they staged
+        for it (they would hold it until the stage timeout)."""
+        self._load_fail(ld, why)
+        spec = ld.spec
+        self.cmd_drop(spec.remote_host, spec.remote_port, spec.remote_request_id, 0 if spec.mla else spec.remote_tp)
 
     def _load_open(self, ld):
         if ld.spec.mla and self.tp_size > 1:
@@ -1854,7 +1946,9 @@ class _Agent:
             ld.uids[uid] = sh
             msg = {"t": "pull", "req": ld.spec.remote_request_id, "desc": base64.b64encode(desc).decode(),
                    "nbytes": sh.nbytes, "tp_rank": self.tp_rank, "tp_size": self.tp_size}
-            if sh.plain:
+            if ld.spec.remote_block_size:
+                self._token_msg(msg)
+            elif sh.plain:
                 msg["layout"] = self.layout.fingerprint()
             else:  # which of the model's KV heads this share holds, and how a share of them is laid out
                 first = self.tp_rank * self.layout.kv_heads
@@ -1866,6 +1960,13 @@ class _Agent:
                 return self._load_fail(ld, f"could not reach the prefill worker at {sh.endpoint[0]}:{sh.endpoint[1]}: "
                                            f"{e}")
         ld.state = "open"
+
+    def _token_msg(self, msg):
+        """A pull from a side of another block size: the room is the prefill's blocks as tokens, and what both sides'
+        tokens must agree on replaces the plain layout."""
+        msg.pop("layout", None)
+        msg["block_size"] = self.block_size
+        msg["tokens"] = self.layout.token_fingerprint()
 
     def _load_open_shared(self, ld):
         """MLA with several ranks: rank 0 opens one room for every rank (readers: the TP size), tells the others its
@@ -1910,6 +2011,8 @@ class _Agent:
                                        f"{e}")
         msg = {"t": "pull", "req": ld.spec.remote_request_id, "desc": b64, "nbytes": sh.nbytes, "tp_rank": 0,
                "tp_size": self.tp_size, "layout": self.layout.fingerprint()}
+        if ld.spec.remote_block_size:
+            self._token_msg(msg)
         try:
             self._send_msg(sh.endpoint, msg)
         except OSError as e:
@@ -1974,7 +2077,10 @@ class _Agent:
     def _copy_out_job(self, ld, sh):
         room, copier, ss = sh.room, self.copier, self._c().slot_size
         spec = ld.spec
-        if sh.plain:
+        if spec.remote_block_size:  # the prefill's blocks' tokens into this side's blocks
+            pieces = plan(self.layout.token_extents(spec.num_blocks * spec.remote_block_size, spec.local_block_ids,
+                                                    spec.skip, self.block_size), ss)
+        elif sh.plain:
             pieces = self.layout.plan(spec.num_blocks, spec.local_block_ids, spec.skip, ss)
         else:  # into this share's heads of each block only
             pieces = plan(self.layout.share_extents(spec.num_blocks, spec.local_block_ids, spec.skip, sh.h0, sh.h1),
@@ -2093,7 +2199,7 @@ class _WorkerSide:
         listen = (self.s.host, self.s.base_port + self.tp_rank) if serves else None
         self.agent = self.agent_class(self.s.socket_path, self.layout, copier, self.tp_rank, listen,
                                       self.s.stage_timeout, side_key=self.side_key)
-        self.agent.tp_size, self.agent.mla = self.s.tp_size, self.s.mla
+        self.agent.tp_size, self.agent.mla, self.agent.block_size = self.s.tp_size, self.s.mla, self.s.block_size
 
     def _event(self):
         if not self.layout.device:

@@ -489,3 +489,81 @@ def test_mla_kv_is_read_once(kv_proxy, p_tp, d_tp):
     finally:
         pair.close()
     assert_pool_free(kv_proxy.socket)
+
+
+# Prefill and decode of different block sizes (NixlConnector's block_size_ratio: one divides the other)
+BS = [(4, 8, 1, 1, "kv-first"), (8, 4, 1, 1, "kv-first"), (4, 16, 2, 2, "block-first"), (8, 4, 2, 4, "mla")]
+
+
+@pytest.mark.parametrize("p_bs,d_bs,p_tp,d_tp,layout", BS,
+                         ids=[f"bs{p}-bs{d}-P{pt}-D{dt}-{layout}" for p, d, pt, dt, layout in BS])
+def test_block_sizes_differ(kv_proxy, p_bs, d_bs, p_tp, d_tp, layout):
+    """16 requests from a prefill engine of block size p_bs to a decode engine of block size d_bs: the room is the
+    prefill's blocks as token positions, the decode rank writes each position into its own block at its own offset
+    (the last block partly when the prefill's blocks end inside it): every completed request's decode blocks hold the
+    prefill's KV position for position, with the decode side's prefix cache too; aborts before and after the load;
+    pools end free."""
+    import vllm_engine as E
+    rng = random.Random(20261202 + p_bs * 100 + d_bs)
+    mla = layout == "mla"
+    kw = dict(mla=True) if mla else dict(kv_layout=layout)
+    pair = E.PD(kv_proxy.socket, p_kw=dict(tp=p_tp, num_blocks=192, block_size=p_bs, **kw),
+                d_kw=dict(tp=d_tp, num_blocks=256, block_size=d_bs, **kw))
+    P, D = pair.P, pair.D
+    try:
+        plans = {k: {2: "d-abort-waiting", 3: "d-after", 4: "prefix", 5: "prefix"}.get(k) for k in range(16)}
+        sizes = {k: rng.randint(5, 60) for k in range(16)}
+        results = {}
+
+        def d_free(r, how):
+            results[r.request_id] = (D.done[r.request_id][0], r.load_done)
+            return False
+        D.on_free = d_free
+
+        def drive(new):
+            for r in new:
+                if plans[int(r.request_id[1:])] == "d-abort-waiting":
+                    D.abort(r.request_id)
+            r = D.requests.get("d3")
+            if r is not None and not r.is_finished() and r.load_done and r.output:
+                D.abort("d3")
+        for k, n in sizes.items():
+            pair.add(k, n)
+        prefix = {k: (sizes[k] // d_bs) // 2 for k in range(16) if plans[k] == "prefix"}
+        pair.run(lambda: len(results) == 16 and not P.requests and not D.requests, on_route=drive, prefix=prefix,
+                 what="every request ended")
+        for k in range(16):
+            status, loaded = results[f"d{k}"]
+            if plans[k] == "d-abort-waiting":
+                assert status == "FINISHED_ABORTED" and not loaded, (k, results[f"d{k}"])
+                assert "released" in P.agents[0].ended[f"p{k}"], P.agents[0].ended[f"p{k}"]
+            elif plans[k] == "d-after":
+                assert status == "FINISHED_ABORTED" and loaded and D.loaded[f"d{k}"] is None, (k, D.loaded[f"d{k}"])
+            else:
+                assert status == "FINISHED_LENGTH_CAPPED" and D.loaded[f"d{k}"] is None, (
+                    k, plans[k], status, D.loaded.get(f"d{k}"))
+        assert any(D.done_req[f"d{k}"].prefix_blocks for k in prefix)
+        assert len(P.free) == P.num_blocks and len(D.free) == D.num_blocks and D.double == [] and P.double == []
+    finally:
+        pair.close()
+    assert_pool_free(kv_proxy.socket)
+
+
+def test_block_sizes_differ_with_hnd_blocks_fails_the_load(kv_proxy, caplog):
+    """HND blocks (a block's heads outermost) are not token-major: a block of another size is no run of the other
+    side's bytes; the decode worker refuses the load with the reason (the request fails by vLLM's
+    kv_load_failure_policy) and the prefill side releases its slots; the pool ends free."""
+    import vllm_engine as E
+    caplog.set_level(logging.INFO, logger="kvstage.vllm")
+    pair = E.PD(kv_proxy.socket, p_kw=dict(block_size=4, kv_layout="hnd"), d_kw=dict(block_size=8, kv_layout="hnd"))
+    P, D = pair.P, pair.D
+    try:
+        pair.add(0, 21)
+        pair.run(lambda: "d0" in D.freed and not P.requests, what="d0 ended")
+        assert D.done["d0"][0] == "FINISHED_ERROR" and D.loaded["d0"] == "load failed"
+        assert "not token-major" in D.agent.ended["d0"], D.agent.ended["d0"]
+        # told at once, not left to the stage timeout
+        E.wait_for(lambda: "released" in (P.agent.ended.get("p0") or ""), what="the prefill side told to release p0")
+    finally:
+        pair.close()
+    assert_pool_free(kv_proxy.socket)

@@ -121,7 +121,7 @@ class KVConnectorOutput:
     invalid_block_ids: set
 
 
-def vllm_config(socket_path, port, role="kv_both", tp=1, extra=None, mla=False):
+def vllm_config(socket_path, port, role="kv_both", tp=1, extra=None, mla=False, block_size=BLOCK_SIZE):
     """A stand-in of VllmConfig with the fields the connector reads (KVTransferConfig's names)."""
     ex = {"kvstage_socket": socket_path, "kvstage_host": "127.0.0.1", "kvstage_port": port}
     ex.update(extra or {})
@@ -132,15 +132,15 @@ def vllm_config(socket_path, port, role="kv_both", tp=1, extra=None, mla=False):
         is_kv_consumer=role in ("kv_consumer", "kv_both"))
     kt.get_from_extra_config = lambda key, default: kt.kv_connector_extra_config.get(key, default)
     return types.SimpleNamespace(
-        kv_transfer_config=kt, cache_config=types.SimpleNamespace(block_size=BLOCK_SIZE),
+        kv_transfer_config=kt, cache_config=types.SimpleNamespace(block_size=block_size),
         parallel_config=types.SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=1, data_parallel_rank=0),
         scheduler_config=types.SimpleNamespace(disable_hybrid_kv_cache_manager=True),
         model_config=types.SimpleNamespace(use_mla=mla))
 
 
-def kv_cache_config(num_blocks):
+def kv_cache_config(num_blocks, block_size=BLOCK_SIZE):
     return types.SimpleNamespace(num_blocks=num_blocks, kv_cache_groups=[
-        types.SimpleNamespace(kv_cache_spec=types.SimpleNamespace(block_size=BLOCK_SIZE))])
+        types.SimpleNamespace(kv_cache_spec=types.SimpleNamespace(block_size=block_size))])
 
 
 def rank_config(cfg, rank):
@@ -184,23 +184,23 @@ class KVOutputAggregator:
         return dict(self._send_remaining_count), dict(self._recv_remaining_count)
 
 
-def kv_cache(num_blocks, head_dim=HEAD_DIM, layout="kv-first", heads=HEADS):
+def kv_cache(num_blocks, head_dim=HEAD_DIM, layout="kv-first", heads=HEADS, block_size=BLOCK_SIZE):
     """One layer's paged KV cache, indexed (K/V, block, position, head, dim) either way: "kv-first" is vLLM's
     (2, num_blocks, ...) in memory (a block's K one span, its V another, blocks item bytes apart); "block-first" is
     (num_blocks, 2, ...) in memory (a block's K then its V: the blocks of each part 2 x item bytes apart); "hnd" is
     vLLM's HND cache layout: the same logical shape, each block's heads outermost in memory."""
     if layout == "block-first":
-        return torch.zeros((num_blocks, 2, BLOCK_SIZE, heads, head_dim), dtype=torch.float16).transpose(0, 1)
+        return torch.zeros((num_blocks, 2, block_size, heads, head_dim), dtype=torch.float16).transpose(0, 1)
     if layout == "hnd":
-        return torch.zeros((2, num_blocks, heads, BLOCK_SIZE, head_dim), dtype=torch.float16).transpose(2, 3)
+        return torch.zeros((2, num_blocks, heads, block_size, head_dim), dtype=torch.float16).transpose(2, 3)
     assert layout == "kv-first", layout
-    return torch.zeros((2, num_blocks, BLOCK_SIZE, heads, head_dim), dtype=torch.float16)
+    return torch.zeros((2, num_blocks, block_size, heads, head_dim), dtype=torch.float16)
 
 
-def mla_cache(num_blocks, head_dim=HEAD_DIM):
+def mla_cache(num_blocks, head_dim=HEAD_DIM, block_size=BLOCK_SIZE):
     """One layer's MLA cache as vLLM's MLA backends shape it (num_blocks, block_size, head_size): no K/V parts, no
     heads; the same bytes on every TP rank."""
-    return torch.zeros((num_blocks, BLOCK_SIZE, head_dim), dtype=torch.float16)
+    return torch.zeros((num_blocks, block_size, head_dim), dtype=torch.float16)
 
 
 def cdiv(a, b):
@@ -262,23 +262,25 @@ class Engine:
 
     def __init__(self, socket_path, port, num_blocks, role="kv_both", connector_cls=kv.KvstageConnector,
                  chunk=8, budget=48, extra=None, max_running=64, head_dim=HEAD_DIM, kv_layout="kv-first", tp=1,
-                 kv_heads=None, mla=False):
-        self.head_dim, self.tp, self.mla = head_dim, tp, mla
+                 kv_heads=None, mla=False, block_size=BLOCK_SIZE):
+        self.head_dim, self.tp, self.mla, self.block_size = head_dim, tp, mla, block_size
         # the model's KV heads (HEADS per rank unless given), each rank holding its tp-th of them as vLLM shards them
         self.kv_heads = 1 if mla else kv_heads or HEADS * tp
         self.heads = 1 if mla else None
         assert mla or self.kv_heads % tp == 0, (self.kv_heads, tp)
         self.heads = self.heads or self.kv_heads // tp
-        self.cfg = vllm_config(socket_path, port, role, tp=tp, extra=extra, mla=mla)
+        self.cfg = vllm_config(socket_path, port, role, tp=tp, extra=extra, mla=mla, block_size=block_size)
         self.num_blocks = num_blocks
-        kvcc = kv_cache_config(num_blocks)
+        kvcc = kv_cache_config(num_blocks, block_size)
         self.sched = connector_cls(self.cfg, kv.KVConnectorRole.SCHEDULER, kvcc)
         self.workers, self.kvs, self.agents = [], [], []
         for rank in range(tp):  # each worker process: its connector, then its shard of the KV cache registered
             self.workers.append(connector_cls(self.cfg if tp == 1 else rank_config(self.cfg, rank),
                                               kv.KVConnectorRole.WORKER, kvcc))
-            self.kvs.append({n: (mla_cache(num_blocks, head_dim) if mla
-                                 else kv_cache(num_blocks, head_dim, kv_layout, self.heads)) for n in LAYER_NAMES})
+            sized = {} if block_size == BLOCK_SIZE else {"block_size": block_size}
+            self.kvs.append({n: (mla_cache(num_blocks, head_dim, **sized) if mla
+                                 else kv_cache(num_blocks, head_dim, kv_layout, self.heads, **sized))
+                             for n in LAYER_NAMES})
             self.workers[-1].register_kv_caches(self.kvs[-1])
             self.agents.append(self.workers[-1].connector_worker.agent)
         self.worker, self.kv, self.agent = self.workers[0], self.kvs[0], self.agents[0]
@@ -322,7 +324,7 @@ class Engine:
 
     def _where(self, blocks, c0, n):
         pos = torch.arange(c0, c0 + n)
-        return torch.tensor(blocks, dtype=torch.long)[pos // BLOCK_SIZE], pos % BLOCK_SIZE
+        return torch.tensor(blocks, dtype=torch.long)[pos // self.block_size], pos % self.block_size
 
     def write(self, r, li, c0, n, blocks=None, rank=0):
         b, o = self._where(blocks if blocks is not None else r.blocks, c0, n)
@@ -362,7 +364,7 @@ class Engine:
             r.blocks = self._alloc(r.prefix_blocks)
             for rank in range(self.tp):
                 for li in range(LAYERS):
-                    self.write(r, li, 0, r.prefix_blocks * BLOCK_SIZE, rank=rank)
+                    self.write(r, li, 0, r.prefix_blocks * self.block_size, rank=rank)
         self.requests[r.request_id] = r
         self.waiting.append(r)
         self.log.append((self.step_no, "add", r.request_id))
@@ -417,7 +419,7 @@ class Engine:
             n = min(self.chunk, r.num_prompt_tokens - r.num_computed_tokens) if prefill else 1
             if n > budget:
                 continue
-            need = cdiv(r.num_computed_tokens + n, BLOCK_SIZE) - len(r.blocks)
+            need = cdiv(r.num_computed_tokens + n, self.block_size) - len(r.blocks)
             new = self._alloc(max(need, 0))
             if new is None:
                 continue
@@ -436,15 +438,15 @@ class Engine:
                 self.finished_recving_kv.discard(r.request_id)
                 self.loaded[r.request_id] = self.holds(r)
                 r.load_done = True
-                n = min(len(r.blocks) * BLOCK_SIZE, r.num_tokens)  # _update_waiting_for_remote_kv
+                n = min(len(r.blocks) * self.block_size, r.num_tokens)  # _update_waiting_for_remote_kv
                 r.num_computed_tokens = n - 1 if n == r.num_tokens else n
                 r.status = RequestStatus.WAITING
             if len(self.running) >= self.max_running or budget <= 0:
                 break
-            local = r.num_computed_tokens if r.load_done else r.prefix_blocks * BLOCK_SIZE
+            local = r.num_computed_tokens if r.load_done else r.prefix_blocks * self.block_size
             ext, load_async = self.sched.get_num_new_matched_tokens(r, local)
             if load_async:
-                need = cdiv(local + ext, BLOCK_SIZE) - len(r.blocks)
+                need = cdiv(local + ext, self.block_size) - len(r.blocks)
                 new = self._alloc(need)
                 if new is None:
                     continue
@@ -454,7 +456,7 @@ class Engine:
                 r.num_computed_tokens = local
                 continue
             n = min(self.chunk, r.num_tokens - local, budget)
-            need = cdiv(local + n, BLOCK_SIZE) - len(r.blocks)
+            need = cdiv(local + n, self.block_size) - len(r.blocks)
             new = self._alloc(max(need, 0))
             if new is None:
                 continue
