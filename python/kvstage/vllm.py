@@ -74,10 +74,36 @@ Aborts and when blocks are free again:
   * staged slots no decode side asks for are released after the stage timeout; a decode request aborted
     before its load started tells the prefill worker to release them at once.
 
-Tensor parallelism: every rank's worker connector stages and loads its own shard; decode rank r pulls from
-prefill rank r (remote_port + r), naming its rank, and a prefill rank refuses a pull or release for another rank
-(the shards' layouts are equal). vLLM's KVOutputAggregator reports a request to the scheduler once every rank
-has; a load failed on one rank fails the request through the invalid block ids, which vLLM unites.
+Tensor parallelism: every rank's worker connector stages and loads its own shard; prefill rank p listens on
+remote_port + p. vLLM's KVOutputAggregator reports a request to the scheduler once every rank has; a load failed on
+one rank fails the request through the invalid block ids, which vLLM unites.
+  * equal TP sizes: decode rank r pulls from prefill rank r, naming its rank; a prefill rank refuses a pull or
+    release for another rank (the shards' layouts are equal).
+  * TP sizes of which one divides the other (NixlConnector's TransferTopology @ 9aaf83ef502f, kv_connector/utils.py
+    tp_ratio, target_remote_ranks; tp_shares here): decode TP = k x prefill TP: decode rank r loads from prefill rank
+    r // k its KV heads, slice r % k of that rank's; prefill TP = k x decode TP: decode rank r loads from prefill ranks
+    r*k .. r*k+k-1, the i-th share landing at heads [i*H/k, (i+1)*H/k) of its blocks. One room per rank pair, holding
+    that pair's heads of every block in the share layout (VllmLayout.share_extents: per layer part, per row of a
+    block, the row's heads of each block). A prefill instance stages before any decode side asks, so it is told the
+    decode TP size: kv_connector_extra_config kvstage_decode_tp_size (default its own), or kvstage_decode_tp_size in
+    a request's kv_transfer_params; its params name it (kvstage.decode_tp_size) and a decode instance of another TP
+    size computes the prompt itself. A share is refused at open (its room aborted, never delivered) when it reaches
+    a prefill rank that does not serve that decode rank, comes from another decode TP size, names other model KV
+    heads than that rank's share, or its share layout (rows, a head's bytes, head count, dtype, memory order, layer
+    count) differs. The request is loaded on a decode rank once every share has landed and been copied; one share
+    failing fails the load (and the prefill stage: its other shares are given up); the blocks are reported once
+    every room of the load has its final event.
+  * MLA (model_config.use_mla: every rank holds the same KV): prefill rank 0 stages it, the other prefill ranks
+    stage nothing; decode rank 0 opens one shared room (Client.recv_open(readers=decode TP size)), sends its
+    descriptor to the other decode ranks' side channels (an MLA decode rank listens on its instance's kvstage_port +
+    rank) and pulls from prefill rank 0; the others join the room (Client.join): the bytes cross and land once, each
+    rank copies them into its own blocks. Any TP sizes.
+
+Block sizes: the prefill and decode block sizes may differ, one dividing the other (NixlConnector's
+block_size_ratio), with one full-attention KV cache group, equal TP sizes or MLA, and token-major blocks (vLLM's NHD
+(block_size, heads, head_size) blocks and MLA's (block_size, head_size)): the room is the prefill's plain layout, read
+as token positions (VllmLayout.token_extents); the decode rank writes each position into its own blocks, the last
+one partly when the prefill's blocks end inside it. HND blocks are refused (the load fails with the reason).
 
 Memory (kvstage.plan plans the copies): KV caches in host memory are copied by the CPU, one copy per run of blocks;
 on a CUDA device through libkvstage_cuda (kvstage.cuda), per layer part and slot one gather (scatter) of its whole
@@ -115,8 +141,11 @@ state block), each state tensor of each Mamba layer a part; the decode side writ
 and nothing else of that group. A one-token prompt is not loaded (the decode side computes it).
 
 Not supported (refused with a reason): Mamba prefix caching (mamba_cache_mode 'all' or 'align') and speculative state
-blocks (num_speculative_blocks), other group kinds among several (ValueError at start, naming the group), prefill and
-decode with different TP sizes or block sizes or cache layouts, pipeline parallelism.
+blocks (num_speculative_blocks), other group kinds among several (ValueError at start, naming the group), TP sizes
+of which neither divides the other, KV heads replicated across ranks (fewer KV heads than ranks, without MLA), heads
+that do not split into the shares, different TP sizes and block sizes together (without MLA), different block sizes
+with several KV cache groups or HND blocks, other cache layouts, pipeline parallelism. A refused load is computed by
+the decode side (the scheduler's checks) or fails by kv_load_failure_policy (the workers').
 """
 from __future__ import annotations
 
