@@ -777,13 +777,13 @@ class _Settings:
         self.block_size = int(vllm_config.cache_config.block_size)
         pc = getattr(vllm_config, "parallel_config", None)
         self.tp_size = int(getattr(pc, "tensor_parallel_size", 1) or 1)
-        # the decode instances' TP size (a prefill instance stages each rank's KV in the head slices of the decode
-        # ranks it serves, before any decode side asks); a request's kv_transfer_params may name its own
-        self.decode_tp = _tp_pair(extra.get("kvstage_decode_tp_size", self.tp_size), self.tp_size,
-                                  "kvstage_decode_tp_size")
         # MLA (vLLM's model_config.use_mla, NixlConnector's is_mla): every TP rank holds the same KV; prefill rank 0
         # stages it once, the decode ranks read it from one room they share (Client.recv_open(readers=n), join)
         self.mla = bool(getattr(getattr(vllm_config, "model_config", None), "use_mla", False))
+        # the decode instances' TP size (a prefill instance stages each rank's KV in the head slices of the decode
+        # ranks it serves, before any decode side asks); a request's kv_transfer_params may name its own. MLA: any
+        self.decode_tp = self.tp_size if self.mla else _tp_pair(
+            extra.get("kvstage_decode_tp_size", self.tp_size), self.tp_size, "kvstage_decode_tp_size")
         if int(getattr(pc, "pipeline_parallel_size", 1) or 1) > 1:
             raise NotImplementedError("kvstage connector: pipeline parallelism is not supported")
         dp = 0
@@ -885,8 +885,9 @@ class _SchedulerSide:
             if p.get(k) is None:
                 return None, f"kv_transfer_params lack {k}"
         try:
-            remote_tp = _tp_pair(p.get("tp_size", 1), self.s.tp_size, "the prefill side's TP size")
-        except ValueError as e:
+            remote_tp = int(p.get("tp_size", 1)) if self.s.mla else _tp_pair(
+                p.get("tp_size", 1), self.s.tp_size, "the prefill side's TP size")
+        except (TypeError, ValueError) as e:
             return None, str(e)
         remote_bs, bs = int(kv.get("block_size", -1)), self.s.block_size
         if remote_bs != bs:  # NixlConnector's block_size_ratio: one divides the other
@@ -1060,7 +1061,7 @@ class _SchedulerSide:
         router that knows where it sends it), else the instance's; one that does not pair with this side's TP size
         falls back to the instance's (logged)."""
         v = (request.kv_transfer_params or {}).get("kvstage_decode_tp_size")
-        if v is None:
+        if v is None or self.s.mla:
             return self.s.decode_tp
         try:
             return _tp_pair(v, self.s.tp_size, "kvstage_decode_tp_size")
@@ -1481,7 +1482,8 @@ class _Agent:
             busy = busy or st.starved or (st.state == "staging" and bool(st.pieces))
         for ld in list(self._loads.values()):
             self._guarded(self._load_progress, ld, fail=self._load_fail)
-            busy = busy or ld.state == "opening" or any(sh.job is not None for sh in ld.shares)
+            joining = ld.spec.mla and self.tp_size > 1 and self.tp_rank != 0  # woken by rank 0's descriptor
+            busy = busy or (ld.state == "opening" and not joining) or any(sh.job is not None for sh in ld.shares)
         self._timeouts()
         return busy
 

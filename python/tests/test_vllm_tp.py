@@ -418,7 +418,7 @@ def test_a_misrouted_share_is_refused(kv_proxy, caplog):
     assert_pool_free(kv_proxy.socket)
 
 
-MLA_TP = [(2, 4), (1, 2), (2, 1), (2, 2)]
+MLA_TP = [(2, 4), (1, 2), (2, 1), (2, 2), (3, 2)]
 
 
 @pytest.mark.parametrize("p_tp,d_tp", MLA_TP, ids=[f"P{p}-D{d}" for p, d in MLA_TP])
