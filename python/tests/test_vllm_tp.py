@@ -3,7 +3,11 @@ scheduler-role connector and one worker-role connector per rank, each rank with 
 which the model writes other bytes than into the other rank's; each rank's metadata a pickled copy (as
 MultiprocExecutor sends it); the ranks' finished_sending / finished_recving aggregated as vLLM's KVOutputAggregator
 does (a request is reported to the scheduler once every rank has reported it), their invalid block ids together.
-Prefill rank r listens on kvstage_port + r; decode rank r loads from it and from no other."""
+Prefill rank r listens on kvstage_port + r; decode rank r loads from it and from no other.
+
+Then the topologies of other sizes: TP sizes of which one divides the other (NixlConnector's rank pairs and head
+slices: one room per rank pair with that pair's KV heads), MLA (one room all decode ranks share, its bytes moved once
+by the proxy's count), block sizes of which one divides the other (the room as token positions)."""
 import collections
 import logging
 import random
