@@ -571,3 +571,27 @@ def test_block_sizes_differ_with_hnd_blocks_fails_the_load(kv_proxy, caplog):
     finally:
         pair.close()
     assert_pool_free(kv_proxy.socket)
+
+
+def test_rank_pairs_are_nixl_rank_pairs():
+    """kvstage.vllm.tp_shares pairs ranks as NixlConnector's TransferTopology @ 9aaf83ef502f (kv_connector/utils.py
+    tp_ratio, target_remote_ranks: a decode rank reads remote rank r // ratio, or ranks r * |ratio| + i), seen from
+    both sides: every (prefill rank, decode rank) pair one side names, the other names too, with the same model
+    heads."""
+    for p_tp, d_tp in ((1, 1), (1, 2), (2, 4), (1, 8), (4, 2), (8, 1), (2, 2), (4, 8)):
+        heads = 8  # the model's KV heads
+        hp, hd = heads // p_tp, heads // d_tp
+        from_p = {(p, d, p * hp + h0, p * hp + h1)
+                  for p in range(p_tp) for d, h0, h1 in kv.tp_shares(p, p_tp, d_tp, hp)}
+        from_d = {(p, d, d * hd + h0, d * hd + h1)
+                  for d in range(d_tp) for p, h0, h1 in kv.tp_shares(d, d_tp, p_tp, hd)}
+        assert from_p == from_d, (p_tp, d_tp)
+        for d in range(d_tp):  # NixlConnector's target_remote_ranks for decode rank d
+            ratio = d_tp // p_tp if d_tp >= p_tp else -(p_tp // d_tp)
+            nixl = [d // ratio] if ratio > 0 else [d * -ratio + i for i in range(-ratio)]
+            assert sorted(p for p, dd, _, _ in from_d if dd == d) == nixl, (p_tp, d_tp, d)
+        # each decode rank's heads exactly once
+        assert sorted((d, g) for _, d, g0, g1 in from_d for g in range(g0, g1)) == [
+            (d, g) for d in range(d_tp) for g in range(d * hd, (d + 1) * hd)]
+    with pytest.raises(ValueError, match="do not split"):
+        kv.tp_shares(0, 1, 4, 2)  # 2 KV heads on 4 decode ranks: vLLM replicates them
