@@ -103,7 +103,8 @@ Block sizes: the prefill and decode block sizes may differ, one dividing the oth
 block_size_ratio), with one full-attention KV cache group, equal TP sizes or MLA, and token-major blocks (vLLM's NHD
 (block_size, heads, head_size) blocks and MLA's (block_size, head_size)): the room is the prefill's plain layout, read
 as token positions (VllmLayout.token_extents); the decode rank writes each position into its own blocks, the last
-one partly when the prefill's blocks end inside it. HND blocks are refused (the load fails with the reason).
+one partly when the prefill's blocks end inside it. HND blocks and FlashInfer's (2, block_size, ...) blocks (K, then
+V) are refused (the load fails with the reason).
 
 Memory (kvstage.plan plans the copies): KV caches in host memory are copied by the CPU, one copy per run of blocks;
 on a CUDA device through libkvstage_cuda (kvstage.cuda), per layer part and slot one gather (scatter) of its whole
@@ -323,9 +324,10 @@ class VllmLayout:
                 if stride < item:
                     raise ValueError(f"layer {name}: blocks overlap (stride {stride} < {item} bytes)")
                 order = sorted(range(sub.dim()), key=lambda d: -sub.stride(d))
-                # an attention block is (block_size, heads, head_size) in vLLM's logical order (FlashAttention's and
-                # FlashInfer's get_kv_cache_shape; HND caches differ in strides only): its heads split across TP
-                attn = not isinstance(v, (list, tuple)) and sub.dim() == 3
+                # an attention block is (block_size, heads, head_size) in vLLM's logical order (FlashAttention's
+                # get_kv_cache_shape (2, num_blocks, ...): K and V apart; HND caches differ in strides only), or
+                # (2, block_size, heads, head_size) (FlashInfer's (num_blocks, 2, ...)): its heads split across TP
+                attn = not isinstance(v, (list, tuple)) and sub.dim() >= 3
                 self.regions.append(KVRegion(li, int(p.data_ptr()), stride, item, int(p.shape[0]),
                                              bool(getattr(t, "is_cuda", False)), groups[li],
                                              int(sub.shape[-2]) if attn else 0, sub.stride(-2) * elt if attn else 0,
@@ -369,30 +371,33 @@ class VllmLayout:
         return json.loads(json.dumps(fp))
 
     # -- blocks of another size on the other side: the room as token positions --------------------------------
-    def _token_bytes(self, r, k):
+    def _token_bytes(self, r, k, block_size):
         """Bytes of one token position of region r's blocks (the k-th region), or 0 unless its blocks are token-major
-        (a (block_size, ...) block whose first dimension is outermost in memory: vLLM's NHD and MLA caches)."""
+        (a (block_size, ...) block whose first dimension is outermost in memory: vLLM's NHD and MLA caches; not
+        HND, nor FlashInfer's (2, block_size, ...) blocks, whose K half comes before the V half)."""
         shape = self._fp["regions"][k][2]
-        if self.ngroups > 1 or r.group != 0 or not r.order or r.order[0] != 0 or len(shape) < 2 or not shape[0]:
+        if (self.ngroups > 1 or r.group != 0 or not r.order or r.order[0] != 0 or len(shape) < 2
+                or shape[0] != block_size):
             return 0
         return r.item // shape[0]
 
-    def token_fingerprint(self):
+    def token_fingerprint(self, block_size):
         """What two sides with blocks of different sizes must agree on (JSON-native), or None when a region's blocks
         are not token-major: per region a token's bytes, the dtype, the rest of the block's shape and its memory
         order; the layer count."""
         regions = []
         for k, r in enumerate(self.regions):
-            tok = self._token_bytes(r, k)
+            tok = self._token_bytes(r, k, block_size)
             if not tok:
                 return None
             _, dtype, shape, order = self._fp["regions"][k]
             regions.append([tok, dtype, list(shape[1:]), list(order)])
         return json.loads(json.dumps({"layers": len(self.layer_names), "regions": regions}))
 
-    def token_nbytes(self, tokens):
-        """Bytes of a room of `tokens` token positions per region (the sender's blocks x its block size)."""
-        return tokens * sum(self._token_bytes(r, k) for k, r in enumerate(self.regions))
+    def token_nbytes(self, tokens, block_size):
+        """Bytes of a room of `tokens` token positions per region (the sender's blocks x its block size), for this
+        side's blocks of block_size tokens."""
+        return tokens * sum(self._token_bytes(r, k, block_size) for k, r in enumerate(self.regions))
 
     def token_extents(self, tokens, blocks, first_pos, block_size):
         """The extents of blocks (of block_size tokens) at request positions first_pos... in a room of `tokens` token
@@ -402,10 +407,10 @@ class VllmLayout:
         ids = [int(b) for b in blocks]
         out, base = [], 0
         for k, r in enumerate(self.regions):
-            tok = self._token_bytes(r, k)
+            tok = self._token_bytes(r, k, block_size)
             if not tok:
-                raise ValueError(f"layer {r.layer}: its blocks are not token-major (a HND cache?): blocks of another "
-                                 "size cannot be mapped")
+                raise ValueError(f"layer {r.layer}: its blocks are not token-major (HND, or K and V in one block): "
+                                 "blocks of another size cannot be mapped")
             for b in ids:
                 if not 0 <= b < r.nblocks:
                     raise ValueError(f"block {b} is outside the cache of layer {r.layer} ({r.nblocks} blocks)")
@@ -1244,11 +1249,11 @@ class _Share:
     (equal TP sizes); else heads [h0, h1) of this rank's blocks in the share layout."""
     __slots__ = ("rank", "h0", "h1", "plain", "endpoint", "nbytes", "room", "uid", "final", "job", "copied")
 
-    def __init__(self, spec, layout, rank, h0=0, h1=0, plain=True):
+    def __init__(self, spec, layout, rank, h0=0, h1=0, plain=True, block_size=0):
         self.rank, self.h0, self.h1, self.plain = rank, h0, h1, plain
         self.endpoint = (spec.remote_host, spec.remote_port + rank)
         if spec.remote_block_size:  # the prefill's blocks, token-major: its plain layout
-            self.nbytes = layout.token_nbytes(spec.num_blocks * spec.remote_block_size)
+            self.nbytes = layout.token_nbytes(spec.num_blocks * spec.remote_block_size, block_size)
         elif plain:
             self.nbytes = layout.nbytes(spec.num_blocks)
         else:
@@ -1262,10 +1267,10 @@ class _Load:
     then each one's copy-out into its heads of the request's blocks. Done once every share is copied; one share
     failing fails the load."""
 
-    def __init__(self, spec, layout, tp_rank, shares=None):
+    def __init__(self, spec, layout, tp_rank, shares=None, block_size=0):
         self.spec = spec
         self.req = spec.req_id
-        self.shares = shares or [_Share(spec, layout, tp_rank)]
+        self.shares = shares or [_Share(spec, layout, tp_rank, block_size=block_size)]
         self.nbytes = sum(sh.nbytes for sh in self.shares)
         self.endpoint = self.shares[0].endpoint
         self.deadline = time.monotonic() + spec.load_timeout
@@ -1863,10 +1868,10 @@ class _Agent:
         if st.rooms[j] is not None or st.finals[j] is not None:
             return self._reject(msg, "a second load of the same request")
         if st.shares is None and msg.get("block_size", self.block_size) != self.block_size:
-            mine = self.layout.token_fingerprint()
+            mine = self.layout.token_fingerprint(self.block_size)
             if mine is None:
                 return self._reject(msg, f"decode block size {msg.get('block_size')}, this side {self.block_size}: "
-                                         "this side's blocks are not token-major (a HND cache?)")
+                                         "this side's blocks are not token-major (HND, or K and V in one block)")
             if msg.get("tokens") != mine:
                 return self._reject(msg, f"token layouts differ: decode {msg.get('tokens')}, prefill {mine}")
         elif st.shares is None:
@@ -1924,7 +1929,7 @@ class _Agent:
                                                         self.layout.kv_heads)]
             except ValueError as e:
                 why = f"refused: prefill TP size {spec.remote_tp}, this side {self.tp_size}: {e}"
-        ld = _Load(spec, self.layout, self.tp_rank, shares)
+        ld = _Load(spec, self.layout, self.tp_rank, shares, self.block_size)
         self._loads[ld.req] = ld
         if spec.error or why:
             return self._refuse_load(ld, spec.error or why)
@@ -1934,10 +1939,10 @@ class _Agent:
             return self._refuse_load(ld, f"refused: {e}")
         if spec.remote_block_size:  # the room: the prefill's blocks' tokens; the last block here starts inside it
             tokens, mine = spec.num_blocks * spec.remote_block_size, spec.skip + len(spec.local_block_ids)
-            if self.layout.token_fingerprint() is None:
+            if self.layout.token_fingerprint(self.block_size) is None:
                 return self._refuse_load(ld, f"refused: prefill block size {spec.remote_block_size}, this side "
-                                             f"{self.block_size}: this side's blocks are not token-major (a HND "
-                                             "cache?)")
+                                             f"{self.block_size}: this side's blocks are not token-major (HND, or K "
+                                             "and V in one block)")
             fits = (mine - 1) * self.block_size < tokens and mine * self.block_size > tokens - spec.remote_block_size
         elif isinstance(spec.num_blocks, int):
             fits = spec.skip + len(spec.local_block_ids) == spec.num_blocks
@@ -1997,7 +2002,7 @@ class _Agent:
         tokens must agree on replaces the plain layout."""
         msg.pop("layout", None)
         msg["block_size"] = self.block_size
-        msg["tokens"] = self.layout.token_fingerprint()
+        msg["tokens"] = self.layout.token_fingerprint(self.block_size)
 
     def _load_open_shared(self, ld):
         """MLA with several ranks: rank 0 opens one room for every rank (readers: the TP size), tells the others its

@@ -227,7 +227,7 @@ def test_a_load_reaching_another_rank_is_refused(kv_proxy, caplog):
 # each rank's KV in the head slices of the decode ranks it serves (kvstage_decode_tp_size).
 KV_HEADS = 4
 HET = [(1, 2, "kv-first"), (2, 4, "kv-first"), (4, 2, "kv-first"), (2, 1, "kv-first"), (2, 4, "hnd"),
-       (4, 2, "block-first")]
+       (4, 2, "block-first"), (1, 2, "flashinfer")]
 HET_PLANS = {0: "prefix", 1: "prefix", 2: "d-abort-waiting", 3: "d-mid", 4: "d-mid-share", 5: "d-fail",
              6: "d-after", 7: "p-abort-staging"}
 HET_EXPECT = {
@@ -553,13 +553,14 @@ def test_block_sizes_differ(kv_proxy, p_bs, d_bs, p_tp, d_tp, layout):
     assert_pool_free(kv_proxy.socket)
 
 
-def test_block_sizes_differ_with_hnd_blocks_fails_the_load(kv_proxy, caplog):
-    """HND blocks (a block's heads outermost) are not token-major: a block of another size is no run of the other
-    side's bytes; the decode worker refuses the load with the reason (the request fails by vLLM's
-    kv_load_failure_policy) and the prefill side releases its slots; the pool ends free."""
+@pytest.mark.parametrize("layout", ["hnd", "flashinfer"])
+def test_block_sizes_differ_with_blocks_not_token_major_fails_the_load(kv_proxy, caplog, layout):
+    """HND blocks (a block's heads outermost) and FlashInfer's (a block's K, then its V) are not token-major: a block
+    of another size is no run of the other side's bytes; the decode worker refuses the load with the reason (the
+    request fails by vLLM's kv_load_failure_policy) and the prefill side releases its slots; the pool ends free."""
     import vllm_engine as E
     caplog.set_level(logging.INFO, logger="kvstage.vllm")
-    pair = E.PD(kv_proxy.socket, p_kw=dict(block_size=4, kv_layout="hnd"), d_kw=dict(block_size=8, kv_layout="hnd"))
+    pair = E.PD(kv_proxy.socket, p_kw=dict(block_size=4, kv_layout=layout), d_kw=dict(block_size=8, kv_layout=layout))
     P, D = pair.P, pair.D
     try:
         pair.add(0, 21)

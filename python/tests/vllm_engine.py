@@ -188,7 +188,11 @@ def kv_cache(num_blocks, head_dim=HEAD_DIM, layout="kv-first", heads=HEADS, bloc
     """One layer's paged KV cache, indexed (K/V, block, position, head, dim) either way: "kv-first" is vLLM's
     (2, num_blocks, ...) in memory (a block's K one span, its V another, blocks item bytes apart); "block-first" is
     (num_blocks, 2, ...) in memory (a block's K then its V: the blocks of each part 2 x item bytes apart); "hnd" is
-    vLLM's HND cache layout: the same logical shape, each block's heads outermost in memory."""
+    vLLM's HND cache layout: the same logical shape, each block's heads outermost in memory; "flashinfer" is vLLM's
+    FlashInfer shape (num_blocks, 2, block_size, heads, head_size) @ 9aaf83ef502f (v1/attention/backends/flashinfer.py
+    get_kv_cache_shape): a block holds its K and then its V (Engine indexes it through a transposed view)."""
+    if layout == "flashinfer":
+        return torch.zeros((num_blocks, 2, block_size, heads, head_dim), dtype=torch.float16)
     if layout == "block-first":
         return torch.zeros((num_blocks, 2, block_size, heads, head_dim), dtype=torch.float16).transpose(0, 1)
     if layout == "hnd":
@@ -264,6 +268,7 @@ class Engine:
                  chunk=8, budget=48, extra=None, max_running=64, head_dim=HEAD_DIM, kv_layout="kv-first", tp=1,
                  kv_heads=None, mla=False, block_size=BLOCK_SIZE):
         self.head_dim, self.tp, self.mla, self.block_size = head_dim, tp, mla, block_size
+        self.flashinfer = kv_layout == "flashinfer"
         # the model's KV heads (HEADS per rank unless given), each rank holding its tp-th of them as vLLM shards them
         self.kv_heads = 1 if mla else kv_heads or HEADS * tp
         self.heads = 1 if mla else None
@@ -320,6 +325,8 @@ class Engine:
     def _i16(self, t):
         """A layer's cache as int16 (K/V, block, position, head, dim); an MLA cache as one part of one head."""
         t = t.view(torch.int16)
+        if self.flashinfer:
+            return t.transpose(0, 1)
         return t.unsqueeze(0).unsqueeze(3) if self.mla else t
 
     def _where(self, blocks, c0, n):
