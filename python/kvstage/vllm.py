@@ -889,10 +889,10 @@ class _SchedulerSide:
         for k in ("remote_request_id", "remote_host", "remote_port"):
             if p.get(k) is None:
                 return None, f"kv_transfer_params lack {k}"
-        try:
-            remote_tp = int(p.get("tp_size", 1)) if self.s.mla else _tp_pair(
-                p.get("tp_size", 1), self.s.tp_size, "the prefill side's TP size")
-        except (TypeError, ValueError) as e:
+        try:  # MLA: any sizes pair (prefill rank 0 holds it all)
+            remote_tp = _tp_pair(p.get("tp_size", 1), 1 if self.s.mla else self.s.tp_size,
+                                 "the prefill side's TP size")
+        except ValueError as e:
             return None, str(e)
         remote_bs, bs = int(kv.get("block_size", -1)), self.s.block_size
         if remote_bs != bs:  # NixlConnector's block_size_ratio: one divides the other
@@ -2068,8 +2068,12 @@ class _Agent:
     def cmd_drop(self, host, port, remote_req, remote_tp=0):
         """Tells the prefill rank(s) holding this rank's heads of remote_req to release its slots."""
         tp, remote_tp = self.tp_size, remote_tp or self.tp_size
-        ranks = ([self.tp_rank // (tp // remote_tp)] if tp >= remote_tp
-                 else [self.tp_rank * (remote_tp // tp) + i for i in range(remote_tp // tp)])
+        if self.mla:  # prefill rank 0 staged it; decode rank 0 speaks for this instance
+            ranks = [0] if self.tp_rank == 0 else []
+        elif tp >= remote_tp:
+            ranks = [self.tp_rank // (tp // remote_tp)]
+        else:
+            ranks = [self.tp_rank * (remote_tp // tp) + i for i in range(remote_tp // tp)]
         for rank in ranks:
             try:
                 self._send_msg((host, port + rank), {"t": "drop", "req": remote_req, "tp_rank": self.tp_rank,
