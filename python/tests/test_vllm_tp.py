@@ -596,3 +596,79 @@ def test_rank_pairs_are_nixl_rank_pairs():
             (d, g) for d in range(d_tp) for g in range(d * hd, (d + 1) * hd)]
     with pytest.raises(ValueError, match="do not split"):
         kv.tp_shares(0, 1, 4, 2)  # 2 KV heads on 4 decode ranks: vLLM replicates them
+
+
+def _through_room(extents_out, extents_in, nbytes):
+    """Moves bytes from engine memory into a room by one side's extents and out of it by the other's (what the
+    copies into slots and out of them do, slot boundaries aside); returns the room."""
+    import ctypes
+    room = (ctypes.c_char * nbytes)()
+    at = ctypes.addressof(room)
+    for e in extents_out:
+        for k, b in enumerate(e.idx):
+            assert e.room_off + (k + 1) * e.item <= nbytes
+            ctypes.memmove(at + e.room_off + k * e.item, e.base + b * e.stride, e.item)
+    for e in extents_in:
+        for k, b in enumerate(e.idx):
+            assert e.room_off + (k + 1) * e.item <= nbytes
+            ctypes.memmove(e.base + b * e.stride, at + e.room_off + k * e.item, e.item)
+    return room
+
+
+@pytest.mark.parametrize("layout", ["kv-first", "hnd", "flashinfer"])
+def test_shares_with_several_kv_cache_groups(layout):
+    """The share layout with two KV cache groups (layers 0 and 2 full attention, layer 1 a sliding window: each group
+    its own blocks and count), prefill TP 1 to decode TP 2 and back: each decode rank's blocks of each group get
+    exactly its heads of the prefill's blocks of that group, in request order, after its cached blocks; both sides
+    compute the same room size and share fingerprint."""
+    import vllm_engine as E
+    torch.manual_seed(7)
+    groups = {n: (1 if i == 1 else 0) for i, n in enumerate(E.LAYER_NAMES)}
+    nb, heads = 12, 4
+
+    def caches(h):
+        out = {}
+        for n in E.LAYER_NAMES:
+            t = E.kv_cache(nb, E.HEAD_DIM, layout, h)
+            t.view(torch.int16).copy_(torch.randint(-32768, 32767, t.shape, dtype=torch.int16))
+            out[n] = t
+        return out
+
+    def kv_view(t):  # (K/V, block, position, head, dim) whatever the layout, as int16 (random bits: NaNs as floats)
+        return (t.transpose(0, 1) if layout == "flashinfer" else t).view(torch.int16)
+    big = caches(heads)
+    halves = [caches(heads // 2) for _ in range(2)]
+    L = kv.VllmLayout(big, nb, groups)
+    Ls = [kv.VllmLayout(c, nb, groups) for c in halves]
+    counts = (3, 2)
+    big_blocks = ([5, 1, 7], [2, 9])
+    for r in range(2):
+        small_blocks = ([3, 4, 6][1:], [8, 0])  # the decode side's first full-attention block cached: skip 1
+        h0, h1 = 2 * r, 2 * r + 2
+        assert L.share_fingerprint(h0, h1) == Ls[r].share_fingerprint(0, 2)
+        n = L.share_nbytes(counts, h0, h1)
+        assert n == Ls[r].share_nbytes(counts, 0, 2)
+        _through_room(L.share_extents(counts, big_blocks, 0, h0, h1),
+                      Ls[r].share_extents(counts, small_blocks, (1, 0), 0, 2), n)
+        for li, name in enumerate(E.LAYER_NAMES):
+            g = groups[name]
+            src, dst = kv_view(big[name]), kv_view(halves[r][name])
+            pairs = list(zip(big_blocks[g][1:] if g == 0 else big_blocks[g], small_blocks[g]))
+            for pb, db in pairs:
+                assert torch.equal(dst[:, db], src[:, pb, :, h0:h1]), (layout, r, li, pb, db)
+            if g == 0:  # the cached block is not written
+                assert not torch.equal(dst[:, 3], src[:, 5, :, h0:h1])
+    # and back: two prefill ranks of 2 heads into one decode rank of 4, each at its head offset
+    back = caches(heads)
+    Lb = kv.VllmLayout(back, nb, groups)
+    dst_blocks = ([0, 2, 11], [10, 4])
+    for r in range(2):
+        n = Ls[r].share_nbytes(counts, 0, 2)
+        _through_room(Ls[r].share_extents(counts, ([3, 4, 6], [8, 0]), 0, 0, 2),
+                      Lb.share_extents(counts, dst_blocks, 0, 2 * r, 2 * r + 2), n)
+    for name in E.LAYER_NAMES:
+        g = groups[name]
+        for j, db in enumerate(dst_blocks[g]):
+            sb = ([3, 4, 6], [8, 0])[g][j]
+            for r in range(2):
+                assert torch.equal(kv_view(back[name])[:, db, :, 2 * r:2 * r + 2], kv_view(halves[r][name])[:, sb])
