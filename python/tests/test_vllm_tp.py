@@ -672,3 +672,35 @@ def test_shares_with_several_kv_cache_groups(layout):
             sb = ([3, 4, 6], [8, 0])[g][j]
             for r in range(2):
                 assert torch.equal(kv_view(back[name])[:, db, :, 2 * r:2 * r + 2], kv_view(halves[r][name])[:, sb])
+
+
+def test_a_share_never_loaded_expires_and_frees_its_slots(kv_proxy):
+    """Prefill TP 1 staged for decode TP 2: decode rank 0 loads its share, decode rank 1 never asks (its worker gone).
+    At the stage timeout the stage fails and gives back the other share's slots; rank 0's share stays loaded exact;
+    while every client is still connected, the proxy's pool is free again and no room is open."""
+    import vllm_engine as E
+    from sglang_common import stat
+    pair = E.PD(kv_proxy.socket, p_kw=dict(tp=1, kv_heads=KV_HEADS, extra={"kvstage_decode_tp_size": 2}),
+                d_kw=dict(tp=2, kv_heads=KV_HEADS))
+    P, D = pair.P, pair.D
+    try:
+        pair.add(0, 30, extra={"kvstage_stage_timeout": 0.5})
+        P.step_until(lambda: "p0" in P.freed, what="staged")
+        pair.routed.add("p0")
+        nb = kv._cdiv(30, E.BLOCK_SIZE)
+        blocks = D._alloc(nb)
+        a = D.agents[0]
+        base = P.cfg.kv_transfer_config.kv_connector_extra_config["kvstage_port"]
+        a.post(a.cmd_recv, kv.RecvSpec("x0", "p0", "127.0.0.1", base, nb, tuple(blocks), 0, 10.0, remote_tp=1))
+        got = set()
+        E.wait_for(lambda: (got.update(a.take_finished()[1]), "x0" in got)[1], what="rank 0's share loaded")
+        assert a.ended["x0"] == "done"
+        assert D.holds(P.done_req["p0"], blocks=blocks, rank=0) is None
+        E.wait_for(lambda: "expired" in (P.agent.ended.get("p0") or ""), what="the stage expired")
+        E.wait_for(lambda: P.agent.stage_state("p0")[0] is None, what="the stage gone")
+        s = stat(kv_proxy.socket)
+        assert s["slots"]["free"] == s["slot_count"] and s["rooms"]["open"] == 0, (s["slots"], s["rooms"])
+        assert s["clients"]["now"] >= 3
+    finally:
+        pair.close()
+    assert_pool_free(kv_proxy.socket)
