@@ -74,10 +74,37 @@ Aborts and when blocks are free again:
   * staged slots no decode side asks for are released after the stage timeout; a decode request aborted
     before its load started tells the prefill worker to release them at once.
 
-Tensor parallelism: every rank's worker connector stages and loads its own shard; decode rank r pulls from
-prefill rank r (remote_port + r), naming its rank, and a prefill rank refuses a pull or release for another rank
-(the shards' layouts are equal). vLLM's KVOutputAggregator reports a request to the scheduler once every rank
-has; a load failed on one rank fails the request through the invalid block ids, which vLLM unites.
+Tensor parallelism: every rank's worker connector stages and loads its own shard; prefill rank p listens on
+remote_port + p. vLLM's KVOutputAggregator reports a request to the scheduler once every rank has; a load failed on
+one rank fails the request through the invalid block ids, which vLLM unites.
+  * equal TP sizes: decode rank r pulls from prefill rank r, naming its rank; a prefill rank refuses a pull or
+    release for another rank (the shards' layouts are equal).
+  * TP sizes of which one divides the other (NixlConnector's TransferTopology @ 9aaf83ef502f, kv_connector/utils.py
+    tp_ratio, target_remote_ranks; tp_shares here): decode TP = k x prefill TP: decode rank r loads from prefill rank
+    r // k its KV heads, slice r % k of that rank's; prefill TP = k x decode TP: decode rank r loads from prefill ranks
+    r*k .. r*k+k-1, the i-th share landing at heads [i*H/k, (i+1)*H/k) of its blocks. One room per rank pair, holding
+    that pair's heads of every block in the share layout (VllmLayout.share_extents: per layer part, per row of a
+    block, the row's heads of each block). A prefill instance stages before any decode side asks, so it is told the
+    decode TP size: kv_connector_extra_config kvstage_decode_tp_size (default its own), or kvstage_decode_tp_size in
+    a request's kv_transfer_params; its params name it (kvstage.decode_tp_size) and a decode instance of another TP
+    size computes the prompt itself. A share is refused at open (its room aborted, never delivered) when it reaches
+    a prefill rank that does not serve that decode rank, comes from another decode TP size, names other model KV
+    heads than that rank's share, or its share layout (rows, a head's bytes, head count, dtype, memory order, layer
+    count) differs. The request is loaded on a decode rank once every share has landed and been copied; one share
+    failing fails the load (and the prefill stage: its other shares are given up); the blocks are reported once
+    every room of the load has its final event.
+  * MLA (model_config.use_mla: every rank holds the same KV): prefill rank 0 stages it, the other prefill ranks
+    stage nothing; decode rank 0 opens one shared room (Client.recv_open(readers=decode TP size)), sends its
+    descriptor to the other decode ranks' side channels (an MLA decode rank listens on its instance's kvstage_port +
+    rank) and pulls from prefill rank 0; the others join the room (Client.join): the bytes cross and land once, each
+    rank copies them into its own blocks. Any TP sizes.
+
+Block sizes: the prefill and decode block sizes may differ, one dividing the other (NixlConnector's
+block_size_ratio), with one full-attention KV cache group, equal TP sizes or MLA, and token-major blocks (vLLM's NHD
+(block_size, heads, head_size) blocks and MLA's (block_size, head_size)): the room is the prefill's plain layout, read
+as token positions (VllmLayout.token_extents); the decode rank writes each position into its own blocks, the last
+one partly when the prefill's blocks end inside it. HND blocks and FlashInfer's (2, block_size, ...) blocks (K, then
+V) are refused (the load fails with the reason).
 
 Memory (kvstage.plan plans the copies): KV caches in host memory are copied by the CPU, one copy per run of blocks;
 on a CUDA device through libkvstage_cuda (kvstage.cuda), per layer part and slot one gather (scatter) of its whole
@@ -115,8 +142,11 @@ state block), each state tensor of each Mamba layer a part; the decode side writ
 and nothing else of that group. A one-token prompt is not loaded (the decode side computes it).
 
 Not supported (refused with a reason): Mamba prefix caching (mamba_cache_mode 'all' or 'align') and speculative state
-blocks (num_speculative_blocks), other group kinds among several (ValueError at start, naming the group), prefill and
-decode with different TP sizes or block sizes or cache layouts, pipeline parallelism.
+blocks (num_speculative_blocks), other group kinds among several (ValueError at start, naming the group), TP sizes
+of which neither divides the other, KV heads replicated across ranks (fewer KV heads than ranks, without MLA), heads
+that do not split into the shares, different TP sizes and block sizes together (without MLA), different block sizes
+with several KV cache groups or HND blocks, other cache layouts, pipeline parallelism. A refused load is computed by
+the decode side (the scheduler's checks) or fails by kv_load_failure_policy (the workers').
 """
 from __future__ import annotations
 
@@ -233,6 +263,10 @@ class KVRegion:
     nblocks: int
     device: bool
     group: int = 0  # the KV cache group of its layer: its blocks are that group's block ids
+    heads: int = 0  # KV heads in a block (an attention part of (block_size, heads, head_size) blocks); 0: none
+    head_bytes: int = 0  # bytes between two heads of a block (a head's part of one row of the block)
+    order: tuple = ()  # the block's dimensions, outermost in memory first (the fingerprint's)
+    dtype: str = ""
 
 
 def _flat(blocks):
@@ -289,9 +323,15 @@ class VllmLayout:
                 stride = p.stride(0) * elt
                 if stride < item:
                     raise ValueError(f"layer {name}: blocks overlap (stride {stride} < {item} bytes)")
-                self.regions.append(KVRegion(li, int(p.data_ptr()), stride, item, int(p.shape[0]),
-                                             bool(getattr(t, "is_cuda", False)), groups[li]))
                 order = sorted(range(sub.dim()), key=lambda d: -sub.stride(d))
+                # an attention block is (block_size, heads, head_size) in vLLM's logical order (FlashAttention's
+                # get_kv_cache_shape (2, num_blocks, ...): K and V apart; HND caches differ in strides only), or
+                # (2, block_size, heads, head_size) (FlashInfer's (num_blocks, 2, ...)): its heads split across TP
+                attn = not isinstance(v, (list, tuple)) and sub.dim() >= 3
+                self.regions.append(KVRegion(li, int(p.data_ptr()), stride, item, int(p.shape[0]),
+                                             bool(getattr(t, "is_cuda", False)), groups[li],
+                                             int(sub.shape[-2]) if attn else 0, sub.stride(-2) * elt if attn else 0,
+                                             tuple(order), str(t.dtype)))
                 fp.append([item, str(t.dtype), list(sub.shape), order])
         self.device = any(r.device for r in self.regions)
         self._fp = {"regions": fp, "layers": len(self.layer_names)}
@@ -302,6 +342,124 @@ class VllmLayout:
     def fingerprint(self):
         """The layout facts both sides must share (JSON-native)."""
         return json.loads(json.dumps(self._fp))
+
+    # -- a TP share: heads [h0, h1) of every block (prefill and decode with different TP sizes) --
+    @property
+    def kv_heads(self):
+        """The KV heads of this rank's blocks (every region's the same), or 0 when a region has none (a state or MLA
+        cache: nothing to split by head)."""
+        hs = {r.heads for r in self.regions}
+        return hs.pop() if len(hs) == 1 else 0
+
+    def _share_geom(self, r, h0, h1):
+        """(rows, pitch, offset, run) of heads [h0, h1) in a block of region r: the block is rows of all its heads,
+        pitch bytes apart (block_size rows of a NHD block, one of a HND block); each row's share is run bytes from
+        offset."""
+        if not 0 <= h0 < h1 <= r.heads:
+            raise ValueError(f"heads [{h0}, {h1}) of a block of {r.heads} heads (layer {r.layer})")
+        pitch = r.heads * r.head_bytes
+        return r.item // pitch, pitch, h0 * r.head_bytes, (h1 - h0) * r.head_bytes
+
+    def share_fingerprint(self, h0, h1):
+        """What a sending and a receiving share must agree on (JSON-native): per region its rows, a head's bytes in
+        a row, the share's head count, the dtype and the block's memory order; the layer count; the groups."""
+        fp = {"layers": len(self.layer_names),
+              "regions": [[self._share_geom(r, h0, h1)[0], r.head_bytes, h1 - h0, r.dtype, list(r.order)]
+                          for r in self.regions]}
+        if self.ngroups > 1:
+            fp["groups"] = self._fp["groups"]
+        return json.loads(json.dumps(fp))
+
+    # -- blocks of another size on the other side: the room as token positions --------------------------------
+    def _token_bytes(self, r, k, block_size):
+        """Bytes of one token position of region r's blocks (the k-th region), or 0 unless its blocks are token-major
+        (a (block_size, ...) block whose first dimension is outermost in memory: vLLM's NHD and MLA caches; not
+        HND, nor FlashInfer's (2, block_size, ...) blocks, whose K half comes before the V half)."""
+        shape = self._fp["regions"][k][2]
+        if (self.ngroups > 1 or r.group != 0 or not r.order or r.order[0] != 0 or len(shape) < 2
+                or shape[0] != block_size):
+            return 0
+        return r.item // shape[0]
+
+    def token_fingerprint(self, block_size):
+        """What two sides with blocks of different sizes must agree on (JSON-native), or None when a region's blocks
+        are not token-major: per region a token's bytes, the dtype, the rest of the block's shape and its memory
+        order; the layer count."""
+        regions = []
+        for k, r in enumerate(self.regions):
+            tok = self._token_bytes(r, k, block_size)
+            if not tok:
+                return None
+            _, dtype, shape, order = self._fp["regions"][k]
+            regions.append([tok, dtype, list(shape[1:]), list(order)])
+        return json.loads(json.dumps({"layers": len(self.layer_names), "regions": regions}))
+
+    def token_nbytes(self, tokens, block_size):
+        """Bytes of a room of `tokens` token positions per region (the sender's blocks x its block size), for this
+        side's blocks of block_size tokens."""
+        return tokens * sum(self._token_bytes(r, k, block_size) for k, r in enumerate(self.regions))
+
+    def token_extents(self, tokens, blocks, first_pos, block_size):
+        """The extents of blocks (of block_size tokens) at request positions first_pos... in a room of `tokens` token
+        positions per region, token-major: the bytes of a side with blocks of another size. A room of token-major
+        blocks (the plain layout) is that room with tokens = its blocks x their size, so the sender's plain layout
+        needs nothing else; a block the room ends inside takes only the positions it has."""
+        ids = [int(b) for b in blocks]
+        out, base = [], 0
+        for k, r in enumerate(self.regions):
+            tok = self._token_bytes(r, k, block_size)
+            if not tok:
+                raise ValueError(f"layer {r.layer}: its blocks are not token-major (HND, or K and V in one block): "
+                                 "blocks of another size cannot be mapped")
+            for b in ids:
+                if not 0 <= b < r.nblocks:
+                    raise ValueError(f"block {b} is outside the cache of layer {r.layer} ({r.nblocks} blocks)")
+            full = [b for i, b in enumerate(ids) if (first_pos + i + 1) * block_size <= tokens]
+            if full:
+                out.append(Extent(base + first_pos * block_size * tok, r.ptr, r.stride, block_size * tok, tuple(full),
+                                  r.device))
+            if len(full) < len(ids):
+                q = (first_pos + len(full)) * block_size
+                if q < tokens:
+                    out.append(Extent(base + q * tok, r.ptr, r.stride, (tokens - q) * tok, (ids[len(full)],),
+                                      r.device))
+            base += tokens * tok
+        return out
+
+    def _share_bases(self, counts, h0, h1):
+        sizes = []
+        for r in self.regions:
+            rows, _, _, run = self._share_geom(r, h0, h1)
+            sizes.append(rows * run * counts[r.group])
+        return list(itertools.accumulate([0] + sizes))
+
+    def share_nbytes(self, nblocks, h0, h1):
+        """Bytes of a share room: heads [h0, h1) of nblocks blocks (per group: a tuple of counts)."""
+        counts = (nblocks,) if isinstance(nblocks, int) else tuple(int(n) for n in nblocks)
+        return self._share_bases(counts, h0, h1)[-1]
+
+    def share_extents(self, nblocks, blocks, first_pos, h0, h1, layer=None, room_off=0):
+        """The extents of heads [h0, h1) of blocks at request positions first_pos... in a share room at room_off. A
+        share room holds, per region (layer order, K before V), per row of a block, the row's share of each of the
+        room's blocks in request order: the layout both sides compute whatever their head counts."""
+        counts, blocks, first = self._norm(nblocks, blocks, first_pos)
+        bases = self._share_bases(counts, h0, h1)
+        out = []
+        for k, r in enumerate(self.regions):
+            if layer is not None and r.layer != layer:
+                continue
+            rows, pitch, off, run = self._share_geom(r, h0, h1)
+            ids = tuple(int(b) for b in blocks[r.group])
+            for b in ids:
+                if not 0 <= b < r.nblocks:
+                    raise ValueError(f"block {b} is outside the cache of layer {r.layer} ({r.nblocks} blocks)")
+            if not ids:
+                continue
+            n = counts[r.group]
+            for t in range(rows):
+                out.append(Extent(room_off + bases[k] + (t * n + first[r.group]) * run, r.ptr + t * pitch + off,
+                                  r.stride, run, ids, r.device))
+        return out
 
     def _norm(self, nblocks, blocks, first_pos):
         """(counts, per-group block lists, per-group first positions) of the plain (one group) or per-group form."""
@@ -476,6 +634,7 @@ class SaveSpec:
     block_ids: tuple
     num_tokens: int
     stage_timeout: float
+    decode_tp: int = 0  # the decode side's TP size it is staged for (0: this side's): its shares' head slices
 
 
 @dataclasses.dataclass
@@ -490,6 +649,9 @@ class RecvSpec:
     skip: int
     load_timeout: float
     error: Optional[str] = None  # set: fail the load at once (the scheduler found it unusable)
+    remote_tp: int = 0  # the prefill side's TP size (0: this side's): which prefill ranks hold this rank's heads
+    mla: bool = False  # replicated KV (MLA): rank 0 opens one room all this instance's ranks read (join)
+    remote_block_size: int = 0  # the prefill side's block size (0: this side's): the room is its blocks' tokens
 
 
 @dataclasses.dataclass
@@ -499,7 +661,8 @@ class KvstageConnectorMetadata(KVConnectorMetadata):
     reqs_to_unstage: set = dataclasses.field(default_factory=set)    # P: staged before a preemption: invalid
     reqs_to_recv: dict = dataclasses.field(default_factory=dict)     # D: req_id -> RecvSpec
     reqs_to_abort: set = dataclasses.field(default_factory=set)      # D: loads the scheduler gave up on
-    reqs_to_drop: list = dataclasses.field(default_factory=list)     # D: (host, port, remote_request_id) never loaded
+    reqs_to_drop: list = dataclasses.field(default_factory=list)     # D: (host, port, remote_request_id[, remote
+    #                                                                    TP size where it differs]) never loaded
     abort_times: dict = dataclasses.field(default_factory=dict)      # P, D: req_id -> time.time() of its abort
 
 
@@ -524,6 +687,35 @@ class _Group(typing.NamedTuple):
         if self.kind == "mamba":
             return max(0, n - 1)
         return 0
+
+
+def _tp_pair(other, mine, what):
+    """other as a TP size that pairs with this side's mine (one divides the other, as NixlConnector's tp_ratio
+    asserts); raises ValueError."""
+    try:
+        other = int(other)
+    except (TypeError, ValueError):
+        raise ValueError(f"{what} must be a TP size, not {other!r}") from None
+    if other < 1 or (other % mine and mine % other):
+        raise ValueError(f"{what} {other} and this side's TP size {mine}: one must divide the other")
+    return other
+
+
+def tp_shares(rank, tp, remote_tp, heads):
+    """The shares of a rank's KV a prefill (decode) rank sends to (loads from) the other side's ranks, by
+    NixlConnector's TransferTopology @ 9aaf83ef502f (kv_connector/utils.py tp_ratio, target_remote_ranks), seen from
+    either side: [(other side's rank, first head, end head)], the heads of this rank's blocks that pair holds.
+    With more ranks here than there (tp = k x remote_tp) rank r pairs with rank r // k only and holds all its own
+    heads, slice r % k of that rank's; with fewer (remote_tp = k x tp) it pairs with ranks r*k .. r*k+k-1, the i-th
+    holding heads [i*heads/k, (i+1)*heads/k) here. Raises ValueError when the heads do not split."""
+    if tp >= remote_tp:
+        return [(rank // (tp // remote_tp), 0, heads)]
+    k = remote_tp // tp
+    if not heads or heads % k:
+        raise ValueError(f"{heads} KV heads per rank do not split into {k} ranks' shares (replicated KV heads "
+                         "and MLA are not split)")
+    per = heads // k
+    return [(rank * k + i, i * per, (i + 1) * per) for i in range(k)]
 
 
 def _spec_kind(spec):
@@ -590,6 +782,13 @@ class _Settings:
         self.block_size = int(vllm_config.cache_config.block_size)
         pc = getattr(vllm_config, "parallel_config", None)
         self.tp_size = int(getattr(pc, "tensor_parallel_size", 1) or 1)
+        # MLA (vLLM's model_config.use_mla, NixlConnector's is_mla): every TP rank holds the same KV; prefill rank 0
+        # stages it once, the decode ranks read it from one room they share (Client.recv_open(readers=n), join)
+        self.mla = bool(getattr(getattr(vllm_config, "model_config", None), "use_mla", False))
+        # the decode instances' TP size (a prefill instance stages each rank's KV in the head slices of the decode
+        # ranks it serves, before any decode side asks); a request's kv_transfer_params may name its own. MLA: any
+        self.decode_tp = self.tp_size if self.mla else _tp_pair(
+            extra.get("kvstage_decode_tp_size", self.tp_size), self.tp_size, "kvstage_decode_tp_size")
         if int(getattr(pc, "pipeline_parallel_size", 1) or 1) > 1:
             raise NotImplementedError("kvstage connector: pipeline parallelism is not supported")
         dp = 0
@@ -690,14 +889,32 @@ class _SchedulerSide:
         for k in ("remote_request_id", "remote_host", "remote_port"):
             if p.get(k) is None:
                 return None, f"kv_transfer_params lack {k}"
-        if int(kv.get("block_size", -1)) != self.s.block_size:
-            return None, f"prefill block size {kv.get('block_size')}, this side {self.s.block_size}"
-        if int(p.get("tp_size", 1)) != self.s.tp_size:
-            return None, f"prefill TP size {p.get('tp_size')}, this side {self.s.tp_size}"
+        try:  # MLA: any sizes pair (prefill rank 0 holds it all)
+            remote_tp = _tp_pair(p.get("tp_size", 1), 1 if self.s.mla else self.s.tp_size,
+                                 "the prefill side's TP size")
+        except ValueError as e:
+            return None, str(e)
+        remote_bs, bs = int(kv.get("block_size", -1)), self.s.block_size
+        if remote_bs != bs:  # NixlConnector's block_size_ratio: one divides the other
+            if remote_bs <= 0 or (remote_bs % bs and bs % remote_bs):
+                return None, f"prefill block size {kv.get('block_size')}, this side {bs}: one must divide the other"
+            if self.s.grouped:
+                return None, (f"prefill block size {remote_bs}, this side {bs}: blocks of another size move with one "
+                              "full-attention KV cache group only")
+            if remote_tp != self.s.tp_size and not self.s.mla:
+                return None, (f"prefill block size {remote_bs} and TP size {remote_tp}, this side {bs} and "
+                              f"{self.s.tp_size}: block sizes and TP sizes do not both differ")
+        if bool(kv.get("mla", False)) != self.s.mla:
+            return None, f"the prefill side's model {'is' if kv.get('mla') else 'is not'} MLA, this side's " + (
+                "is" if self.s.mla else "is not")
+        staged_for = int(kv.get("decode_tp_size", remote_tp))
+        if staged_for != self.s.tp_size and not self.s.mla:
+            return None, (f"the prefill side (TP size {remote_tp}) staged its KV for decode TP size {staged_for}, this "
+                          f"side has {self.s.tp_size} (kvstage_decode_tp_size of the prefill instance)")
         n = self._staged(request)
         if n <= 0:
             return None, "a one-token prompt of a model with a state (Mamba) group is computed here"
-        if int(kv.get("num_tokens", -1)) != n or int(kv.get("num_blocks", -1)) != _cdiv(n, self.s.block_size):
+        if int(kv.get("num_tokens", -1)) != n or int(kv.get("num_blocks", -1)) != _cdiv(n, remote_bs):
             return None, (f"the prefill side staged {kv.get('num_tokens')} tokens, this side expects {n} "
                           f"(a prompt of {self._num_prompt(request)})")
         want = [[first, end] for first, end in self.s.group_blocks(n)] if self.s.grouped else None
@@ -737,7 +954,9 @@ class _SchedulerSide:
     def _drop(self, request):
         p = request.kv_transfer_params or {}
         if isinstance(p.get("kvstage"), dict) and p.get("remote_request_id") and p.get("remote_host"):
-            self._drops.append((str(p["remote_host"]), int(p["remote_port"]), str(p["remote_request_id"])))
+            drop = (str(p["remote_host"]), int(p["remote_port"]), str(p["remote_request_id"]))
+            remote_tp = int(p.get("tp_size", self.s.tp_size) or self.s.tp_size)
+            self._drops.append(drop if remote_tp == self.s.tp_size else drop + (remote_tp,))
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens):
         p = request.kv_transfer_params
@@ -767,15 +986,21 @@ class _SchedulerSide:
                 self._drop(request)  # the prefill side can release its slots now
                 return
             timeout = _float(p.get("kvstage_load_timeout", self.s.load_timeout), "kvstage_load_timeout")
+            remote_bs = int(kv["block_size"])
             if self.s.grouped:
                 count, local, skip, err = self._recv_groups(request, blocks)
             else:
                 local = tuple(_unhashed(blocks))
-                count, skip = int(kv["num_blocks"]), int(kv["num_blocks"]) - len(local)
+                count = int(kv["num_blocks"])  # the room's: the prefill side's blocks
+                mine = count if remote_bs == self.s.block_size else _cdiv(self._staged(request), self.s.block_size)
+                skip = mine - len(local)
                 err = None if 0 <= skip else f"{len(local)} blocks to fill, the prefill side staged {kv['num_blocks']}"
                 skip = max(skip, 0)
+            remote_tp = int(p.get("tp_size", self.s.tp_size))
             self._recv[rid] = RecvSpec(rid, str(p["remote_request_id"]), str(p["remote_host"]), int(p["remote_port"]),
-                                       count, local, skip, timeout, err)
+                                       count, local, skip, timeout, err,
+                                       remote_tp if remote_tp != self.s.tp_size and not self.s.mla else 0,
+                                       self.s.mla, remote_bs if remote_bs != self.s.block_size else 0)
             self._d_loading.add(rid)
 
     def _ids(self, ids):
@@ -830,8 +1055,25 @@ class _SchedulerSide:
             ids = tuple(st.blocks[:nb])
         p = st.request.kv_transfer_params or {}
         timeout = _float(p.get("kvstage_stage_timeout", self.s.stage_timeout), "kvstage_stage_timeout")
+        decode_tp = self._decode_tp(st.request)
+        if decode_tp == self.s.tp_size or self.s.mla:
+            decode_tp = 0  # the plain layout
         st.saved = True
-        self._saves[st.request.request_id] = SaveSpec(st.request.request_id, ids, n, timeout)
+        self._saves[st.request.request_id] = SaveSpec(st.request.request_id, ids, n, timeout, decode_tp)
+
+    def _decode_tp(self, request):
+        """The decode TP size a prefill request is staged for: its kv_transfer_params' kvstage_decode_tp_size (a
+        router that knows where it sends it), else the instance's; one that does not pair with this side's TP size
+        falls back to the instance's (logged)."""
+        v = (request.kv_transfer_params or {}).get("kvstage_decode_tp_size")
+        if v is None or self.s.mla:
+            return self.s.decode_tp
+        try:
+            return _tp_pair(v, self.s.tp_size, "kvstage_decode_tp_size")
+        except ValueError as e:
+            logger.warning("kvstage connector: request %s: %s; staged for decode TP size %d", request.request_id, e,
+                           self.s.decode_tp)
+            return self.s.decode_tp
 
     def build_connector_meta(self, scheduler_output):
         so = scheduler_output
@@ -904,6 +1146,11 @@ class _SchedulerSide:
         n = self._num_prompt(request)
         nb = _cdiv(n, self.s.block_size)
         kvs = dict(version=1, num_blocks=nb, num_tokens=n, block_size=self.s.block_size)
+        decode_tp = self._decode_tp(request)
+        if self.s.mla:  # staged once, by rank 0, for any decode TP size
+            kvs["mla"] = True
+        elif decode_tp != self.s.tp_size:  # the head slices its ranks' KV is staged in
+            kvs["decode_tp_size"] = decode_tp
         if self.s.grouped:  # each group's staged positions [first, end); remote_block_ids: those blocks, as NIXL's
             spans = self.s.group_blocks(n)
             kvs["groups"] = [[first, end] for first, end in spans]
@@ -939,27 +1186,54 @@ class _SchedulerSide:
 # ---------------------------------------------------------------------------------------------
 
 class _Stage:
-    """Prefill side of one request: its blocks copied into slots, waiting for (then handed to) the room."""
+    """Prefill side of one request: its blocks copied into slots, waiting for (then handed to) its rooms.
 
-    def __init__(self, spec, layout, ss):
+    With the decode side's TP size this side's (shares None) one room holds the request's KV in the plain layout.
+    Else one room per decode rank this rank serves (tp_shares), each holding that rank's heads of every block in the
+    share layout (VllmLayout.share_extents); share j's bytes are slots [j * part_chunks, (j + 1) * part_chunks) of the
+    stage, its room's chunk i slot j * part_chunks + i."""
+
+    def __init__(self, spec, layout, ss, shares=None):
         self.req = spec.req_id
         grouped = bool(spec.block_ids) and isinstance(spec.block_ids[0], (list, tuple))
         self.blocks = [list(g) for g in spec.block_ids] if grouped else list(spec.block_ids)
         self.nblocks = tuple(len(g) for g in self.blocks) if grouped else len(self.blocks)
-        self.nbytes = layout.nbytes(self.nblocks)
-        self.chunks = _cdiv(self.nbytes, ss)
+        self.shares = shares  # None, or [(decode rank, first head, end head)]
+        self.decode_tp = spec.decode_tp
+        if shares is None:
+            self.part_nbytes = layout.nbytes(self.nblocks)
+        else:  # every share has as many heads (tp_shares): as many bytes
+            self.part_nbytes = layout.share_nbytes(self.nblocks, shares[0][1], shares[0][2])
+        self.nparts = 1 if shares is None else len(shares)
+        self.part_chunks = _cdiv(self.part_nbytes, ss)
+        self.nbytes = self.part_nbytes * self.nparts
+        self.chunks = self.part_chunks * self.nparts
         self.ss = ss
         self.deadline = time.monotonic() + spec.stage_timeout
         self.posted, self.pieces, self.sealed = set(), collections.deque(), False
         self.leases, self.views, self.jobs = None, {}, []
         self.written, self.full, self.sent = [0] * self.chunks, set(), set()
-        self.room = self.uid = self.final = None
+        self.rooms, self.finals = [None] * self.nparts, [None] * self.nparts
+        self.uids = {}  # a room's user_data -> its share
         self.handoff, self.delayed, self.finish_known, self.reported = None, False, False, False
         self.state, self.why = "staging", None  # staging -> ready -> sending -> done; or failed
         self.starved = False
 
     def chunk_len(self, s):
-        return min(self.ss, self.nbytes - s * self.ss)
+        return min(self.ss, self.part_nbytes - (s % self.part_chunks) * self.ss)
+
+    @property
+    def room(self):
+        """The plain layout's one room (tests, logs)."""
+        return self.rooms[0]
+
+    @property
+    def all_final(self):
+        return all(f is not None for f in self.finals)
+
+    def unopened(self):
+        """True while a share's room was never opened (and is not given up)."""
+        return any(r is None and f is None for r, f in zip(self.rooms, self.finals))
 
     @property
     def copied(self):
@@ -970,19 +1244,48 @@ class _Stage:
         return self.state in ("done", "failed")
 
 
-class _Load:
-    """Decode side of one request: its room, then the copy-out into the request's blocks."""
+class _Share:
+    """One room of a load: what one prefill rank sends this rank. plain: the request's whole KV in the plain layout
+    (equal TP sizes); else heads [h0, h1) of this rank's blocks in the share layout."""
+    __slots__ = ("rank", "h0", "h1", "plain", "endpoint", "nbytes", "room", "uid", "final", "job", "copied")
 
-    def __init__(self, spec, layout, tp_rank):
+    def __init__(self, spec, layout, rank, h0=0, h1=0, plain=True, block_size=0):
+        self.rank, self.h0, self.h1, self.plain = rank, h0, h1, plain
+        self.endpoint = (spec.remote_host, spec.remote_port + rank)
+        if spec.remote_block_size:  # the prefill's blocks, token-major: its plain layout
+            self.nbytes = layout.token_nbytes(spec.num_blocks * spec.remote_block_size, block_size)
+        elif plain:
+            self.nbytes = layout.nbytes(spec.num_blocks)
+        else:
+            self.nbytes = layout.share_nbytes(spec.num_blocks, h0, h1)
+        self.room = self.uid = self.final = self.job = None
+        self.copied = False
+
+
+class _Load:
+    """Decode side of one request: its rooms (one per prefill rank holding some of this rank's heads: tp_shares),
+    then each one's copy-out into its heads of the request's blocks. Done once every share is copied; one share
+    failing fails the load."""
+
+    def __init__(self, spec, layout, tp_rank, shares=None, block_size=0):
         self.spec = spec
         self.req = spec.req_id
-        self.nbytes = layout.nbytes(spec.num_blocks)
-        self.endpoint = (spec.remote_host, spec.remote_port + tp_rank)
+        self.shares = shares or [_Share(spec, layout, tp_rank, block_size=block_size)]
+        self.nbytes = sum(sh.nbytes for sh in self.shares)
+        self.endpoint = self.shares[0].endpoint
         self.deadline = time.monotonic() + spec.load_timeout
-        self.room = self.uid = self.final = self.job = None
+        self.uids = {}  # a room's user_data -> its share
         self.state = "opening"  # opening -> open -> copying -> done; or failed
         self.aborted = self.failed = self.reported = False
         self.why = None
+
+    @property
+    def room(self):
+        return self.shares[0].room
+
+    def running(self):
+        """True while a share's copy-out may still write the blocks."""
+        return any(sh.job is not None and not sh.job.done() for sh in self.shares)
 
 
 class _Agent:
@@ -991,6 +1294,10 @@ class _Agent:
     Test hooks: .copier (submit(job) -> CopyHandle, optional pump()), .hold_send(req_id, chunk) -> bool."""
 
     IDLE_S, BUSY_S = 0.05, 0.002
+    tp_size = 1  # the instance's TP size (the worker side sets it)
+    block_size = 0  # the instance's block size (the worker side sets it)
+    mla = False  # replicated KV (the worker side sets it): prefill rank 0 stages, decode rank 0 opens a shared room
+    JOINS_MAX = 4096
 
     def __init__(self, socket_path, layout, copier, tp_rank, listen, stage_timeout, side_key=None):
         self.socket_path, self.layout, self.copier, self.tp_rank = socket_path, layout, copier, tp_rank
@@ -1002,6 +1309,8 @@ class _Agent:
         self._finished_sending, self._finished_recving, self._load_errors = set(), set(), set()
         self._stages, self._loads, self._by_uid = {}, {}, {}
         self._pending_pulls = collections.deque()
+        self._listen = listen
+        self._joins = collections.OrderedDict()  # MLA decode rank > 0: req_id -> the shared room's descriptor
         self.ended = collections.OrderedDict()  # req_id -> why its stage or load ended (the last 4096)
         self.stats = KvstageKVConnectorStats()  # under _lock: taken by the worker thread (take_stats)
         # req_id -> time.time() of its abort or preemption (the scheduler's), till its blocks are free
@@ -1020,7 +1329,7 @@ class _Agent:
             if listen is not None:
                 self._listener = FrameListener(
                     listen[0], listen[1], self._on_msg,
-                    lambda m: m.get("t") in ("pull", "drop") and isinstance(m.get("req"), str), "vllm",
+                    lambda m: m.get("t") in ("pull", "drop", "join") and isinstance(m.get("req"), str), "vllm",
                     self.side_key)
             self._thread = threading.Thread(target=self._main, name="kvstage-vllm-agent", daemon=True)
             self._thread.start()
@@ -1178,7 +1487,8 @@ class _Agent:
             busy = busy or st.starved or (st.state == "staging" and bool(st.pieces))
         for ld in list(self._loads.values()):
             self._guarded(self._load_progress, ld, fail=self._load_fail)
-            busy = busy or ld.state == "opening" or ld.job is not None
+            joining = ld.spec.mla and self.tp_size > 1 and self.tp_rank != 0  # woken by rank 0's descriptor
+            busy = busy or (ld.state == "opening" and not joining) or any(sh.job is not None for sh in ld.shares)
         self._timeouts()
         return busy
 
@@ -1222,14 +1532,18 @@ class _Agent:
         for st in list(self._stages.values()):
             for h in st.jobs:
                 h.cancel()
-            st.jobs, st.views, st.leases, st.room = [], {}, None, None
-            st.final = st.final or "lost"
+            st.jobs, st.views, st.leases = [], {}, None
+            st.rooms = [None] * st.nparts
+            st.finals = [f or "lost" for f in st.finals]
+            st.uids.clear()
             self._stage_fail(st, f"connection to kvstaged lost: {exc}")
         for ld in list(self._loads.values()):
-            if ld.job is not None:
-                ld.job.cancel()
-                ld.job = None
-            ld.room, ld.final = None, ld.final or "lost"
+            for sh in ld.shares:
+                if sh.job is not None:
+                    sh.job.cancel()
+                    sh.job = None
+                sh.room, sh.final = None, sh.final or "lost"
+            ld.uids.clear()
             self._load_fail(ld, f"connection to kvstaged lost: {exc}")
         self._by_uid.clear()
         c, self._client = self._client, None
@@ -1244,8 +1558,9 @@ class _Agent:
                 h.cancel()
             st.jobs, st.views = [], {}
         for ld in list(self._loads.values()):
-            if ld.job is not None:
-                ld.job.cancel()
+            for sh in ld.shares:
+                if sh.job is not None:
+                    sh.job.cancel()
         self._stages.clear()
         self._loads.clear()
         if self._client is not None:
@@ -1266,8 +1581,21 @@ class _Agent:
         except KvstageError as e:  # no proxy: nothing is staged (the blocks are freed when the request ends)
             logger.error("kvstage connector: cannot stage %s: %s", spec.req_id, e)
             return self._end(spec.req_id, f"no connection to kvstaged: {e}")
-        st = _Stage(spec, self.layout, c.slot_size)
+        if self.mla and self.tp_rank != 0:
+            return self._end(spec.req_id, "MLA: prefill rank 0 stages the KV every rank holds")
+        shares, why = None, None
+        if spec.decode_tp and spec.decode_tp != self.tp_size:
+            try:
+                if not self.layout.kv_heads:
+                    raise ValueError("a cache without KV heads to split (a state or MLA layer) moves between equal TP "
+                                     "sizes only")
+                shares = tp_shares(self.tp_rank, self.tp_size, spec.decode_tp, self.layout.kv_heads)
+            except ValueError as e:
+                why = f"refused: decode TP size {spec.decode_tp}, this side {self.tp_size}: {e}"
+        st = _Stage(spec, self.layout, c.slot_size, shares)
         self._stages[st.req] = st
+        if why is not None:
+            return self._stage_fail(st, why)
         try:
             self.layout.check(st.blocks)
         except ValueError as e:
@@ -1290,7 +1618,12 @@ class _Agent:
         if li in st.posted:
             return
         st.posted.add(li)
-        st.pieces.extend(self.layout.plan(st.nblocks, st.blocks, 0, st.ss, layer=li))
+        if st.shares is None:
+            st.pieces.extend(self.layout.plan(st.nblocks, st.blocks, 0, st.ss, layer=li))
+            return
+        for j, (_, h0, h1) in enumerate(st.shares):  # share j from its first slot on
+            st.pieces.extend(plan(self.layout.share_extents(st.nblocks, st.blocks, 0, h0, h1, layer=li,
+                                                            room_off=j * st.part_chunks * st.ss), st.ss))
 
     def cmd_layer(self, li, reqs, event=None):
         if event is not None:
@@ -1349,7 +1682,7 @@ class _Agent:
                 st.jobs.remove(h)
                 if h.error is not None:
                     return self._stage_fail(st, f"copying blocks into slots failed: {h.error!r}")
-        if st.room is not None and st.final is None:
+        if any(r is not None and f is None for r, f in zip(st.rooms, st.finals)):
             self._stage_send(st)
         self._stage_report(st)  # before the state says so: whoever sees "ready" knows the report is out
         if st.state == "staging" and st.copied:
@@ -1377,9 +1710,13 @@ class _Agent:
             hold = self.hold_send
             if hold is not None and hold(st.req, s):
                 return
+            j, i = divmod(s, st.part_chunks)
+            room = st.rooms[j]
+            if room is None or st.finals[j] is not None:
+                continue  # its decode rank has not asked yet
             st.views.pop(s, None)
             try:
-                st.room.send(st.leases[s], s * st.ss, st.chunk_len(s))
+                room.send(st.leases[s], i * st.ss, st.chunk_len(s))
             except Again:
                 return  # ring full: the next step sends
             except (NotConnected, Timeout):
@@ -1397,7 +1734,7 @@ class _Agent:
                     st.state = "ready"
                 self._finished_sending.add(st.req)
             self._freed(st.req)
-        if (st.terminal and st.final is not None and (st.reported or (st.finish_known and not st.delayed))
+        if (st.terminal and st.all_final and (st.reported or (st.finish_known and not st.delayed))
                 and self._stages.get(st.req) is st):
             del self._stages[st.req]
 
@@ -1427,13 +1764,14 @@ class _Agent:
                     except KvstageError:
                         pass
         st.leases = None
-        if st.room is not None and st.final is None:
-            try:
-                st.room.abort()  # its final event closes it
-            except KvstageError:
-                pass
-        if st.room is None:
-            st.final = st.final or "no room"
+        for j, room in enumerate(st.rooms):
+            if room is not None and st.finals[j] is None:
+                try:
+                    room.abort()  # its final event closes it
+                except KvstageError:
+                    pass
+            if room is None:
+                st.finals[j] = st.finals[j] or "no room"
         self._stage_report(st)
 
     def _stage_event(self, st, ev):
@@ -1443,33 +1781,56 @@ class _Agent:
                 st.sent.discard(st.leases.index(lease))
             self._record("num_stale_rejections")
             return self._stage_fail(st, f"the proxy refused a chunk: {ev.error}")
-        st.final = ev
+        j = st.uids.pop(ev.user_data, None)
+        if j is None:
+            return
+        st.finals[j] = ev
         if ev.type == EventType.SEND_DONE and not st.terminal:
-            st.state = "done"
-            self._end(st.req, "sent")
-            self._record("bytes_sent", st.nbytes)
+            if all(f is not None and getattr(f, "type", None) == EventType.SEND_DONE for f in st.finals):
+                st.state = "done"
+                self._end(st.req, "sent")
+                self._record("bytes_sent", st.nbytes)
         elif not st.terminal:
+            # one share lost fails the request on its decode rank, and so on every rank (vLLM unites the invalid
+            # blocks): the other shares are given up too
             why = ("aborted by the decode side, the proxy or a timeout" if ev.type == EventType.ABORTED
                    else f"failed: {ev.error}")
-            self._stage_fail(st, f"the room was {why}", failure=ev.type != EventType.ABORTED)
+            room = "the room" if st.shares is None else f"decode rank {st.shares[j][0]}'s room"
+            self._stage_fail(st, f"{room} was {why}", failure=ev.type != EventType.ABORTED)
         try:
-            st.room.close()
+            st.rooms[j].close()
         except Exception:
             pass
-        st.room = None
-        self._by_uid.pop(st.uid, None)
-        st.leases = None
+        st.rooms[j] = None
+        self._by_uid.pop(ev.user_data, None)
+        if st.all_final:
+            st.leases = None  # every slot sent is its room's, every other one released
         self._stage_report(st)
+
+    def _share_of(self, st, rank):
+        """The index of the share of stage st that decode rank `rank` loads, or None (it loads none of this rank's)."""
+        if self.mla:
+            return 0  # the one stage every decode rank reads (through decode rank 0's shared room)
+        if st.shares is None:
+            return 0 if rank == self.tp_rank else None
+        return next((j for j, (d, _, _) in enumerate(st.shares) if d == rank), None)
 
     def _on_side_msg(self, msg):
         if msg["t"] == "drop":
-            if msg.get("tp_rank", self.tp_rank) != self.tp_rank:
+            st = self._stages.get(msg["req"])
+            j = self._share_of(st, msg.get("tp_rank", self.tp_rank)) if st is not None else 0
+            if j is None or (st is None and msg.get("tp_rank", self.tp_rank) != self.tp_rank
+                             and msg.get("tp_size", self.tp_size) == self.tp_size):
                 logger.warning("kvstage connector: a release of %s for TP rank %s reached rank %s: ignored",
                                msg["req"], msg.get("tp_rank"), self.tp_rank)
                 return
-            st = self._stages.get(msg["req"])
-            if st is not None and st.room is None:
+            if st is not None and st.rooms[j] is None and st.finals[j] is None:
                 self._stage_fail(st, "released: the decode side will not load it", failure=False)
+            return
+        if msg["t"] == "join":  # MLA: decode rank 0's shared room, for this rank's load of req to join
+            self._joins[msg["req"]] = msg.get("desc")
+            while len(self._joins) > self.JOINS_MAX:
+                self._joins.popitem(last=False)
             return
         self._pull(msg)
 
@@ -1483,21 +1844,52 @@ class _Agent:
             logger.debug("kvstage connector: the refused room was gone already: %s", e)
 
     def _pull(self, msg):
-        if msg.get("tp_rank") != self.tp_rank:  # each rank holds its own shard: another rank's would load silently
-            return self._reject(msg, f"a load for TP rank {msg.get('tp_rank')} reached rank {self.tp_rank} "
+        d, dtp = msg.get("tp_rank"), msg.get("tp_size", self.tp_size)
+        if self.mla:
+            if d != 0 or self.tp_rank != 0:
+                return self._reject(msg, f"MLA: decode rank 0 loads from prefill rank 0 alone, not decode rank {d} "
+                                         f"from prefill rank {self.tp_rank} (remote_port misconfigured?)")
+        elif dtp == self.tp_size and d != self.tp_rank:  # each rank holds its own shard: another's would load silently
+            return self._reject(msg, f"a load for TP rank {d} reached rank {self.tp_rank} "
                                      "(kvstage_port or remote_port misconfigured?)")
         st = self._stages.get(msg["req"])
         if st is None:
             return self._reject(msg, f"no staged KV here ({self.ended.get(msg['req'], 'unknown request')})")
         if st.terminal:
             return self._reject(msg, st.why or st.state)
-        if st.room is not None:
+        staged_for = st.decode_tp or self.tp_size
+        if dtp != staged_for and not self.mla:
+            return self._reject(msg, f"staged for decode TP size {staged_for}, a load from a decode rank of TP size "
+                                     f"{dtp}")
+        j = self._share_of(st, d)
+        if j is None:
+            return self._reject(msg, f"a load for decode TP rank {d} reached prefill rank {self.tp_rank}, which "
+                                     f"serves decode ranks {[r for r, _, _ in st.shares]} (remote_port misconfigured?)")
+        if st.rooms[j] is not None or st.finals[j] is not None:
             return self._reject(msg, "a second load of the same request")
-        if msg.get("layout") != self.layout.fingerprint():
-            return self._reject(msg, f"cache layouts differ: decode {msg.get('layout')}, "
-                                     f"prefill {self.layout.fingerprint()}")
-        if msg.get("nbytes") != st.nbytes:
-            return self._reject(msg, f"the decode side expects {msg.get('nbytes')} bytes, {st.nbytes} staged")
+        if st.shares is None and msg.get("block_size", self.block_size) != self.block_size:
+            mine = self.layout.token_fingerprint(self.block_size)
+            if mine is None:
+                return self._reject(msg, f"decode block size {msg.get('block_size')}, this side {self.block_size}: "
+                                         "this side's blocks are not token-major (HND, or K and V in one block)")
+            if msg.get("tokens") != mine:
+                return self._reject(msg, f"token layouts differ: decode {msg.get('tokens')}, prefill {mine}")
+        elif st.shares is None:
+            if msg.get("layout") != self.layout.fingerprint():
+                return self._reject(msg, f"cache layouts differ: decode {msg.get('layout')}, "
+                                         f"prefill {self.layout.fingerprint()}")
+        else:
+            h = self.layout.kv_heads
+            _, h0, h1 = st.shares[j]
+            heads = [self.tp_rank * h + h0, self.tp_rank * h + h1]  # of the model's KV heads
+            if msg.get("heads") != heads:
+                return self._reject(msg, f"decode rank {d} expects KV heads {msg.get('heads')} from prefill rank "
+                                         f"{self.tp_rank}, whose share for it is heads {heads}")
+            mine = self.layout.share_fingerprint(h0, h1)
+            if msg.get("share") != mine:
+                return self._reject(msg, f"share layouts differ: decode {msg.get('share')}, prefill {mine}")
+        if msg.get("nbytes") != st.part_nbytes:
+            return self._reject(msg, f"the decode side expects {msg.get('nbytes')} bytes, {st.part_nbytes} staged")
         try:
             desc = _sidechannel.desc_bytes(msg.get("desc"))
         except ValueError as e:
@@ -1514,56 +1906,153 @@ class _Agent:
             return self._stage_fail(st, f"could not open the decode side's room: {e}")
         except (ValueError, TypeError) as e:
             return self._reject(msg, f"bad descriptor: {e}")
-        if room.nbytes != st.nbytes:
+        if room.nbytes != st.part_nbytes:
             room.abort()
             room.close()
-            return self._stage_fail(st, f"the room has {room.nbytes} bytes, {st.nbytes} staged")
-        st.room, st.uid = room, uid
+            return self._stage_fail(st, f"the room has {room.nbytes} bytes, {st.part_nbytes} staged")
+        st.rooms[j] = room
+        st.uids[uid] = j
         self._by_uid[uid] = st
 
     # -- decode: loads -------------------------------------------------------------------------
     def cmd_recv(self, spec):
         if spec.req_id in self._loads:
             return
-        ld = _Load(spec, self.layout, self.tp_rank)
+        shares, why = None, None
+        if spec.remote_tp and spec.remote_tp != self.tp_size:
+            try:
+                if not self.layout.kv_heads:
+                    raise ValueError("a cache without KV heads to split (a state or MLA layer) moves between equal TP "
+                                     "sizes only")
+                shares = [_Share(spec, self.layout, rank, h0, h1, plain=False)
+                          for rank, h0, h1 in tp_shares(self.tp_rank, self.tp_size, spec.remote_tp,
+                                                        self.layout.kv_heads)]
+            except ValueError as e:
+                why = f"refused: prefill TP size {spec.remote_tp}, this side {self.tp_size}: {e}"
+        ld = _Load(spec, self.layout, self.tp_rank, shares, self.block_size)
         self._loads[ld.req] = ld
-        if spec.error:
-            return self._load_fail(ld, spec.error)
+        if spec.error or why:
+            return self._refuse_load(ld, spec.error or why)
         try:
             self.layout.check(spec.local_block_ids)
         except ValueError as e:
-            return self._load_fail(ld, f"refused: {e}")
-        if isinstance(spec.num_blocks, int):
+            return self._refuse_load(ld, f"refused: {e}")
+        if spec.remote_block_size:  # the room: the prefill's blocks' tokens; the last block here starts inside it
+            tokens, mine = spec.num_blocks * spec.remote_block_size, spec.skip + len(spec.local_block_ids)
+            if self.layout.token_fingerprint(self.block_size) is None:
+                return self._refuse_load(ld, f"refused: prefill block size {spec.remote_block_size}, this side "
+                                             f"{self.block_size}: this side's blocks are not token-major (HND, or K "
+                                             "and V in one block)")
+            fits = (mine - 1) * self.block_size < tokens and mine * self.block_size > tokens - spec.remote_block_size
+        elif isinstance(spec.num_blocks, int):
             fits = spec.skip + len(spec.local_block_ids) == spec.num_blocks
         else:
             fits = len(spec.num_blocks) == len(spec.skip) == len(spec.local_block_ids) and all(
                 s + len(b) == n for n, b, s in zip(spec.num_blocks, spec.local_block_ids, spec.skip))
         if not fits:
-            return self._load_fail(ld, f"{len(_flat(spec.local_block_ids))} blocks after {spec.skip} cached, the room "
-                                       f"has {spec.num_blocks}")
+            return self._refuse_load(ld, f"{len(_flat(spec.local_block_ids))} blocks after {spec.skip} cached, the "
+                                         f"room has {spec.num_blocks}")
         self._load_open(ld)
 
+    def _refuse_load(self, ld, why):
+        """Fails a load refused before any room opened, and tells the prefill rank(s) to release what they staged
+        for it (they would hold it until the stage timeout)."""
+        self._load_fail(ld, why)
+        spec = ld.spec
+        self.cmd_drop(spec.remote_host, spec.remote_port, spec.remote_request_id, 0 if spec.mla else spec.remote_tp)
+
     def _load_open(self, ld):
-        try:
-            uid = next(self._uids)
-            self._by_uid[uid] = ld
-            ld.uid = uid
-            ld.room, desc = self._c().recv_open(ld.nbytes, user_data=uid)
-        except KvstageError as e:
-            self._by_uid.pop(ld.uid, None)
-            ld.uid = None
-            if e.errno in (_errno.EMFILE, _errno.ENFILE, _errno.EAGAIN):
-                return  # no room handle free yet: the next step tries again
-            if isinstance(e, (NotConnected, Timeout)):
-                raise
-            return self._load_fail(ld, f"could not open a room: {e}")
+        if ld.spec.mla and self.tp_size > 1:
+            return self._load_open_shared(ld)
+        for sh in ld.shares:
+            if sh.room is not None or sh.final is not None:
+                continue
+            try:
+                uid = next(self._uids)
+                self._by_uid[uid] = ld
+                sh.room, desc = self._c().recv_open(sh.nbytes, user_data=uid)
+            except KvstageError as e:
+                self._by_uid.pop(uid, None)
+                if e.errno in (_errno.EMFILE, _errno.ENFILE, _errno.EAGAIN):
+                    return  # no room handle free yet: the next step tries again
+                if isinstance(e, (NotConnected, Timeout)):
+                    raise
+                return self._load_fail(ld, f"could not open a room: {e}")
+            sh.uid = uid
+            ld.uids[uid] = sh
+            msg = {"t": "pull", "req": ld.spec.remote_request_id, "desc": base64.b64encode(desc).decode(),
+                   "nbytes": sh.nbytes, "tp_rank": self.tp_rank, "tp_size": self.tp_size}
+            if ld.spec.remote_block_size:
+                self._token_msg(msg)
+            elif sh.plain:
+                msg["layout"] = self.layout.fingerprint()
+            else:  # which of the model's KV heads this share holds, and how a share of them is laid out
+                first = self.tp_rank * self.layout.kv_heads
+                msg["heads"] = [first + sh.h0, first + sh.h1]
+                msg["share"] = self.layout.share_fingerprint(sh.h0, sh.h1)
+            try:
+                self._send_msg(sh.endpoint, msg)
+            except OSError as e:
+                return self._load_fail(ld, f"could not reach the prefill worker at {sh.endpoint[0]}:{sh.endpoint[1]}: "
+                                           f"{e}")
         ld.state = "open"
-        msg = {"t": "pull", "req": ld.spec.remote_request_id, "desc": base64.b64encode(desc).decode(),
-               "nbytes": ld.nbytes, "layout": self.layout.fingerprint(), "tp_rank": self.tp_rank}
+
+    def _token_msg(self, msg):
+        """A pull from a side of another block size: the room is the prefill's blocks as tokens, and what both sides'
+        tokens must agree on replaces the plain layout."""
+        msg.pop("layout", None)
+        msg["block_size"] = self.block_size
+        msg["tokens"] = self.layout.token_fingerprint(self.block_size)
+
+    def _load_open_shared(self, ld):
+        """MLA with several ranks: rank 0 opens one room for every rank (readers: the TP size), tells the others its
+        descriptor over their side channels and asks prefill rank 0 for the KV; rank r > 0 joins that room once the
+        descriptor came. The bytes land once; each rank copies them into its own blocks."""
+        sh = ld.shares[0]
+        if sh.room is not None or sh.final is not None:
+            return
+        uid = next(self._uids)
+        self._by_uid[uid] = ld
+        desc = None
         try:
-            self._send_msg(ld.endpoint, msg)
+            if self.tp_rank == 0:
+                sh.room, desc = self._c().recv_open(sh.nbytes, user_data=uid, readers=self.tp_size)
+            else:
+                joined = self._joins.pop(ld.req, None)
+                if joined is None:
+                    self._by_uid.pop(uid, None)
+                    return  # rank 0's descriptor has not come yet
+                sh.room = self._c().join(_sidechannel.desc_bytes(joined), user_data=uid)
+        except (NotConnected, Timeout):
+            raise
+        except (KvstageError, ValueError) as e:
+            self._by_uid.pop(uid, None)
+            if isinstance(e, KvstageError) and e.errno in (_errno.EMFILE, _errno.ENFILE, _errno.EAGAIN):
+                return  # no room handle free yet: the next step tries again
+            return self._load_fail(ld, f"could not {'open' if self.tp_rank == 0 else 'join'} the shared room: {e}")
+        sh.uid = uid
+        ld.uids[uid] = sh
+        ld.state = "open"
+        if self.tp_rank != 0:
+            if sh.room.nbytes != sh.nbytes:
+                self._load_fail(ld, f"the shared room has {sh.room.nbytes} bytes, this rank expects {sh.nbytes}")
+            return
+        b64 = base64.b64encode(desc).decode()
+        host, base = self._listen[0], self._listen[1] - self.tp_rank
+        try:
+            for rank in range(1, self.tp_size):
+                self._send_msg((host, base + rank), {"t": "join", "req": ld.req, "desc": b64})
         except OSError as e:
-            self._load_fail(ld, f"could not reach the prefill worker at {ld.endpoint[0]}:{ld.endpoint[1]}: {e}")
+            return self._load_fail(ld, f"could not tell decode rank {rank} the shared room (at {host}:{base + rank}): "
+                                       f"{e}")
+        msg = {"t": "pull", "req": ld.spec.remote_request_id, "desc": b64, "nbytes": sh.nbytes, "tp_rank": 0,
+               "tp_size": self.tp_size, "layout": self.layout.fingerprint()}
+        if ld.spec.remote_block_size:
+            self._token_msg(msg)
+        try:
+            self._send_msg(sh.endpoint, msg)
+        except OSError as e:
+            self._load_fail(ld, f"could not reach the prefill worker at {sh.endpoint[0]}:{sh.endpoint[1]}: {e}")
 
     def cmd_abort(self, req):
         ld = self._loads.get(req)
@@ -1576,42 +2065,66 @@ class _Agent:
         ld.why = ld.why or "aborted"
         self._load_report(ld)
 
-    def cmd_drop(self, host, port, remote_req):
-        try:
-            self._send_msg((host, port + self.tp_rank), {"t": "drop", "req": remote_req, "tp_rank": self.tp_rank})
-        except OSError as e:
-            logger.debug("kvstage connector: could not tell %s:%s to release %s: %s", host, port, remote_req, e)
+    def cmd_drop(self, host, port, remote_req, remote_tp=0):
+        """Tells the prefill rank(s) holding this rank's heads of remote_req to release its slots."""
+        tp, remote_tp = self.tp_size, remote_tp or self.tp_size
+        if self.mla:  # prefill rank 0 staged it; decode rank 0 speaks for this instance
+            ranks = [0] if self.tp_rank == 0 else []
+        elif tp >= remote_tp:
+            ranks = [self.tp_rank // (tp // remote_tp)]
+        else:
+            ranks = [self.tp_rank * (remote_tp // tp) + i for i in range(remote_tp // tp)]
+        for rank in ranks:
+            try:
+                self._send_msg((host, port + rank), {"t": "drop", "req": remote_req, "tp_rank": self.tp_rank,
+                                                     "tp_size": tp})
+            except OSError as e:
+                logger.debug("kvstage connector: could not tell %s:%s to release %s: %s", host, port + rank, remote_req,
+                             e)
 
     def _load_event(self, ld, ev):
         if ev.type == EventType.REJECTED:
             self._record("num_stale_rejections")
             return
-        ld.final = ev
+        sh = ld.uids.get(ev.user_data)
+        if sh is None:
+            return
+        sh.final = ev
         if ev.type == EventType.RECV_DONE and not ld.aborted and not ld.failed:
             ld.state = "copying"
-            ld.job = self.copier.submit(self._copy_out_job(ld))
+            sh.job = self.copier.submit(self._copy_out_job(ld, sh))
             return self._load_progress(ld)
         if ev.type != EventType.RECV_DONE and not ld.aborted and not ld.failed:
             why = ("aborted by the prefill side, the proxy or a timeout" if ev.type == EventType.ABORTED
                    else f"failed: {ev.error}")
-            self._load_fail(ld, f"the room was {why}")
+            room = "the room" if sh.plain else f"prefill rank {sh.rank}'s room (heads [{sh.h0}, {sh.h1}) here)"
+            self._load_fail(ld, f"{room} was {why}")
         self._load_report(ld)
 
     def _stop_load(self, ld):
-        """Stops a load: its copy-out job if not started, its room aborted (its final still to come)."""
-        if ld.job is not None and ld.job.cancel():
-            ld.job = None
-        if ld.room is not None and ld.final is None:
-            try:
-                ld.room.abort()
-            except KvstageError:
-                pass
-        if ld.room is None:
-            ld.final = ld.final or "no room"
+        """Stops a load: its copy-outs not started, its rooms aborted (their finals still to come)."""
+        for sh in ld.shares:
+            if sh.job is not None and sh.job.cancel():
+                sh.job = None
+            if sh.room is not None and sh.final is None:
+                try:
+                    sh.room.abort()
+                except KvstageError:
+                    pass
+            if sh.room is None:
+                sh.final = sh.final or "no room"
 
-    def _copy_out_job(self, ld):
-        room, copier = ld.room, self.copier
-        pieces = self.layout.plan(ld.spec.num_blocks, ld.spec.local_block_ids, ld.spec.skip, self._c().slot_size)
+    def _copy_out_job(self, ld, sh):
+        room, copier, ss = sh.room, self.copier, self._c().slot_size
+        spec = ld.spec
+        if spec.remote_block_size:  # the prefill's blocks' tokens into this side's blocks
+            pieces = plan(self.layout.token_extents(spec.num_blocks * spec.remote_block_size, spec.local_block_ids,
+                                                    spec.skip, self.block_size), ss)
+        elif sh.plain:
+            pieces = self.layout.plan(spec.num_blocks, spec.local_block_ids, spec.skip, ss)
+        else:  # into this share's heads of each block only
+            pieces = plan(self.layout.share_extents(spec.num_blocks, spec.local_block_ids, spec.skip, sh.h0, sh.h1),
+                          ss)
 
         def job():
             copy_room_out(room, pieces, copier)
@@ -1621,15 +2134,22 @@ class _Agent:
     def _load_progress(self, ld):
         if ld.state == "opening" and not ld.failed and not ld.aborted:
             self._load_open(ld)
-        j = ld.job
-        if j is not None and j.done():
-            ld.job = None
+        ended = False
+        for sh in ld.shares:
+            j = sh.job
+            if j is None or not j.done():
+                continue
+            sh.job, ended = None, True
             if j.error is not None:
                 self._load_fail(ld, f"copying the room into the blocks failed: {j.error!r}")
-            elif j.state == "done" and not ld.aborted and not ld.failed:
-                ld.state = "done"
-                self._end(ld.req, "loaded")
-                self._record("bytes_received", ld.nbytes)
+            elif j.state == "done":
+                sh.copied = True
+        if (ended and not ld.aborted and not ld.failed and ld.state != "done"
+                and all(sh.copied for sh in ld.shares)):
+            ld.state = "done"
+            self._end(ld.req, "loaded")
+            self._record("bytes_received", ld.nbytes)
+        if ended:
             self._load_report(ld)
 
     def _load_fail(self, ld, why):
@@ -1642,8 +2162,9 @@ class _Agent:
         self._load_report(ld)
 
     def _load_report(self, ld):
-        """finished_recving once nothing of this load can write its blocks: final event in, no copy-out can run."""
-        if ld.reported or ld.final is None or (ld.job is not None and not ld.job.done()):
+        """finished_recving once nothing of this load can write its blocks: every share's final event in, no
+        copy-out can run."""
+        if ld.reported or any(sh.final is None for sh in ld.shares) or ld.running():
             return
         if ld.state not in ("done", "failed"):
             return
@@ -1654,23 +2175,26 @@ class _Agent:
             self._finished_recving.add(ld.req)
             if ld.failed and not ld.aborted:
                 self._load_errors.update(_flat(ld.spec.local_block_ids))
-        if ld.room is not None:
-            try:
-                ld.room.close()
-            except Exception:
-                pass
-            ld.room = None
-        self._by_uid.pop(ld.uid, None)
+        for sh in ld.shares:
+            if sh.room is not None:
+                try:
+                    sh.room.close()
+                except Exception:
+                    pass
+                sh.room = None
+            self._by_uid.pop(sh.uid, None)
+        ld.uids.clear()
         if self._loads.get(ld.req) is ld:
             del self._loads[ld.req]
 
     def _timeouts(self):
         now = time.monotonic()
         for st in list(self._stages.values()):
-            if not st.terminal and st.room is None and now > st.deadline:
+            if not st.terminal and st.unopened() and now > st.deadline:
                 self._stage_fail(st, "expired: no decode side loaded it within the stage timeout")
         for ld in list(self._loads.values()):
-            if ld.state in ("opening", "open") and not ld.aborted and not ld.failed and now > ld.deadline:
+            if (ld.state in ("opening", "open", "copying") and any(sh.final is None for sh in ld.shares)
+                    and not ld.aborted and not ld.failed and now > ld.deadline):
                 self._load_fail(ld, f"timed out after {ld.spec.load_timeout:.1f}s")
 
     # -- the side channel's sending end ----------------------------------------------------------
@@ -1710,9 +2234,12 @@ class _WorkerSide:
             copier = CudaCopier(gpu)  # a torch stream on that device
         else:
             copier = CpuCopier()
-        listen = (self.s.host, self.s.base_port + self.tp_rank) if self.s.producer else None
+        # a prefill rank listens for loads; an MLA decode rank for its shared rooms (decode rank 0 tells the others)
+        serves = self.s.producer or (self.s.mla and self.s.consumer and self.s.tp_size > 1)
+        listen = (self.s.host, self.s.base_port + self.tp_rank) if serves else None
         self.agent = self.agent_class(self.s.socket_path, self.layout, copier, self.tp_rank, listen,
                                       self.s.stage_timeout, side_key=self.side_key)
+        self.agent.tp_size, self.agent.mla, self.agent.block_size = self.s.tp_size, self.s.mla, self.s.block_size
 
     def _event(self):
         if not self.layout.device:
@@ -1760,8 +2287,8 @@ class _WorkerSide:
             a.post(a.cmd_recv, spec)
         for rid in meta.reqs_to_abort:
             a.post(a.cmd_abort, rid)
-        for host, port, remote in meta.reqs_to_drop:
-            a.post(a.cmd_drop, host, port, remote)
+        for drop in meta.reqs_to_drop:
+            a.post(a.cmd_drop, *drop)
 
     def save_kv_layer(self, meta, layer_name):
         if self.agent is None or meta is None or not meta.reqs_to_save:

@@ -105,7 +105,7 @@ def test_load_into_a_block_outside_the_cache_is_refused(kv_proxy, layout, monkey
     import vllm_engine as E
     bufs = []
 
-    def guarded(num_blocks, head_dim=E.HEAD_DIM, kv_layout="kv-first"):
+    def guarded(num_blocks, head_dim=E.HEAD_DIM, kv_layout="kv-first", heads=E.HEADS):
         c, b = _guarded_cache(num_blocks, layout)
         bufs.append(b)
         return c

@@ -265,7 +265,8 @@ def test_scheduler_side_decode():
         rb = E.Request("d4", 10, _decode_params(remote_request_id="p4", **bad), 4)
         assert c.get_num_new_matched_tokens(rb, 0) == (0, False)
         c.update_state_after_alloc(rb, E.KVCacheBlocks([5, 6, 9], [5, 6, 9]), 0)
-        assert _step(c).reqs_to_drop == [("10.0.0.1", 7600, "p4")]
+        # a prefill of another TP size: its ranks that hold this rank's heads are told
+        assert _step(c).reqs_to_drop == [("10.0.0.1", 7600, "p4") + ((2,) if "tp_size" in bad else ())]
     nixl = E.Request("d5", 10, dict(do_remote_prefill=True, remote_block_ids=[1], remote_engine_id="e",
                                     remote_host="h", remote_port=1), 5)
     assert c.get_num_new_matched_tokens(nixl, 0) == (0, False)
@@ -739,3 +740,43 @@ def test_device_kv_refused_without_opt_in(monkeypatch):
                             E.kv_cache_config(4))
     with pytest.raises(RuntimeError, match="KVSTAGE_VLLM_CUDA=1"):
         w.register_kv_caches({"l": OnDevice(torch.zeros((2, 4, 4, 2, 8), dtype=torch.float16))})
+
+
+@NEED_TORCH
+def test_the_decode_tp_size_a_prefill_stages_for():
+    """kvstage_decode_tp_size: the prefill instance's (a TP size one of whose sizes divides the other, else refused at
+    start), or a request's own from the router; a request's that does not pair falls back to the instance's. The
+    SaveSpec carries it (0: this side's own), the response names it; a decode instance of another size than the one
+    staged for takes no load (it computes the prompt) and tells the prefill ranks that hold its heads to release."""
+    import vllm_engine as E
+
+    def sched(tp, role="kv_producer", **extra):
+        cfg = E.vllm_config("/nonexistent", 7600, role, tp=tp, extra=extra)
+        return kv.KvstageConnector(cfg, kv.KVConnectorRole.SCHEDULER, E.kv_cache_config(64))
+    with pytest.raises(ValueError, match="one must divide the other"):
+        sched(2, kvstage_decode_tp_size=3)
+    c = sched(2, kvstage_decode_tp_size=4)
+    got = {}
+    for rid, extra in (("p1", None), ("p2", {"kvstage_decode_tp_size": 2}), ("p3", {"kvstage_decode_tp_size": 3})):
+        r = E.Request(rid, 10, E.prefill_params(extra), 1)
+        c.update_state_after_alloc(r, E.KVCacheBlocks([3, 9, 4], [3, 9, 4]), 0)
+        spec = _step(c, new=[(r, [3, 9, 4], 0, 10)]).reqs_to_save[rid]
+        r.status = E.RequestStatus.FINISHED_LENGTH_CAPPED
+        got[rid] = (spec.decode_tp, c.request_finished(r, [3, 9, 4])[1]["kvstage"].get("decode_tp_size"))
+    assert got == {"p1": (4, 4), "p2": (0, None), "p3": (4, 4)}
+    # decode TP 1 against a prefill of TP 2 staged for 4: no load; prefill ranks 0 and 1 hold decode rank 0's heads
+    d = sched(1, role="kv_consumer")
+    params = _decode_params(tp_size=2, kvstage=dict(version=1, num_blocks=3, num_tokens=10, block_size=4,
+                                                    decode_tp_size=4))
+    r = E.Request("d1", 10, params, 1)
+    assert d.get_num_new_matched_tokens(r, 0) == (0, False)
+    d.update_state_after_alloc(r, E.KVCacheBlocks([5, 6, 9], [5, 6, 9]), 0)
+    assert _step(d).reqs_to_drop == [("10.0.0.1", 7600, "p1", 2)]
+    # a prefill of TP 4 staged for decode TP 2 (this side's): a load whose RecvSpec names the prefill's TP size
+    d2 = sched(2, role="kv_consumer")
+    r = E.Request("d2", 10, _decode_params(tp_size=4), 1)
+    r.kv_transfer_params["kvstage"]["decode_tp_size"] = 2
+    assert d2.get_num_new_matched_tokens(r, 0) == (10, True)
+    d2.update_state_after_alloc(r, E.KVCacheBlocks([5, 6, 9], [5, 6, 9]), 10)
+    spec = _step(d2).reqs_to_recv["d2"]
+    assert (spec.remote_tp, spec.num_blocks, spec.local_block_ids, spec.skip) == (4, 3, (5, 6, 9), 0)

@@ -121,7 +121,7 @@ class KVConnectorOutput:
     invalid_block_ids: set
 
 
-def vllm_config(socket_path, port, role="kv_both", tp=1, extra=None):
+def vllm_config(socket_path, port, role="kv_both", tp=1, extra=None, mla=False, block_size=BLOCK_SIZE):
     """A stand-in of VllmConfig with the fields the connector reads (KVTransferConfig's names)."""
     ex = {"kvstage_socket": socket_path, "kvstage_host": "127.0.0.1", "kvstage_port": port}
     ex.update(extra or {})
@@ -132,15 +132,15 @@ def vllm_config(socket_path, port, role="kv_both", tp=1, extra=None):
         is_kv_consumer=role in ("kv_consumer", "kv_both"))
     kt.get_from_extra_config = lambda key, default: kt.kv_connector_extra_config.get(key, default)
     return types.SimpleNamespace(
-        kv_transfer_config=kt, cache_config=types.SimpleNamespace(block_size=BLOCK_SIZE),
+        kv_transfer_config=kt, cache_config=types.SimpleNamespace(block_size=block_size),
         parallel_config=types.SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=1, data_parallel_rank=0),
         scheduler_config=types.SimpleNamespace(disable_hybrid_kv_cache_manager=True),
-        model_config=types.SimpleNamespace(use_mla=False))
+        model_config=types.SimpleNamespace(use_mla=mla))
 
 
-def kv_cache_config(num_blocks):
+def kv_cache_config(num_blocks, block_size=BLOCK_SIZE):
     return types.SimpleNamespace(num_blocks=num_blocks, kv_cache_groups=[
-        types.SimpleNamespace(kv_cache_spec=types.SimpleNamespace(block_size=BLOCK_SIZE))])
+        types.SimpleNamespace(kv_cache_spec=types.SimpleNamespace(block_size=block_size))])
 
 
 def rank_config(cfg, rank):
@@ -184,14 +184,27 @@ class KVOutputAggregator:
         return dict(self._send_remaining_count), dict(self._recv_remaining_count)
 
 
-def kv_cache(num_blocks, head_dim=HEAD_DIM, layout="kv-first"):
+def kv_cache(num_blocks, head_dim=HEAD_DIM, layout="kv-first", heads=HEADS, block_size=BLOCK_SIZE):
     """One layer's paged KV cache, indexed (K/V, block, position, head, dim) either way: "kv-first" is vLLM's
     (2, num_blocks, ...) in memory (a block's K one span, its V another, blocks item bytes apart); "block-first" is
-    (num_blocks, 2, ...) in memory (a block's K then its V: the blocks of each part 2 x item bytes apart)."""
+    (num_blocks, 2, ...) in memory (a block's K then its V: the blocks of each part 2 x item bytes apart); "hnd" is
+    vLLM's HND cache layout: the same logical shape, each block's heads outermost in memory; "flashinfer" is vLLM's
+    FlashInfer shape (num_blocks, 2, block_size, heads, head_size) @ 9aaf83ef502f (v1/attention/backends/flashinfer.py
+    get_kv_cache_shape): a block holds its K and then its V (Engine indexes it through a transposed view)."""
+    if layout == "flashinfer":
+        return torch.zeros((num_blocks, 2, block_size, heads, head_dim), dtype=torch.float16)
     if layout == "block-first":
-        return torch.zeros((num_blocks, 2, BLOCK_SIZE, HEADS, head_dim), dtype=torch.float16).transpose(0, 1)
+        return torch.zeros((num_blocks, 2, block_size, heads, head_dim), dtype=torch.float16).transpose(0, 1)
+    if layout == "hnd":
+        return torch.zeros((2, num_blocks, heads, block_size, head_dim), dtype=torch.float16).transpose(2, 3)
     assert layout == "kv-first", layout
-    return torch.zeros((2, num_blocks, BLOCK_SIZE, HEADS, head_dim), dtype=torch.float16)
+    return torch.zeros((2, num_blocks, block_size, heads, head_dim), dtype=torch.float16)
+
+
+def mla_cache(num_blocks, head_dim=HEAD_DIM, block_size=BLOCK_SIZE):
+    """One layer's MLA cache as vLLM's MLA backends shape it (num_blocks, block_size, head_size): no K/V parts, no
+    heads; the same bytes on every TP rank."""
+    return torch.zeros((num_blocks, block_size, head_dim), dtype=torch.float16)
 
 
 def cdiv(a, b):
@@ -252,17 +265,27 @@ class Engine:
     .worker, .kv, .agent are rank 0's; .workers, .kvs, .agents every rank's."""
 
     def __init__(self, socket_path, port, num_blocks, role="kv_both", connector_cls=kv.KvstageConnector,
-                 chunk=8, budget=48, extra=None, max_running=64, head_dim=HEAD_DIM, kv_layout="kv-first", tp=1):
-        self.head_dim, self.tp = head_dim, tp
-        self.cfg = vllm_config(socket_path, port, role, tp=tp, extra=extra)
+                 chunk=8, budget=48, extra=None, max_running=64, head_dim=HEAD_DIM, kv_layout="kv-first", tp=1,
+                 kv_heads=None, mla=False, block_size=BLOCK_SIZE):
+        self.head_dim, self.tp, self.mla, self.block_size = head_dim, tp, mla, block_size
+        self.flashinfer = kv_layout == "flashinfer"
+        # the model's KV heads (HEADS per rank unless given), each rank holding its tp-th of them as vLLM shards them
+        self.kv_heads = 1 if mla else kv_heads or HEADS * tp
+        self.heads = 1 if mla else None
+        assert mla or self.kv_heads % tp == 0, (self.kv_heads, tp)
+        self.heads = self.heads or self.kv_heads // tp
+        self.cfg = vllm_config(socket_path, port, role, tp=tp, extra=extra, mla=mla, block_size=block_size)
         self.num_blocks = num_blocks
-        kvcc = kv_cache_config(num_blocks)
+        kvcc = kv_cache_config(num_blocks, block_size)
         self.sched = connector_cls(self.cfg, kv.KVConnectorRole.SCHEDULER, kvcc)
         self.workers, self.kvs, self.agents = [], [], []
         for rank in range(tp):  # each worker process: its connector, then its shard of the KV cache registered
             self.workers.append(connector_cls(self.cfg if tp == 1 else rank_config(self.cfg, rank),
                                               kv.KVConnectorRole.WORKER, kvcc))
-            self.kvs.append({n: kv_cache(num_blocks, head_dim, kv_layout) for n in LAYER_NAMES})
+            sized = {} if block_size == BLOCK_SIZE else {"block_size": block_size}
+            self.kvs.append({n: (mla_cache(num_blocks, head_dim, **sized) if mla
+                                 else kv_cache(num_blocks, head_dim, kv_layout, self.heads, **sized))
+                             for n in LAYER_NAMES})
             self.workers[-1].register_kv_caches(self.kvs[-1])
             self.agents.append(self.workers[-1].connector_worker.agent)
         self.worker, self.kv, self.agent = self.workers[0], self.kvs[0], self.agents[0]
@@ -286,22 +309,33 @@ class Engine:
     # -- the model -------------------------------------------------------------------------------
     def content(self, r, rank=0):
         """(layers, 2, positions, heads, head_dim) int16: what the model writes for r at each position on TP rank
-        `rank` (its heads: other bytes on every rank)."""
-        c = self._content.get((r.seed, rank))
+        `rank`: its heads of the model's (other bytes on every rank; an engine of another TP size with as many KV heads
+        has the same bytes at each head)."""
+        c = self._content.get(r.seed)
         if c is None:
-            g = torch.Generator().manual_seed(r.seed if rank == 0 else (r.seed * 1000003 + rank) % (1 << 62))
-            c = self._content[r.seed, rank] = torch.randint(
-                -32768, 32767, (LAYERS, 2, MAX_POS, HEADS, self.head_dim), dtype=torch.int16, generator=g)
+            g = torch.Generator().manual_seed(r.seed)
+            c = self._content[r.seed] = torch.randint(
+                -32768, 32767, (LAYERS, 1 if self.mla else 2, MAX_POS, self.kv_heads, self.head_dim),
+                dtype=torch.int16, generator=g)
         assert r.num_tokens <= MAX_POS, r.num_tokens
-        return c
+        if self.mla:  # one latent "head", every rank's the same
+            return c
+        return c[:, :, :, rank * self.heads:(rank + 1) * self.heads]
+
+    def _i16(self, t):
+        """A layer's cache as int16 (K/V, block, position, head, dim); an MLA cache as one part of one head."""
+        t = t.view(torch.int16)
+        if self.flashinfer:
+            return t.transpose(0, 1)
+        return t.unsqueeze(0).unsqueeze(3) if self.mla else t
 
     def _where(self, blocks, c0, n):
         pos = torch.arange(c0, c0 + n)
-        return torch.tensor(blocks, dtype=torch.long)[pos // BLOCK_SIZE], pos % BLOCK_SIZE
+        return torch.tensor(blocks, dtype=torch.long)[pos // self.block_size], pos % self.block_size
 
     def write(self, r, li, c0, n, blocks=None, rank=0):
         b, o = self._where(blocks if blocks is not None else r.blocks, c0, n)
-        self.kvs[rank][LAYER_NAMES[li]].view(torch.int16)[:, b, o] = self.content(r, rank)[li][:, c0:c0 + n]
+        self._i16(self.kvs[rank][LAYER_NAMES[li]])[:, b, o] = self.content(r, rank)[li][:, c0:c0 + n]
 
     def holds(self, r, n=None, blocks=None, rank=None):
         """None if blocks hold r's KV at positions < n (default: its prompt) on `rank` (default: every rank, each its
@@ -311,13 +345,13 @@ class Engine:
         for k in (range(self.tp) if rank is None else [rank]):
             where = f"rank {k}: " if self.tp > 1 else ""
             for li in range(LAYERS):
-                got = self.kvs[k][LAYER_NAMES[li]].view(torch.int16)[:, b, o]
+                got = self._i16(self.kvs[k][LAYER_NAMES[li]])[:, b, o]
                 want = self.content(r, k)[li][:, :n]
                 if not torch.equal(got, want):
                     other = [j for j in range(self.tp) if j != k and torch.equal(got, self.content(r, j)[li][:, :n])]
                     if other:
                         return f"{where}layer {li}: holds rank {other[0]}'s KV"
-                    bad = (got != want).reshape(2, n, -1).any(-1).any(0).nonzero().flatten().tolist()
+                    bad = (got != want).reshape(got.shape[0], n, -1).any(-1).any(0).nonzero().flatten().tolist()
                     return f"{where}layer {li}: positions {bad[:8]}{'...' if len(bad) > 8 else ''} differ"
         return None
 
@@ -325,11 +359,11 @@ class Engine:
         idx = torch.tensor(blocks, dtype=torch.long)
         for kv_ in self.kvs:
             for n in LAYER_NAMES:
-                kv_[n].view(torch.int16)[:, idx] = value
+                self._i16(kv_[n])[:, idx] = value
 
     def marked(self, blocks, value):
         idx = torch.tensor(blocks, dtype=torch.long)
-        return all(bool((kv_[n].view(torch.int16)[:, idx] == value).all()) for kv_ in self.kvs for n in LAYER_NAMES)
+        return all(bool((self._i16(kv_[n])[:, idx] == value).all()) for kv_ in self.kvs for n in LAYER_NAMES)
 
     # -- requests --------------------------------------------------------------------------------
     def add(self, r):
@@ -337,7 +371,7 @@ class Engine:
             r.blocks = self._alloc(r.prefix_blocks)
             for rank in range(self.tp):
                 for li in range(LAYERS):
-                    self.write(r, li, 0, r.prefix_blocks * BLOCK_SIZE, rank=rank)
+                    self.write(r, li, 0, r.prefix_blocks * self.block_size, rank=rank)
         self.requests[r.request_id] = r
         self.waiting.append(r)
         self.log.append((self.step_no, "add", r.request_id))
@@ -392,7 +426,7 @@ class Engine:
             n = min(self.chunk, r.num_prompt_tokens - r.num_computed_tokens) if prefill else 1
             if n > budget:
                 continue
-            need = cdiv(r.num_computed_tokens + n, BLOCK_SIZE) - len(r.blocks)
+            need = cdiv(r.num_computed_tokens + n, self.block_size) - len(r.blocks)
             new = self._alloc(max(need, 0))
             if new is None:
                 continue
@@ -411,15 +445,15 @@ class Engine:
                 self.finished_recving_kv.discard(r.request_id)
                 self.loaded[r.request_id] = self.holds(r)
                 r.load_done = True
-                n = min(len(r.blocks) * BLOCK_SIZE, r.num_tokens)  # _update_waiting_for_remote_kv
+                n = min(len(r.blocks) * self.block_size, r.num_tokens)  # _update_waiting_for_remote_kv
                 r.num_computed_tokens = n - 1 if n == r.num_tokens else n
                 r.status = RequestStatus.WAITING
             if len(self.running) >= self.max_running or budget <= 0:
                 break
-            local = r.num_computed_tokens if r.load_done else r.prefix_blocks * BLOCK_SIZE
+            local = r.num_computed_tokens if r.load_done else r.prefix_blocks * self.block_size
             ext, load_async = self.sched.get_num_new_matched_tokens(r, local)
             if load_async:
-                need = cdiv(local + ext, BLOCK_SIZE) - len(r.blocks)
+                need = cdiv(local + ext, self.block_size) - len(r.blocks)
                 new = self._alloc(need)
                 if new is None:
                     continue
@@ -429,7 +463,7 @@ class Engine:
                 r.num_computed_tokens = local
                 continue
             n = min(self.chunk, r.num_tokens - local, budget)
-            need = cdiv(local + n, BLOCK_SIZE) - len(r.blocks)
+            need = cdiv(local + n, self.block_size) - len(r.blocks)
             new = self._alloc(max(need, 0))
             if new is None:
                 continue
@@ -548,7 +582,7 @@ class PD:
         self.P = self.D = None
         self.P = Engine(socket_path, free_port((p_kw or {}).get("tp", 1)), connector_cls=p_cls, role="kv_producer",
                         **dict(dict(num_blocks=128), **(p_kw or {})))
-        self.D = Engine(socket_path, free_port(), connector_cls=d_cls, role="kv_consumer",
+        self.D = Engine(socket_path, free_port((d_kw or {}).get("tp", 1)), connector_cls=d_cls, role="kv_consumer",
                         **dict(dict(num_blocks=128), **(d_kw or {})))
         self.routed = set()
 
