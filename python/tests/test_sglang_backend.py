@@ -236,10 +236,15 @@ def test_layout_mismatch_is_refused(kv_proxy):
 @NEED_TORCH
 def test_topology_and_unknown_prefill_are_refused(engines):
     pc, dc, P, D, addr = engines
-    D.attn_tp_size = 2  # this decode rank thinks attention TP is 2, the prefill server registered 1
+    D.attn_tp_size = 3  # this decode rank thinks attention TP is 3, the prefill server registered 1
     r = ks.KvstageKVReceiver(D, addr, 6)
     r.init(0)
-    assert r.poll() == KVPoll.Failed and "attn_tp_size" in r._reason
+    assert r.poll() == KVPoll.Failed and "attn_tp_size" in r._reason and "power of two" in r._reason
+    r.clear()
+    D.attn_tp_size = 1
+    r = ks.KvstageKVReceiver(D, addr, 5)
+    r.init(1)  # the prefill server has one DP rank
+    assert r.poll() == KVPoll.Failed and "prefill_dp_rank 1 is not one of the prefill server's 1 DP ranks" in r._reason
     r.clear()
     D.attn_tp_size = 1
     import socket

@@ -1,0 +1,320 @@
+"""Topologies real SGLang deployments use, driven as SGLang's schedulers drive the backend: every rank of every
+engine a manager in this process with its own connection to one real kvstaged, one bootstrap server per prefill
+server (SGLang's CommonKVBootstrapServer or its stand-in), KV caches as torch CPU tensors.
+
+* DP attention (--enable-dp-attention): two DP ranks on the prefill side, each its own scheduler, both registered
+  with one bootstrap server; the decode side picks the prefill DP rank as decode.py's _resolve_prefill_dp_rank does
+  (bootstrap_room % dp_size with follow_bootstrap_room, else /query_dp_ranks after the prefill sender's
+  /register_dp_rank), and two decode DP ranks take requests in turn.
+* Attention-TP sizes that differ (MHA/GQA): decode TP = k x prefill TP and the reverse, one kvstage room per rank
+  pair carrying that pair's heads (Mooncake's send_kvcache_slice arithmetic, mooncake/conn.py @ 8905cbd42f4a).
+
+Each engine's ranks share one page allocator and poll as SGLang's poll_and_all_reduce does (the engine sees the
+lowest KVPoll of its attention-TP ranks: one rank's Failed is the request's). A completed request's decode KV must
+equal the prefill KV head for head (each rank's heads taken from the model's global KV, rank r of T holding heads
+as QKVParallelLinear shards them); an aborted one's decode pages are marked once every rank's clear() has returned
+(pages_released) and must still be marked at the end; the pool must end free."""
+import random
+
+import pytest
+
+from kvstage import sglang as ks
+from kvstage.sglang import KVPoll
+from sglang_common import NEED_TORCH, assert_pool_free, kv_proxy  # noqa: F401 (fixture)
+
+pytestmark = NEED_TORCH
+
+PAGE, HEAD_DIM, LAYERS = 4, 8, 2  # fp16: 16-byte heads, 2 layers of K and V
+
+
+def heads_of(rank, tp, heads):
+    """The global KV heads attention-TP rank `rank` of `tp` holds (SGLang's QKVParallelLinear: an equal run of heads,
+    or, with fewer heads than ranks, head rank // (tp / heads) replicated)."""
+    if tp <= heads:
+        n = heads // tp
+        return list(range(rank * n, (rank + 1) * n))
+    return [rank // (tp // heads)]
+
+
+class Engine:
+    """One SGLang server of `dp` DP ranks x `tp` attention-TP ranks (a manager and a KV cache per rank), its
+    allocators per DP rank (the ranks of a DP rank use the same page indices, as SGLang's SPMD schedulers do)."""
+
+    def __init__(self, mode, socket_path, tp, dp, heads, bootstrap_port, pages, mla=False, **server_kw):
+        import pd_sim
+        import sglang_engine as E
+        self.tp, self.dp, self.heads = tp, dp, heads
+        self.caches, self.mgrs = {}, {}
+        self.pages = [pd_sim.Alloc(pages, random.Random(5 + d)) for d in range(dp)]
+        self.rows = [pd_sim.Alloc(16, random.Random(9 + d)) for d in range(dp)]
+        args = E.server_args(socket_path, bootstrap_port, tp_size=tp * dp, dp_size=dp, enable_dp_attention=dp > 1,
+                             **server_kw)
+        for d in range(dp):
+            for r in range(tp):
+                per_rank = 1 if mla else len(heads_of(r, tp, heads))
+                cache = pd_sim.Cache(pages, rows=16, page_size=PAGE, layers=LAYERS, heads=per_rank, head_dim=HEAD_DIM)
+                # prefill.py: engine_rank = tp_rank (global); decode.py: tp_rank % attn_tp_size
+                kv = cache.kv_args(engine_rank=d * tp + r if mode == ks.DisaggregationMode.PREFILL else r)
+                if mode == ks.DisaggregationMode.PREFILL and not mla:
+                    kv.kv_head_num = per_rank  # prefill.py sets it for non-MLA; decode.py only with its staging
+                self.caches[d, r] = cache
+                self.mgrs[d, r] = None
+                self.mgrs[d, r] = ks.KvstageKVManager(kv, mode, args, is_mla_backend=mla)
+
+    def close(self):
+        for m in self.mgrs.values():
+            if m is not None:
+                m.close()
+
+
+def global_kv(torch, room, npages, heads):
+    """The model's KV of a request: per KV buffer [tokens, heads, HEAD_DIM] fp16 of random bits, seeded by room."""
+    g = torch.Generator().manual_seed(room & 0xFFFFFFFF)
+    return [torch.randint(-32768, 32767, (npages * PAGE, heads, HEAD_DIM), generator=g, dtype=torch.int16)
+            .view(torch.float16) for _ in range(2 * LAYERS)]
+
+
+def tokens(torch, pages):
+    return torch.tensor([p * PAGE + t for p in pages for t in range(PAGE)], dtype=torch.long)
+
+
+class Deployment:
+    """A prefill and a decode Engine, one bootstrap server, the requests' loop."""
+
+    def __init__(self, socket_path, ptp, dtp, pdp=1, ddp=1, heads=4, mla=False, pages=64, **prefill_kw):
+        import torch
+        self.torch = torch
+        self.server = ks.bootstrap_server_on_a_free_port()
+        self.addr = f"127.0.0.1:{self.server.port}"
+        self.P = self.D = None
+        self.P = Engine(ks.DisaggregationMode.PREFILL, socket_path, ptp, pdp, heads, self.server.port, pages, mla,
+                        **prefill_kw)
+        self.D = Engine(ks.DisaggregationMode.DECODE, socket_path, dtp, ddp, heads, 0, pages, mla)
+        self.heads, self.mla = heads, mla
+
+    def close(self):
+        for e in (self.P, self.D):
+            if e is not None:
+                e.close()
+        self.server.close()
+
+    def prefill_dp_rank(self, room):
+        """decode.py's _resolve_prefill_dp_rank, then its /query_dp_ranks (CommonKVReceiver.query_prefill_dp_ranks)
+        for a request whose room does not name it; None: not known yet."""
+        D0 = self.D.mgrs[0, 0]
+        assert D0.try_ensure_parallel_info(self.addr)
+        info = D0.prefill_info_table[self.addr]
+        if info.dp_size == 1:
+            return 0
+        if info.follow_bootstrap_room:
+            return room % info.dp_size
+        st, got = ks._http("POST", f"http://{self.addr}/query_dp_ranks", {"bootstrap_rooms": [room]})
+        return int(got[str(room)]) if st == 200 and str(room) in got else None
+
+    def run(self, reqs, deadline_s=60):
+        """Runs every request to its end on both engines; returns {k: (decode outcome, prefill outcome, reasons)}."""
+        import time
+        torch = self.torch
+        P, D = self.P, self.D
+        live, out, quarantine = {}, {}, []
+        for q in reqs:
+            q.update(pdp=q["room"] % P.dp if q.get("pdp") is None else q["pdp"], ddp=q["k"] % D.dp, chunk=0,
+                     sent=0, senders=None, receivers=None, ppages=None, dpages=None, kv=None, prow=None, drow=None)
+            live[q["k"]] = q
+        deadline = time.monotonic() + deadline_s
+        while live:
+            assert time.monotonic() < deadline, f"requests never ended: {list(live.values())}"
+            for k, q in list(live.items()):
+                self._step(q)
+                pd_, dd = self._engine_poll(q["senders"]), self._engine_poll(q["receivers"])
+                if pd_ in (KVPoll.Success, KVPoll.Failed, None) and dd in (KVPoll.Success, KVPoll.Failed, None) \
+                        and q["senders"] is not None and q["receivers"] is not None:
+                    out[k] = self._finish(q, pd_, dd, quarantine)
+                    del live[k]
+        bad = [(k, r, where) for k, pages, rows, mark in quarantine for r, c in D.caches.items() if r[0] == rows[0]
+               for where in [c.marked(pages, rows[1], mark)] if where is not None]
+        return out, bad, len(quarantine)
+
+    @staticmethod
+    def _engine_poll(objs):
+        """poll_and_all_reduce: the lowest KVPoll of the engine's ranks (Failed is 0)."""
+        if objs is None:
+            return None
+        return min(int(o.poll()) for o in objs)
+
+    def _step(self, q):
+        torch, P, D = self.torch, self.P, self.D
+        plan = q.get("plan") or ()
+        if q["senders"] is None:
+            q["senders"] = [ks.KvstageKVSender(P.mgrs[q["pdp"], r], self.addr, q["room"], [0], 0)
+                            for r in range(P.tp)]
+            if plan[:2] == ("prefill", "Bootstrapping"):
+                q["senders"][plan[2]].abort()
+        if q["receivers"] is None:
+            dp_rank = self.prefill_dp_rank(q["room"])
+            if dp_rank is None:
+                return
+            q["receivers"] = [ks.KvstageKVReceiver(D.mgrs[q["ddp"], r], self.addr, q["room"]) for r in range(D.tp)]
+            for rv in q["receivers"]:
+                rv.init(dp_rank)
+            if plan[:2] == ("decode", "WaitingForInput"):
+                q["receivers"][plan[2]].abort()
+        if q["dpages"] is None and self._engine_poll(q["receivers"]) == KVPoll.WaitingForInput:
+            q["dpages"], q["drow"] = D.pages[q["ddp"]].alloc(q["npages"]), D.rows[q["ddp"]].alloc(1)[0]
+            for rv in q["receivers"]:
+                rv.send_metadata(q["dpages"], q["drow"], None)
+        if q["ppages"] is None and self._engine_poll(q["senders"]) == KVPoll.WaitingForInput:
+            q["ppages"], q["prow"] = P.pages[q["pdp"]].alloc(q["npages"]), P.rows[q["pdp"]].alloc(1)[0]
+            q["kv"] = global_kv(torch, q["room"], q["npages"], self.heads)
+            idx = tokens(torch, q["ppages"])
+            for (d, r), cache in P.caches.items():
+                if d != q["pdp"]:
+                    continue
+                hs = list(range(self.heads)) if self.mla else heads_of(r, P.tp, self.heads)
+                for b, t in enumerate(cache.kv):
+                    t[idx] = q["kv"][b][:, [0] if self.mla else hs]
+                cache.fill_rows(q["room"], q["prow"])
+            for s in q["senders"]:
+                s.init(q["npages"], q["prow"])
+        elif q["ppages"] is not None and q["chunk"] < len(q["chunks"]) and \
+                self._engine_poll(q["senders"]) in (KVPoll.WaitingForInput, KVPoll.Transferring):
+            n = q["chunks"][q["chunk"]]
+            part = q["ppages"][q["sent"]:q["sent"] + n]
+            for s in q["senders"]:
+                s.send(part)
+            q["sent"] += n
+            q["chunk"] += 1
+            if q["chunk"] == 1 and plan[:2] == ("prefill", "Transferring"):
+                q["senders"][plan[2]].abort()
+            if q["chunk"] == 1 and plan[:2] == ("decode", "Transferring"):
+                q["receivers"][plan[2]].abort()
+
+    def _finish(self, q, pd_, dd, quarantine):
+        """Both engines saw the request end: clear every rank (the decode side's pages go back only once every rank's
+        pages_released), check the bytes."""
+        torch, P, D = self.torch, self.P, self.D
+        reasons = {}
+        for name, objs in (("prefill", q["senders"]), ("decode", q["receivers"])):
+            for r, o in enumerate(objs):
+                if o._status == KVPoll.Failed:
+                    reasons[name, r] = o._reason
+                o.clear()
+        released = all(rv.pages_released for rv in q["receivers"])
+        wrong = None
+        if dd == KVPoll.Success:
+            idx = tokens(torch, q["dpages"])
+            for (d, r), cache in D.caches.items():
+                if d != q["ddp"]:
+                    continue
+                hs = [0] if self.mla else heads_of(r, D.tp, self.heads)
+                for b, t in enumerate(cache.kv):
+                    got, want = t[idx].view(torch.int16), q["kv"][b][:, hs].view(torch.int16)
+                    if not torch.equal(got, want):
+                        wrong = wrong or f"decode rank {r} KV buffer {b} differs from the prefill KV of heads {hs}"
+                for a in range(len(cache.aux)):
+                    if not torch.equal(cache.aux_u8(a)[q["drow"]], P.caches[q["pdp"], 0].aux_u8(a)[q["prow"]]):
+                        wrong = wrong or f"decode rank {r} aux buffer {a} differs"
+            D.pages[q["ddp"]].give_back(q["dpages"])
+            D.rows[q["ddp"]].give_back([q["drow"]])
+        elif q["dpages"] is not None:
+            assert released, q["receivers"]
+            for (d, r), cache in D.caches.items():
+                if d == q["ddp"]:
+                    cache.mark(q["dpages"], q["drow"], q["k"])
+            quarantine.append((q["k"], q["dpages"], (q["ddp"], q["drow"]), q["k"]))
+        if q["ppages"] is not None:
+            P.pages[q["pdp"]].give_back(q["ppages"])
+            P.rows[q["pdp"]].give_back([q["prow"]])
+        name = {KVPoll.Success: "Success", KVPoll.Failed: "Failed"}
+        return dict(decode=name[dd], prefill=name[pd_], reasons=reasons, wrong=wrong, released=released,
+                    ranks=[int(o._status) for o in q["senders"] + q["receivers"]])
+
+
+def requests(n, seed, plans=()):
+    rng = random.Random(seed)
+    out = []
+    for k in range(n):
+        npages = rng.choice([1, 3, 7, 12])
+        cut = rng.randrange(1, npages) if npages > 2 else npages
+        out.append(dict(k=k, room=rng.getrandbits(40) * 2 + (k % 2), npages=npages,
+                        chunks=[cut, npages - cut] if cut < npages else [npages],
+                        plan=plans[k] if k < len(plans) else None))
+    return out
+
+
+@pytest.fixture
+def deployment(kv_proxy, request):
+    made = []
+
+    def make(*a, **kw):
+        made.append(Deployment(kv_proxy.socket, *a, **kw))
+        return made[-1]
+    yield make
+    for d in made:
+        d.close()
+    assert_pool_free(kv_proxy.socket)
+
+
+def check(out, bad, reqs):
+    for q in reqs:
+        o = out[q["k"]]
+        if q["plan"] is None:
+            assert (o["decode"], o["prefill"], o["wrong"]) == ("Success", "Success", None), (q, o)
+        else:
+            assert (o["decode"], o["prefill"]) == ("Failed", "Failed"), (q, o)
+            assert o["released"], (q, o)
+    assert not bad, f"aborted requests' decode pages written after clear(): {bad}"
+
+
+# ------------------------------------------------------------------------------------------------- DP attention
+@NEED_TORCH
+@pytest.mark.parametrize("balance", ["follow_bootstrap_room", "round_robin"])
+def test_dp_attention_two_dp_ranks_each_side(deployment, balance):
+    """Two prefill DP ranks (one bootstrap server) and two decode DP ranks; every request reaches the prefill DP
+    rank its room names (follow_bootstrap_room) or the one /query_dp_ranks answers (the sender registered it);
+    aborts on either side at every phase end the request on both engines and nothing else."""
+    plans = [None, None, ("decode", "WaitingForInput", 0), ("decode", "Transferring", 0),
+             ("prefill", "Bootstrapping", 0), ("prefill", "Transferring", 0), None, None, None, None, None, None]
+    dep = deployment(1, 1, pdp=2, ddp=2, load_balance_method=balance)
+    reqs = requests(len(plans), 3, plans)
+    if balance != "follow_bootstrap_room":
+        for q in reqs:
+            q["pdp"] = (q["k"] // 2) % 2  # the router's own choice, not the room's
+    out, bad, marked = dep.run(reqs)
+    check(out, bad, reqs)
+    assert marked == 3  # the requests aborted after send_metadata: their decode pages were handed out
+    served = {q["pdp"] for q in reqs}
+    assert served == {0, 1}
+    for (d, r), mgr in dep.P.mgrs.items():
+        assert not mgr.senders and not mgr.pending_meta  # no request ever reached the other DP rank
+    if balance != "follow_bootstrap_room":
+        st, got = ks._http("POST", f"http://{dep.addr}/query_dp_ranks", {"bootstrap_rooms": [q["room"] for q in reqs]})
+        assert st == 200 and {int(k): v for k, v in got.items()} == {q["room"]: q["pdp"] for q in reqs}
+
+
+@NEED_TORCH
+def test_dp_rank_conflict_and_misrouted_request(deployment, monkeypatch):
+    """follow_bootstrap_room with a request dispatched to the other DP rank: CommonKVSender's conflict, in its
+    words; with SGLANG_DISAGGREGATION_FORCE_QUERY_PREFILL_DP_RANK=1 it registers its DP rank instead. A decode side
+    that names the wrong prefill DP rank never reaches the request's sender: both sides fail by their timeouts,
+    and the other DP rank's rank refuses the transfer at its bootstrap timeout (the decode room aborted)."""
+    dep = deployment(1, 1, pdp=2)
+    P0, P1 = dep.P.mgrs[0, 0], dep.P.mgrs[1, 0]
+    s = ks.KvstageKVSender(P0, dep.addr, 41, [0], 0)  # 41 % 2 == 1
+    assert s.poll() == KVPoll.Failed and "follow_bootstrap_room conflict: dispatched to dp_rank 0" in s._reason
+    s.clear()
+    monkeypatch.setenv("SGLANG_DISAGGREGATION_FORCE_QUERY_PREFILL_DP_RANK", "1")
+    s = ks.KvstageKVSender(P0, dep.addr, 43, [0], 0)
+    assert s.poll() == KVPoll.Bootstrapping
+    st, got = ks._http("POST", f"http://{dep.addr}/query_dp_ranks", {"bootstrap_rooms": [43]})
+    assert got == {"43": 0}
+    r = ks.KvstageKVReceiver(dep.D.mgrs[0, 0], dep.addr, 43)
+    r.init(1)  # the wrong DP rank: its meta goes to P1, which never has the request
+    r.send_metadata([1, 2], 0, None)
+    s.bootstrap_timeout = P1.bootstrap_timeout = 0.3
+    assert P1.wait_until(lambda: s.poll() == KVPoll.Failed and 43 not in P1.pending_meta, 10)
+    assert "timed out" in s._reason
+    assert dep.D.mgrs[0, 0].wait_until(lambda: r.poll() == KVPoll.Failed, 10)
+    assert "aborted by the prefill side" in r._reason
+    r.clear()
+    s.clear()
