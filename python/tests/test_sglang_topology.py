@@ -111,8 +111,11 @@ class Deployment:
         st, got = ks._http("POST", f"http://{self.addr}/query_dp_ranks", {"bootstrap_rooms": [room]})
         return int(got[str(room)]) if st == 200 and str(room) in got else None
 
-    def run(self, reqs, deadline_s=60):
-        """Runs every request to its end on both engines; returns {k: (decode outcome, prefill outcome, reasons)}."""
+    def run(self, reqs, deadline_s=60, all_reduce=True):
+        """Runs every request to its end on both engines; returns ({k: outcome dict}, marked pages written after
+        clear(), how many requests' decode pages were marked). all_reduce: an engine sees the lowest poll of its ranks
+        and ends a request when that is final (SGLang's poll_and_all_reduce); else only once every rank's own poll
+        is final (what kvstage alone makes of an abort on one rank)."""
         import time
         torch = self.torch
         P, D = self.P, self.D
@@ -126,9 +129,14 @@ class Deployment:
             assert time.monotonic() < deadline, f"requests never ended: {list(live.values())}"
             for k, q in list(live.items()):
                 self._step(q)
+                if q["senders"] is None or q["receivers"] is None:
+                    continue
                 pd_, dd = self._engine_poll(q["senders"]), self._engine_poll(q["receivers"])
-                if pd_ in (KVPoll.Success, KVPoll.Failed, None) and dd in (KVPoll.Success, KVPoll.Failed, None) \
-                        and q["senders"] is not None and q["receivers"] is not None:
+                final = (KVPoll.Success, KVPoll.Failed)
+                if (pd_ in final and dd in final) if all_reduce else \
+                        all(o.poll() in final for o in q["senders"] + q["receivers"]):
+                    if not all_reduce:
+                        pd_, dd = self._engine_poll(q["senders"]), self._engine_poll(q["receivers"])
                     out[k] = self._finish(q, pd_, dd, quarantine)
                     del live[k]
         bad = [(k, r, where) for k, pages, rows, mark in quarantine for r, c in D.caches.items() if r[0] == rows[0]
@@ -160,11 +168,13 @@ class Deployment:
             if plan[:2] == ("decode", "WaitingForInput"):
                 q["receivers"][plan[2]].abort()
         if q["dpages"] is None and self._engine_poll(q["receivers"]) == KVPoll.WaitingForInput:
-            q["dpages"], q["drow"] = D.pages[q["ddp"]].alloc(q["npages"]), D.rows[q["ddp"]].alloc(1)[0]
-            for rv in q["receivers"]:
+            q["dpages"], q["drow"] = self._alloc(D, q["ddp"], q["npages"])
+            for rv in q["receivers"] if q["dpages"] is not None else ():
                 rv.send_metadata(q["dpages"], q["drow"], None)
         if q["ppages"] is None and self._engine_poll(q["senders"]) == KVPoll.WaitingForInput:
-            q["ppages"], q["prow"] = P.pages[q["pdp"]].alloc(q["npages"]), P.rows[q["pdp"]].alloc(1)[0]
+            q["ppages"], q["prow"] = self._alloc(P, q["pdp"], q["npages"])
+            if q["ppages"] is None:
+                return  # engine memory full: try again later
             q["kv"] = global_kv(torch, q["room"], q["npages"], self.heads)
             idx = tokens(torch, q["ppages"])
             for (d, r), cache in P.caches.items():
@@ -189,11 +199,22 @@ class Deployment:
             if q["chunk"] == 1 and plan[:2] == ("decode", "Transferring"):
                 q["receivers"][plan[2]].abort()
 
+    @staticmethod
+    def _alloc(engine, dp, npages):
+        """(pages, row) from a DP rank's allocators, or (None, None) while they have too few free."""
+        pages, row = engine.pages[dp].alloc(npages), engine.rows[dp].alloc(1)
+        if pages is None or row is None:
+            engine.pages[dp].give_back(pages or [])
+            engine.rows[dp].give_back(row or [])
+            return None, None
+        return pages, row[0]
+
     def _finish(self, q, pd_, dd, quarantine):
         """Both engines saw the request end: clear every rank (the decode side's pages go back only once every rank's
         pages_released), check the bytes."""
         torch, P, D = self.torch, self.P, self.D
         reasons = {}
+        ranks = [int(o._status) for o in q["senders"] + q["receivers"]]  # each rank's own, before clear()
         for name, objs in (("prefill", q["senders"]), ("decode", q["receivers"])):
             for r, o in enumerate(objs):
                 if o._status == KVPoll.Failed:
@@ -227,7 +248,7 @@ class Deployment:
             P.rows[q["pdp"]].give_back([q["prow"]])
         name = {KVPoll.Success: "Success", KVPoll.Failed: "Failed"}
         return dict(decode=name[dd], prefill=name[pd_], reasons=reasons, wrong=wrong, released=released,
-                    ranks=[int(o._status) for o in q["senders"] + q["receivers"]])
+                    ranks=ranks)
 
 
 def requests(n, seed, plans=()):
@@ -236,9 +257,12 @@ def requests(n, seed, plans=()):
     for k in range(n):
         npages = rng.choice([1, 3, 7, 12])
         cut = rng.randrange(1, npages) if npages > 2 else npages
+        plan = plans[k] if k < len(plans) else None
+        if plan is not None and plan[1] == "Transferring":
+            npages, cut = 7, 3  # aborted after the first chunk, before the last: the rooms cannot complete
         out.append(dict(k=k, room=rng.getrandbits(40) * 2 + (k % 2), npages=npages,
                         chunks=[cut, npages - cut] if cut < npages else [npages],
-                        plan=plans[k] if k < len(plans) else None))
+                        plan=plan))
     return out
 
 
@@ -318,3 +342,96 @@ def test_dp_rank_conflict_and_misrouted_request(deployment, monkeypatch):
     assert "aborted by the prefill side" in r._reason
     r.clear()
     s.clear()
+
+
+# ---------------------------------------------------------------------------------------- attention-TP sizes differ
+TP_PLANS = [None, ("decode", "WaitingForInput", -1), None, ("decode", "Transferring", 0), None,
+            ("prefill", "Bootstrapping", -1), None, ("prefill", "Transferring", 0), None,
+            ("decode", "Transferring", -1),
+            None, ("prefill", "Transferring", -1), None, None]
+
+
+def _plans(ptp, dtp, plans):
+    """plans with rank -1 made the side's last rank."""
+    return [p if p is None or p[2] >= 0 else (p[0], p[1], (ptp if p[0] == "prefill" else dtp) - 1) for p in plans]
+
+
+@NEED_TORCH
+@pytest.mark.parametrize("ptp,dtp,heads", [(1, 2, 4), (2, 4, 4), (4, 2, 4), (2, 1, 4), (1, 4, 2), (2, 4, 2)],
+                         ids=["1to2", "2to4", "4to2", "2to1", "1to4-gqa-replicated", "2to4-gqa-replicated"])
+def test_attention_tp_differs(deployment, ptp, dtp, heads):
+    """Decode TP = k x prefill TP and the reverse (MHA/GQA, `heads` KV heads, also fewer heads than decode ranks):
+    one room per rank pair with that pair's heads; every completed request's decode KV equals the prefill KV head
+    for head on every decode rank; aborts on one rank of either side at every phase end the request on both
+    engines (SGLang's all-reduce of poll); aborted decode pages untouched after every rank's clear(); pool free."""
+    plans = _plans(ptp, dtp, TP_PLANS)
+    dep = deployment(ptp, dtp, heads=heads)
+    reqs = requests(len(plans), 17 + ptp * 8 + dtp, plans)
+    out, bad, marked = dep.run(reqs)
+    check(out, bad, reqs)
+    assert marked == sum(1 for p in plans if p is not None and p[1] != "WaitingForInput")
+
+
+@NEED_TORCH
+@pytest.mark.parametrize("ptp,dtp", [(1, 2), (1, 4), (2, 1), (4, 1)], ids=["1to2", "1to4", "2to1", "4to1"])
+def test_an_abort_on_one_share_ends_every_rank(deployment, ptp, dtp):
+    """Without SGLang's all-reduce: an abort on one rank, once the rooms are open, reaches every rank the request's
+    rooms connect (a prefill rank aborts all its rooms, a decode rank all of its own and tells its prefill ranks),
+    each rank failing on its own; each decode rank's pages are released only once every room it had has its final
+    event. (With both sides wider than 1, e.g. 2 -> 4, the pairs form groups no room connects: {P0: D0, D1},
+    {P1: D2, D3}; there SGLang's all-reduce of poll() across the attention-TP group ends the others, as
+    test_attention_tp_differs runs it.)"""
+    plans = _plans(ptp, dtp, [None, ("decode", "Transferring", 0), ("prefill", "Transferring", -1), None,
+                              ("prefill", "Bootstrapping", 0), ("decode", "Transferring", -1), None])
+    dep = deployment(ptp, dtp)
+    reqs = requests(len(plans), 5, plans)
+    out, bad, marked = dep.run(reqs, all_reduce=False)
+    check(out, bad, reqs)
+    for q in reqs:
+        if q["plan"] is not None:
+            assert set(out[q["k"]]["ranks"]) == {int(KVPoll.Failed)}, (q["plan"], out[q["k"]])
+
+
+def _tampered(dep, tamper):
+    """Makes every decode rank's meta message pass through tamper(msg) on its way (a misrouted or mismatched share
+    as it would arrive)."""
+    for m in dep.D.mgrs.values():
+        orig = m.send_to
+        m.send_to = lambda ep, msg, orig=orig: orig(ep, tamper(dict(msg)) if msg.get("t") == "meta" else msg)
+
+
+def _slices(msg, f):
+    msg["tp"] = dict(msg["tp"], slices=[f(sl) for sl in msg["tp"]["slices"]])
+    return msg
+
+
+@NEED_TORCH
+@pytest.mark.parametrize("case,tamper,why", [
+    ("rank", lambda m: dict(m, tp=dict(m["tp"], prefill_rank=1 - m["tp"]["prefill_rank"])),
+     "misrouted share: meant for prefill rank"),
+    ("decode-rank", lambda m: dict(m, tp=dict(m["tp"], decode_rank=(m["tp"]["decode_rank"] + 2) % 4)),
+     "misrouted share: decode rank"),
+    ("heads", lambda m: _slices(m, lambda sl: [sl[0] + 16, sl[1]]), "expects bytes"),
+    ("head-count", lambda m: _slices(m, lambda sl: [sl[0], sl[1] // 2]), "expects bytes"),
+    ("layers", lambda m: dict(m, layout=dict(m["layout"], kv_item_lens=m["layout"]["kv_item_lens"][:2])),
+     "2 KV buffers (layers x K/V) on the decode side, 4 on this prefill rank"),
+    ("dtype", lambda m: dict(m, kv_cache_dtype="fp8_e4m3"), "KV cache dtype fp8_e4m3 on the decode side"),
+    ("token-size", lambda m: dict(m, layout=dict(m["layout"],
+                                                 kv_item_lens=[n * 2 for n in m["layout"]["kv_item_lens"]])),
+     "not the same heads"),
+])
+def test_misrouted_share_is_refused(deployment, case, tamper, why):
+    """2 -> 4: a share whose meta names another prefill rank, a decode rank this prefill rank does not serve, another
+    head range, layer count, dtype or token size is refused at open: the prefill request fails saying what is
+    misrouted, the decode rooms are aborted (every decode rank fails), nothing is written to a decode page."""
+    dep = deployment(2, 4)
+    _tampered(dep, tamper)
+    reqs = requests(3, 23)
+    for q in reqs:
+        q["plan"] = "refused"
+    out, bad, marked = dep.run(reqs)
+    for q in reqs:
+        o = out[q["k"]]
+        assert (o["decode"], o["prefill"]) == ("Failed", "Failed"), o
+        assert any(why in r for (side, _), r in o["reasons"].items() if side == "prefill"), o["reasons"]
+    assert not bad and marked == len(reqs)
