@@ -56,7 +56,8 @@ class Engine:
                 # prefill.py: engine_rank = tp_rank (global); decode.py: tp_rank % attn_tp_size
                 kv = cache.kv_args(engine_rank=d * tp + r if mode == ks.DisaggregationMode.PREFILL else r)
                 if mode == ks.DisaggregationMode.PREFILL and not mla:
-                    kv.kv_head_num = per_rank  # prefill.py sets it for non-MLA; decode.py only with its staging
+                    # prefill.py sets both for non-MLA (decode.py only with its staging buffer)
+                    kv.kv_head_num, kv.total_kv_head_num = per_rank, heads
                 self.caches[d, r] = cache
                 self.mgrs[d, r] = None
                 self.mgrs[d, r] = ks.KvstageKVManager(kv, mode, args, is_mla_backend=mla)
@@ -122,22 +123,26 @@ class Deployment:
         live, out, quarantine = {}, {}, []
         for q in reqs:
             q.update(pdp=q["room"] % P.dp if q.get("pdp") is None else q["pdp"], ddp=q["k"] % D.dp, chunk=0,
-                     sent=0, senders=None, receivers=None, ppages=None, dpages=None, kv=None, prow=None, drow=None)
+                     sent=0, senders=None, receivers=None, ppages=None, dpages=None, kv=None, prow=None, drow=None,
+                     out={})
             live[q["k"]] = q
         deadline = time.monotonic() + deadline_s
+        final = (KVPoll.Success, KVPoll.Failed)
         while live:
             assert time.monotonic() < deadline, f"requests never ended: {list(live.values())}"
             for k, q in list(live.items()):
                 self._step(q)
-                if q["senders"] is None or q["receivers"] is None:
-                    continue
-                pd_, dd = self._engine_poll(q["senders"]), self._engine_poll(q["receivers"])
-                final = (KVPoll.Success, KVPoll.Failed)
-                if (pd_ in final and dd in final) if all_reduce else \
-                        all(o.poll() in final for o in q["senders"] + q["receivers"]):
-                    if not all_reduce:
-                        pd_, dd = self._engine_poll(q["senders"]), self._engine_poll(q["receivers"])
-                    out[k] = self._finish(q, pd_, dd, quarantine)
+                for side, objs in (("prefill", q["senders"]), ("decode", q["receivers"])):
+                    if objs is None or side in q["out"]:
+                        continue
+                    # each engine on its own: it clears its ranks once it sees the request end
+                    if (self._engine_poll(objs) in final) if all_reduce else all(o.poll() in final for o in objs):
+                        self._end(q, side, objs, quarantine)
+                if "prefill" in q["out"] and "decode" in q["out"]:
+                    out[k] = dict(q["out"]["decode"], prefill=q["out"]["prefill"]["outcome"],
+                                  decode=q["out"]["decode"]["outcome"],
+                                  reasons={**q["out"]["prefill"]["reasons"], **q["out"]["decode"]["reasons"]},
+                                  ranks=q["out"]["prefill"]["ranks"] + q["out"]["decode"]["ranks"])
                     del live[k]
         bad = [(k, r, where) for k, pages, rows, mark in quarantine for r, c in D.caches.items() if r[0] == rows[0]
                for where in [c.marked(pages, rows[1], mark)] if where is not None]
@@ -209,20 +214,25 @@ class Deployment:
             return None, None
         return pages, row[0]
 
-    def _finish(self, q, pd_, dd, quarantine):
-        """Both engines saw the request end: clear every rank (the decode side's pages go back only once every rank's
-        pages_released), check the bytes."""
+    def _end(self, q, side, objs, quarantine):
+        """One engine saw the request end (its lowest poll final): clear every rank; the decode side checks the bytes
+        of a completed request, or marks an aborted one's pages once every rank's pages_released."""
+        import pd_sim
         torch, P, D = self.torch, self.P, self.D
-        reasons = {}
-        ranks = [int(o._status) for o in q["senders"] + q["receivers"]]  # each rank's own, before clear()
-        for name, objs in (("prefill", q["senders"]), ("decode", q["receivers"])):
-            for r, o in enumerate(objs):
-                if o._status == KVPoll.Failed:
-                    reasons[name, r] = o._reason
-                o.clear()
-        released = all(rv.pages_released for rv in q["receivers"])
-        wrong = None
-        if dd == KVPoll.Success:
+        outcome = self._engine_poll(objs)
+        ranks = [int(o._status) for o in objs]  # each rank's own, before clear()
+        reasons = {(side, r): o._reason for r, o in enumerate(objs) if o._status == KVPoll.Failed}
+        for o in objs:
+            o.clear()
+        res = q["out"][side] = dict(outcome={KVPoll.Success: "Success", KVPoll.Failed: "Failed"}[outcome],
+                                    reasons=reasons, ranks=ranks, wrong=None, released=True)
+        if side == "prefill":
+            if q["ppages"] is not None:
+                P.pages[q["pdp"]].give_back(q["ppages"])
+                P.rows[q["pdp"]].give_back([q["prow"]])
+            return
+        res["released"] = all(rv.pages_released for rv in objs)
+        if outcome == KVPoll.Success:
             idx = tokens(torch, q["dpages"])
             for (d, r), cache in D.caches.items():
                 if d != q["ddp"]:
@@ -231,24 +241,19 @@ class Deployment:
                 for b, t in enumerate(cache.kv):
                     got, want = t[idx].view(torch.int16), q["kv"][b][:, hs].view(torch.int16)
                     if not torch.equal(got, want):
-                        wrong = wrong or f"decode rank {r} KV buffer {b} differs from the prefill KV of heads {hs}"
+                        res["wrong"] = res["wrong"] or f"decode rank {r} KV buffer {b} differs from heads {hs}"
                 for a in range(len(cache.aux)):
-                    if not torch.equal(cache.aux_u8(a)[q["drow"]], P.caches[q["pdp"], 0].aux_u8(a)[q["prow"]]):
-                        wrong = wrong or f"decode rank {r} aux buffer {a} differs"
+                    row = cache.aux_u8(a)[q["drow"]]
+                    if not torch.equal(row, pd_sim.stamp(torch, q["room"], pd_sim.TAG_AUX, a, [0], row.shape[0])[0]):
+                        res["wrong"] = res["wrong"] or f"decode rank {r} aux buffer {a} differs"
             D.pages[q["ddp"]].give_back(q["dpages"])
             D.rows[q["ddp"]].give_back([q["drow"]])
         elif q["dpages"] is not None:
-            assert released, q["receivers"]
+            assert res["released"], objs
             for (d, r), cache in D.caches.items():
                 if d == q["ddp"]:
                     cache.mark(q["dpages"], q["drow"], q["k"])
             quarantine.append((q["k"], q["dpages"], (q["ddp"], q["drow"]), q["k"]))
-        if q["ppages"] is not None:
-            P.pages[q["pdp"]].give_back(q["ppages"])
-            P.rows[q["pdp"]].give_back([q["prow"]])
-        name = {KVPoll.Success: "Success", KVPoll.Failed: "Failed"}
-        return dict(decode=name[dd], prefill=name[pd_], reasons=reasons, wrong=wrong, released=released,
-                    ranks=ranks)
 
 
 def requests(n, seed, plans=()):
@@ -435,3 +440,38 @@ def test_misrouted_share_is_refused(deployment, case, tamper, why):
         assert (o["decode"], o["prefill"]) == ("Failed", "Failed"), o
         assert any(why in r for (side, _), r in o["reasons"].items() if side == "prefill"), o["reasons"]
     assert not bad and marked == len(reqs)
+
+
+@NEED_TORCH
+def test_prefill_side_gqa_replication_is_refused(deployment):
+    """4 -> 2 with 2 KV heads: two prefill ranks hold each head (Mooncake sends it twice to the same place). A decode
+    rank, which is not told the head count, expects each of its 2 prefill ranks to fill half its token; the prefill
+    rank refuses the share naming the head ranges, and both engines fail the request at once."""
+    dep = deployment(4, 2, heads=2)
+    reqs = requests(2, 29)
+    for q in reqs:
+        q["plan"] = "refused"
+    out, bad, marked = dep.run(reqs)
+    for q in reqs:
+        o = out[q["k"]]
+        assert (o["decode"], o["prefill"]) == ("Failed", "Failed"), o
+        assert any("expects bytes" in r and "heads 2, attention TP 4 -> 2" in r
+                   for (side, _), r in o["reasons"].items() if side == "prefill"), o["reasons"]
+    assert not bad
+
+
+@NEED_TORCH
+@pytest.mark.parametrize("ptp,dtp", [(1, 2), (2, 1), (4, 2)], ids=["1to2", "2to1", "4to2"])
+def test_mla_attention_tp_differs(deployment, ptp, dtp):
+    """MLA (one latent KV per token, the same on every rank): decode wider, each decode rank takes the whole token
+    from its prefill rank (SGLang's send_kvcache, not the slice); prefill wider, only target_tp_rank sends and the
+    other prefill ranks of the group are SGLang's dummy ranks (told, they send nothing and succeed)."""
+    plans = _plans(ptp, dtp, [None, ("decode", "Transferring", -1), None, ("prefill", "Transferring", 0), None,
+                              ("prefill", "Bootstrapping", -1), None])
+    dep = deployment(ptp, dtp, heads=1, mla=True)
+    reqs = requests(len(plans), 31, plans)
+    out, bad, marked = dep.run(reqs)
+    check(out, bad, reqs)
+    # with the prefill side wider only the first rank of each group moved bytes
+    moved = [m._objs for m in dep.P.mgrs.values()]
+    assert not any(moved)
