@@ -59,8 +59,19 @@ a plain copy for each part of a page a slot boundary cuts, or one plain copy per
 pages, whichever takes fewer calls (on a tie the plain copies: kvstage.plan says why). Aux
 (SGLang's MetadataBuffers) is always host memory.
 
-Not supported (refused with a reason, never silently wrong): prefill and decode with different
-attention-TP sizes, prefill pipeline parallelism or context parallelism, layouts that differ
+Topologies. DP attention on either side: the decode side's prefill_dp_rank (SGLang's scheduler picks it: the
+bootstrap room modulo the DP size, or the bootstrap server's /query_dp_ranks after the prefill sender's
+/register_dp_rank) selects the prefill ranks the bootstrap server registered for that DP rank. Attention-TP
+sizes that differ by a power of two (SGLang's CommonKVManager._resolve_rank_mapping for which ranks pair up,
+Mooncake's send_kvcache_slice for which heads each pair moves): one room per rank pair, carrying that pair's
+heads of every token (MLA: the whole token, from one prefill rank; the others are SGLang's dummy ranks). A
+decode rank succeeds only once every room it has has landed; a failure of any fails the request on that rank,
+which aborts all its rooms. The prefill rank checks each share (rank, head range, layer count, dtype, layout)
+before it opens the room and refuses a misrouted one, naming what differs.
+
+Not supported (refused with a reason, never silently wrong): attention-TP sizes that are not a power of two
+apart, GQA replication on a wider prefill side (more prefill ranks than KV heads), state (mamba) between
+different attention-TP sizes, prefill pipeline parallelism or context parallelism, layouts that differ
 between the two sides (item lengths), decode-context parallelism (dcp_size > 1).
 
 Settings (environment): KVSTAGE_SOCKET (the proxy; default /run/kvstage/kvstaged.sock),
