@@ -104,6 +104,7 @@ from typing import Dict, List, Optional
 import numpy as np
 
 from . import sidechannel as _sidechannel
+from ._lib import KVS_MAX_READERS, KVS_ROOM_DESC_SIZE
 from .client import Client, EventType
 from .errors import KvstageError, NotConnected, PoolExhausted, Timeout
 from .plan import CpuCopier, CudaCopier, Extent, copy_room_out, needs_view, plan
@@ -504,8 +505,10 @@ def check_side_message(msg):
         if not (isinstance(sl, list) and len(sl) <= _MAX_LIST
                 and all(_int_list(x) and len(x) == 2 for x in sl)):
             return "tp.slices must be a list of [offset, length] pairs"
-        if not isinstance(tp.get("dummy", False), bool):
-            return "tp.dummy must be true or false"
+        if not isinstance(tp.get("dummy", False), bool) or not isinstance(tp.get("join", False), bool):
+            return "tp.dummy and tp.join must be true or false"
+        if not _is_int(tp.get("readers", 1), 1, KVS_MAX_READERS):
+            return f"tp.readers must be an integer from 1 to {KVS_MAX_READERS}"
     d = msg.get("desc")
     if d is None:
         if msg["nbytes"]:
@@ -932,6 +935,11 @@ class KvstageKVManager(BaseKVManager):
             slices.append((src_off, n))
         if len(tp["slices"]) != len(slices):
             raise ValueError("misrouted share: a head range per KV buffer expected")
+        readers = tp.get("readers", 1)
+        joins = bool(tp.get("join"))
+        if readers > 1 and not (self.is_mla_backend and readers == D // P and joins == bool(d % readers)):
+            raise ValueError(f"misrouted share: a shared room of {readers} readers from decode rank {d} of {D} "
+                             f"(join {joins}), prefill attention TP {P}, MLA {self.is_mla_backend}")
         return slices, max(1, D // P)
 
     def _reject_malformed(self, msg, why):
@@ -1078,6 +1086,10 @@ class _SendShare:
         self.in_flight = {}               # (slot, epoch) -> Lease sent, until the room ends (a REJECTED one comes back)
         self.sent_chunks = 0
         self.done = False                 # SEND_DONE, or every byte of a room-less share handled
+        tp = meta.get("tp") or {}
+        self.join = bool(tp.get("join"))  # MLA read once: a reader of the shared room; its room takes the descriptor
+        self.readers = int(tp.get("readers", 1))
+        self.relayed = False
 
     def _on_event(self, ev):
         self.sender._on_share_event(self, ev)
@@ -1260,9 +1272,12 @@ class KvstageKVSender(BaseKVSender):
                 sh.uid = mgr._register_obj(sh)
                 sh.room = mgr.client().send_open(desc_bytes(meta["desc"]), user_data=sh.uid)
             except (KvstageError, ValueError) as e:
+                mgr._objs.pop(sh.uid, None)  # no room: no final event will come for it
+                sh.uid = None
                 return self._fail(f"could not open the decode side's room: {e}")
-            if sh.room.nbytes != int(meta["nbytes"]):
-                return self._fail(f"the room has {sh.room.nbytes} bytes, the request {meta['nbytes']}")
+            want = KVS_ROOM_DESC_SIZE if sh.join else int(meta["nbytes"])
+            if sh.room.nbytes != want:
+                return self._fail(f"the room has {sh.room.nbytes} bytes, the request {want}")
             sh.written = [0] * sh.room.chunks
         elif meta.get("desc"):
             return self._fail("misrouted share: a dummy share with a room", reject=True)
@@ -1276,7 +1291,7 @@ class KvstageKVSender(BaseKVSender):
         if sh.meta is None or self.num_kv_indices is None or sh.layout is not None or self._status == KVPoll.Failed:
             return
         m, mem = sh.meta, self.kv_mgr.mem
-        if (m.get("tp") or {}).get("dummy"):  # SGLang's dummy rank (MLA, the prefill side wider): sends nothing
+        if (m.get("tp") or {}).get("dummy") or sh.join:  # a dummy rank, or a reader of a shared room: no KV here
             sh.layout = RoomLayout(mem, 0, False, [])
             return
         if int(m["npages"]) != self.num_kv_indices:
@@ -1296,9 +1311,12 @@ class KvstageKVSender(BaseKVSender):
         if self._status == KVPoll.Failed or not self._shares or len(self._shares) != self._required:
             return
         for sh in self._shares:
-            if sh.layout is None or sh.done:
+            if sh.done or sh.join and sh.relayed:
                 continue
-            self._progress_share(sh)
+            if sh.join:
+                self._relay_shared_desc(sh)
+            elif sh.layout is not None:
+                self._progress_share(sh)
             if self._status == KVPoll.Failed:
                 return
         self._check_done()
@@ -1308,6 +1326,37 @@ class KvstageKVSender(BaseKVSender):
                 and all(sh.done for sh in self._shares)):
             self._status, self._t_done = KVPoll.Success, time.monotonic()
             self.conclude_state = KVPoll.Success
+
+    def _relay_shared_desc(self, sh):
+        """MLA read once: writes the shared room's descriptor (the opening decode rank's) into the small room a joining
+        decode rank opened for it; that rank then joins the shared room (one landing, every reader)."""
+        opener = next((x for x in self._shares if x.readers > 1 and not x.join), None)
+        if opener is None or sh.room is None:
+            return
+        if int(sh.meta["nbytes"]) != int(opener.meta["nbytes"]):
+            return self._fail(f"misrouted share: decode rank {sh.decode_rank} expects {sh.meta['nbytes']} bytes, the "
+                              f"shared room of decode rank {opener.decode_rank} has {opener.meta['nbytes']}")
+        c = self.kv_mgr.client()
+        try:
+            (lease,) = c.acquire(1)
+        except PoolExhausted:
+            return  # retried at the next poll
+        try:
+            view = lease.view()
+            view[:KVS_ROOM_DESC_SIZE] = desc_bytes(opener.meta["desc"])
+            del view
+            sh.room.send(lease, 0, KVS_ROOM_DESC_SIZE)
+            sh.in_flight[lease.key] = lease
+            sh.relayed = True
+        except (NotConnected, Timeout) as e:
+            self.kv_mgr._broken(e)
+        except (KvstageError, ValueError) as e:
+            try:
+                c.release(lease)
+            except KvstageError:
+                pass
+            if not (isinstance(e, KvstageError) and e.errno == _errno.EAGAIN):
+                self._fail(f"sending the shared room's descriptor failed: {e}")
 
     def _progress_share(self, sh):
         lay = sh.layout
@@ -1470,6 +1519,8 @@ class _RecvShare:
         self.pending_open = False
         self.room = self.uid = self.final = self.layout = self.extents = self.job = None
         self.landed = False               # its bytes are in the decode pages (or it had none)
+        self.readers, self.join = 1, False  # MLA read once: a shared room's reader count; join: not its opener
+        self.reply_room = self.reply_uid = self.reply_final = None  # a joiner's room for the shared room's descriptor
 
     def _on_event(self, ev):
         self.receiver._on_share_event(self, ev)
@@ -1480,6 +1531,21 @@ class _RecvShare:
             self.job = None
         self.room = None
         self.receiver._fail(reason)
+
+
+class _DescReply:
+    """A joining decode rank's small room, into which its prefill rank writes the shared room's descriptor."""
+
+    def __init__(self, sh):
+        self.sh = sh
+
+    def _on_event(self, ev):
+        self.sh.receiver._on_reply_event(self.sh, ev)
+
+    def _lost(self, reason):
+        self.sh.reply_final = self.sh.reply_final or "lost"
+        self.sh.reply_room = None
+        self.sh.receiver._fail(reason)
 
 
 class KvstageKVReceiver(BaseKVReceiver):
@@ -1560,6 +1626,12 @@ class KvstageKVReceiver(BaseKVReceiver):
                 return self._fail(f"Could not fetch bootstrap info for prefill_dp_rank {prefill_dp_rank} "
                                   f"target_tp_rank {p} from {self.bootstrap_addr}")
             self._shares.append(_RecvShare(self, p, endpoint, mgr.is_mla_backend and p != real))
+        k = D // P
+        if mgr.is_mla_backend and k > 1 and os.environ.get("KVSTAGE_SGLANG_MLA_SHARED") == "1":
+            # MLA read once: the k decode ranks of a prefill rank read one shared room (on this proxy: see SGLANG.md)
+            if k > KVS_MAX_READERS:
+                return self._fail(f"a shared room has at most {KVS_MAX_READERS} readers, not {k}")
+            self._shares[0].readers, self._shares[0].join = k, bool(int(mgr.kv_args.engine_rank) % D % k)
         self.init_time = time.monotonic()
         self._status = KVPoll.WaitingForInput
 
@@ -1585,6 +1657,8 @@ class KvstageKVReceiver(BaseKVReceiver):
         for sh in self._shares:
             tp = {"prefill_rank": sh.prefill_rank, "prefill_tp": P, "decode_rank": int(mgr.kv_args.engine_rank) % D,
                   "decode_tp": D, "dummy": sh.dummy}
+            if sh.readers > 1:
+                tp.update(readers=sh.readers, join=sh.join)
             try:
                 slices = decode_slices(P, D, sh.prefill_rank, fingerprint["kv_item_lens"], ps, mgr.is_mla_backend)
                 tp["slices"] = slices
@@ -1638,7 +1712,7 @@ class KvstageKVReceiver(BaseKVReceiver):
         room's final event came (or there was no room) and no copy-out of any can run."""
         return (self._status in (KVPoll.Success, KVPoll.Failed)
                 and all((sh.uid is None or sh.final is not None) and (sh.job is None or sh.job.done())
-                        for sh in self._shares))
+                        and (sh.reply_uid is None or sh.reply_final is not None) for sh in self._shares))
 
     def clear(self):
         """Waits (clear_timeout at most) until pages_released, then forgets the request. See the module docstring."""
@@ -1661,11 +1735,16 @@ class KvstageKVReceiver(BaseKVReceiver):
         else:
             try:
                 c = mgr.client()
-                sh.uid = mgr._register_obj(sh)
-                sh.room, desc = c.recv_open(sh.layout.nbytes, user_data=sh.uid)
+                if sh.join:  # the shared room's descriptor comes through the prefill rank; join it then
+                    sh.reply_uid = mgr._register_obj(_DescReply(sh))
+                    sh.reply_room, desc = c.recv_open(KVS_ROOM_DESC_SIZE, user_data=sh.reply_uid)
+                else:
+                    sh.uid = mgr._register_obj(sh)
+                    sh.room, desc = c.recv_open(sh.layout.nbytes, user_data=sh.uid, readers=sh.readers)
             except KvstageError as e:
                 mgr._objs.pop(sh.uid, None)
-                sh.uid = None
+                mgr._objs.pop(sh.reply_uid, None)
+                sh.uid = sh.reply_uid = None
                 if e.errno in (_errno.EMFILE, _errno.ENFILE, _errno.EAGAIN):
                     sh.pending_open = True  # no room handle free yet: the next poll tries again
                     return
@@ -1702,6 +1781,38 @@ class KvstageKVReceiver(BaseKVReceiver):
             self._status = KVPoll.Success  # every share landed: only now are the pages the request's KV
             self.conclude_state = KVPoll.Success
 
+    def _on_reply_event(self, sh, ev):
+        """A joining rank's descriptor room ended: on RECV_DONE it joins the shared room the descriptor names."""
+        if ev.type == EventType.REJECTED:
+            return
+        sh.reply_final = ev
+        mgr = self.kv_mgr
+        if ev.type == EventType.RECV_DONE and not self._aborted:
+            try:
+                view = sh.reply_room.lease(0).view()
+                desc = bytes(view[:KVS_ROOM_DESC_SIZE])
+                del view
+                sh.uid = mgr._register_obj(sh)
+                sh.room = mgr.client().join(desc, user_data=sh.uid)
+            except KvstageError as e:
+                mgr._objs.pop(sh.uid, None)
+                sh.uid = None
+                self._fail(f"could not join the shared room (MLA read once; every decode rank of a prefill rank must "
+                           f"use one kvstaged): {e}")
+        elif ev.type != EventType.RECV_DONE and not self._aborted:
+            self._fail("the shared room's descriptor never came: its room was aborted by the prefill side, the proxy "
+                       "or a timeout")
+        self._close_reply(sh)
+
+    def _close_reply(self, sh):
+        if sh.reply_room is not None and sh.reply_final is not None:
+            try:
+                sh.reply_room.close()
+            except Exception:
+                pass
+            sh.reply_room = None
+            self.kv_mgr._objs.pop(sh.reply_uid, None)
+
     def _on_share_event(self, sh, ev):
         if ev.type == EventType.REJECTED:
             return
@@ -1734,6 +1845,11 @@ class KvstageKVReceiver(BaseKVReceiver):
                     sh.room.abort()
                 except KvstageError:
                     pass
+            if sh.reply_room is not None and sh.reply_final is None:
+                try:
+                    sh.reply_room.abort()
+                except KvstageError:
+                    pass
             if sh.endpoint is not None and sh.final is None:
                 try:  # the room has not ended: the prefill rank learns now, even before it has opened the room
                     self.kv_mgr.send_to(sh.endpoint, {"t": "abort", "room": int(self.bootstrap_room)})
@@ -1743,9 +1859,10 @@ class KvstageKVReceiver(BaseKVReceiver):
     def _lost(self, reason):
         for sh in self._shares:
             sh.final = sh.final or "lost"
+            sh.reply_final = sh.reply_final or "lost"
             if sh.job is not None and sh.job.cancel():
                 sh.job = None
-            sh.room = None
+            sh.room = sh.reply_room = None
         self._fail(reason)
 
     def _close_share(self, sh):
@@ -1760,6 +1877,7 @@ class KvstageKVReceiver(BaseKVReceiver):
     def _close_room(self):
         for sh in self._shares:
             self._close_share(sh)
+            self._close_reply(sh)
 
     def __repr__(self):
         return f"<KvstageKVReceiver room={self.bootstrap_room} status={self._status} {self._reason or ''}>"

@@ -362,15 +362,18 @@ def _plans(ptp, dtp, plans):
 
 
 @NEED_TORCH
-@pytest.mark.parametrize("ptp,dtp,heads", [(1, 2, 4), (2, 4, 4), (4, 2, 4), (2, 1, 4), (1, 4, 2), (2, 4, 2)],
-                         ids=["1to2", "2to4", "4to2", "2to1", "1to4-gqa-replicated", "2to4-gqa-replicated"])
-def test_attention_tp_differs(deployment, ptp, dtp, heads):
+@pytest.mark.parametrize("ptp,dtp,heads,dp", [(1, 2, 4, 1), (2, 4, 4, 1), (4, 2, 4, 1), (2, 1, 4, 1), (1, 4, 2, 1),
+                                              (2, 4, 2, 1), (2, 1, 4, 2), (1, 2, 4, 2)],
+                         ids=["1to2", "2to4", "4to2", "2to1", "1to4-gqa-replicated", "2to4-gqa-replicated",
+                              "dp2x2to-dp2x1", "dp2x1to-dp2x2"])
+def test_attention_tp_differs(deployment, ptp, dtp, heads, dp):
     """Decode TP = k x prefill TP and the reverse (MHA/GQA, `heads` KV heads, also fewer heads than decode ranks):
     one room per rank pair with that pair's heads; every completed request's decode KV equals the prefill KV head
     for head on every decode rank; aborts on one rank of either side at every phase end the request on both
-    engines (SGLang's all-reduce of poll); aborted decode pages untouched after every rank's clear(); pool free."""
+    engines (SGLang's all-reduce of poll); aborted decode pages untouched after every rank's clear(); pool free.
+    Also with two DP ranks on each side (DP attention and TP sizes that differ at once)."""
     plans = _plans(ptp, dtp, TP_PLANS)
-    dep = deployment(ptp, dtp, heads=heads)
+    dep = deployment(ptp, dtp, pdp=dp, ddp=dp, heads=heads)
     reqs = requests(len(plans), 17 + ptp * 8 + dtp, plans)
     out, bad, marked = dep.run(reqs)
     check(out, bad, reqs)
@@ -421,14 +424,17 @@ def _slices(msg, f):
     ("layers", lambda m: dict(m, layout=dict(m["layout"], kv_item_lens=m["layout"]["kv_item_lens"][:2])),
      "2 KV buffers (layers x K/V) on the decode side, 4 on this prefill rank"),
     ("dtype", lambda m: dict(m, kv_cache_dtype="fp8_e4m3"), "KV cache dtype fp8_e4m3 on the decode side"),
+    ("shared-room", lambda m: dict(m, tp=dict(m["tp"], readers=2, join=bool(m["tp"]["decode_rank"] % 2))),
+     "misrouted share: a shared room of 2 readers"),
     ("token-size", lambda m: dict(m, layout=dict(m["layout"],
                                                  kv_item_lens=[n * 2 for n in m["layout"]["kv_item_lens"]])),
      "not the same heads"),
 ])
 def test_misrouted_share_is_refused(deployment, case, tamper, why):
     """2 -> 4: a share whose meta names another prefill rank, a decode rank this prefill rank does not serve, another
-    head range, layer count, dtype or token size is refused at open: the prefill request fails saying what is
-    misrouted, the decode rooms are aborted (every decode rank fails), nothing is written to a decode page."""
+    head range, layer count, dtype or token size, or a shared room (MLA only) is refused at open: the prefill request
+    fails saying what is misrouted, the decode rooms are aborted (every decode rank fails), nothing is written to a
+    decode page."""
     dep = deployment(2, 4)
     _tampered(dep, tamper)
     reqs = requests(3, 23)
@@ -475,3 +481,31 @@ def test_mla_attention_tp_differs(deployment, ptp, dtp):
     # with the prefill side wider only the first rank of each group moved bytes
     moved = [m._objs for m in dep.P.mgrs.values()]
     assert not any(moved)
+
+
+@NEED_TORCH
+@pytest.mark.parametrize("ptp,dtp", [(1, 2), (1, 4), (2, 4)], ids=["1to2", "1to4", "2to4"])
+def test_mla_read_once(deployment, monkeypatch, ptp, dtp):
+    """KVSTAGE_SGLANG_MLA_SHARED=1, MLA with the decode side wider: the k decode ranks of a prefill rank read one
+    shared room (Client.recv_open(readers=k), join()): the first opens it, the others get its descriptor through
+    the prefill rank (a small room each) and join; the latent crosses once per prefill rank, every decode rank has
+    it. An abort on any rank ends the request on all (a shared room aborted by one reader ends for every reader);
+    aborted pages untouched; the pool free."""
+    monkeypatch.setenv("KVSTAGE_SGLANG_MLA_SHARED", "1")
+    plans = _plans(ptp, dtp, [None, ("decode", "Transferring", -1), None, ("prefill", "Transferring", 0), None,
+                              ("decode", "Transferring", 0), ("prefill", "Bootstrapping", -1), None,
+                              ("decode", "WaitingForInput", -1), None])
+    all_reduce = ptp != 1  # 2 -> 4: groups no room connects, SGLang all-reduces
+    if not all_reduce:  # a rank aborted before send_metadata is known to no other rank: only the all-reduce ends them
+        plans = [None if p is not None and p[1] == "WaitingForInput" else p for p in plans]
+    dep = deployment(ptp, dtp, heads=1, mla=True)
+    reqs = requests(len(plans), 37, plans)
+    out, bad, marked = dep.run(reqs, all_reduce=all_reduce)
+    check(out, bad, reqs)
+    for q in reqs:
+        if q["plan"] is None:
+            for s in q["senders"]:  # one room of KV per prefill rank, the other decode ranks took a descriptor
+                data = [sh for sh in s._shares if sh.layout is not None and sh.layout.nbytes]
+                assert len(s._shares) == dtp // ptp and len(data) == 1 and data[0].readers == dtp // ptp
+        elif not all_reduce:
+            assert set(out[q["k"]]["ranks"]) == {int(KVPoll.Failed)}, (q["plan"], out[q["k"]])
