@@ -59,15 +59,28 @@ a plain copy for each part of a page a slot boundary cuts, or one plain copy per
 pages, whichever takes fewer calls (on a tie the plain copies: kvstage.plan says why). Aux
 (SGLang's MetadataBuffers) is always host memory.
 
-Not supported (refused with a reason, never silently wrong): prefill and decode with different
-attention-TP sizes, prefill pipeline parallelism or context parallelism, layouts that differ
+Topologies. DP attention on either side: the decode side's prefill_dp_rank (SGLang's scheduler picks it: the
+bootstrap room modulo the DP size, or the bootstrap server's /query_dp_ranks after the prefill sender's
+/register_dp_rank) selects the prefill ranks the bootstrap server registered for that DP rank. Attention-TP
+sizes that differ by a power of two (SGLang's CommonKVManager._resolve_rank_mapping for which ranks pair up,
+Mooncake's send_kvcache_slice for which heads each pair moves): one room per rank pair, carrying that pair's
+heads of every token (MLA: the whole token, from one prefill rank; the others are SGLang's dummy ranks; with
+KVSTAGE_SGLANG_MLA_SHARED=1 and the decode side wider, the decode ranks of a prefill rank read one shared room,
+the joiners getting its descriptor through the prefill rank in a room of one descriptor each). A
+decode rank succeeds only once every room it has has landed; a failure of any fails the request on that rank,
+which aborts all its rooms. The prefill rank checks each share (rank, head range, layer count, dtype, layout)
+before it opens the room and refuses a misrouted one, naming what differs.
+
+Not supported (refused with a reason, never silently wrong): attention-TP sizes that are not a power of two
+apart, GQA replication on a wider prefill side (more prefill ranks than KV heads), state (mamba) between
+different attention-TP sizes, prefill pipeline parallelism or context parallelism, layouts that differ
 between the two sides (item lengths), decode-context parallelism (dcp_size > 1).
 
 Settings (environment): KVSTAGE_SOCKET (the proxy; default /run/kvstage/kvstaged.sock),
 KVSTAGE_SGLANG_HOST (the address the prefill rank's side channel binds and advertises),
 KVSTAGE_PEER_SECRET_FILE or KVSTAGE_PEER_SECRET (the deployment's peer secret: the side channel, kvstage.sidechannel,
 authenticates both ends and every message with it; without one the manager refuses to start),
-KVSTAGE_SGLANG_CUDA=1, KVSTAGE_SGLANG_CLEAR_TIMEOUT (s, default 10), and SGLang's own
+KVSTAGE_SGLANG_CUDA=1, KVSTAGE_SGLANG_CLEAR_TIMEOUT (s, default 10), KVSTAGE_SGLANG_MLA_SHARED=1, and SGLang's own
 SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT / SGLANG_DISAGGREGATION_WAITING_TIMEOUT (s, default 300).
 See python/SGLANG.md.
 """
@@ -93,6 +106,7 @@ from typing import Dict, List, Optional
 import numpy as np
 
 from . import sidechannel as _sidechannel
+from ._lib import KVS_MAX_READERS, KVS_ROOM_DESC_SIZE
 from .client import Client, EventType
 from .errors import KvstageError, NotConnected, PoolExhausted, Timeout
 from .plan import CpuCopier, CudaCopier, Extent, copy_room_out, needs_view, plan
@@ -243,19 +257,30 @@ class MemoryMap:
 
 
 class RoomLayout:
-    """Offsets of a request's bytes in its room (see the module docstring); .nbytes in all."""
+    """Offsets of a request's bytes in its room (see the module docstring); .nbytes in all.
 
-    def __init__(self, mem, npages, has_aux, state_counts):
+    kv_slices (attention-TP sizes that differ, one room per rank pair): per KV buffer (off, n), the bytes of each
+    token this pair's share carries (a range of heads) at off in this side's token of item // page_size bytes; the
+    room then holds, per buffer, token t of the request's page j at (j * page_size + t) * n. None: whole pages."""
+
+    def __init__(self, mem, npages, has_aux, state_counts, kv_slices=None, page_size=1):
         self.npages = int(npages)
         self.has_aux = bool(has_aux)
         self.state_counts = [int(n) for n in state_counts]
+        self.page_size = int(page_size)
         if len(self.state_counts) > len(mem.state):
             raise ValueError(f"{len(self.state_counts)} state components, this side has {len(mem.state)}")
+        if kv_slices is not None and len(kv_slices) != len(mem.kv):
+            raise ValueError(f"{len(kv_slices)} KV slices for {len(mem.kv)} KV buffers")
+        self.kv_slices = [None if s is None or (s[0] == 0 and s[1] * self.page_size == r.item) else tuple(s)
+                          for s, r in zip(kv_slices or [None] * len(mem.kv), mem.kv)]
         off = 0
         self.kv_off = []
-        for r in mem.kv:
+        for r, sl in zip(mem.kv, self.kv_slices):
             self.kv_off.append(off)
-            off += self.npages * r.item
+            if sl is not None and (r.item % self.page_size or sl[0] + sl[1] > r.item // self.page_size):
+                raise ValueError(f"KV slice {sl} does not fit a {r.item // self.page_size}-byte token")
+            off += self.npages * (r.item if sl is None else sl[1] * self.page_size)
         self.aux_off = []
         for r in (mem.aux if self.has_aux else []):
             self.aux_off.append(off)
@@ -279,10 +304,18 @@ class RoomLayout:
         if first_pos + len(idx) > self.npages:
             raise ValueError(f"more pages than the {self.npages} the room was made for")
         out = []
-        for b, r in enumerate(self.mem.kv):
+        ps = self.page_size
+        tokens = None
+        for b, (r, sl) in enumerate(zip(self.mem.kv, self.kv_slices)):
             if (max(idx) + 1) * r.item > r.nbytes:
                 raise ValueError(f"page {max(idx)} is past KV buffer {b} ({r.nbytes} bytes)")
-            out.append(Extent(self.kv_off[b] + first_pos * r.item, r.ptr, r.item, r.item, idx, r.device))
+            if sl is None:
+                out.append(Extent(self.kv_off[b] + first_pos * r.item, r.ptr, r.item, r.item, idx, r.device))
+                continue
+            if tokens is None:  # each token's slice is an item: the heads of a token lie together, tokens apart
+                tokens = tuple(p * ps + t for p in idx for t in range(ps))
+            off, n = sl
+            out.append(Extent(self.kv_off[b] + first_pos * ps * n, r.ptr + off, r.item // ps, n, tokens, r.device))
         return out
 
     def aux_extents(self, aux_index):
@@ -323,6 +356,84 @@ def state_counts_of(state_indices, ncomp):
     """Returns the item count of each of ncomp state components in SGLang's state_indices."""
     state_indices = list(state_indices or [])
     return [int(_flat(state_indices[c]).size) if c < len(state_indices) else 0 for c in range(ncomp)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Attention-TP sizes that differ: which prefill ranks serve a decode rank, and which heads each pair moves.
+# Both are SGLang's rules at 8905cbd42f4a: CommonKVManager._resolve_rank_mapping (common/conn.py) for the ranks,
+# MooncakeKVManager.send_kvcache_slice (mooncake/conn.py) for the head ranges. kvstage moves each pair's share
+# through a room of its own; nothing of it writes an engine page except the receiving side's copy-out.
+# ---------------------------------------------------------------------------------------------
+
+def tp_sizes_unsupported(prefill_tp, decode_tp):
+    """Returns why the kvstage backend cannot pair these attention-TP sizes (None: it can): one must be the other
+    times a power of two."""
+    lo, hi = sorted((int(prefill_tp), int(decode_tp)))
+    if lo < 1:
+        return "an attention-TP size below 1"
+    if hi % lo or (hi // lo) & (hi // lo - 1):
+        return "one attention-TP size must be the other times a power of two"
+    return None
+
+
+def rank_mapping(prefill_tp, decode_tp, decode_rank, is_mla):
+    """SGLang's _resolve_rank_mapping, TP part: returns (target_tp_rank, target_tp_ranks, required_dst_info_num,
+    required_prefill_response_num) for decode rank decode_rank (engine_rank; taken modulo decode_tp). For MLA with
+    the prefill side wider, only target_tp_rank sends; the other target ranks are SGLang's dummy ranks."""
+    P, D = int(prefill_tp), int(decode_tp)
+    d = int(decode_rank) % D
+    if D == P:
+        return d, [d], 1, 1
+    if D > P:
+        return d // (D // P), [d // (D // P)], D // P, 1
+    k = P // D
+    ranks = list(range(d * k, (d + 1) * k))
+    return ranks[0], ranks, 1, 1 if is_mla else k
+
+
+def decode_slices(prefill_tp, decode_tp, prefill_rank, kv_item_lens, page_size, is_mla):
+    """The part of each of its tokens a decode rank expects from prefill rank prefill_rank: per KV buffer
+    [offset, length] in bytes of its token (kv_item_lens[b] // page_size bytes). A decode rank does not know the
+    model's KV head count (SGLang gives it only with its staging buffer), so it assumes no GQA replication on the
+    prefill side: prefill_tp / decode_tp prefill ranks each fill an equal part, in rank order. The prefill rank
+    checks this against Mooncake's arithmetic with the head count (prefill_slices) and refuses what differs."""
+    P, D, ps = int(prefill_tp), int(decode_tp), int(page_size)
+    out = []
+    for b, item in enumerate(kv_item_lens):
+        if ps < 1 or item % ps:
+            raise ValueError(f"KV buffer {b}: item of {item} bytes is not {ps} tokens")
+        tok = item // ps
+        if is_mla or D >= P:
+            out.append([0, tok])
+            continue
+        k = P // D
+        if tok % k:
+            raise ValueError(f"KV buffer {b}: a {tok}-byte token cannot take {k} prefill ranks' heads")
+        out.append([(prefill_rank % k) * (tok // k), tok // k])
+    return out
+
+
+def head_slice(total_heads, prefill_tp, prefill_rank, decode_tp, decode_rank, src_token, dst_token):
+    """Mooncake's send_kvcache_slice for one KV buffer: returns (src_off, dst_off, nbytes), the bytes of each token
+    prefill rank prefill_rank sends to decode rank decode_rank (at src_off of its token, src_token bytes) and where
+    they go in the decode rank's token (dst_off, dst_token bytes). Raises ValueError when the tokens do not split into
+    heads the same way on both sides (another dtype, head size or head count)."""
+    H, P, D = int(total_heads), int(prefill_tp), int(decode_tp)
+    p, d = int(prefill_rank) % P, int(decode_rank) % D
+    src_heads, dst_heads = max(1, H // P), max(1, H // D)
+    head = dst_token // dst_heads
+    if head < 1 or dst_token % dst_heads or src_token != src_heads * head:
+        raise ValueError(f"tokens of {src_token} bytes here ({src_heads} heads) and {dst_token} bytes on the decode "
+                         f"side ({dst_heads} heads) are not the same heads: another dtype, head size or head count")
+    if P > D:
+        src_start, count = 0, src_heads
+        dst_start = ((p // max(1, P // H)) * src_heads) % dst_heads
+    else:  # consecutive decode ranks share a KV head when H < D (QKVParallelLinear: tp_rank // replicas)
+        src_start = ((d // max(1, D // H)) * dst_heads) % src_heads
+        count, dst_start = dst_heads, 0
+    if (dst_start + count) * head > dst_token:
+        raise ValueError(f"{count} heads from head {dst_start} do not fit a {dst_token}-byte token")
+    return src_start * head, dst_start * head, count * head
 
 
 # ---------------------------------------------------------------------------------------------
@@ -381,6 +492,25 @@ def check_side_message(msg):
         return "layout.state_types must be a list of strings"
     if "from" in msg and not isinstance(msg["from"], str):
         return "from must be a string"
+    if msg.get("kv_cache_dtype") is not None and not isinstance(msg["kv_cache_dtype"], str):
+        return "kv_cache_dtype must be a string or null"
+    tp = msg.get("tp")
+    if tp is not None:
+        if not isinstance(tp, dict):
+            return "tp must be an object"
+        for key in ("prefill_rank", "prefill_tp", "decode_rank", "decode_tp"):
+            if not _is_int(tp.get(key), 0, 1 << 20):
+                return f"tp.{key} must be an integer in [0, 2^20], not {tp.get(key)!r:.40}"
+        if not (tp["prefill_rank"] < tp["prefill_tp"] and tp["decode_rank"] < tp["decode_tp"]):
+            return "tp ranks must be below their TP sizes"
+        sl = tp.get("slices")
+        if not (isinstance(sl, list) and len(sl) <= _MAX_LIST
+                and all(_int_list(x) and len(x) == 2 for x in sl)):
+            return "tp.slices must be a list of [offset, length] pairs"
+        if not isinstance(tp.get("dummy", False), bool) or not isinstance(tp.get("join", False), bool):
+            return "tp.dummy and tp.join must be true or false"
+        if not _is_int(tp.get("readers", 1), 1, KVS_MAX_READERS):
+            return f"tp.readers must be an integer from 1 to {KVS_MAX_READERS}"
     d = msg.get("desc")
     if d is None:
         if msg["nbytes"]:
@@ -391,6 +521,12 @@ def check_side_message(msg):
         except ValueError as e:
             return str(e)
     return None
+
+
+def _decode_rank_of(meta):
+    """The decode attention-TP rank a meta message comes from (None: a decode rank that names no rank pair)."""
+    tp = meta.get("tp")
+    return tp.get("decode_rank") if isinstance(tp, dict) else None
 
 
 def _http(method, url, body=None, timeout=5.0):
@@ -700,30 +836,113 @@ class KvstageKVManager(BaseKVManager):
             kind = msg.get("t")
             if kind == "meta":
                 s = self.senders.get(room)
-                if room in self.tombstones or (s is not None and s._meta is None and s._status == KVPoll.Failed):
+                if room in self.tombstones:
                     self._reject(msg, "the prefill side already aborted this request")
-                elif s is not None and s._meta is None:
-                    s._adopt(msg)
-                elif s is not None or room in self.pending_meta:
-                    self._reject(msg, "a second transfer request for a room in use")
-                else:
-                    self.pending_meta[room] = (msg, now)
+                elif s is not None:
+                    s._offer(msg)
+                else:  # the decode ranks may ask before this rank has the request: kept until its sender comes
+                    waiting = self.pending_meta.setdefault(room, ([], now))[0]
+                    if any(_decode_rank_of(m) == _decode_rank_of(msg) for m in waiting):
+                        self._reject(msg, "a second transfer request for a room in use")
+                    else:
+                        waiting.append(msg)
             elif kind == "abort":
                 s = self.senders.get(room)
                 pending = self.pending_meta.pop(room, None)
-                if pending is not None:
-                    self._reject(pending[0], "aborted by the decode side")
+                for m in (pending[0] if pending is not None else ()):
+                    self._reject(m, "aborted by the decode side")
                 if s is None:
                     self.tombstones[room] = now
                 elif s._status != KVPoll.Success:  # a transfer that completed stays complete
                     s._fail("aborted by the decode side")
-        for room, (msg, t) in list(self.pending_meta.items()):  # decode asked, this rank never had the request
+        for room, (msgs, t) in list(self.pending_meta.items()):  # decode asked, this rank never had the request
             if now - t > self.bootstrap_timeout:
                 del self.pending_meta[room]
-                self._reject(msg, "no such request on this prefill rank before the bootstrap timeout")
+                for m in msgs:
+                    self._reject(m, "no such request on this prefill rank before the bootstrap timeout")
         for room, t in list(self.tombstones.items()):
             if now - t > self.bootstrap_timeout:
                 del self.tombstones[room]
+
+    def kv_heads_total(self):
+        """The model's KV head count (SGLang's KVArgs.total_kv_head_num, else kv_head_num per rank times the attention
+        TP size, as Mooncake reads them), or None when KVArgs has neither."""
+        total = int(getattr(self.kv_args, "total_kv_head_num", 0) or 0)
+        if total > 0:
+            return total
+        per_rank = int(getattr(self.kv_args, "kv_head_num", 0) or 0)
+        return per_rank * self.attn_tp_size if per_rank > 0 else None
+
+    def share_for(self, meta):
+        """Prefill side: checks that the share a decode rank asks for (its meta message) is this rank's to send and
+        lands where the decode rank expects it; returns (kv_slices, senders_to): per KV buffer (offset, length) of
+        this rank's tokens to send (None: whole pages), and how many decode ranks this rank sends the request to.
+        Raises ValueError saying what is misrouted (rank, head range, layer count, dtype, layout)."""
+        mine, theirs = self.mem.fingerprint(), meta.get("layout", {})
+        dt, my_dt = meta.get("kv_cache_dtype"), getattr(self.server_args, "kv_cache_dtype", None)
+        if dt is not None and my_dt is not None and str(dt) != str(my_dt):
+            raise ValueError(f"misrouted share: KV cache dtype {dt} on the decode side, {my_dt} on this prefill rank")
+        tp = meta.get("tp")
+        if tp is None:  # a decode rank that names no rank pair: the same attention-TP size, whole pages
+            why = MemoryMap.mismatch(mine, theirs)
+            if why:
+                raise ValueError(f"layout mismatch with the decode side: {why}")
+            return None, 1
+        P, p, D, d = self.attn_tp_size, self.attn_tp_rank, tp["decode_tp"], tp["decode_rank"]
+        if (tp["prefill_tp"], tp["prefill_rank"]) != (P, p):
+            raise ValueError(f"misrouted share: meant for prefill rank {tp['prefill_rank']} of attention TP "
+                             f"{tp['prefill_tp']}, this is rank {p} of {P}")
+        why = tp_sizes_unsupported(P, D)
+        if why:
+            raise ValueError(f"prefill attention TP {P}, decode {D}: {why}")
+        if (d // (D // P) if D >= P else p // (P // D)) != (p if D >= P else d):
+            raise ValueError(f"misrouted share: decode rank {d} of attention TP {D} does not take its KV from "
+                             f"prefill rank {p} of {P}")
+        if len(theirs.get("kv_item_lens", [])) != len(mine["kv_item_lens"]):
+            raise ValueError(f"misrouted share: {len(theirs.get('kv_item_lens', []))} KV buffers (layers x K/V) on "
+                             f"the decode side, {len(mine['kv_item_lens'])} on this prefill rank")
+        if P == D:
+            why = MemoryMap.mismatch(mine, theirs)
+            if why:
+                raise ValueError(f"layout mismatch with the decode side: {why}")
+            return None, 1
+        for key in ("aux_item_lens", "state_item_lens"):
+            if mine.get(key) != theirs.get(key):
+                raise ValueError(f"layout mismatch with the decode side: {key} differ: this side {mine.get(key)}, "
+                                 f"the decode side {theirs.get(key)}")
+        if any(meta.get("state_counts") or []):
+            raise ValueError(f"state (mamba and the like) between attention-TP sizes {P} and {D} is not supported by "
+                             "the kvstage backend")
+        ps = int(getattr(self.kv_args, "page_size", 1) or 1)
+        heads = self.kv_heads_total()
+        if not self.is_mla_backend and heads is None:
+            raise ValueError("attention-TP sizes differ and this prefill rank's KVArgs give no kv_head_num")
+        slices = []
+        for b, (mi, ti, want) in enumerate(zip(mine["kv_item_lens"], theirs["kv_item_lens"], tp["slices"])):
+            src, dst = mi // ps, ti // ps
+            if self.is_mla_backend:
+                if src != dst:
+                    raise ValueError(f"misrouted share: KV buffer {b}: MLA tokens of {src} bytes here, {dst} on the "
+                                     "decode side")
+                src_off, dst_off, n = 0, 0, src
+            else:
+                try:
+                    src_off, dst_off, n = head_slice(heads, P, p, D, d, src, dst)
+                except ValueError as e:
+                    raise ValueError(f"misrouted share: KV buffer {b}: {e}") from None
+            if list(want) != [dst_off, n]:
+                raise ValueError(f"misrouted share: KV buffer {b}: the decode rank {d} expects bytes [{want[0]}, "
+                                 f"{want[0] + want[1]}) of its {dst}-byte token from prefill rank {p}, which sends "
+                                 f"[{dst_off}, {dst_off + n}) (heads {heads}, attention TP {P} -> {D})")
+            slices.append((src_off, n))
+        if len(tp["slices"]) != len(slices):
+            raise ValueError("misrouted share: a head range per KV buffer expected")
+        readers = tp.get("readers", 1)
+        joins = bool(tp.get("join"))
+        if readers > 1 and not (self.is_mla_backend and readers == D // P and joins == bool(d % readers)):
+            raise ValueError(f"misrouted share: a shared room of {readers} readers from decode rank {d} of {D} "
+                             f"(join {joins}), prefill attention TP {P}, MLA {self.is_mla_backend}")
+        return slices, max(1, D // P)
 
     def _reject_malformed(self, msg, why):
         """A message that fails check_side_message: the request it names (if its descriptor can be read) is refused
@@ -851,8 +1070,41 @@ class KvstageKVManager(BaseKVManager):
 # Prefill: the sender.
 # ---------------------------------------------------------------------------------------------
 
+class _SendShare:
+    """One rank pair's share of a request on the prefill side: the decode rank's meta message, the room it opened,
+    the slots being filled for it. Equal attention-TP sizes: the only one, whole pages."""
+
+    def __init__(self, sender, meta):
+        self.sender = sender
+        self.meta = meta
+        self.decode_rank = _decode_rank_of(meta)
+        self.slices = None
+        self.room = self.uid = self.final = self.layout = self.written = None
+        self.next_chunk = 0               # the sender's chunks taken into extents so far
+        self.extents = collections.deque()
+        self.leases = {}                  # chunk -> Lease being filled
+        self.views = {}
+        self.unsent = []                  # chunks full but not yet taken (ring full)
+        self.in_flight = {}               # (slot, epoch) -> Lease sent, until the room ends (a REJECTED one comes back)
+        self.sent_chunks = 0
+        self.done = False                 # SEND_DONE, or every byte of a room-less share handled
+        tp = meta.get("tp") or {}
+        self.join = bool(tp.get("join"))  # MLA read once: a reader of the shared room; its room takes the descriptor
+        self.readers = int(tp.get("readers", 1))
+        self.relayed = False
+
+    def _on_event(self, ev):
+        self.sender._on_share_event(self, ev)
+
+    def _lost(self, reason):
+        self.final = self.final or "lost"
+        self.room = None
+        self.sender._fail(reason)
+
+
 class KvstageKVSender(BaseKVSender):
-    """Prefill side of one request: copies its pages into slots of the decode side's room."""
+    """Prefill side of one request: copies its pages into slots of the decode side's room (one room per decode rank
+    it serves when the attention-TP sizes differ, each its share of the heads)."""
 
     def __init__(self, mgr: KvstageKVManager, bootstrap_addr: str, bootstrap_room: int, dest_tp_ranks: List[int],
                  pp_rank: int, req_has_disagg_prefill_dp_rank: bool = False, **_kw):
@@ -867,19 +1119,9 @@ class KvstageKVSender(BaseKVSender):
         self._status = KVPoll.Bootstrapping
         self._reason = None
         self._created = time.monotonic()
-        self._meta = None
-        self._room = None
-        self._uid = None
-        self._final = None
-        self._layout = None
-        self._raw = collections.deque()   # (pages, first_pos, last, state_indices) waiting for the room/layout
-        self._extents = collections.deque()
-        self._leases = {}                 # chunk -> Lease being filled
-        self._views = {}
-        self._written = None
-        self._unsent = []                 # chunks full but not yet taken (ring full)
-        self._in_flight = {}              # (slot, epoch) -> Lease sent, until the room ends (a REJECTED one comes back)
-        self._sent_chunks = 0
+        self._shares: List[_SendShare] = []
+        self._required = None             # decode ranks this rank sends the request to (from the first meta)
+        self._chunks = []                 # (pages, first_pos, last, state_indices), every share takes each
         self._last_queued = False
         self._t_first = self._t_done = None
         if bootstrap_room in mgr.senders:
@@ -889,22 +1131,59 @@ class KvstageKVSender(BaseKVSender):
         if bootstrap_room in mgr.tombstones:
             self._fail("aborted by the decode side before the prefill side had the request")
             return
-        if (mgr.server_args is not None and int(getattr(mgr.server_args, "dp_size", 1) or 1) > 1
-                and not req_has_disagg_prefill_dp_rank
-                and getattr(mgr.server_args, "load_balance_method", "follow_bootstrap_room")
-                != "follow_bootstrap_room"):
-            _http("POST", f"http://{bootstrap_addr}/register_dp_rank",
-                  {"bootstrap_room": bootstrap_room, "dp_rank": mgr.attn_dp_rank})
+        dp_size = int(getattr(mgr.server_args, "dp_size", 1) or 1) if mgr.server_args is not None else 1
+        if dp_size > 1 and not req_has_disagg_prefill_dp_rank:  # CommonKVSender.__init__'s rule, its words
+            if getattr(mgr.server_args, "load_balance_method", "follow_bootstrap_room") != "follow_bootstrap_room":
+                self._register_prefill_dp_rank()
+            elif mgr.attn_dp_rank != bootstrap_room % dp_size:
+                if os.environ.get("SGLANG_DISAGGREGATION_FORCE_QUERY_PREFILL_DP_RANK", "").lower() in (
+                        "1", "true", "yes", "y", "on"):
+                    self._register_prefill_dp_rank()
+                else:
+                    self._fail(f"follow_bootstrap_room conflict: dispatched to dp_rank {mgr.attn_dp_rank} but "
+                               f"bootstrap_room {bootstrap_room} implies dp_rank {bootstrap_room % dp_size}. Set "
+                               "SGLANG_DISAGGREGATION_FORCE_QUERY_PREFILL_DP_RANK=1 to allow mixed routing.")
+                    return
         pending = mgr.pending_meta.pop(bootstrap_room, None)
-        if pending is not None:
-            self._adopt(pending[0])
+        for meta in (pending[0] if pending is not None else ()):
+            self._offer(meta)
+
+    def _register_prefill_dp_rank(self):
+        """Tells the bootstrap server this request's DP rank (POST /register_dp_rank), for the decode side's
+        /query_dp_ranks when rooms do not name DP ranks (load_balance_method other than follow_bootstrap_room)."""
+        status, text = _http("POST", f"http://{self.bootstrap_server_url}/register_dp_rank",
+                             {"bootstrap_room": self.bootstrap_room, "dp_rank": self.kv_mgr.attn_dp_rank})
+        if status != 200:
+            logger.error("kvstage backend: failed to register prefill dp_rank: %s, %s", status, text)
+
+    # what tests and older callers read: the first share's
+    @property
+    def _meta(self):
+        return self._shares[0].meta if self._shares else None
+
+    @property
+    def _room(self):
+        return self._shares[0].room if self._shares else None
+
+    @property
+    def _final(self):
+        return self._shares[0].final if self._shares else None
+
+    @property
+    def _layout(self):
+        return self._shares[0].layout if self._shares else None
+
+    @property
+    def _sent_chunks(self):
+        return sum(sh.sent_chunks for sh in self._shares)
 
     # SGLang's calls ------------------------------------------------------------------------
     def init(self, num_kv_indices: int, aux_index: Optional[int] = None):
         """Sets the request's page count and aux row (after WaitingForInput)."""
         self.num_kv_indices = int(num_kv_indices)
         self.aux_index = aux_index
-        self._make_layout()
+        for sh in self._shares:
+            self._make_layout(sh)
 
     def pop_decode_prefix_len(self) -> int:
         return int(self._meta.get("prefix_len", 0)) if self._meta else 0
@@ -932,7 +1211,7 @@ class KvstageKVSender(BaseKVSender):
         if self._t_first is None:
             self._t_first = time.monotonic()
         self._last_queued = last
-        self._raw.append((pages, first, last, state_indices))
+        self._chunks.append((pages, first, last, state_indices))
         if self._status == KVPoll.WaitingForInput:
             self._status = KVPoll.Transferring
         self._progress()
@@ -951,8 +1230,8 @@ class KvstageKVSender(BaseKVSender):
 
     def get_transfer_metric(self):
         lat = (self._t_done - self._t_first) if (self._t_done and self._t_first) else None
-        return KVTransferMetric(transfer_latency_s=lat,
-                                transfer_total_bytes=self._layout.nbytes if self._layout else None)
+        nbytes = sum(sh.layout.nbytes for sh in self._shares if sh.layout is not None)
+        return KVTransferMetric(transfer_latency_s=lat, transfer_total_bytes=nbytes if self._shares else None)
 
     def abort(self):
         self._fail("Aborted by AbortReq.")
@@ -969,105 +1248,179 @@ class KvstageKVSender(BaseKVSender):
         self._close_room()
 
     # inner workings -------------------------------------------------------------------------
-    def _adopt(self, meta):
-        self._meta = meta
+    def _offer(self, meta):
+        """A decode rank's meta message for this request: adopts its share (opens its room) or refuses it."""
+        mgr = self.kv_mgr
         if self._status == KVPoll.Failed:
-            return self.kv_mgr._reject(meta, "the prefill side already aborted this request")
-        mine = self.kv_mgr.mem.fingerprint()
-        why = MemoryMap.mismatch(mine, meta.get("layout", {}))
-        if why:
-            return self._fail(f"layout mismatch with the decode side: {why}", reject=True)
-        if meta.get("desc"):
+            return mgr._reject(meta, "the prefill side already aborted this request")
+        d = _decode_rank_of(meta)
+        if any(sh.decode_rank == d for sh in self._shares) or (
+                self._required is not None and len(self._shares) >= self._required):
+            return mgr._reject(meta, "a second transfer request for a room in use")
+        sh = _SendShare(self, meta)
+        self._shares.append(sh)
+        try:
+            sh.slices, required = mgr.share_for(meta)
+        except ValueError as e:
+            return self._fail(str(e), reject=True)
+        if self._required is None:
+            self._required = required
+        elif required != self._required:
+            return self._fail(f"misrouted share: decode ranks of different attention-TP sizes ask for this request "
+                              f"({required} and {self._required} decode ranks per prefill rank)", reject=True)
+        dummy = bool((meta.get("tp") or {}).get("dummy"))
+        if meta.get("desc") and not dummy:
             try:
-                c = self.kv_mgr.client()
-                self._uid = self.kv_mgr._register_obj(self)
-                self._room = c.send_open(desc_bytes(meta["desc"]), user_data=self._uid)
+                sh.uid = mgr._register_obj(sh)
+                sh.room = mgr.client().send_open(desc_bytes(meta["desc"]), user_data=sh.uid)
             except (KvstageError, ValueError) as e:
+                mgr._objs.pop(sh.uid, None)  # no room: no final event will come for it
+                sh.uid = None
                 return self._fail(f"could not open the decode side's room: {e}")
-            if self._room.nbytes != int(meta["nbytes"]):
-                return self._fail(f"the room has {self._room.nbytes} bytes, the request {meta['nbytes']}")
-            self._written = [0] * self._room.chunks
-        self._status = KVPoll.WaitingForInput
-        self._make_layout()
+            want = KVS_ROOM_DESC_SIZE if sh.join else int(meta["nbytes"])
+            if sh.room.nbytes != want:
+                return self._fail(f"the room has {sh.room.nbytes} bytes, the request {want}")
+            sh.written = [0] * sh.room.chunks
+        elif meta.get("desc"):
+            return self._fail("misrouted share: a dummy share with a room", reject=True)
+        if len(self._shares) == self._required and self._status == KVPoll.Bootstrapping:
+            self._status = KVPoll.WaitingForInput
+        self._make_layout(sh)
+        if self._status == KVPoll.Transferring:
+            self._progress()
 
-    def _make_layout(self):
-        if (self._meta is None or self.num_kv_indices is None or self._layout is not None
-                or self._status == KVPoll.Failed):
+    def _make_layout(self, sh):
+        if sh.meta is None or self.num_kv_indices is None or sh.layout is not None or self._status == KVPoll.Failed:
             return
-        m = self._meta
+        m, mem = sh.meta, self.kv_mgr.mem
+        if (m.get("tp") or {}).get("dummy") or sh.join:  # a dummy rank, or a reader of a shared room: no KV here
+            sh.layout = RoomLayout(mem, 0, False, [])
+            return
         if int(m["npages"]) != self.num_kv_indices:
             return self._fail(f"the decode side expects {m['npages']} pages, this side has {self.num_kv_indices}")
-        if bool(m["aux"]) != (self.aux_index is not None and bool(self.kv_mgr.mem.aux)):
-            return self._fail("one side sends aux and the other does not")
+        if m["aux"] and not (self.aux_index is not None and mem.aux):
+            return self._fail("the decode side expects aux and this side sends none")
         try:
-            self._layout = RoomLayout(self.kv_mgr.mem, self.num_kv_indices, m["aux"], m["state_counts"])
+            sh.layout = RoomLayout(mem, self.num_kv_indices, m["aux"], m["state_counts"], sh.slices,
+                                   int(getattr(self.kv_mgr.kv_args, "page_size", 1) or 1))
         except ValueError as e:
             return self._fail(str(e))
-        if self._layout.nbytes != int(m["nbytes"]):
-            return self._fail(f"layout of {self._layout.nbytes} bytes, the decode side made {m['nbytes']}")
+        if sh.layout.nbytes != int(m["nbytes"]):
+            return self._fail(f"layout of {sh.layout.nbytes} bytes, the decode side made {m['nbytes']}")
 
     def _progress(self):
-        """Copies queued chunks into slots and hands full slots to the room, as far as the pool allows."""
-        if self._status == KVPoll.Failed or self._layout is None:
+        """Copies queued chunks into slots and hands full slots to the rooms, as far as the pool allows."""
+        if self._status == KVPoll.Failed or not self._shares or len(self._shares) != self._required:
             return
+        for sh in self._shares:
+            if sh.done or sh.join and sh.relayed:
+                continue
+            if sh.join:
+                self._relay_shared_desc(sh)
+            elif sh.layout is not None:
+                self._progress_share(sh)
+            if self._status == KVPoll.Failed:
+                return
+        self._check_done()
+
+    def _check_done(self):
+        if (self._status != KVPoll.Failed and len(self._shares) == self._required
+                and all(sh.done for sh in self._shares)):
+            self._status, self._t_done = KVPoll.Success, time.monotonic()
+            self.conclude_state = KVPoll.Success
+
+    def _relay_shared_desc(self, sh):
+        """MLA read once: writes the shared room's descriptor (the opening decode rank's) into the small room a joining
+        decode rank opened for it; that rank then joins the shared room (one landing, every reader)."""
+        opener = next((x for x in self._shares if x.readers > 1 and not x.join), None)
+        if opener is None or sh.room is None:
+            return
+        if int(sh.meta["nbytes"]) != int(opener.meta["nbytes"]):
+            return self._fail(f"misrouted share: decode rank {sh.decode_rank} expects {sh.meta['nbytes']} bytes, the "
+                              f"shared room of decode rank {opener.decode_rank} has {opener.meta['nbytes']}")
+        c = self.kv_mgr.client()
         try:
-            while self._raw:
-                pages, first, last, state_indices = self._raw.popleft()
-                self._extents.extend(self._layout.kv_extents(pages, first))
+            (lease,) = c.acquire(1)
+        except PoolExhausted:
+            return  # retried at the next poll
+        try:
+            view = lease.view()
+            view[:KVS_ROOM_DESC_SIZE] = desc_bytes(opener.meta["desc"])
+            del view
+            sh.room.send(lease, 0, KVS_ROOM_DESC_SIZE)
+            sh.in_flight[lease.key] = lease
+            sh.relayed = True
+        except (NotConnected, Timeout) as e:
+            self.kv_mgr._broken(e)
+        except (KvstageError, ValueError) as e:
+            try:
+                c.release(lease)
+            except KvstageError:
+                pass
+            if not (isinstance(e, KvstageError) and e.errno == _errno.EAGAIN):
+                self._fail(f"sending the shared room's descriptor failed: {e}")
+
+    def _progress_share(self, sh):
+        lay = sh.layout
+        try:
+            while sh.next_chunk < len(self._chunks):
+                pages, first, last, state_indices = self._chunks[sh.next_chunk]
+                sh.next_chunk += 1
+                sh.extents.extend(lay.kv_extents(pages, first) if lay.npages else ())  # a dummy share: no pages
                 if last:
                     if self.aux_index is not None:
-                        self._extents.extend(self._layout.aux_extents(int(self.aux_index)))
-                    self._extents.extend(self._layout.state_extents(list(state_indices or [])))
-                    self._extents.append(None)  # end marker
+                        sh.extents.extend(lay.aux_extents(int(self.aux_index)))
+                    sh.extents.extend(lay.state_extents(list(state_indices or [])))
+                    sh.extents.append(None)  # end marker
         except ValueError as e:
             return self._fail(f"bad indices: {e}")
-        if self._room is None:  # a room of 0 bytes: nothing to move
-            if self._extents and self._extents[-1] is None:
-                self._extents.clear()
-                self._status, self._t_done = KVPoll.Success, time.monotonic()
+        if sh.room is None:  # a room of 0 bytes, or a dummy share: nothing to move
+            if sh.extents and sh.extents[-1] is None:
+                sh.extents.clear()
+                sh.done = True
             return
         c = self.kv_mgr.client()
         ss = c.slot_size
         cp = self.kv_mgr.copier
         copied = False
         try:
-            while self._extents:
-                head = self._extents[0]
+            while sh.extents:
+                head = sh.extents[0]
                 if head is None:
-                    self._extents.popleft()
+                    sh.extents.popleft()
                     break
                 if isinstance(head, Extent):  # its copies, each inside one slot
-                    self._extents.popleft()
-                    self._extents.extendleft(reversed(plan([head], ss)))
+                    sh.extents.popleft()
+                    sh.extents.extendleft(reversed(plan([head], ss)))
                     continue
                 s = head.slot
-                lease = self._leases.get(s)
+                lease = sh.leases.get(s)
                 if lease is None:
                     try:
                         (lease,) = c.acquire(1)
                     except PoolExhausted:
                         break  # retried at the next poll
-                    self._leases[s] = lease
-                view = self._views.get(s)
+                    sh.leases[s] = lease
+                view = sh.views.get(s)
                 if view is None and needs_view(head):
-                    view = self._views[s] = lease.view()
+                    view = sh.views[s] = lease.view()
                 cp.copy_in(lease, view, head)
                 copied = True
-                self._extents.popleft()
-                self._written[s] += head.nbytes
-                if self._written[s] == self._room.chunk_len(s):
-                    self._unsent.append(s)
+                sh.extents.popleft()
+                sh.written[s] += head.nbytes
+                if sh.written[s] == sh.room.chunk_len(s):
+                    sh.unsent.append(s)
             if copied:
                 cp.sync()
-            while self._unsent:
-                s = self._unsent[0]
-                self._views.pop(s, None)
-                lease = self._leases[s]
-                self._room.send(lease, s * ss, self._room.chunk_len(s))
-                self._in_flight[lease.key] = lease
-                del self._leases[s]
-                self._unsent.pop(0)
-                self._sent_chunks += 1
+            while sh.unsent:
+                s = sh.unsent[0]
+                sh.views.pop(s, None)
+                lease = sh.leases[s]
+                sh.room.send(lease, s * ss, sh.room.chunk_len(s))
+                sh.in_flight[lease.key] = lease
+                del sh.leases[s]
+                sh.unsent.pop(0)
+                sh.sent_chunks += 1
         except (NotConnected, Timeout) as e:
             self.kv_mgr._broken(e)
         except KvstageError as e:
@@ -1077,70 +1430,74 @@ class KvstageKVSender(BaseKVSender):
         except (BufferError, RuntimeError, ValueError) as e:
             self._fail(f"copying pages failed: {e}")
 
-    def _on_event(self, ev):
+    def _on_share_event(self, sh, ev):
         if ev.type == EventType.REJECTED:
-            back = self._in_flight.pop(tuple(ev.lease), None)  # the client gave it back to us: release it
+            back = sh.in_flight.pop(tuple(ev.lease), None)  # the client gave it back to us: release it
             if back is not None:
                 try:
                     self.kv_mgr.client().release(back)
                 except KvstageError:
                     pass
             return self._fail(f"the proxy refused a chunk: {ev.error}")
-        self._final = ev
-        self._in_flight.clear()
+        sh.final = ev
+        sh.in_flight.clear()
         if ev.type == EventType.SEND_DONE:
-            if self._status != KVPoll.Failed:
-                self._status, self._t_done = KVPoll.Success, time.monotonic()
-                self.conclude_state = KVPoll.Success
+            sh.done = True
+            self._check_done()
         elif self._status != KVPoll.Failed:
             why = ("aborted by the decode side, the proxy or a timeout" if ev.type == EventType.ABORTED
                    else f"failed: {ev.error}")
-            self._fail(f"the room was {why}")
-        self._close_room()
+            whose = f" (the share of decode rank {sh.decode_rank})" if len(self._shares) > 1 else ""
+            self._fail(f"the room was {why}{whose}")
+        self._close_share(sh)
 
     def _fail(self, reason, reject=False):
+        """Fails the request on this rank: every share's slots go back, every open room is aborted (so every decode
+        rank it serves fails too), and a decode rank whose room this rank never opened has it aborted."""
         if self._status == KVPoll.Failed:
             return
         logger.debug("kvstage backend: prefill bootstrap_room %s failed: %s", self.bootstrap_room, reason)
         self._status, self._reason, self.conclude_state = KVPoll.Failed, reason, KVPoll.Failed
-        self._raw.clear()
-        self._extents.clear()
-        self._unsent.clear()
-        self._views.clear()
+        self._chunks.clear()
         c = self.kv_mgr._client
-        for lease in self._leases.values():
-            try:
-                c.release(lease)
-            except Exception:
-                pass
-        self._leases.clear()
-        if self._room is not None and self._final is None:
-            try:
-                self._room.abort()
-            except KvstageError:
-                pass
-        elif self._room is None and self._meta is not None and (reject or self._meta.get("desc")):
-            self.kv_mgr._reject(self._meta, reason)
+        for sh in self._shares:
+            sh.extents.clear()
+            sh.unsent.clear()
+            sh.views.clear()
+            for lease in sh.leases.values():
+                try:
+                    c.release(lease)
+                except Exception:
+                    pass
+            sh.leases.clear()
+            if sh.room is not None and sh.final is None:
+                try:
+                    sh.room.abort()
+                except KvstageError:
+                    pass
+            elif sh.room is None and sh.final is None and (reject or sh.meta.get("desc")):
+                self.kv_mgr._reject(sh.meta, reason)
 
     def _lost(self, reason):
-        self._final = self._final or "lost"
-        self._room = None
+        for sh in self._shares:
+            sh.final = sh.final or "lost"
+            sh.room = None
         self._fail(reason)
 
+    def _close_share(self, sh):
+        if sh.room is None:
+            return
+        try:
+            sh.room.close()  # unfinished: closing aborts it; its final event still comes, then it is forgotten
+        except Exception:
+            pass
+        if sh.final is not None:
+            sh.room = None
+            self.kv_mgr._objs.pop(sh.uid, None)
+
     def _close_room(self):
-        if self._room is not None and self._final is not None:
-            try:
-                self._room.close()
-            except Exception:
-                pass
-            self._room = None
-            self.kv_mgr._objs.pop(self._uid, None)
-        elif self._room is not None:
-            # unfinished: closing aborts it; keep listening for its final event, then forget it
-            try:
-                self._room.close()
-            except Exception:
-                pass
+        for sh in self._shares:
+            self._close_share(sh)
 
     def __repr__(self):
         return f"<KvstageKVSender room={self.bootstrap_room} status={self._status} {self._reason or ''}>"
@@ -1150,8 +1507,52 @@ class KvstageKVSender(BaseKVSender):
 # Decode: the receiver.
 # ---------------------------------------------------------------------------------------------
 
+class _RecvShare:
+    """One rank pair's share of a request on the decode side: the prefill rank it comes from, the room it lands in,
+    its copy-out. Equal attention-TP sizes: the only one, whole pages."""
+
+    def __init__(self, receiver, prefill_rank, endpoint, dummy):
+        self.receiver = receiver
+        self.prefill_rank = prefill_rank
+        self.endpoint = endpoint
+        self.dummy = dummy                # SGLang's dummy rank (MLA, the prefill side wider): told, sends nothing
+        self.meta = None
+        self.sent = False
+        self.pending_open = False
+        self.room = self.uid = self.final = self.layout = self.extents = self.job = None
+        self.landed = False               # its bytes are in the decode pages (or it had none)
+        self.readers, self.join = 1, False  # MLA read once: a shared room's reader count; join: not its opener
+        self.reply_room = self.reply_uid = self.reply_final = None  # a joiner's room for the shared room's descriptor
+
+    def _on_event(self, ev):
+        self.receiver._on_share_event(self, ev)
+
+    def _lost(self, reason):
+        self.final = self.final or "lost"
+        if self.job is not None and self.job.cancel():
+            self.job = None
+        self.room = None
+        self.receiver._fail(reason)
+
+
+class _DescReply:
+    """A joining decode rank's small room, into which its prefill rank writes the shared room's descriptor."""
+
+    def __init__(self, sh):
+        self.sh = sh
+
+    def _on_event(self, ev):
+        self.sh.receiver._on_reply_event(self.sh, ev)
+
+    def _lost(self, reason):
+        self.sh.reply_final = self.sh.reply_final or "lost"
+        self.sh.reply_room = None
+        self.sh.receiver._fail(reason)
+
+
 class KvstageKVReceiver(BaseKVReceiver):
-    """Decode side of one request: opens its room, tells the prefill rank, copies the room into its pages."""
+    """Decode side of one request: opens its room (one per prefill rank it takes heads from when the attention-TP
+    sizes differ), tells the prefill rank(s), copies the room(s) into its pages."""
 
     def __init__(self, mgr: KvstageKVManager, bootstrap_addr: str, bootstrap_room: Optional[int] = None, **_kw):
         self.kv_mgr = mgr
@@ -1165,21 +1566,34 @@ class KvstageKVReceiver(BaseKVReceiver):
         self._status = KVPoll.Bootstrapping
         self._reason = None
         self._aborted = False
-        self._endpoint = None
-        self._meta = None
-        self._meta_sent = False
-        self._room = None
-        self._uid = None
-        self._final = None
-        self._layout = None
-        self._extents = None
-        self._job = None
-        self._pending_open = None
+        self._shares: List[_RecvShare] = []
         self._cleared = False
+
+    # what tests and older callers read: the first share's
+    @property
+    def _room(self):
+        return self._shares[0].room if self._shares else None
+
+    @property
+    def _final(self):
+        return self._shares[0].final if self._shares else None
+
+    @property
+    def _uid(self):
+        return self._shares[0].uid if self._shares else None
+
+    @property
+    def _layout(self):
+        return self._shares[0].layout if self._shares else None
+
+    @property
+    def _endpoint(self):
+        return self._shares[0].endpoint if self._shares else None
 
     # SGLang's calls ------------------------------------------------------------------------
     def init(self, prefill_dp_rank: int):
-        """Finds the prefill rank through the bootstrap server (the prefill rank checks the layout at meta)."""
+        """Finds the prefill rank(s) of DP rank prefill_dp_rank through the bootstrap server (the prefill rank checks
+        the layout at meta)."""
         if self._status != KVPoll.Bootstrapping:
             return
         mgr = self.kv_mgr
@@ -1190,55 +1604,101 @@ class KvstageKVReceiver(BaseKVReceiver):
         info = mgr.prefill_info_table.get(self.bootstrap_addr) if known else None
         if info is None:
             return self._fail(f"Prefill server with bootstrap_addr: {self.bootstrap_addr} is unknown or down")
-        if int(info.attn_tp_size) != mgr.attn_tp_size:
-            return self._fail(f"prefill attn_tp_size {info.attn_tp_size} differs from this side's {mgr.attn_tp_size}: "
-                              "not supported by the kvstage backend")
+        P, D = int(info.attn_tp_size), mgr.attn_tp_size
+        why = tp_sizes_unsupported(P, D)
+        if why:
+            return self._fail(f"prefill attn_tp_size {P} and this side's {D}: {why}; not supported by the kvstage "
+                              "backend")
         if int(info.pp_size) != 1 or int(info.attn_cp_size) != 1:
             return self._fail("prefill pipeline or context parallelism is not supported by the kvstage backend")
+        dp_size = int(info.dp_size or 1)
+        try:
+            prefill_dp_rank = int(prefill_dp_rank)
+        except (TypeError, ValueError):
+            prefill_dp_rank = -1
+        if not 0 <= prefill_dp_rank < dp_size:
+            return self._fail(f"prefill_dp_rank {prefill_dp_rank} is not one of the prefill server's {dp_size} "
+                              "DP ranks")
         self.prefill_dp_rank = prefill_dp_rank
-        self._endpoint = mgr.rank_endpoint(self.bootstrap_addr, prefill_dp_rank,
-                                           int(mgr.kv_args.engine_rank) % mgr.attn_tp_size)
-        if self._endpoint is None:
-            return self._fail(f"Could not fetch bootstrap info for prefill_dp_rank {prefill_dp_rank} "
-                              f"from {self.bootstrap_addr}")
+        real, ranks, _, _ = rank_mapping(P, D, int(mgr.kv_args.engine_rank), mgr.is_mla_backend)
+        for p in ranks:
+            endpoint = mgr.rank_endpoint(self.bootstrap_addr, prefill_dp_rank, p)
+            if endpoint is None:
+                self._shares.clear()
+                return self._fail(f"Could not fetch bootstrap info for prefill_dp_rank {prefill_dp_rank} "
+                                  f"target_tp_rank {p} from {self.bootstrap_addr}")
+            self._shares.append(_RecvShare(self, p, endpoint, mgr.is_mla_backend and p != real))
+        k = D // P
+        if mgr.is_mla_backend and k > 1 and os.environ.get("KVSTAGE_SGLANG_MLA_SHARED") == "1":
+            # MLA read once: the k decode ranks of a prefill rank read one shared room (on this proxy: see SGLANG.md)
+            if k > KVS_MAX_READERS:
+                return self._fail(f"a shared room has at most {KVS_MAX_READERS} readers, not {k}")
+            self._shares[0].readers, self._shares[0].join = k, bool(int(mgr.kv_args.engine_rank) % D % k)
         self.init_time = time.monotonic()
         self._status = KVPoll.WaitingForInput
 
     def send_metadata(self, kv_indices, aux_index: Optional[int] = None, state_indices: Optional[List] = None,
                       decode_prefix_len: Optional[int] = None, **_kw):
-        """Opens the request's room and tells the prefill rank its descriptor (pages stay on this side)."""
+        """Opens the request's room(s) and tells the prefill rank(s) the descriptor(s) (pages stay on this side)."""
         if self._status != KVPoll.WaitingForInput:
             if self._status != KVPoll.Failed:
                 self._fail(f"send_metadata() in state {self._status}, not WaitingForInput")
             return
         mgr = self.kv_mgr
+        info = mgr.prefill_info_table[self.bootstrap_addr]
+        P, D = int(info.attn_tp_size), mgr.attn_tp_size
         pages = np.asarray(kv_indices, dtype=np.int64).reshape(-1)
         has_aux = aux_index is not None and bool(mgr.mem.aux)
         counts = state_counts_of(state_indices, len(mgr.mem.state))
-        try:
-            self._layout = RoomLayout(mgr.mem, pages.size, has_aux, counts)
-            self._extents = (self._layout.kv_extents(pages, 0)
-                             + (self._layout.aux_extents(int(aux_index)) if has_aux else [])
-                             + self._layout.state_extents(list(state_indices or [])))
-        except ValueError as e:
-            return self._fail(f"bad indices: {e}")
-        self._meta = {"t": "meta", "room": int(self.bootstrap_room), "npages": int(pages.size), "aux": has_aux,
-                      "state_counts": counts, "nbytes": self._layout.nbytes, "prefix_len": int(decode_prefix_len or 0),
-                      "layout": mgr.mem.fingerprint(), "from": f"{socket.gethostname()}:{os.getpid()}"}
+        if P != D and any(counts):
+            return self._fail(f"state (mamba and the like) between attention-TP sizes {P} and {D} is not supported "
+                              "by the kvstage backend")
+        ps = int(getattr(mgr.kv_args, "page_size", 1) or 1)
+        fingerprint = mgr.mem.fingerprint()
+        first = next(sh for sh in self._shares if not sh.dummy)  # aux rides with the first share that moves bytes
+        for sh in self._shares:
+            tp = {"prefill_rank": sh.prefill_rank, "prefill_tp": P, "decode_rank": int(mgr.kv_args.engine_rank) % D,
+                  "decode_tp": D, "dummy": sh.dummy}
+            if sh.readers > 1:
+                tp.update(readers=sh.readers, join=sh.join)
+            try:
+                slices = decode_slices(P, D, sh.prefill_rank, fingerprint["kv_item_lens"], ps, mgr.is_mla_backend)
+                tp["slices"] = slices
+                if sh.dummy:
+                    sh.layout, sh.extents = RoomLayout(mgr.mem, 0, False, []), []
+                else:
+                    aux = has_aux and sh is first
+                    sh.layout = RoomLayout(mgr.mem, pages.size, aux, counts, slices if P != D else None, ps)
+                    sh.extents = (sh.layout.kv_extents(pages, 0)
+                                  + (sh.layout.aux_extents(int(aux_index)) if aux else [])
+                                  + sh.layout.state_extents(list(state_indices or [])))
+            except ValueError as e:
+                return self._fail(f"bad indices: {e}")
+            sh.meta = {"t": "meta", "room": int(self.bootstrap_room), "npages": int(pages.size),
+                       "aux": sh.layout.has_aux, "state_counts": sh.layout.state_counts, "nbytes": sh.layout.nbytes,
+                       "prefix_len": int(decode_prefix_len or 0), "layout": fingerprint,
+                       "kv_cache_dtype": getattr(mgr.server_args, "kv_cache_dtype", None),
+                       "from": f"{socket.gethostname()}:{os.getpid()}"}
+            sh.meta["tp"] = tp
         self._status = KVPoll.Transferring
-        self._open_and_tell()
+        for sh in self._shares:
+            self._open_and_tell(sh)
+            if self._status == KVPoll.Failed:
+                return
+        self._check_jobs()
 
     def poll(self) -> int:
         self.kv_mgr.pump()
-        if self._status == KVPoll.Transferring and self._pending_open:
-            self._open_and_tell()
-        if self._job is not None:
-            self._check_job()
+        if self._status == KVPoll.Transferring:
+            for sh in self._shares:
+                if sh.pending_open:
+                    self._open_and_tell(sh)
+        self._check_jobs()
         if (self._status in (KVPoll.WaitingForInput, KVPoll.Transferring) and self.init_time is not None
                 and time.monotonic() - self.init_time > self.waiting_timeout):
             self._fail(f"Request {self.bootstrap_room} timed out after {self.waiting_timeout:.1f}s in "
                        f"KVPoll.{'WaitingForInput' if self._status == KVPoll.WaitingForInput else 'Transferring'}")
-        if self._status == KVPoll.Failed and self._job is not None and not self._job.done():
+        if self._status == KVPoll.Failed and any(sh.job is not None and not sh.job.done() for sh in self._shares):
             return KVPoll.Transferring  # a copy-out already running must finish before Failed lets the pages go
         return self._status
 
@@ -1250,10 +1710,11 @@ class KvstageKVReceiver(BaseKVReceiver):
 
     @property
     def pages_released(self):
-        """True once nothing of this request can write its decode pages any more and its room is closed:
-        the room's final event came (or there was no room) and no copy-out of it can run."""
-        return (self._status in (KVPoll.Success, KVPoll.Failed) and (self._uid is None or self._final is not None)
-                and (self._job is None or self._job.done()))
+        """True once nothing of this request can write its decode pages any more and its rooms are closed: every
+        room's final event came (or there was no room) and no copy-out of any can run."""
+        return (self._status in (KVPoll.Success, KVPoll.Failed)
+                and all((sh.uid is None or sh.final is not None) and (sh.job is None or sh.job.done())
+                        and (sh.reply_uid is None or sh.reply_final is not None) for sh in self._shares))
 
     def clear(self):
         """Waits (clear_timeout at most) until pages_released, then forgets the request. See the module docstring."""
@@ -1267,34 +1728,38 @@ class KvstageKVReceiver(BaseKVReceiver):
         self._close_room()
 
     # inner workings -------------------------------------------------------------------------
-    def _open_and_tell(self):
+    def _open_and_tell(self, sh):
         mgr = self.kv_mgr
-        self._pending_open = False
-        if self._layout.nbytes == 0:
-            desc = None
-            self._status = KVPoll.Success  # nothing to move
-            self.conclude_state = KVPoll.Success
+        sh.pending_open = False
+        desc = None
+        if sh.layout.nbytes == 0:
+            sh.landed = True  # nothing to move
         else:
             try:
                 c = mgr.client()
-                self._uid = mgr._register_obj(self)
-                self._room, desc = c.recv_open(self._layout.nbytes, user_data=self._uid)
+                if sh.join:  # the shared room's descriptor comes through the prefill rank; join it then
+                    sh.reply_uid = mgr._register_obj(_DescReply(sh))
+                    sh.reply_room, desc = c.recv_open(KVS_ROOM_DESC_SIZE, user_data=sh.reply_uid)
+                else:
+                    sh.uid = mgr._register_obj(sh)
+                    sh.room, desc = c.recv_open(sh.layout.nbytes, user_data=sh.uid, readers=sh.readers)
             except KvstageError as e:
-                mgr._objs.pop(self._uid, None)
-                self._uid = None
+                mgr._objs.pop(sh.uid, None)
+                mgr._objs.pop(sh.reply_uid, None)
+                sh.uid = sh.reply_uid = None
                 if e.errno in (_errno.EMFILE, _errno.ENFILE, _errno.EAGAIN):
-                    self._pending_open = True  # no room handle free yet: the next poll tries again
+                    sh.pending_open = True  # no room handle free yet: the next poll tries again
                     return
                 return self._fail(f"could not open a room: {e}")
-        msg = dict(self._meta, desc=base64.b64encode(desc).decode() if desc else None)
+        msg = dict(sh.meta, desc=base64.b64encode(desc).decode() if desc else None)
         try:
-            mgr.send_to(self._endpoint, msg)
-            self._meta_sent = True
+            mgr.send_to(sh.endpoint, msg)
+            sh.sent = True
         except OSError as e:
-            self._fail(f"could not reach the prefill rank at {self._endpoint}: {e}")
+            self._fail(f"could not reach the prefill rank at {sh.endpoint}: {e}")
 
-    def _copy_out_job(self):
-        room, extents, copier = self._room, self._extents, self.kv_mgr.copier
+    def _copy_out_job(self, sh):
+        room, extents, copier = sh.room, sh.extents, self.kv_mgr.copier
         ss = self.kv_mgr.client().slot_size
 
         def job():
@@ -1302,67 +1767,119 @@ class KvstageKVReceiver(BaseKVReceiver):
         job.bootstrap_room = self.bootstrap_room
         return job
 
-    def _check_job(self):
-        j = self._job
-        if j is None or not j.done():
-            return
-        self._job = None
-        if j.error is not None:
-            self._fail(f"copying the room into the decode pages failed: {j.error!r}")
-        elif j.state == "done" and self._status != KVPoll.Failed:
-            self._status = KVPoll.Success
+    def _check_jobs(self):
+        for sh in self._shares:
+            j = sh.job
+            if j is None or not j.done():
+                continue
+            sh.job = None
+            if j.error is not None:
+                self._fail(f"copying the room into the decode pages failed: {j.error!r}")
+            elif j.state == "done" and self._status != KVPoll.Failed:
+                sh.landed = True
+            self._close_share(sh)
+        if (self._status == KVPoll.Transferring and self._shares
+                and all(sh.landed and not sh.pending_open for sh in self._shares)):
+            self._status = KVPoll.Success  # every share landed: only now are the pages the request's KV
             self.conclude_state = KVPoll.Success
-        self._close_room()
 
-    def _on_event(self, ev):
+    def _on_reply_event(self, sh, ev):
+        """A joining rank's descriptor room ended: on RECV_DONE it joins the shared room the descriptor names."""
         if ev.type == EventType.REJECTED:
             return
-        self._final = ev
+        sh.reply_final = ev
+        mgr = self.kv_mgr
         if ev.type == EventType.RECV_DONE and not self._aborted:
-            self._job = self.kv_mgr.copier.submit(self._copy_out_job())
-            return self._check_job()
+            try:
+                view = sh.reply_room.lease(0).view()
+                desc = bytes(view[:KVS_ROOM_DESC_SIZE])
+                del view
+                sh.uid = mgr._register_obj(sh)
+                sh.room = mgr.client().join(desc, user_data=sh.uid)
+            except KvstageError as e:
+                mgr._objs.pop(sh.uid, None)
+                sh.uid = None
+                self._fail(f"could not join the shared room (MLA read once; every decode rank of a prefill rank must "
+                           f"use one kvstaged): {e}")
+        elif ev.type != EventType.RECV_DONE and not self._aborted:
+            self._fail("the shared room's descriptor never came: its room was aborted by the prefill side, the proxy "
+                       "or a timeout")
+        self._close_reply(sh)
+
+    def _close_reply(self, sh):
+        if sh.reply_room is not None and sh.reply_final is not None:
+            try:
+                sh.reply_room.close()
+            except Exception:
+                pass
+            sh.reply_room = None
+            self.kv_mgr._objs.pop(sh.reply_uid, None)
+
+    def _on_share_event(self, sh, ev):
+        if ev.type == EventType.REJECTED:
+            return
+        sh.final = ev
+        if ev.type == EventType.RECV_DONE and not self._aborted:
+            sh.job = self.kv_mgr.copier.submit(self._copy_out_job(sh))
+            return self._check_jobs()
         if ev.type != EventType.RECV_DONE and not self._aborted:
             why = ("aborted by the prefill side, the proxy or a timeout" if ev.type == EventType.ABORTED
                    else f"failed: {ev.error}")
-            self._fail(f"the room was {why}")
-        if self._job is None:
-            self._close_room()
+            whose = f" (the share of prefill rank {sh.prefill_rank})" if len(self._shares) > 1 else ""
+            self._fail(f"the room was {why}{whose}")
+        if sh.job is None:
+            self._close_share(sh)
 
     def _fail(self, reason):
+        """Fails the request on this rank: queued copy-outs are cancelled, every open room is aborted and every
+        prefill rank whose share has not ended is told (so every rank of the request ends)."""
         if self._status == KVPoll.Failed:
             return
         logger.debug("kvstage backend: decode bootstrap_room %s failed: %s", self.bootstrap_room, reason)
         self._status, self._reason, self.conclude_state = KVPoll.Failed, reason, KVPoll.Failed
         self._aborted = True
-        self._pending_open = False
-        if self._job is not None and self._job.cancel():
-            self._job = None
-        if self._room is not None and self._final is None:
-            try:
-                self._room.abort()
-            except KvstageError:
-                pass
-        if self._endpoint is not None and self._final is None:
-            try:  # the room has not ended: the prefill side learns now, even before it has opened the room
-                self.kv_mgr.send_to(self._endpoint, {"t": "abort", "room": int(self.bootstrap_room)})
-            except OSError:
-                pass
+        for sh in self._shares:
+            sh.pending_open = False
+            if sh.job is not None and sh.job.cancel():
+                sh.job = None
+            if sh.room is not None and sh.final is None:
+                try:
+                    sh.room.abort()
+                except KvstageError:
+                    pass
+            if sh.reply_room is not None and sh.reply_final is None:
+                try:
+                    sh.reply_room.abort()
+                except KvstageError:
+                    pass
+            if sh.endpoint is not None and sh.final is None:
+                try:  # the room has not ended: the prefill rank learns now, even before it has opened the room
+                    self.kv_mgr.send_to(sh.endpoint, {"t": "abort", "room": int(self.bootstrap_room)})
+                except OSError:
+                    pass
 
     def _lost(self, reason):
-        self._final = self._final or "lost"
-        if self._job is not None and self._job.cancel():
-            self._job = None
-        self._room = None
+        for sh in self._shares:
+            sh.final = sh.final or "lost"
+            sh.reply_final = sh.reply_final or "lost"
+            if sh.job is not None and sh.job.cancel():
+                sh.job = None
+            sh.room = sh.reply_room = None
         self._fail(reason)
 
-    def _close_room(self):
-        if self._room is not None and self._final is not None and (self._job is None or self._job.done()):
+    def _close_share(self, sh):
+        if sh.room is not None and sh.final is not None and (sh.job is None or sh.job.done()):
             try:
-                self._room.close()
+                sh.room.close()
             except Exception:
                 pass
-            self._room = None
-            self.kv_mgr._objs.pop(self._uid, None)
+            sh.room = None
+            self.kv_mgr._objs.pop(sh.uid, None)
+
+    def _close_room(self):
+        for sh in self._shares:
+            self._close_share(sh)
+            self._close_reply(sh)
 
     def __repr__(self):
         return f"<KvstageKVReceiver room={self.bootstrap_room} status={self._status} {self._reason or ''}>"

@@ -67,6 +67,34 @@ def test_layout_offsets_and_extents():
     assert ks.state_counts_of([[[3]], None], 2) == [1, 0] and ks.state_counts_of(None, 1) == [0]
 
 
+def test_head_sliced_layout_and_rank_pairs():
+    """Attention-TP sizes that differ: a room per rank pair carries, per KV buffer, each token's share (a strided
+    extent: one item per token); SGLang's rank mapping and Mooncake's head ranges, also with GQA replication."""
+    mem = _mem()  # KV items of 100 and 60 bytes: pages of 4 tokens of 25 and 15 bytes
+    lay = ks.RoomLayout(mem, npages=2, has_aux=False, state_counts=[0], kv_slices=[(5, 10), (0, 15)], page_size=4)
+    assert lay.kv_off == [0, 80] and lay.nbytes == 80 + 120
+    assert lay.kv_extents([3, 1], 0) == [Extent(0, 0x10000 + 5, 25, 10, (12, 13, 14, 15, 4, 5, 6, 7), False),
+                                         Extent(80, 0x20000, 60, 60, (3, 1), False)]  # a whole token: whole pages
+    assert lay.kv_extents([2], 1) == [Extent(40, 0x10005, 25, 10, (8, 9, 10, 11), False),
+                                      Extent(140, 0x20000, 60, 60, (2,), False)]
+    with pytest.raises(ValueError):
+        ks.RoomLayout(mem, 1, False, [0], kv_slices=[(20, 10), None], page_size=4)  # past the 25-byte token
+    assert ks.rank_mapping(1, 4, 3, False) == (0, [0], 4, 1)
+    assert ks.rank_mapping(4, 2, 1, False) == (2, [2, 3], 1, 2)
+    assert ks.rank_mapping(4, 2, 1, True) == (2, [2, 3], 1, 1)
+    assert ks.tp_sizes_unsupported(2, 6) and ks.tp_sizes_unsupported(3, 1) and not ks.tp_sizes_unsupported(8, 2)
+    # 8 heads of 16 bytes: prefill 2 ranks (64-byte tokens), decode 4 (32-byte): decode rank 3 takes heads 6, 7
+    assert ks.head_slice(8, 2, 1, 4, 3, 64, 32) == (32, 0, 32)
+    assert ks.decode_slices(2, 4, 1, [128], 4, False) == [[0, 32]]
+    # the reverse: prefill rank 3 of 4 fills the second half of decode rank 1's token
+    assert ks.head_slice(8, 4, 3, 2, 1, 32, 64) == (0, 32, 32) and ks.decode_slices(4, 2, 3, [256], 4, False) == [
+        [32, 32]]
+    # 2 heads, 4 decode ranks: ranks 2 and 3 both hold head 1 (QKVParallelLinear: rank // replicas)
+    assert [ks.head_slice(2, 1, 0, 4, d, 32, 16)[0] for d in range(4)] == [0, 0, 16, 16]
+    with pytest.raises(ValueError, match="not the same heads"):
+        ks.head_slice(8, 2, 0, 4, 0, 64, 24)
+
+
 def test_fingerprint_mismatch():
     a, b = _mem().fingerprint(), _mem(kv=((0x10000, 1000, 100), (0x20000, 600, 64))).fingerprint()
     assert ks.MemoryMap.mismatch(a, a) is None
@@ -236,10 +264,15 @@ def test_layout_mismatch_is_refused(kv_proxy):
 @NEED_TORCH
 def test_topology_and_unknown_prefill_are_refused(engines):
     pc, dc, P, D, addr = engines
-    D.attn_tp_size = 2  # this decode rank thinks attention TP is 2, the prefill server registered 1
+    D.attn_tp_size = 3  # this decode rank thinks attention TP is 3, the prefill server registered 1
     r = ks.KvstageKVReceiver(D, addr, 6)
     r.init(0)
-    assert r.poll() == KVPoll.Failed and "attn_tp_size" in r._reason
+    assert r.poll() == KVPoll.Failed and "attn_tp_size" in r._reason and "power of two" in r._reason
+    r.clear()
+    D.attn_tp_size = 1
+    r = ks.KvstageKVReceiver(D, addr, 5)
+    r.init(1)  # the prefill server has one DP rank
+    assert r.poll() == KVPoll.Failed and "prefill_dp_rank 1 is not one of the prefill server's 1 DP ranks" in r._reason
     r.clear()
     D.attn_tp_size = 1
     import socket

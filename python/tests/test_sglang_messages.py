@@ -75,7 +75,15 @@ CASES = {
     "nbytes negative": lambda m: with_(m, nbytes=-4096), "state_counts negative": lambda m: with_(m, state_counts=[-1]),
     "prefix_len negative": lambda m: with_(m, prefix_len=-3),
     "kv_item_lens negative": lambda m: with_layout(m, kv_item_lens=[-384] * 6),
+    # the rank pair (attention-TP sizes that differ)
+    "tp list": lambda m: with_(m, tp=[0, 1]), "tp no decode_rank": lambda m: with_(m, tp=drop(TP, "decode_rank")),
+    "tp rank past size": lambda m: with_(m, tp=dict(TP, decode_rank=2)),
+    "tp size huge": lambda m: with_(m, tp=dict(TP, decode_tp=1 << 40)),
+    "tp slices flat": lambda m: with_(m, tp=dict(TP, slices=[0, 384])),
+    "tp slices triple": lambda m: with_(m, tp=dict(TP, slices=[[0, 1, 2]])),
+    "tp dummy int": lambda m: with_(m, tp=dict(TP, dummy=1)), "dtype int": lambda m: with_(m, kv_cache_dtype=8),
 }
+TP = {"prefill_rank": 0, "prefill_tp": 1, "decode_rank": 1, "decode_tp": 2, "slices": [[0, 96]] * 6, "dummy": False}
 DESC_UNREADABLE = {"desc not base64", "desc short", "desc int", "desc null with bytes", "desc huge"}
 
 
