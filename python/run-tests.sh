@@ -1,5 +1,6 @@
 #!/bin/bash
 # Runs the Python binding's tests against a build dir: python/run-tests.sh [BUILD_DIR [PYTEST_ARGS...]]
+# (PYTEST_ARGS naming test files, python/tests/X.py or X.py::test, run those only.)
 # BUILD_DIR (default build, relative to the repository root) must hold shm/libkvstage.so.0 and
 # proxy/kvstaged. An ASan build (b_sanitize=address) works too: libasan is preloaded into Python,
 # whose own allocations LeakSanitizer would report, so leak detection is off there.
@@ -45,4 +46,9 @@ fi
 export PYTHONPATH=$here${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONDONTWRITEBYTECODE=1
 cd "$root"
-exec "$py" -m pytest -q -p no:cacheprovider python/tests "$@" </dev/null
+# Test files or node ids among the arguments: those only; else the whole suite.
+targets=(python/tests)
+for a in "$@"; do
+	case $a in python/tests/* | *.py | *.py::*) targets=(); break ;; esac
+done
+exec "$py" -m pytest -q -p no:cacheprovider "${targets[@]}" "$@" </dev/null
