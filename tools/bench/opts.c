@@ -33,7 +33,8 @@ static const char *const mode_names[] = {
 
 static const char *const mode_help[] = {
 	[MODE_LOCAL] = "sender and receiver processes move rooms through one proxy:\n"
-		       "GB/s, chunks/s, rooms/s, chunk and room latency, proxy CPU;\n"
+		       "GB/s, chunks/s, rooms/s, chunk and room latency, proxy and\n"
+		       "clients CPU, CPU seconds per GB;\n"
 		       "baselines: single-thread memcpy at the chunk size (the bound),\n"
 		       "a raw SPSC rte_ring between two processes, and for payload copy\n"
 		       "the same two copies by two processes through shared memory with\n"
@@ -49,9 +50,11 @@ static const char *const mode_help[] = {
 	[MODE_TCP] = "two proxies joined by the tcp transport: receivers on proxy B\n"
 		     "(which listens), senders on proxy A (which dials B), on\n"
 		     "loopback or with --netns in two network namespaces; GB/s,\n"
-		     "chunks/s, room latency and both proxies' CPU, against raw TCP\n"
-		     "between the same two endpoints (one stream, and --tcp-streams\n"
-		     "streams), measured in the same run",
+		     "chunks/s, room latency, the CPU of both proxies and the clients\n"
+		     "and CPU seconds per GB, against raw TCP between the same two\n"
+		     "endpoints (one stream, and --tcp-streams streams) and, where\n"
+		     "ucx-utils is installed, UCX tag_bw over UCX_TLS=tcp, measured\n"
+		     "in the same run",
 	[MODE_VERBS] = "the tcp mode with --rdma-device on both proxies: chunks pulled\n"
 		       "by RDMA READ; baseline: perftest's ib_read_bw between two\n"
 		       "processes on the same device, in the same run",
