@@ -1070,6 +1070,11 @@ class KvstageKVManager(BaseKVManager):
 # Prefill: the sender.
 # ---------------------------------------------------------------------------------------------
 
+def _first_share(name):
+    """A request's attribute that is its first share's (its only one when both sides have one TP size)."""
+    return property(lambda self: getattr(self._shares[0], name) if self._shares else None)
+
+
 class _SendShare:
     """One rank pair's share of a request on the prefill side: the decode rank's meta message, the room it opened,
     the slots being filled for it. Equal attention-TP sizes: the only one, whole pages."""
@@ -1157,21 +1162,7 @@ class KvstageKVSender(BaseKVSender):
             logger.error("kvstage backend: failed to register prefill dp_rank: %s, %s", status, text)
 
     # what tests and older callers read: the first share's
-    @property
-    def _meta(self):
-        return self._shares[0].meta if self._shares else None
-
-    @property
-    def _room(self):
-        return self._shares[0].room if self._shares else None
-
-    @property
-    def _final(self):
-        return self._shares[0].final if self._shares else None
-
-    @property
-    def _layout(self):
-        return self._shares[0].layout if self._shares else None
+    _meta, _room, _final, _layout = (_first_share(n) for n in ("meta", "room", "final", "layout"))
 
     @property
     def _sent_chunks(self):
@@ -1570,25 +1561,8 @@ class KvstageKVReceiver(BaseKVReceiver):
         self._cleared = False
 
     # what tests and older callers read: the first share's
-    @property
-    def _room(self):
-        return self._shares[0].room if self._shares else None
-
-    @property
-    def _final(self):
-        return self._shares[0].final if self._shares else None
-
-    @property
-    def _uid(self):
-        return self._shares[0].uid if self._shares else None
-
-    @property
-    def _layout(self):
-        return self._shares[0].layout if self._shares else None
-
-    @property
-    def _endpoint(self):
-        return self._shares[0].endpoint if self._shares else None
+    _room, _final, _uid, _layout, _endpoint = (_first_share(n)
+                                               for n in ("room", "final", "uid", "layout", "endpoint"))
 
     # SGLang's calls ------------------------------------------------------------------------
     def init(self, prefill_dp_rank: int):
