@@ -740,6 +740,7 @@ def two_proxies():
     os.chmod(secret, 0o600)
     args = ["--slots", str(SLOTS), "--slot-size", str(SLOT_SIZE), "--peer-secret-file", secret]
     pa = pb = None
+    rcs = []
     try:
         pa = Proxy(args)
         pb = Proxy(args + ["--listen", "127.0.0.1:0"])
@@ -747,9 +748,10 @@ def two_proxies():
     finally:
         for px in (pa, pb):
             if px is not None:
-                px.stop()
+                rcs.append(px.stop())
                 shutil.rmtree(px.dir, ignore_errors=True)
         shutil.rmtree(d, ignore_errors=True)
+    assert rcs == [0, 0], f"kvstaged exited with status {rcs} at SIGTERM"
 
 
 TCP_TP = [(2, 4), (4, 2)]
