@@ -771,8 +771,10 @@ def test_tp_sizes_differ_across_two_proxies_over_tcp(two_proxies, p_tp, d_tp):
     assert b1["rooms"]["done"] - b0["rooms"]["done"] >= max(p_tp, d_tp) * normal  # one room per rank pair
     landed = b1["bytes_moved"] - b0["bytes_moved"]
     sent = a1["tcp"]["bytes_tx"] - a0["tcp"]["bytes_tx"]
-    # what left A's slots is what landed in B's (no room of one proxy alone), and it went over the wire
-    assert landed > 0 and a1["bytes_moved"] - a0["bytes_moved"] == landed and sent >= landed, (landed, sent)
+    # what landed in B's slots left A's and went over the wire (A may have sent more: chunks of a room B aborted
+    # while they were on the way are discarded there)
+    left = a1["bytes_moved"] - a0["bytes_moved"]
+    assert 0 < landed <= left <= sent, (landed, left, sent)
     assert a1["tcp"]["peers"] == 1 and a1["tcp"]["lost"] == 0, a1["tcp"]
 
 
