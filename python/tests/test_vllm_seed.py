@@ -10,6 +10,9 @@ request's bytes.
 Decode: an aborted request's blocks are given back (finished_recving) only after the room's final event, with
 every copy-out of it cancelled or done. Red (FreesDecodeAtAbort, test only): finished_recving at the abort;
 the engine writes the blocks it got back; the queued copy-out, or a RECV_DONE read after the abort, lands in them.
+Both pairs also through TP sizes that differ (one room per rank pair): prefill 2 -> decode 4 with one prefill rank's
+copies into slots queued at the finish; 2 -> 4 and 4 -> 2 with the last decode rank's share in flight at the abort,
+the other ranks' loaded.
 
 Both engines run in this process, each with its own connector pair and kvstage connection to one real kvstaged."""
 import pytest
@@ -203,3 +206,169 @@ def test_decode_recv_done_read_after_abort(pd, variant):
         assert D.marked(got["d0"][0], E.MARK), "decode blocks written after they were given back"
     else:
         assert not D.marked(got["d0"][0], E.MARK) and D.holds(x) is None
+
+
+# Both pairs again through TP sizes that differ (one room per rank pair, each a share of the KV heads: prefill TP
+# 2 -> decode TP 4, each decode rank one share of a prefill rank's; and 4 -> 2, each decode rank two shares). In the
+# decode pair the last decode rank's share(s) are the ones in flight at the abort; every other decode rank has loaded
+# and reported its own, so vLLM's KVOutputAggregator gives the blocks back at the last rank's report: the red one's
+# at the abort.
+TP_PATHS = [(2, 4), (4, 2)]
+KV_HEADS = 4
+
+
+def _het_pd(kv_proxy, p_tp, d_tp, d_cls):
+    import vllm_engine as E
+    return E.PD(kv_proxy.socket, p_kw=dict(tp=p_tp, kv_heads=KV_HEADS, extra={"kvstage_decode_tp_size": d_tp}),
+                d_kw=dict(tp=d_tp, kv_heads=KV_HEADS), d_cls=d_cls)
+
+
+def _recv_reported(D, rid):
+    """The decode ranks whose get_finished reported rid's load."""
+    return {rank for _, rank, how, r in D.reports if how == "finished_recving" and r == rid}
+
+
+def _marked_on(D, E, blocks, rank):
+    import torch
+    idx = torch.tensor(blocks, dtype=torch.long)
+    return all(bool((D._i16(D.kvs[rank][n])[:, idx] == E.MARK).all()) for n in E.LAYER_NAMES)
+
+
+@pytest.mark.parametrize("variant", ["green", "red"])
+def test_prefill_blocks_freed_once_every_rank_copied(kv_proxy, variant):
+    """Prefill TP 2 staging for decode TP 4 (prefill rank 1 holds the shares of decode ranks 2 and 3): X finishes
+    with rank 0's copies into slots done and rank 1's queued. Green: X's blocks stay X's until rank 1's copies ran,
+    freed at the next step by finished_sending, once; every decode rank loads X exact. Red (freed in
+    request_finished): Y gets X's blocks and writes them; rank 1's copies then stage Y's bytes: decode ranks 2 and
+    3 receive Y's KV as X's, ranks 0 and 1 X's own."""
+    import vllm_engine as E
+    p_cls = kv.KvstageConnector if variant == "green" else FreesPrefillAtFinish
+    pd = E.PD(kv_proxy.socket, p_kw=dict(tp=2, kv_heads=KV_HEADS, extra={"kvstage_decode_tp_size": 4}),
+              d_kw=dict(tp=4, kv_heads=KV_HEADS), p_cls=p_cls)
+    P, D = pd.P, pd.D
+    try:
+        gate = P.agents[1].copier = E.GatedCopier(hold={("p0", "stage")})
+        x = pd.add(0, 22)
+        P.step_until(lambda: "p0" in P.done, what="X finished")
+        E.wait_for(lambda: gate.queued("p0", "stage") and P.agents[0].stage_state("p0")[0] == "ready",
+                   what="rank 0's copies done, rank 1's queued")
+        xblocks = list(x.blocks)
+        if variant == "green":
+            for _ in range(20):  # however long rank 1's copies wait, the blocks stay X's
+                P.step()
+                assert "p0" not in P.freed and P.agents[1].stage_state("p0")[0] == "staging"
+        else:
+            assert P.freed["p0"][1] == "at-finish"
+        y = pd.add(1, 22)  # Y comes next and gets the freed blocks first
+        P.step_until(lambda: "p1" in P.done, what="Y finished")  # Y's forward wrote its blocks on both ranks
+        assert bool(set(y.blocks) & set(xblocks)) == (variant == "red")
+        gate.release("p0")
+        P.agents[1].wake()
+        E.wait_for(lambda: P.agents[1].stage_state("p0")[0] == "ready", what="rank 1 copied X into slots")
+        if variant == "green":
+            assert "p0" not in P.freed  # copied just now; freed at the next step, by finished_sending, once
+            step = P.step_no
+            P.step()
+            assert P.freed["p0"] == (step, "finished_sending")
+        pd.run(lambda: {"d0", "d1"} <= set(D.freed), what="loaded")
+        assert D.loaded["d1"] is None and P.double == [] and D.double == []
+        d0, d1 = D.done_req["d0"], D.done_req["d1"]
+        if variant == "green":
+            assert D.loaded["d0"] is None, D.loaded["d0"]
+        else:  # the shares rank 1 staged late hold Y's bytes (but the last token, which the decode side computes)
+            assert D.loaded["d0"] is not None and "differ" in D.loaded["d0"]
+            assert all(D.holds(d0, n=21, rank=r) is None for r in (0, 1))
+            assert all(D.holds(d1, n=21, blocks=d0.blocks, rank=r) is None for r in (2, 3))
+    finally:
+        pd.close()
+    assert_pool_free(kv_proxy.socket)
+
+
+@pytest.mark.parametrize("d_cls,variant", [(Green, "green"), (FreesDecodeAtAbort, "red")], ids=["green", "red"])
+@pytest.mark.parametrize("p_tp,d_tp", TP_PATHS, ids=[f"P{p}-D{d}" for p, d in TP_PATHS])
+def test_decode_share_copy_out_queued_at_abort(kv_proxy, p_tp, d_tp, d_cls, variant):
+    """Prefill TP p_tp, decode TP d_tp: X's shares land; the last decode rank's copy-out of its share(s) is queued (a
+    copy stream behind), every other rank's done and reported; the engine aborts X. Green: the blocks come back only
+    after the last rank's copy-outs are cancelled, and stay as the engine wrote them on every rank. Red: they come
+    back at the abort; the queued copy-outs run later and write the last rank's heads of X into them."""
+    import vllm_engine as E
+    pd = _het_pd(kv_proxy, p_tp, d_tp, d_cls)
+    D, last = pd.D, d_tp - 1
+    n_shares = max(1, p_tp // d_tp)  # the prefill ranks holding some of a decode rank's heads
+    try:
+        gate = D.agents[last].copier = E.GatedCopier(hold={("d0", "load")})
+        got = _quarantine(D, E)
+        pd.add(0, 22)
+        pd.run(lambda: len(gate.queued("d0", "load")) == n_shares and _recv_reported(D, "d0") == set(range(last)),
+               what="the last rank's copy-outs queued, the others' loads reported")
+        x = D.requests["d0"]
+        assert x.status == E.RequestStatus.WAITING_FOR_REMOTE_KVS
+        D.abort("d0")
+        assert "d0" not in D.freed  # vLLM's own rule: a load in flight keeps its blocks
+        D.step_until(lambda: "d0" in D.freed, what="X's blocks given back")
+        assert D.freed["d0"][1] == "finished_recving" and D.marked(got["d0"][0], E.MARK)
+        gate.release("d0")
+        D.agents[last].wake()
+        E.wait_for(lambda: all(h.done() for h in gate.of("d0", "load")), what="the copy stream drained")
+        states = [h.state for h in gate.of("d0", "load")]
+        if variant == "green":
+            assert states == ["cancelled"] * n_shares, states
+            assert D.marked(got["d0"][0], E.MARK), "decode blocks written after they were given back"
+        else:
+            assert states == ["done"] * n_shares, states
+            # the last rank's heads of X landed in blocks given back; the other ranks' stay as the engine wrote them
+            assert not _marked_on(D, E, got["d0"][0], last) and D.holds(x, rank=last) is None
+            assert all(_marked_on(D, E, got["d0"][0], rank) for rank in range(last))
+        D.step()
+        assert D.double == [] and D.aggregator.pending() == ({}, {})
+    finally:
+        pd.close()
+    assert_pool_free(kv_proxy.socket)
+
+
+@pytest.mark.parametrize("d_cls,variant", [(Green, "green"), (FreesDecodeAtAbort, "red")], ids=["green", "red"])
+@pytest.mark.parametrize("p_tp,d_tp", TP_PATHS, ids=[f"P{p}-D{d}" for p, d in TP_PATHS])
+def test_decode_share_recv_done_read_after_abort(kv_proxy, p_tp, d_tp, d_cls, variant):
+    """Prefill TP p_tp, decode TP d_tp: every share of X completes at the proxy; the last decode rank's agent takes
+    no events meanwhile (the other ranks load and report theirs); the engine aborts X; only then does the last
+    rank's agent read its RECV_DONE(s). Green: no copy-out, the blocks given back after that final event, untouched.
+    Red: given back at the abort; the late RECV_DONE is copied into them on the last rank."""
+    import vllm_engine as E
+    pd = _het_pd(kv_proxy, p_tp, d_tp, d_cls)
+    P, D = pd.P, pd.D
+    last = D.agents[-1]
+    try:
+        got = _quarantine(D, E)
+        last.paused = True
+        pd.add(0, 22)
+        pd.run(lambda: all(a.stage_state("p0") == (None, "sent") for a in P.agents)
+               and _recv_reported(D, "d0") == set(range(d_tp - 1)),
+               what="X sent by every prefill rank, every decode rank but the last reported")
+        x = D.requests["d0"]
+        assert x.status == E.RequestStatus.WAITING_FOR_REMOTE_KVS
+        D.abort("d0")
+        if variant == "green":
+            D.step()  # hands the abort to the agents
+            E.wait_for(lambda: last._loads["d0"].aborted, what="the last rank's agent took the abort")
+            for _ in range(10):
+                D.step()
+            assert "d0" not in D.freed, "given back before the last rank's rooms' final events were read"
+        else:
+            D.step_until(lambda: "d0" in D.freed, what="X's blocks given back")
+            assert D.freed["d0"][1] == "finished_recving"
+        last.paused = False
+        last.wake()
+        D.step_until(lambda: "d0" in D.freed, what="X's blocks given back")
+        E.wait_for(lambda: last.load_state("d0")[0] in (None, "done"), what="the last rank took its RECV_DONEs")
+        assert "d0" not in D.loaded  # never reported as loaded to the engine
+        if variant == "green":
+            assert last.load_state("d0") == (None, "aborted")
+            assert D.marked(got["d0"][0], E.MARK), "decode blocks written after they were given back"
+        else:
+            assert not _marked_on(D, E, got["d0"][0], d_tp - 1) and D.holds(x, rank=d_tp - 1) is None
+            assert all(_marked_on(D, E, got["d0"][0], rank) for rank in range(d_tp - 1))
+        D.step()
+        assert D.double == [] and D.aggregator.pending() == ({}, {})
+    finally:
+        pd.close()
+    assert_pool_free(kv_proxy.socket)

@@ -251,6 +251,14 @@ def test_tp_sizes_differ(kv_proxy, p_tp, d_tp, layout):
     requests untouched once given back; each rank pair's room ends done for a completed request; pools end free. With
 vLLM's cache layouts: (2, num_blocks, block_size, heads, head_size), blocks first, and HND (a block's heads
 outermost in memory: one run per head slice of a block instead of one per position)."""
+    normal = _tp_sizes_differ(kv_proxy.socket, kv_proxy.socket, p_tp, d_tp, layout)
+    s = assert_pool_free(kv_proxy.socket)
+    assert s["rooms"]["done"] >= max(p_tp, d_tp) * normal  # one room per rank pair of a request
+
+
+def _tp_sizes_differ(p_socket, d_socket, p_tp, d_tp, layout):
+    """test_tp_sizes_differ's engines and checks, the prefill engine on the proxy at p_socket, the decode engine on
+    the one at d_socket; returns how many requests completed without an abort."""
     import vllm_engine as E
     n = 24
     rng = random.Random(20261202 + 10 * p_tp + d_tp)
@@ -261,10 +269,10 @@ outermost in memory: one run per head slice of a block instead of one per positi
         plans[4] = None  # one prefill rank: no other's share to land first
     sizes = {k: rng.randint(5, 40) for k in range(n)}
     seeds = {k: rng.getrandbits(40) for k in range(n)}
-    pair = E.PD(kv_proxy.socket,
+    pair = E.PD(p_socket,
                 p_kw=dict(tp=p_tp, num_blocks=192, kv_heads=KV_HEADS, extra={"kvstage_decode_tp_size": d_tp},
                           kv_layout=layout),
-                d_kw=dict(tp=d_tp, num_blocks=256, kv_heads=KV_HEADS, kv_layout=layout))
+                d_kw=dict(tp=d_tp, num_blocks=256, kv_heads=KV_HEADS, kv_layout=layout), d_socket=d_socket)
     P, D = pair.P, pair.D
     try:
         k_of = {f"p{k}": k for k in range(n)} | {f"d{k}": k for k in range(n)}
@@ -349,8 +357,7 @@ outermost in memory: one run per head slice of a block instead of one per positi
         assert len(P.free) == P.num_blocks and len(D.free) + sum(len(b) for _, b in quarantine) == D.num_blocks
     finally:
         pair.close()
-    s = assert_pool_free(kv_proxy.socket)
-    assert s["rooms"]["done"] >= max(p_tp, d_tp) * len(normal)  # one room per rank pair of a request
+    return len(normal)
 
 
 def test_a_misrouted_share_is_refused(kv_proxy, caplog):
@@ -432,23 +439,34 @@ def test_mla_kv_is_read_once(kv_proxy, p_tp, d_tp):
     request's bytes move once and in one room, whatever the decode TP size; every decode rank's blocks hold the
     prefill's KV. Then aborts: one decode rank's copy-out held when the request is aborted, a prefill copy failing
     (the load fails on every rank), an abort before the load; blocks given back untouched; the pool ends free."""
+    _mla_read_once(kv_proxy.socket, kv_proxy.socket, p_tp, d_tp)
+    assert_pool_free(kv_proxy.socket)
+
+
+def _mla_read_once(p_socket, d_socket, p_tp, d_tp, on_loaded=None):
+    """test_mla_kv_is_read_once's engines and checks, the prefill engine on the proxy at p_socket, the decode engine
+    on the one at d_socket; on_loaded(total bytes of the requests, the prefill proxy's stats before and after) once
+    every request without an abort has loaded."""
     import vllm_engine as E
     from sglang_common import stat
-    pair = E.PD(kv_proxy.socket, p_kw=dict(tp=p_tp, num_blocks=192, mla=True),
-                d_kw=dict(tp=d_tp, num_blocks=256, mla=True))
+    pair = E.PD(p_socket, p_kw=dict(tp=p_tp, num_blocks=192, mla=True),
+                d_kw=dict(tp=d_tp, num_blocks=256, mla=True), d_socket=d_socket)
     P, D = pair.P, pair.D
     try:
         sizes = {k: 5 + 3 * k for k in range(12)}
         nbytes = {k: P.agents[0].layout.nbytes(kv._cdiv(n, E.BLOCK_SIZE)) for k, n in sizes.items()}
-        before = stat(kv_proxy.socket)
+        before, p_before = stat(d_socket), stat(p_socket)
         for k, n in sizes.items():
             pair.add(k, n)
         pair.run(lambda: {f"d{k}" for k in sizes} <= set(D.freed), what="every request loaded")
-        after = stat(kv_proxy.socket)
+        after, p_after = stat(d_socket), stat(p_socket)
         assert all(D.loaded[f"d{k}"] is None and D.done[f"d{k}"][0] == "FINISHED_LENGTH_CAPPED" for k in sizes)
+        # by the decode proxy's count (the one where the rooms land), once, not once per decode rank
         moved = after["bytes_moved"] - before["bytes_moved"]
-        assert moved == sum(nbytes.values()), (moved, sum(nbytes.values()), d_tp)  # once, not once per decode rank
+        assert moved == sum(nbytes.values()), (moved, sum(nbytes.values()), d_tp)
         assert after["rooms"]["done"] - before["rooms"]["done"] == len(sizes)
+        if on_loaded is not None:
+            on_loaded(sum(nbytes.values()), p_before, p_after)
         for rank in range(1, p_tp):
             assert all("prefill rank 0 stages" in P.agents[rank].ended[f"p{k}"] for k in sizes)
 
@@ -492,7 +510,6 @@ def test_mla_kv_is_read_once(kv_proxy, p_tp, d_tp):
         assert D.double == [] and P.double == []
     finally:
         pair.close()
-    assert_pool_free(kv_proxy.socket)
 
 
 # Prefill and decode of different block sizes (NixlConnector's block_size_ratio: one divides the other)
@@ -704,3 +721,78 @@ def test_a_share_never_loaded_expires_and_frees_its_slots(kv_proxy):
     finally:
         pair.close()
     assert_pool_free(kv_proxy.socket)
+
+
+# Prefill on proxy A, decode on proxy B (it listens on tcp): the rooms the decode ranks open name B, A dials it and
+# every share crosses the wire (as test_sglang_backend.py's test_across_two_proxies_over_tcp, for the vLLM engines)
+@pytest.fixture
+def two_proxies():
+    """Proxies A and B with one peer secret, B listening on 127.0.0.1, both with the default --peer-timeout."""
+    import os
+    import shutil
+    import tempfile
+    from conftest import Proxy
+    from sglang_common import SLOT_SIZE, SLOTS
+    d = tempfile.mkdtemp(prefix="kvs-secret-")
+    secret = os.path.join(d, "peer.secret")
+    with open(secret, "wb") as f:
+        f.write(os.urandom(32))
+    os.chmod(secret, 0o600)
+    args = ["--slots", str(SLOTS), "--slot-size", str(SLOT_SIZE), "--peer-secret-file", secret]
+    pa = pb = None
+    rcs = []
+    try:
+        pa = Proxy(args)
+        pb = Proxy(args + ["--listen", "127.0.0.1:0"])
+        yield pa, pb
+    finally:
+        for px in (pa, pb):
+            if px is not None:
+                rcs.append(px.stop())
+                shutil.rmtree(px.dir, ignore_errors=True)
+        shutil.rmtree(d, ignore_errors=True)
+    assert rcs == [0, 0], f"kvstaged exited with status {rcs} at SIGTERM"
+
+
+TCP_TP = [(2, 4), (4, 2)]
+
+
+@pytest.mark.parametrize("p_tp,d_tp", TCP_TP, ids=[f"P{p}-D{d}" for p, d in TCP_TP])
+def test_tp_sizes_differ_across_two_proxies_over_tcp(two_proxies, p_tp, d_tp):
+    """test_tp_sizes_differ's 24 requests, with its aborts from either side while shares are in flight, the prefill
+    engine on proxy A and the decode engine on proxy B: each decode rank's blocks hold exactly its heads of the
+    prefill's KV, blocks of aborted requests untouched once given back; every share landed on B came over tcp from A;
+    both pools end free."""
+    from sglang_common import stat
+    pa, pb = two_proxies
+    a0, b0 = stat(pa.socket), stat(pb.socket)
+    normal = _tp_sizes_differ(pa.socket, pb.socket, p_tp, d_tp, "kv-first")
+    a1, b1 = assert_pool_free(pa.socket), assert_pool_free(pb.socket)
+    assert b1["rooms"]["done"] - b0["rooms"]["done"] >= max(p_tp, d_tp) * normal  # one room per rank pair
+    landed = b1["bytes_moved"] - b0["bytes_moved"]
+    sent = a1["tcp"]["bytes_tx"] - a0["tcp"]["bytes_tx"]
+    # what landed in B's slots left A's and went over the wire (A may have sent more: chunks of a room B aborted
+    # while they were on the way are discarded there)
+    left = a1["bytes_moved"] - a0["bytes_moved"]
+    assert 0 < landed <= left <= sent, (landed, left, sent)
+    assert a1["tcp"]["peers"] == 1 and a1["tcp"]["lost"] == 0, a1["tcp"]
+
+
+def test_mla_kv_crosses_the_wire_once(two_proxies):
+    """test_mla_kv_is_read_once for prefill TP 2 and decode TP 4, the prefill engine on proxy A and the decode engine
+    on proxy B: each request's bytes cross the wire once (proxy A's tcp bytes sent grow by the requests' bytes and
+    framing, not by four times them) and land once on B (its bytes moved grow by exactly their bytes), while all four
+    decode ranks read them; the aborts as there; both pools end free."""
+    pa, pb = two_proxies
+    seen = []
+
+    def on_loaded(total, p_before, p_after):
+        seen.append((total, p_after["tcp"]["bytes_tx"] - p_before["tcp"]["bytes_tx"],
+                     p_after["bytes_moved"] - p_before["bytes_moved"]))
+    _mla_read_once(pa.socket, pb.socket, 2, 4, on_loaded)
+    assert_pool_free(pa.socket)
+    assert_pool_free(pb.socket)
+    (total, sent, left), = seen
+    # the bytes and their frames (a header per chunk, the session's handshake) once; a room per decode rank
+    # would have sent four times the bytes
+    assert left == total and total <= sent < 2 * total, (total, sent, left)

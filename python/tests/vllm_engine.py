@@ -575,15 +575,17 @@ def wait_for(pred, timeout=10, what="condition"):
 
 
 class PD:
-    """A prefill and a decode engine in this process on one proxy (each its own connection), and the router:
-    route() hands every prefill response with params to the decode engine, as vLLM's disaggregated proxy does."""
+    """A prefill and a decode engine in this process on one proxy (each its own connection), or each on its own
+    proxy (d_socket: the decode engine's; the proxies then move the bytes over tcp), and the router: route() hands
+    every prefill response with params to the decode engine, as vLLM's disaggregated proxy does."""
 
-    def __init__(self, socket_path, p_kw=None, d_kw=None, p_cls=kv.KvstageConnector, d_cls=kv.KvstageConnector):
+    def __init__(self, socket_path, p_kw=None, d_kw=None, p_cls=kv.KvstageConnector, d_cls=kv.KvstageConnector,
+                 d_socket=None):
         self.P = self.D = None
         self.P = Engine(socket_path, free_port((p_kw or {}).get("tp", 1)), connector_cls=p_cls, role="kv_producer",
                         **dict(dict(num_blocks=128), **(p_kw or {})))
-        self.D = Engine(socket_path, free_port((d_kw or {}).get("tp", 1)), connector_cls=d_cls, role="kv_consumer",
-                        **dict(dict(num_blocks=128), **(d_kw or {})))
+        self.D = Engine(d_socket or socket_path, free_port((d_kw or {}).get("tp", 1)), connector_cls=d_cls,
+                        role="kv_consumer", **dict(dict(num_blocks=128), **(d_kw or {})))
         self.routed = set()
 
     def add(self, k, n, seed=None, extra=None, max_tokens=1):
