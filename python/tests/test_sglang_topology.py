@@ -48,7 +48,8 @@ class Engine:
     """One SGLang server of `dp` DP ranks x `tp` attention-TP ranks (a manager and a KV cache per rank), its
     allocators per DP rank (the ranks of a DP rank use the same page indices, as SGLang's SPMD schedulers do)."""
 
-    def __init__(self, mode, socket_path, tp, dp, heads, bootstrap_port, pages, mla=False, **server_kw):
+    def __init__(self, mode, socket_path, tp, dp, heads, bootstrap_port, pages, mla=False, head_dim=HEAD_DIM,
+                 **server_kw):
         import pd_sim
         import sglang_engine as E
         self.tp, self.dp, self.heads = tp, dp, heads
@@ -60,7 +61,7 @@ class Engine:
         for d in range(dp):
             for r in range(tp):
                 per_rank = 1 if mla else len(heads_of(r, tp, heads))
-                cache = pd_sim.Cache(pages, rows=16, page_size=PAGE, layers=LAYERS, heads=per_rank, head_dim=HEAD_DIM)
+                cache = pd_sim.Cache(pages, rows=16, page_size=PAGE, layers=LAYERS, heads=per_rank, head_dim=head_dim)
                 # prefill.py: engine_rank = tp_rank (global); decode.py: tp_rank % attn_tp_size
                 kv = cache.kv_args(engine_rank=d * tp + r if mode == ks.DisaggregationMode.PREFILL else r)
                 if mode == ks.DisaggregationMode.PREFILL and not mla:
@@ -76,10 +77,10 @@ class Engine:
                 m.close()
 
 
-def global_kv(torch, room, npages, heads):
-    """The model's KV of a request: per KV buffer [tokens, heads, HEAD_DIM] fp16 of random bits, seeded by room."""
+def global_kv(torch, room, npages, heads, head_dim=HEAD_DIM):
+    """The model's KV of a request: per KV buffer [tokens, heads, head_dim] fp16 of random bits, seeded by room."""
     g = torch.Generator().manual_seed(room & 0xFFFFFFFF)
-    return [torch.randint(-32768, 32767, (npages * PAGE, heads, HEAD_DIM), generator=g, dtype=torch.int16)
+    return [torch.randint(-32768, 32767, (npages * PAGE, heads, head_dim), generator=g, dtype=torch.int16)
             .view(torch.float16) for _ in range(2 * LAYERS)]
 
 
@@ -92,16 +93,17 @@ class Deployment:
     decode_socket's proxy when given, else both on socket_path's)."""
 
     def __init__(self, socket_path, ptp, dtp, pdp=1, ddp=1, heads=4, mla=False, pages=64, decode_socket=None,
-                 **prefill_kw):
+                 head_dim=HEAD_DIM, **prefill_kw):
         import torch
         self.torch = torch
         self.server = ks.bootstrap_server_on_a_free_port()
         self.addr = f"127.0.0.1:{self.server.port}"
         self.P = self.D = None
         self.P = Engine(ks.DisaggregationMode.PREFILL, socket_path, ptp, pdp, heads, self.server.port, pages, mla,
-                        **prefill_kw)
-        self.D = Engine(ks.DisaggregationMode.DECODE, decode_socket or socket_path, dtp, ddp, heads, 0, pages, mla)
-        self.heads, self.mla = heads, mla
+                        head_dim, **prefill_kw)
+        self.D = Engine(ks.DisaggregationMode.DECODE, decode_socket or socket_path, dtp, ddp, heads, 0, pages, mla,
+                        head_dim)
+        self.heads, self.mla, self.head_dim = heads, mla, head_dim
 
     def close(self):
         for e in (self.P, self.D):
@@ -190,7 +192,7 @@ class Deployment:
             q["ppages"], q["prow"] = self._alloc(P, q["pdp"], q["npages"])
             if q["ppages"] is None:
                 return  # engine memory full: try again later
-            q["kv"] = global_kv(torch, q["room"], q["npages"], self.heads)
+            q["kv"] = global_kv(torch, q["room"], q["npages"], self.heads, self.head_dim)
             idx = tokens(torch, q["ppages"])
             for (d, r), cache in P.caches.items():
                 if d != q["pdp"]:
@@ -209,10 +211,9 @@ class Deployment:
                 s.send(part)
             q["sent"] += n
             q["chunk"] += 1
-            if q["chunk"] == 1 and plan[:2] == ("prefill", "Transferring"):
-                q["senders"][plan[2]].abort()
-            if q["chunk"] == 1 and plan[:2] == ("decode", "Transferring"):
-                q["receivers"][plan[2]].abort()
+            if q["chunk"] == 1 and plan[1:2] == ("Transferring",):
+                q["sent_at_abort"] = sum(s._sent_chunks for s in q["senders"])  # slots handed to the rooms
+                (q["senders"] if plan[0] == "prefill" else q["receivers"])[plan[2]].abort()
 
     @staticmethod
     def _alloc(engine, dp, npages):
@@ -315,10 +316,10 @@ def test_dp_attention_two_dp_ranks_each_side(deployment, balance):
     _dp_attention(deployment, balance)
 
 
-def _dp_attention(make, balance):
+def _dp_attention(make, balance, **kw):
     plans = [None, None, ("decode", "WaitingForInput", 0), ("decode", "Transferring", 0),
              ("prefill", "Bootstrapping", 0), ("prefill", "Transferring", 0), None, None, None, None, None, None]
-    dep = make(1, 1, pdp=2, ddp=2, load_balance_method=balance)
+    dep = make(1, 1, pdp=2, ddp=2, load_balance_method=balance, **kw)
     reqs = requests(len(plans), 3, plans)
     if balance != "follow_bootstrap_room":
         for q in reqs:
@@ -333,7 +334,7 @@ def _dp_attention(make, balance):
     if balance != "follow_bootstrap_room":
         st, got = ks._http("POST", f"http://{dep.addr}/query_dp_ranks", {"bootstrap_rooms": [q["room"] for q in reqs]})
         assert st == 200 and {int(k): v for k, v in got.items()} == {q["room"]: q["pdp"] for q in reqs}
-    return dep
+    return dep, reqs
 
 
 @NEED_TORCH
@@ -390,14 +391,14 @@ def test_attention_tp_differs(deployment, ptp, dtp, heads, dp):
     _attention_tp_differs(deployment, ptp, dtp, heads, dp)
 
 
-def _attention_tp_differs(make, ptp, dtp, heads=4, dp=1):
+def _attention_tp_differs(make, ptp, dtp, heads=4, dp=1, **kw):
     plans = _plans(ptp, dtp, TP_PLANS)
-    dep = make(ptp, dtp, pdp=dp, ddp=dp, heads=heads)
+    dep = make(ptp, dtp, pdp=dp, ddp=dp, heads=heads, **kw)
     reqs = requests(len(plans), 17 + ptp * 8 + dtp, plans)
     out, bad, marked = dep.run(reqs)
     check(out, bad, reqs)
     assert marked == sum(1 for p in plans if p is not None and p[1] != "WaitingForInput")
-    return dep
+    return dep, reqs
 
 
 @NEED_TORCH
@@ -536,9 +537,13 @@ def _mla_read_once_with_aborts(dep, ptp, dtp, shared=True):
                 assert [sh.readers for sh in data] == ([dtp // ptp] if shared else [1] * (dtp // ptp))
         elif not all_reduce:
             assert set(out[q["k"]]["ranks"]) == {int(KVPoll.Failed)}, (q["plan"], out[q["k"]])
+    return reqs
 
 
 # ------------------------------------------------------------------------------------- across two proxies (tcp)
+WIRE_HEAD_DIM = 256  # 512-byte heads: a share's first 3 pages of a KV buffer fill a 4 KiB slot
+
+
 class _Logs:
     """Both proxies' logs in a failed test's report (conftest's hook reads node._kvstaged.log_text())."""
 
@@ -554,17 +559,18 @@ def across(request):
     """Makes Deployments across two proxies over tcp: the prefill engine's ranks on proxy A, the decode engine's on
     proxy B (--listen 127.0.0.1:0), one peer secret (--peer-secret-file), their default --peer-timeout; the decode
     ranks' descriptors name B, A dials it. Each deployment gets .proxies = (A, B). At teardown every deployment
-    closes and both pools must end free."""
+    closes and both pools must end free. Heads of WIRE_HEAD_DIM: a request's first chunk fills slots, so an abort
+    after it finds chunks sent into the rooms."""
     d = tempfile.mkdtemp(prefix="kvs-secret-")
     secret = os.path.join(d, "peer.secret")
     fd = os.open(secret, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     os.write(fd, os.urandom(32))
     os.close(fd)
-    args = ["--slots", str(SLOTS), "--slot-size", str(SLOT_SIZE), "--peer-secret-file", secret]
+    args = ["--slots", str(4 * SLOTS), "--slot-size", str(SLOT_SIZE), "--peer-secret-file", secret]
     proxies, made, rcs = [], [], []
 
     def make(*a, **kw):
-        made.append(Deployment(proxies[0].socket, *a, decode_socket=proxies[1].socket, **kw))
+        made.append(Deployment(proxies[0].socket, *a, decode_socket=proxies[1].socket, head_dim=WIRE_HEAD_DIM, **kw))
         made[-1].proxies = tuple(proxies)
         return made[-1]
     try:
@@ -586,6 +592,13 @@ def across(request):
     assert rcs == [0, 0], f"kvstaged exit statuses at SIGTERM (A, B): {rcs}"
 
 
+def aborted_with_chunks_sent(reqs):
+    """Every request aborted in Transferring had handed slots to its rooms (over tcp) before its abort."""
+    for q in reqs:
+        if q["plan"] is not None and q["plan"][1] == "Transferring":
+            assert q["sent_at_abort"] > 0, q
+
+
 def over_tcp(dep):
     """Both proxies' kvstage-stat objects, once they show that A dialed B and the bytes went that way: one peer
     session, never lost (the default --peer-timeout), bytes sent by A and received by B, none timed out."""
@@ -600,10 +613,12 @@ def over_tcp(dep):
 @pytest.mark.parametrize("ptp,dtp", [(2, 4), (4, 2)], ids=["2to4", "4to2"])
 def test_across_two_proxies_attention_tp_differs(across, ptp, dtp):
     """test_attention_tp_differs with the prefill ranks on proxy A and the decode ranks on proxy B: each rank
-    pair's room crosses the wire, aborts on one rank of either side at every phase (also right after the first
-    chunk was sent, while the shares are on the wire) end the request on both engines, decode KV equals the
-    prefill KV head for head, aborted decode pages untouched after every rank's clear(), both pools free."""
-    over_tcp(_attention_tp_differs(across, ptp, dtp))
+    pair's room crosses the wire, aborts on one rank of either side at every phase (in Transferring once slots of
+    every share's room were sent) end the request on both engines, decode KV equals the prefill KV head for head,
+    aborted decode pages untouched after every rank's clear(), both pools free."""
+    dep, reqs = _attention_tp_differs(across, ptp, dtp)
+    aborted_with_chunks_sent(reqs)
+    over_tcp(dep)
 
 
 @NEED_TORCH
@@ -611,7 +626,9 @@ def test_across_two_proxies_attention_tp_differs(across, ptp, dtp):
 def test_across_two_proxies_dp_attention(across, balance):
     """test_dp_attention_two_dp_ranks_each_side (2 prefill x 2 decode DP ranks) with the prefill DP ranks on proxy
     A and the decode DP ranks on proxy B."""
-    over_tcp(_dp_attention(across, balance))
+    dep, reqs = _dp_attention(across, balance)
+    aborted_with_chunks_sent(reqs)
+    over_tcp(dep)
 
 
 @NEED_TORCH
@@ -646,5 +663,5 @@ def test_across_two_proxies_mla_read_once(across, monkeypatch, ptp, dtp, shared)
     assert on_the_wire >= want
     if shared:  # framing included, still less than the latent once per decode rank
         assert on_the_wire < sum(dtp * n for n in latent), on_the_wire
-    _mla_read_once_with_aborts(dep, ptp, dtp, shared)
+    aborted_with_chunks_sent(_mla_read_once_with_aborts(dep, ptp, dtp, shared))
     over_tcp(dep)
