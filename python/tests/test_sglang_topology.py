@@ -16,7 +16,8 @@ Each engine's ranks share one page allocator and poll as SGLang's poll_and_all_r
 lowest KVPoll of its attention-TP ranks: one rank's Failed is the request's). A completed request's decode KV must
 equal the prefill KV head for head (each rank's heads taken from the model's global KV, rank r of T holding heads
 as QKVParallelLinear shards them); an aborted one's decode pages are marked once every rank's clear() has returned
-(pages_released) and must still be marked at the end; the pool must end free."""
+(pages_released) and must still be marked at the end; the pool must end free. Where requests abort in Transferring,
+heads are wide enough (WIDE_HEAD_DIM) that every room of the request has been sent slots by then."""
 import os
 import random
 import shutil
@@ -33,6 +34,7 @@ from sglang_common import NEED_TORCH, SLOT_SIZE, SLOTS, assert_pool_free, kv_pro
 pytestmark = NEED_TORCH
 
 PAGE, HEAD_DIM, LAYERS = 4, 8, 2  # fp16: 16-byte heads, 2 layers of K and V
+WIDE_HEAD_DIM = 256  # 512-byte heads: a share's first 3 pages of a KV buffer fill a 4 KiB slot
 
 
 def heads_of(rank, tp, heads):
@@ -212,8 +214,10 @@ class Deployment:
             q["sent"] += n
             q["chunk"] += 1
             if q["chunk"] == 1 and plan[1:2] == ("Transferring",):
-                # slots each room carrying KV was handed (a joining MLA reader's room takes a descriptor)
-                q["sent_at_abort"] = [sh.sent_chunks for s in q["senders"] for sh in s._shares if not sh.join]
+                # slots each room carrying KV was handed (a joining MLA reader's room takes a descriptor, a dummy
+                # rank has none)
+                q["sent_at_abort"] = [sh.sent_chunks for s in q["senders"] for sh in s._shares
+                                      if sh.room is not None and not sh.join]
                 (q["senders"] if plan[0] == "prefill" else q["receivers"])[plan[2]].abort()
 
     @staticmethod
@@ -307,6 +311,14 @@ def check(out, bad, reqs):
     assert not bad, f"aborted requests' decode pages written after clear(): {bad}"
 
 
+def aborted_with_chunks_sent(reqs):
+    """Every request aborted in Transferring had handed slots to each of its rooms before its abort (so the abort
+    finds chunks in the rooms, or on the wire between two proxies)."""
+    for q in reqs:
+        if q["plan"] is not None and q["plan"][1] == "Transferring":
+            assert q["sent_at_abort"] and all(q["sent_at_abort"]), q
+
+
 # ------------------------------------------------------------------------------------------------- DP attention
 @NEED_TORCH
 @pytest.mark.parametrize("balance", ["follow_bootstrap_room", "round_robin"])
@@ -314,7 +326,7 @@ def test_dp_attention_two_dp_ranks_each_side(deployment, balance):
     """Two prefill DP ranks (one bootstrap server) and two decode DP ranks; every request reaches the prefill DP
     rank its room names (follow_bootstrap_room) or the one /query_dp_ranks answers (the sender registered it);
     aborts on either side at every phase end the request on both engines and nothing else."""
-    _dp_attention(deployment, balance)
+    aborted_with_chunks_sent(_dp_attention(deployment, balance, head_dim=WIDE_HEAD_DIM)[1])
 
 
 def _dp_attention(make, balance, **kw):
@@ -388,8 +400,9 @@ def test_attention_tp_differs(deployment, ptp, dtp, heads, dp):
     one room per rank pair with that pair's heads; every completed request's decode KV equals the prefill KV head
     for head on every decode rank; aborts on one rank of either side at every phase end the request on both
     engines (SGLang's all-reduce of poll); aborted decode pages untouched after every rank's clear(); pool free.
-    Also with two DP ranks on each side (DP attention and TP sizes that differ at once)."""
-    _attention_tp_differs(deployment, ptp, dtp, heads, dp)
+    Also with two DP ranks on each side (DP attention and TP sizes that differ at once). Heads of WIDE_HEAD_DIM: an
+    abort in Transferring comes once every room of the request holds a slot."""
+    aborted_with_chunks_sent(_attention_tp_differs(deployment, ptp, dtp, heads, dp, head_dim=WIDE_HEAD_DIM)[1])
 
 
 def _attention_tp_differs(make, ptp, dtp, heads=4, dp=1, **kw):
@@ -413,10 +426,11 @@ def test_an_abort_on_one_share_ends_every_rank(deployment, ptp, dtp):
     test_attention_tp_differs runs it.)"""
     plans = _plans(ptp, dtp, [None, ("decode", "Transferring", 0), ("prefill", "Transferring", -1), None,
                               ("prefill", "Bootstrapping", 0), ("decode", "Transferring", -1), None])
-    dep = deployment(ptp, dtp)
+    dep = deployment(ptp, dtp, head_dim=WIDE_HEAD_DIM)
     reqs = requests(len(plans), 5, plans)
     out, bad, marked = dep.run(reqs, all_reduce=False)
     check(out, bad, reqs)
+    aborted_with_chunks_sent(reqs)
     for q in reqs:
         if q["plan"] is not None:
             assert set(out[q["k"]]["ranks"]) == {int(KVPoll.Failed)}, (q["plan"], out[q["k"]])
@@ -496,10 +510,11 @@ def test_mla_attention_tp_differs(deployment, ptp, dtp):
     other prefill ranks of the group are SGLang's dummy ranks (told, they send nothing and succeed)."""
     plans = _plans(ptp, dtp, [None, ("decode", "Transferring", -1), None, ("prefill", "Transferring", 0), None,
                               ("prefill", "Bootstrapping", -1), None])
-    dep = deployment(ptp, dtp, heads=1, mla=True)
+    dep = deployment(ptp, dtp, heads=1, mla=True, head_dim=WIDE_HEAD_DIM)
     reqs = requests(len(plans), 31, plans)
     out, bad, marked = dep.run(reqs)
     check(out, bad, reqs)
+    aborted_with_chunks_sent(reqs)
     # with the prefill side wider only the first rank of each group moved bytes
     moved = [m._objs for m in dep.P.mgrs.values()]
     assert not any(moved)
@@ -514,7 +529,8 @@ def test_mla_read_once(deployment, monkeypatch, ptp, dtp):
     it. An abort on any rank ends the request on all (a shared room aborted by one reader ends for every reader);
     aborted pages untouched; the pool free."""
     monkeypatch.setenv("KVSTAGE_SGLANG_MLA_SHARED", "1")
-    _mla_read_once_with_aborts(deployment(ptp, dtp, heads=1, mla=True), ptp, dtp)
+    aborted_with_chunks_sent(_mla_read_once_with_aborts(deployment(ptp, dtp, heads=1, mla=True,
+                                                                   head_dim=WIDE_HEAD_DIM), ptp, dtp))
 
 
 def _mla_read_once_with_aborts(dep, ptp, dtp, shared=True):
@@ -542,9 +558,6 @@ def _mla_read_once_with_aborts(dep, ptp, dtp, shared=True):
 
 
 # ------------------------------------------------------------------------------------- across two proxies (tcp)
-WIRE_HEAD_DIM = 256  # 512-byte heads: a share's first 3 pages of a KV buffer fill a 4 KiB slot
-
-
 class _Logs:
     """Both proxies' logs in a failed test's report (conftest's hook reads node._kvstaged.log_text())."""
 
@@ -560,8 +573,8 @@ def across(request):
     """Makes Deployments across two proxies over tcp: the prefill engine's ranks on proxy A, the decode engine's on
     proxy B (--listen 127.0.0.1:0), one peer secret (--peer-secret-file), their default --peer-timeout; the decode
     ranks' descriptors name B, A dials it. Each deployment gets .proxies = (A, B). At teardown every deployment
-    closes and both pools must end free. Heads of WIRE_HEAD_DIM: a request's first chunk fills slots, so an abort
-    after it finds chunks sent into the rooms."""
+    closes and both pools must end free. Heads of WIDE_HEAD_DIM: an abort after a request's first chunk finds
+    slots sent into every room, on the wire or landed."""
     d = tempfile.mkdtemp(prefix="kvs-secret-")
     secret = os.path.join(d, "peer.secret")
     fd = os.open(secret, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -571,7 +584,7 @@ def across(request):
     proxies, made, rcs = [], [], []
 
     def make(*a, **kw):
-        made.append(Deployment(proxies[0].socket, *a, decode_socket=proxies[1].socket, head_dim=WIRE_HEAD_DIM, **kw))
+        made.append(Deployment(proxies[0].socket, *a, decode_socket=proxies[1].socket, head_dim=WIDE_HEAD_DIM, **kw))
         made[-1].proxies = tuple(proxies)
         return made[-1]
     try:
@@ -591,13 +604,6 @@ def across(request):
             shutil.rmtree(px.dir, ignore_errors=True)
         shutil.rmtree(d, ignore_errors=True)
     assert rcs == [0, 0], f"kvstaged exit statuses at SIGTERM (A, B): {rcs}"
-
-
-def aborted_with_chunks_sent(reqs):
-    """Every request aborted in Transferring had handed slots to each of its rooms (over tcp) before its abort."""
-    for q in reqs:
-        if q["plan"] is not None and q["plan"][1] == "Transferring":
-            assert q["sent_at_abort"] and all(q["sent_at_abort"]), q
 
 
 def over_tcp(dep):
