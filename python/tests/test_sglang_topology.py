@@ -401,7 +401,7 @@ def test_attention_tp_differs(deployment, ptp, dtp, heads, dp):
     for head on every decode rank; aborts on one rank of either side at every phase end the request on both
     engines (SGLang's all-reduce of poll); aborted decode pages untouched after every rank's clear(); pool free.
     Also with two DP ranks on each side (DP attention and TP sizes that differ at once). Heads of WIDE_HEAD_DIM: an
-    abort in Transferring comes once every room of the request holds a slot."""
+    abort in Transferring comes once every room of the request has been sent slots."""
     aborted_with_chunks_sent(_attention_tp_differs(deployment, ptp, dtp, heads, dp, head_dim=WIDE_HEAD_DIM)[1])
 
 
