@@ -8,23 +8,33 @@ server (SGLang's CommonKVBootstrapServer or its stand-in), KV caches as torch CP
   /register_dp_rank), and two decode DP ranks take requests in turn.
 * Attention-TP sizes that differ (MHA/GQA): decode TP = k x prefill TP and the reverse, one kvstage room per rank
   pair carrying that pair's heads (Mooncake's send_kvcache_slice arithmetic, mooncake/conn.py @ 8905cbd42f4a).
+* Across two proxies over tcp (the `across` fixture): the prefill ranks on proxy A, the decode ranks on proxy B,
+  which listens; attention TP 2 -> 4 and 4 -> 2, DP attention 2 x 2, and MLA read once, whose latent crosses the
+  wire once per prefill rank (both proxies' bytes_moved), not once per decode rank.
 
 Each engine's ranks share one page allocator and poll as SGLang's poll_and_all_reduce does (the engine sees the
 lowest KVPoll of its attention-TP ranks: one rank's Failed is the request's). A completed request's decode KV must
 equal the prefill KV head for head (each rank's heads taken from the model's global KV, rank r of T holding heads
 as QKVParallelLinear shards them); an aborted one's decode pages are marked once every rank's clear() has returned
-(pages_released) and must still be marked at the end; the pool must end free."""
+(pages_released) and must still be marked at the end; the pool must end free. Where requests abort in Transferring,
+heads are wide enough (WIDE_HEAD_DIM) that every room of the request has been sent slots by then."""
+import os
 import random
+import shutil
+import tempfile
 
 import pytest
 
+import kvstage
 from kvstage import sglang as ks
 from kvstage.sglang import KVPoll
-from sglang_common import NEED_TORCH, assert_pool_free, kv_proxy  # noqa: F401 (fixture)
+from conftest import Proxy
+from sglang_common import NEED_TORCH, SLOT_SIZE, SLOTS, assert_pool_free, kv_proxy, stat  # noqa: F401 (fixture)
 
 pytestmark = NEED_TORCH
 
 PAGE, HEAD_DIM, LAYERS = 4, 8, 2  # fp16: 16-byte heads, 2 layers of K and V
+WIDE_HEAD_DIM = 256  # 512-byte heads: a share's first 3 pages of a KV buffer fill a 4 KiB slot
 
 
 def heads_of(rank, tp, heads):
@@ -40,7 +50,8 @@ class Engine:
     """One SGLang server of `dp` DP ranks x `tp` attention-TP ranks (a manager and a KV cache per rank), its
     allocators per DP rank (the ranks of a DP rank use the same page indices, as SGLang's SPMD schedulers do)."""
 
-    def __init__(self, mode, socket_path, tp, dp, heads, bootstrap_port, pages, mla=False, **server_kw):
+    def __init__(self, mode, socket_path, tp, dp, heads, bootstrap_port, pages, mla=False, head_dim=HEAD_DIM,
+                 **server_kw):
         import pd_sim
         import sglang_engine as E
         self.tp, self.dp, self.heads = tp, dp, heads
@@ -52,7 +63,7 @@ class Engine:
         for d in range(dp):
             for r in range(tp):
                 per_rank = 1 if mla else len(heads_of(r, tp, heads))
-                cache = pd_sim.Cache(pages, rows=16, page_size=PAGE, layers=LAYERS, heads=per_rank, head_dim=HEAD_DIM)
+                cache = pd_sim.Cache(pages, rows=16, page_size=PAGE, layers=LAYERS, heads=per_rank, head_dim=head_dim)
                 # prefill.py: engine_rank = tp_rank (global); decode.py: tp_rank % attn_tp_size
                 kv = cache.kv_args(engine_rank=d * tp + r if mode == ks.DisaggregationMode.PREFILL else r)
                 if mode == ks.DisaggregationMode.PREFILL and not mla:
@@ -68,10 +79,10 @@ class Engine:
                 m.close()
 
 
-def global_kv(torch, room, npages, heads):
-    """The model's KV of a request: per KV buffer [tokens, heads, HEAD_DIM] fp16 of random bits, seeded by room."""
+def global_kv(torch, room, npages, heads, head_dim=HEAD_DIM):
+    """The model's KV of a request: per KV buffer [tokens, heads, head_dim] fp16 of random bits, seeded by room."""
     g = torch.Generator().manual_seed(room & 0xFFFFFFFF)
-    return [torch.randint(-32768, 32767, (npages * PAGE, heads, HEAD_DIM), generator=g, dtype=torch.int16)
+    return [torch.randint(-32768, 32767, (npages * PAGE, heads, head_dim), generator=g, dtype=torch.int16)
             .view(torch.float16) for _ in range(2 * LAYERS)]
 
 
@@ -80,18 +91,21 @@ def tokens(torch, pages):
 
 
 class Deployment:
-    """A prefill and a decode Engine, one bootstrap server, the requests' loop."""
+    """A prefill and a decode Engine, one bootstrap server, the requests' loop (the decode engine on
+    decode_socket's proxy when given, else both on socket_path's)."""
 
-    def __init__(self, socket_path, ptp, dtp, pdp=1, ddp=1, heads=4, mla=False, pages=64, **prefill_kw):
+    def __init__(self, socket_path, ptp, dtp, pdp=1, ddp=1, heads=4, mla=False, pages=64, decode_socket=None,
+                 head_dim=HEAD_DIM, **prefill_kw):
         import torch
         self.torch = torch
         self.server = ks.bootstrap_server_on_a_free_port()
         self.addr = f"127.0.0.1:{self.server.port}"
         self.P = self.D = None
         self.P = Engine(ks.DisaggregationMode.PREFILL, socket_path, ptp, pdp, heads, self.server.port, pages, mla,
-                        **prefill_kw)
-        self.D = Engine(ks.DisaggregationMode.DECODE, socket_path, dtp, ddp, heads, 0, pages, mla)
-        self.heads, self.mla = heads, mla
+                        head_dim, **prefill_kw)
+        self.D = Engine(ks.DisaggregationMode.DECODE, decode_socket or socket_path, dtp, ddp, heads, 0, pages, mla,
+                        head_dim)
+        self.heads, self.mla, self.head_dim = heads, mla, head_dim
 
     def close(self):
         for e in (self.P, self.D):
@@ -180,7 +194,7 @@ class Deployment:
             q["ppages"], q["prow"] = self._alloc(P, q["pdp"], q["npages"])
             if q["ppages"] is None:
                 return  # engine memory full: try again later
-            q["kv"] = global_kv(torch, q["room"], q["npages"], self.heads)
+            q["kv"] = global_kv(torch, q["room"], q["npages"], self.heads, self.head_dim)
             idx = tokens(torch, q["ppages"])
             for (d, r), cache in P.caches.items():
                 if d != q["pdp"]:
@@ -199,10 +213,12 @@ class Deployment:
                 s.send(part)
             q["sent"] += n
             q["chunk"] += 1
-            if q["chunk"] == 1 and plan[:2] == ("prefill", "Transferring"):
-                q["senders"][plan[2]].abort()
-            if q["chunk"] == 1 and plan[:2] == ("decode", "Transferring"):
-                q["receivers"][plan[2]].abort()
+            if q["chunk"] == 1 and plan[1:2] == ("Transferring",):
+                # slots each room carrying KV was handed (a joining MLA reader's room takes a descriptor, a dummy
+                # rank has none)
+                q["sent_at_abort"] = [sh.sent_chunks for s in q["senders"] for sh in s._shares
+                                      if sh.room is not None and not sh.join]
+                (q["senders"] if plan[0] == "prefill" else q["receivers"])[plan[2]].abort()
 
     @staticmethod
     def _alloc(engine, dp, npages):
@@ -295,6 +311,14 @@ def check(out, bad, reqs):
     assert not bad, f"aborted requests' decode pages written after clear(): {bad}"
 
 
+def aborted_with_chunks_sent(reqs):
+    """Every request aborted in Transferring had handed slots to each of its rooms before its abort (so the abort
+    finds chunks in the rooms, or on the wire between two proxies)."""
+    for q in reqs:
+        if q["plan"] is not None and q["plan"][1] == "Transferring":
+            assert q["sent_at_abort"] and all(q["sent_at_abort"]), q
+
+
 # ------------------------------------------------------------------------------------------------- DP attention
 @NEED_TORCH
 @pytest.mark.parametrize("balance", ["follow_bootstrap_room", "round_robin"])
@@ -302,9 +326,13 @@ def test_dp_attention_two_dp_ranks_each_side(deployment, balance):
     """Two prefill DP ranks (one bootstrap server) and two decode DP ranks; every request reaches the prefill DP
     rank its room names (follow_bootstrap_room) or the one /query_dp_ranks answers (the sender registered it);
     aborts on either side at every phase end the request on both engines and nothing else."""
+    aborted_with_chunks_sent(_dp_attention(deployment, balance, head_dim=WIDE_HEAD_DIM)[1])
+
+
+def _dp_attention(make, balance, **kw):
     plans = [None, None, ("decode", "WaitingForInput", 0), ("decode", "Transferring", 0),
              ("prefill", "Bootstrapping", 0), ("prefill", "Transferring", 0), None, None, None, None, None, None]
-    dep = deployment(1, 1, pdp=2, ddp=2, load_balance_method=balance)
+    dep = make(1, 1, pdp=2, ddp=2, load_balance_method=balance, **kw)
     reqs = requests(len(plans), 3, plans)
     if balance != "follow_bootstrap_room":
         for q in reqs:
@@ -319,6 +347,7 @@ def test_dp_attention_two_dp_ranks_each_side(deployment, balance):
     if balance != "follow_bootstrap_room":
         st, got = ks._http("POST", f"http://{dep.addr}/query_dp_ranks", {"bootstrap_rooms": [q["room"] for q in reqs]})
         assert st == 200 and {int(k): v for k, v in got.items()} == {q["room"]: q["pdp"] for q in reqs}
+    return dep, reqs
 
 
 @NEED_TORCH
@@ -371,13 +400,19 @@ def test_attention_tp_differs(deployment, ptp, dtp, heads, dp):
     one room per rank pair with that pair's heads; every completed request's decode KV equals the prefill KV head
     for head on every decode rank; aborts on one rank of either side at every phase end the request on both
     engines (SGLang's all-reduce of poll); aborted decode pages untouched after every rank's clear(); pool free.
-    Also with two DP ranks on each side (DP attention and TP sizes that differ at once)."""
+    Also with two DP ranks on each side (DP attention and TP sizes that differ at once). Heads of WIDE_HEAD_DIM: an
+    abort in Transferring comes once every room of the request has been sent slots."""
+    aborted_with_chunks_sent(_attention_tp_differs(deployment, ptp, dtp, heads, dp, head_dim=WIDE_HEAD_DIM)[1])
+
+
+def _attention_tp_differs(make, ptp, dtp, heads=4, dp=1, **kw):
     plans = _plans(ptp, dtp, TP_PLANS)
-    dep = deployment(ptp, dtp, pdp=dp, ddp=dp, heads=heads)
+    dep = make(ptp, dtp, pdp=dp, ddp=dp, heads=heads, **kw)
     reqs = requests(len(plans), 17 + ptp * 8 + dtp, plans)
     out, bad, marked = dep.run(reqs)
     check(out, bad, reqs)
     assert marked == sum(1 for p in plans if p is not None and p[1] != "WaitingForInput")
+    return dep, reqs
 
 
 @NEED_TORCH
@@ -391,10 +426,11 @@ def test_an_abort_on_one_share_ends_every_rank(deployment, ptp, dtp):
     test_attention_tp_differs runs it.)"""
     plans = _plans(ptp, dtp, [None, ("decode", "Transferring", 0), ("prefill", "Transferring", -1), None,
                               ("prefill", "Bootstrapping", 0), ("decode", "Transferring", -1), None])
-    dep = deployment(ptp, dtp)
+    dep = deployment(ptp, dtp, head_dim=WIDE_HEAD_DIM)
     reqs = requests(len(plans), 5, plans)
     out, bad, marked = dep.run(reqs, all_reduce=False)
     check(out, bad, reqs)
+    aborted_with_chunks_sent(reqs)
     for q in reqs:
         if q["plan"] is not None:
             assert set(out[q["k"]]["ranks"]) == {int(KVPoll.Failed)}, (q["plan"], out[q["k"]])
@@ -474,10 +510,11 @@ def test_mla_attention_tp_differs(deployment, ptp, dtp):
     other prefill ranks of the group are SGLang's dummy ranks (told, they send nothing and succeed)."""
     plans = _plans(ptp, dtp, [None, ("decode", "Transferring", -1), None, ("prefill", "Transferring", 0), None,
                               ("prefill", "Bootstrapping", -1), None])
-    dep = deployment(ptp, dtp, heads=1, mla=True)
+    dep = deployment(ptp, dtp, heads=1, mla=True, head_dim=WIDE_HEAD_DIM)
     reqs = requests(len(plans), 31, plans)
     out, bad, marked = dep.run(reqs)
     check(out, bad, reqs)
+    aborted_with_chunks_sent(reqs)
     # with the prefill side wider only the first rank of each group moved bytes
     moved = [m._objs for m in dep.P.mgrs.values()]
     assert not any(moved)
@@ -492,13 +529,20 @@ def test_mla_read_once(deployment, monkeypatch, ptp, dtp):
     it. An abort on any rank ends the request on all (a shared room aborted by one reader ends for every reader);
     aborted pages untouched; the pool free."""
     monkeypatch.setenv("KVSTAGE_SGLANG_MLA_SHARED", "1")
+    aborted_with_chunks_sent(_mla_read_once_with_aborts(deployment(ptp, dtp, heads=1, mla=True,
+                                                                   head_dim=WIDE_HEAD_DIM), ptp, dtp))
+
+
+def _mla_read_once_with_aborts(dep, ptp, dtp, shared=True):
+    """Runs requests with aborts at every phase on either side through an MLA deployment, wider on the decode side,
+    and checks them: with shared rooms one data room per prefill rank however many decode ranks, else one per
+    decode rank."""
     plans = _plans(ptp, dtp, [None, ("decode", "Transferring", -1), None, ("prefill", "Transferring", 0), None,
                               ("decode", "Transferring", 0), ("prefill", "Bootstrapping", -1), None,
                               ("decode", "WaitingForInput", -1), None])
     all_reduce = ptp != 1  # 2 -> 4: groups no room connects, SGLang all-reduces
     if not all_reduce:  # a rank aborted before send_metadata is known to no other rank: only the all-reduce ends them
         plans = [None if p is not None and p[1] == "WaitingForInput" else p for p in plans]
-    dep = deployment(ptp, dtp, heads=1, mla=True)
     reqs = requests(len(plans), 37, plans)
     out, bad, marked = dep.run(reqs, all_reduce=all_reduce)
     check(out, bad, reqs)
@@ -506,6 +550,125 @@ def test_mla_read_once(deployment, monkeypatch, ptp, dtp):
         if q["plan"] is None:
             for s in q["senders"]:  # one room of KV per prefill rank, the other decode ranks took a descriptor
                 data = [sh for sh in s._shares if sh.layout is not None and sh.layout.nbytes]
-                assert len(s._shares) == dtp // ptp and len(data) == 1 and data[0].readers == dtp // ptp
+                assert len(s._shares) == dtp // ptp
+                assert [sh.readers for sh in data] == ([dtp // ptp] if shared else [1] * (dtp // ptp))
         elif not all_reduce:
             assert set(out[q["k"]]["ranks"]) == {int(KVPoll.Failed)}, (q["plan"], out[q["k"]])
+    return reqs
+
+
+# ------------------------------------------------------------------------------------- across two proxies (tcp)
+class _Logs:
+    """Both proxies' logs in a failed test's report (conftest's hook reads node._kvstaged.log_text())."""
+
+    def __init__(self, *named):
+        self.named = named
+
+    def log_text(self):
+        return "\n".join(f"--- {name} ---\n{px.log_text()}" for name, px in self.named)
+
+
+@pytest.fixture
+def across(request):
+    """Makes Deployments across two proxies over tcp: the prefill engine's ranks on proxy A, the decode engine's on
+    proxy B (--listen 127.0.0.1:0), one peer secret (--peer-secret-file), their default --peer-timeout; the decode
+    ranks' descriptors name B, A dials it. Each deployment gets .proxies = (A, B). At teardown every deployment
+    closes and both pools must end free. Heads of WIDE_HEAD_DIM: an abort after a request's first chunk finds
+    slots sent into every room, on the wire or landed."""
+    d = tempfile.mkdtemp(prefix="kvs-secret-")
+    secret = os.path.join(d, "peer.secret")
+    fd = os.open(secret, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    os.write(fd, os.urandom(32))
+    os.close(fd)
+    args = ["--slots", str(4 * SLOTS), "--slot-size", str(SLOT_SIZE), "--peer-secret-file", secret]
+    proxies, made, rcs = [], [], []
+
+    def make(*a, **kw):
+        made.append(Deployment(proxies[0].socket, *a, decode_socket=proxies[1].socket, head_dim=WIDE_HEAD_DIM, **kw))
+        made[-1].proxies = tuple(proxies)
+        return made[-1]
+    try:
+        proxies.append(Proxy(args))
+        proxies.append(Proxy(args + ["--listen", "127.0.0.1:0"]))
+        request.node._kvstaged = _Logs(("proxy A (prefill)", proxies[0]), ("proxy B (decode, listening)", proxies[1]))
+        yield make
+        while made:
+            made.pop().close()
+        for px in proxies:
+            assert_pool_free(px.socket)
+    finally:
+        while made:
+            made.pop().close()
+        for px in proxies:
+            rcs.append(px.stop())
+            shutil.rmtree(px.dir, ignore_errors=True)
+        shutil.rmtree(d, ignore_errors=True)
+    assert rcs == [0, 0], f"kvstaged exit statuses at SIGTERM (A, B): {rcs}"
+
+
+def over_tcp(dep):
+    """Both proxies' kvstage-stat objects, once they show that A dialed B and the bytes went that way: one peer
+    session, never lost (the default --peer-timeout), bytes sent by A and received by B, none timed out."""
+    a, b = (stat(px.socket) for px in dep.proxies)
+    assert a["tcp"]["peers"] == 1 and a["tcp"]["lost"] == 0 and a["tcp"]["bytes_tx"] > 0, a["tcp"]
+    assert b["tcp"]["lost"] == 0 and b["tcp"]["bytes_rx"] > 0, b["tcp"]
+    assert a["rooms"]["timed_out"] == b["rooms"]["timed_out"] == 0, (a["rooms"], b["rooms"])
+    return a, b
+
+
+@NEED_TORCH
+@pytest.mark.parametrize("ptp,dtp", [(2, 4), (4, 2)], ids=["2to4", "4to2"])
+def test_across_two_proxies_attention_tp_differs(across, ptp, dtp):
+    """test_attention_tp_differs with the prefill ranks on proxy A and the decode ranks on proxy B: each rank
+    pair's room crosses the wire, aborts on one rank of either side at every phase (in Transferring once slots of
+    every share's room were sent) end the request on both engines, decode KV equals the prefill KV head for head,
+    aborted decode pages untouched after every rank's clear(), both pools free."""
+    dep, reqs = _attention_tp_differs(across, ptp, dtp)
+    aborted_with_chunks_sent(reqs)
+    over_tcp(dep)
+
+
+@NEED_TORCH
+@pytest.mark.parametrize("balance", ["follow_bootstrap_room", "round_robin"])
+def test_across_two_proxies_dp_attention(across, balance):
+    """test_dp_attention_two_dp_ranks_each_side (2 prefill x 2 decode DP ranks) with the prefill DP ranks on proxy
+    A and the decode DP ranks on proxy B."""
+    dep, reqs = _dp_attention(across, balance)
+    aborted_with_chunks_sent(reqs)
+    over_tcp(dep)
+
+
+@NEED_TORCH
+@pytest.mark.parametrize("shared", [True, False], ids=["read-once", "room-per-rank"])
+@pytest.mark.parametrize("ptp,dtp", [(1, 2), (2, 4)], ids=["1to2", "2to4"])
+def test_across_two_proxies_mla_read_once(across, monkeypatch, ptp, dtp, shared):
+    """MLA, the decode side wider, prefill on proxy A and decode on proxy B. With KVSTAGE_SGLANG_MLA_SHARED=1 the
+    latent crosses the wire once per prefill rank: for requests that complete, the bytes A sent on its rooms and
+    the bytes that landed in B's pool (bytes_moved of each) grow by exactly each request's latent and aux row once
+    per prefill rank, plus one 128-byte descriptor per decode rank that joins; with a room per decode rank (the
+    variable unset, Mooncake's way) they grow by the latent once per decode rank, which is what read once saves.
+    Then requests with aborts on either side at every phase, as test_mla_read_once, every decode rank on B."""
+    if shared:
+        monkeypatch.setenv("KVSTAGE_SGLANG_MLA_SHARED", "1")
+    else:
+        monkeypatch.delenv("KVSTAGE_SGLANG_MLA_SHARED", raising=False)
+    dep = across(ptp, dtp, heads=1, mla=True)
+    before = [stat(px.socket) for px in dep.proxies]
+    reqs = requests(6, 47)
+    out, bad, marked = dep.run(reqs)
+    check(out, bad, reqs)
+    a, b = over_tcp(dep)
+    layout = dep.D.caches[0, 0].kv_args()  # one decode rank's latent and aux, as the prefill rank sends them
+    latent = [q["npages"] * sum(layout.kv_item_lens) + sum(layout.aux_item_lens) for q in reqs]
+    if shared:
+        want = sum(ptp * n + (dtp - ptp) * kvstage.KVS_ROOM_DESC_SIZE for n in latent)
+    else:
+        want = sum(dtp * n for n in latent)
+    sent, landed = (x["bytes_moved"] - y["bytes_moved"] for x, y in zip((a, b), before))
+    assert (sent, landed) == (want, want), f"per decode rank it would be {sum(dtp * n for n in latent)}"
+    on_the_wire = a["tcp"]["bytes_tx"] - before[0]["tcp"]["bytes_tx"]
+    assert on_the_wire >= want
+    if shared:  # framing included, still less than the latent once per decode rank
+        assert on_the_wire < sum(dtp * n for n in latent), on_the_wire
+    aborted_with_chunks_sent(_mla_read_once_with_aborts(dep, ptp, dtp, shared))
+    over_tcp(dep)
