@@ -46,6 +46,28 @@ def _steps(eng, rid, how):
     return {rank: step for step, rank, h, r in eng.reports if r == rid and h == how}
 
 
+def _assert_outcomes(P, D, plans, results, expect, n):
+    """Each of n requests ended as expect[its plan] says on both engines (prefill status, decode outcome), every
+    completed one's decode KV equals the prefill's, and at least 16 plain ones loaded without a failure: those."""
+    problems = []
+    for k in range(n):
+        want_status, want_outcome = expect[plans[k]]
+        if P.done[f"p{k}"][0] != want_status:
+            problems.append(f"request {k} ({plans[k]}): prefill ended {P.done[f'p{k}'][0]}, expected {want_status}")
+        got = results.get(k)
+        if want_outcome is None:
+            if got is not None or f"d{k}" in D.done:
+                problems.append(f"request {k} ({plans[k]}): reached the decode engine: {got}")
+        elif got is None or got["outcome"] != want_outcome:
+            problems.append(f"request {k} ({plans[k]}): decode {got}, expected {want_outcome}")
+        elif want_outcome.startswith("ok") and got["wrong"] is not None:
+            problems.append(f"request {k} ({plans[k]}): decode blocks differ from the prefill's: {got['wrong']}")
+    assert not problems, "\n".join(problems)
+    normal = [k for k in range(n) if plans[k] in (None, "prefix")]
+    assert len(normal) >= 16 and all(D.loaded[f"d{k}"] is None for k in normal)
+    return normal
+
+
 def test_tp2_engines_with_aborts(kv_proxy):
     """40 requests through a TP=2 prefill engine and a TP=2 decode engine: every completed request's decode blocks on
     each rank hold that rank's prefill KV (the ranks' KV differ, so never the other rank's); aborts on both sides at
@@ -120,22 +142,7 @@ def test_tp2_engines_with_aborts(kv_proxy):
         pair.run(lambda: set(results) == want and not P.requests and not D.requests, timeout=60,
                  what="every request ended", on_route=drive, prefix=prefix)
 
-        problems = []
-        for k in range(N):
-            want_status, want_outcome = EXPECT[plans[k]]
-            if P.done[f"p{k}"][0] != want_status:
-                problems.append(f"request {k} ({plans[k]}): prefill ended {P.done[f'p{k}'][0]}, expected {want_status}")
-            got = results.get(k)
-            if want_outcome is None:
-                if got is not None or f"d{k}" in D.done:
-                    problems.append(f"request {k} ({plans[k]}): reached the decode engine: {got}")
-            elif got is None or got["outcome"] != want_outcome:
-                problems.append(f"request {k} ({plans[k]}): decode {got}, expected {want_outcome}")
-            elif want_outcome.startswith("ok") and got["wrong"] is not None:
-                problems.append(f"request {k} ({plans[k]}): decode blocks differ from the prefill's: {got['wrong']}")
-        assert not problems, "\n".join(problems)
-        normal = [k for k in range(N) if plans[k] in (None, "prefix")]
-        assert len(normal) >= 16 and all(D.loaded[f"d{k}"] is None for k in normal)
+        normal = _assert_outcomes(P, D, plans, results, EXPECT, N)
         for k in range(N):  # what "each rank its own" rests on: the two ranks' KV of a request differ everywhere
             r = P.done_req[f"p{k}"]
             assert bool((P.content(r, 0) != P.content(r, 1)).float().mean() > 0.99)
@@ -328,22 +335,7 @@ def _tp_sizes_differ(p_socket, d_socket, p_tp, d_tp, layout):
         pair.run(lambda: set(results) == want and not P.requests and not D.requests, timeout=60,
                  what="every request ended", on_route=drive, prefix=prefix)
 
-        problems = []
-        for k in range(n):
-            want_status, want_outcome = HET_EXPECT[plans[k]]
-            if P.done[f"p{k}"][0] != want_status:
-                problems.append(f"request {k} ({plans[k]}): prefill ended {P.done[f'p{k}'][0]}, expected {want_status}")
-            got = results.get(k)
-            if want_outcome is None:
-                if got is not None or f"d{k}" in D.done:
-                    problems.append(f"request {k} ({plans[k]}): reached the decode engine: {got}")
-            elif got is None or got["outcome"] != want_outcome:
-                problems.append(f"request {k} ({plans[k]}): decode {got}, expected {want_outcome}")
-            elif want_outcome.startswith("ok") and got["wrong"] is not None:
-                problems.append(f"request {k} ({plans[k]}): decode blocks differ from the prefill's: {got['wrong']}")
-        assert not problems, "\n".join(problems)
-        normal = [k for k in range(n) if plans[k] in (None, "prefix")]
-        assert len(normal) >= 16 and all(D.loaded[f"d{k}"] is None for k in normal)
+        normal = _assert_outcomes(P, D, plans, results, HET_EXPECT, n)
         if "d-fail" in plans.values():
             assert "copying blocks into slots failed" in P.agents[-1].ended["p5"]
         for rank in range(p_tp):  # the decode side aborted before allocating: every prefill rank was told
