@@ -238,12 +238,9 @@ static void post(struct kvsp *p, struct kvsp_client *c, const struct kvs_cqe *e)
 	mark_kick(p, c);
 }
 
-void kvsp_client_final(struct kvsp *p, const struct kvsp_side *s, uint16_t type, int status,
-		       uint64_t bytes, uint32_t slot, uint32_t epoch)
+void kvsp_client_final(struct kvsp *p, struct kvsp_client *c, const struct kvsp_side *s,
+		       uint16_t type, int status, uint64_t bytes, uint32_t slot, uint32_t epoch)
 {
-	struct kvsp_client *c = kvsp_client_get(p, s->cidx, s->cid);
-	if (!c)
-		return;
 	struct kvsp_handle *hd = &c->handles[s->handle];
 	if (hd->state != KVSP_H_OPEN && hd->state != KVSP_H_CLOSING)
 		return; /* one final per handle, ever */

@@ -79,8 +79,9 @@ struct kvsp_client *kvsp_client_new(struct kvsp *p, int sock, pid_t pid);
 /* Frees c itself: its rooms and slots must be gone (kvsp_client_destroy, core/rooms.h). */
 void kvsp_client_free(struct kvsp *p, struct kvsp_client *c);
 struct kvsp_client *kvsp_client_get(struct kvsp *p, uint16_t cidx, uint32_t cid);
-void kvsp_client_final(struct kvsp *p, const struct kvsp_side *s, uint16_t type, int status,
-		       uint64_t bytes, uint32_t slot, uint32_t epoch);
+/* The final event of side s (its client c, live) on its handle, once: later ones are dropped. */
+void kvsp_client_final(struct kvsp *p, struct kvsp_client *c, const struct kvsp_side *s,
+		       uint16_t type, int status, uint64_t bytes, uint32_t slot, uint32_t epoch);
 void kvsp_client_reply(struct kvsp *p, struct kvsp_client *c, uint32_t seq, int status);
 void kvsp_client_reject(struct kvsp *p, struct kvsp_client *c, uint16_t h, int status,
 			const struct kvs_sqe *q);

@@ -187,7 +187,7 @@ static void post_final(struct kvsp *p, struct kvsp_side *s, uint16_t type, int s
 		return;
 	}
 	struct kvsp_handle *hd = &c->handles[s->handle];
-	kvsp_client_final(p, s, type, status, bytes, slot, epoch);
+	kvsp_client_final(p, c, s, type, status, bytes, slot, epoch);
 	if (hd->state == KVSP_H_FREE)
 		s->cid = 0;
 }
