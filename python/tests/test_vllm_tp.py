@@ -46,6 +46,24 @@ def _steps(eng, rid, how):
     return {rank: step for step, rank, h, r in eng.reports if r == rid and h == how}
 
 
+def _record_decode_frees(D, E, k_of, results, quarantine):
+    """The decode engine's on_free: each request's outcome into results; an aborted one's blocks marked (the engine's
+    again, on every rank: nothing else may write them) and kept in quarantine to be checked at the end."""
+    def d_free(r, how):
+        k = k_of[r.request_id]
+        status = D.done[r.request_id][0]
+        if status == "FINISHED_ABORTED":
+            D.mark(r.blocks, E.MARK)
+            quarantine.append((k, list(r.blocks)))
+            outcome = "ok+aborted" if r.load_done else "aborted"
+        else:
+            outcome = "load-failed" if status == "FINISHED_ERROR" else "ok"
+        results[k] = dict(outcome=outcome, wrong=D.loaded.get(r.request_id) if r.load_done else None, how=how,
+                          why=[a.ended.get(r.request_id) for a in D.agents])
+        return status == "FINISHED_ABORTED"
+    return d_free
+
+
 def _assert_outcomes(P, D, plans, results, expect, n):
     """Each of n requests ended as expect[its plan] says on both engines (prefill status, decode outcome), every
     completed one's decode KV equals the prefill's, and at least 16 plain ones loaded without a failure: those."""
@@ -93,19 +111,7 @@ def test_tp2_engines_with_aborts(kv_proxy):
         P.agents[1].hold_send = lambda req, chunk: req == "p3" and chunk >= 1
         results, quarantine, p_at_free = {}, [], {}
 
-        def d_free(r, how):
-            k = k_of[r.request_id]
-            status = D.done[r.request_id][0]
-            if status == "FINISHED_ABORTED":
-                D.mark(r.blocks, E.MARK)  # the blocks are the engine's again (every rank's); nothing else may write
-                quarantine.append((k, list(r.blocks)))
-                outcome = "ok+aborted" if r.load_done else "aborted"
-            else:
-                outcome = "load-failed" if status == "FINISHED_ERROR" else "ok"
-            results[k] = dict(outcome=outcome, wrong=D.loaded.get(r.request_id) if r.load_done else None, how=how,
-                              why=[a.ended.get(r.request_id) for a in D.agents])
-            return status == "FINISHED_ABORTED"
-        D.on_free = d_free
+        D.on_free = _record_decode_frees(D, E, k_of, results, quarantine)
 
         def p_free(r, how):
             p_at_free[r.request_id] = (how, [a.stage_state(r.request_id)[0] for a in P.agents])
@@ -291,19 +297,7 @@ def _tp_sizes_differ(p_socket, d_socket, p_tp, d_tp, layout):
             D.agents[-1].copier = E.GatedCopier(hold={("d3", "load")})
         results, quarantine = {}, []
 
-        def d_free(r, how):
-            k = k_of[r.request_id]
-            status = D.done[r.request_id][0]
-            if status == "FINISHED_ABORTED":
-                D.mark(r.blocks, E.MARK)  # the blocks are the engine's again (every rank's); nothing else may write
-                quarantine.append((k, list(r.blocks)))
-                outcome = "ok+aborted" if r.load_done else "aborted"
-            else:
-                outcome = "load-failed" if status == "FINISHED_ERROR" else "ok"
-            results[k] = dict(outcome=outcome, wrong=D.loaded.get(r.request_id) if r.load_done else None, how=how,
-                              why=[a.ended.get(r.request_id) for a in D.agents])
-            return status == "FINISHED_ABORTED"
-        D.on_free = d_free
+        D.on_free = _record_decode_frees(D, E, k_of, results, quarantine)
 
         def drive(new):
             for r in new:
