@@ -65,8 +65,9 @@ bootstrap room modulo the DP size, or the bootstrap server's /query_dp_ranks aft
 sizes that differ by a power of two (SGLang's CommonKVManager._resolve_rank_mapping for which ranks pair up,
 Mooncake's send_kvcache_slice for which heads each pair moves): one room per rank pair, carrying that pair's
 heads of every token (MLA: the whole token, from one prefill rank; the others are SGLang's dummy ranks; with
-KVSTAGE_SGLANG_MLA_SHARED=1 and the decode side wider, the decode ranks of a prefill rank read one shared room,
-the joiners getting its descriptor through the prefill rank in a room of one descriptor each). A
+the decode side wider, the decode ranks of a prefill rank read one shared room, the joiners getting its
+descriptor through the prefill rank in a room of one descriptor each; KVSTAGE_SGLANG_MLA_SHARED=0: a room
+per decode rank instead, as Mooncake sends). A
 decode rank succeeds only once every room it has has landed; a failure of any fails the request on that rank,
 which aborts all its rooms. The prefill rank checks each share (rank, head range, layer count, dtype, layout)
 before it opens the room and refuses a misrouted one, naming what differs.
@@ -80,7 +81,7 @@ Settings (environment): KVSTAGE_SOCKET (the proxy; default /run/kvstage/kvstaged
 KVSTAGE_SGLANG_HOST (the address the prefill rank's side channel binds and advertises),
 KVSTAGE_PEER_SECRET_FILE or KVSTAGE_PEER_SECRET (the deployment's peer secret: the side channel, kvstage.sidechannel,
 authenticates both ends and every message with it; without one the manager refuses to start),
-KVSTAGE_SGLANG_CUDA=1, KVSTAGE_SGLANG_CLEAR_TIMEOUT (s, default 10), KVSTAGE_SGLANG_MLA_SHARED=1, and SGLang's own
+KVSTAGE_SGLANG_CUDA=1, KVSTAGE_SGLANG_CLEAR_TIMEOUT (s, default 10), KVSTAGE_SGLANG_MLA_SHARED=0, and SGLang's own
 SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT / SGLANG_DISAGGREGATION_WAITING_TIMEOUT (s, default 300).
 See python/SGLANG.md.
 """
@@ -1603,7 +1604,7 @@ class KvstageKVReceiver(BaseKVReceiver):
                                   f"target_tp_rank {p} from {self.bootstrap_addr}")
             self._shares.append(_RecvShare(self, p, endpoint, mgr.is_mla_backend and p != real))
         k = D // P
-        if mgr.is_mla_backend and k > 1 and os.environ.get("KVSTAGE_SGLANG_MLA_SHARED") == "1":
+        if mgr.is_mla_backend and k > 1 and os.environ.get("KVSTAGE_SGLANG_MLA_SHARED", "1") != "0":
             # MLA read once: the k decode ranks of a prefill rank read one shared room (on this proxy: see SGLANG.md)
             if k > KVS_MAX_READERS:
                 return self._fail(f"a shared room has at most {KVS_MAX_READERS} readers, not {k}")

@@ -504,10 +504,12 @@ def test_prefill_side_gqa_replication_is_refused(deployment):
 
 @NEED_TORCH
 @pytest.mark.parametrize("ptp,dtp", [(1, 2), (2, 1), (4, 2)], ids=["1to2", "2to1", "4to2"])
-def test_mla_attention_tp_differs(deployment, ptp, dtp):
-    """MLA (one latent KV per token, the same on every rank): decode wider, each decode rank takes the whole token
-    from its prefill rank (SGLang's send_kvcache, not the slice); prefill wider, only target_tp_rank sends and the
-    other prefill ranks of the group are SGLang's dummy ranks (told, they send nothing and succeed)."""
+def test_mla_attention_tp_differs(deployment, monkeypatch, ptp, dtp):
+    """MLA (one latent KV per token, the same on every rank), a room per decode rank (KVSTAGE_SGLANG_MLA_SHARED=0):
+    decode wider, each decode rank takes the whole token from its prefill rank (SGLang's send_kvcache, not the
+    slice); prefill wider, only target_tp_rank sends and the other prefill ranks of the group are SGLang's dummy
+    ranks (told, they send nothing and succeed)."""
+    monkeypatch.setenv("KVSTAGE_SGLANG_MLA_SHARED", "0")
     plans = _plans(ptp, dtp, [None, ("decode", "Transferring", -1), None, ("prefill", "Transferring", 0), None,
                               ("prefill", "Bootstrapping", -1), None])
     dep = deployment(ptp, dtp, heads=1, mla=True, head_dim=WIDE_HEAD_DIM)
@@ -523,12 +525,12 @@ def test_mla_attention_tp_differs(deployment, ptp, dtp):
 @NEED_TORCH
 @pytest.mark.parametrize("ptp,dtp", [(1, 2), (1, 4), (2, 4)], ids=["1to2", "1to4", "2to4"])
 def test_mla_read_once(deployment, monkeypatch, ptp, dtp):
-    """KVSTAGE_SGLANG_MLA_SHARED=1, MLA with the decode side wider: the k decode ranks of a prefill rank read one
-    shared room (Client.recv_open(readers=k), join()): the first opens it, the others get its descriptor through
-    the prefill rank (a small room each) and join; the latent crosses once per prefill rank, every decode rank has
-    it. An abort on any rank ends the request on all (a shared room aborted by one reader ends for every reader);
-    aborted pages untouched; the pool free."""
-    monkeypatch.setenv("KVSTAGE_SGLANG_MLA_SHARED", "1")
+    """MLA with the decode side wider (the default, KVSTAGE_SGLANG_MLA_SHARED unset): the k decode ranks of a
+    prefill rank read one shared room (Client.recv_open(readers=k), join()): the first opens it, the others get its
+    descriptor through the prefill rank (a small room each) and join; the latent crosses once per prefill rank,
+    every decode rank has it. An abort on any rank ends the request on all (a shared room aborted by one reader
+    ends for every reader); aborted pages untouched; the pool free."""
+    monkeypatch.delenv("KVSTAGE_SGLANG_MLA_SHARED", raising=False)  # the default
     aborted_with_chunks_sent(_mla_read_once_with_aborts(deployment(ptp, dtp, heads=1, mla=True,
                                                                    head_dim=WIDE_HEAD_DIM), ptp, dtp))
 
@@ -646,12 +648,9 @@ def test_across_two_proxies_mla_read_once(across, monkeypatch, ptp, dtp, shared)
     latent crosses the wire once per prefill rank: for requests that complete, the bytes A sent on its rooms and
     the bytes that landed in B's pool (bytes_moved of each) grow by exactly each request's latent and aux row once
     per prefill rank, plus one 128-byte descriptor per decode rank that joins; with a room per decode rank (the
-    variable unset, Mooncake's way) they grow by the latent once per decode rank, which is what read once saves.
+    variable 0, Mooncake's way) they grow by the latent once per decode rank, which is what read once saves.
     Then requests with aborts on either side at every phase, as test_mla_read_once, every decode rank on B."""
-    if shared:
-        monkeypatch.setenv("KVSTAGE_SGLANG_MLA_SHARED", "1")
-    else:
-        monkeypatch.delenv("KVSTAGE_SGLANG_MLA_SHARED", raising=False)
+    monkeypatch.setenv("KVSTAGE_SGLANG_MLA_SHARED", "1" if shared else "0")
     dep = across(ptp, dtp, heads=1, mla=True)
     before = [stat(px.socket) for px in dep.proxies]
     reqs = requests(6, 47)
