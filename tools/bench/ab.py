@@ -26,6 +26,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -142,6 +143,9 @@ def callgrind_side(build, args, outdir):
 
 
 def callgrind_main(o, bench_args):
+    for tool in ("valgrind", "callgrind_annotate"):
+        if not shutil.which(tool):
+            sys.exit(f"ab: --callgrind needs {tool} (Debian: apt-get install valgrind)")
     sides = {"A": build_of(o.a), "B": build_of(o.b)}
     res = {}
     for s in ("A", "B"):
