@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from enum import IntEnum
 
 from ._lib import KVS_MAX_READERS, KVS_ROOM_DESC_SIZE, kvs_event, kvs_lease, kvs_room_desc, lib
-from .errors import check, error
+from .errors import KvstageError, check, error
 
 
 class EventType(IntEnum):
@@ -348,7 +348,8 @@ class Client:
 
 
 class _Room:
-    """One side of a room: .chunks, .nbytes, .user_data, chunk_len(i), abort(), close(); a context manager."""
+    """One side of a room: .chunks, .nbytes, .user_data, chunk_len(i), abort(), abort_quietly(), close(); a context
+    manager."""
 
     def __init__(self, client, handle, user_data):
         self._client = client
@@ -378,6 +379,14 @@ class _Room:
         """Aborts the room from this side (idempotent; an ABORTED event follows), raises BadHandle, NotConnected,
         Again."""
         check(lib.kvs_abort(self._room()), "kvs_abort")
+
+    def abort_quietly(self):
+        """abort() for a caller ending a request that must not fail on the way: a refusal (the room ended or was
+        closed, the client is gone) is ignored, since the room's final, or the loss of the client, ends it anyway."""
+        try:
+            self.abort()
+        except KvstageError:
+            pass
 
     def close(self):
         """Closes (aborts if unfinished, frees what it holds; its views die first); idempotent; raises BufferError,

@@ -1463,10 +1463,7 @@ class KvstageKVSender(BaseKVSender):
                     pass
             sh.leases.clear()
             if sh.room is not None and sh.final is None:
-                try:
-                    sh.room.abort()
-                except KvstageError:
-                    pass
+                sh.room.abort_quietly()
             elif sh.room is None and sh.final is None and (reject or sh.meta.get("desc")):
                 self.kv_mgr._reject(sh.meta, reason)
 
@@ -1818,15 +1815,9 @@ class KvstageKVReceiver(BaseKVReceiver):
             if sh.job is not None and sh.job.cancel():
                 sh.job = None
             if sh.room is not None and sh.final is None:
-                try:
-                    sh.room.abort()
-                except KvstageError:
-                    pass
+                sh.room.abort_quietly()
             if sh.reply_room is not None and sh.reply_final is None:
-                try:
-                    sh.reply_room.abort()
-                except KvstageError:
-                    pass
+                sh.reply_room.abort_quietly()
             if sh.endpoint is not None and sh.final is None:
                 try:  # the room has not ended: the prefill rank learns now, even before it has opened the room
                     self.kv_mgr.send_to(sh.endpoint, {"t": "abort", "room": int(self.bootstrap_room)})

@@ -1766,10 +1766,7 @@ class _Agent:
         st.leases = None
         for j, room in enumerate(st.rooms):
             if room is not None and st.finals[j] is None:
-                try:
-                    room.abort()  # its final event closes it
-                except KvstageError:
-                    pass
+                room.abort_quietly()  # its final event closes it
             if room is None:
                 st.finals[j] = st.finals[j] or "no room"
         self._stage_report(st)
@@ -2107,10 +2104,7 @@ class _Agent:
             if sh.job is not None and sh.job.cancel():
                 sh.job = None
             if sh.room is not None and sh.final is None:
-                try:
-                    sh.room.abort()
-                except KvstageError:
-                    pass
+                sh.room.abort_quietly()
             if sh.room is None:
                 sh.final = sh.final or "no room"
 
