@@ -32,7 +32,9 @@ enum kvs_fp_action {
 	X(ACQUIRE, "acquire")		  /* fail acquires */                                    \
 	X(RECV_OPEN, "recv_open")	  /* fail receiving-room opens */                        \
 	X(TCP_PAYLOAD, "tcp.payload")	  /* tcp: hold a chunk's payload after its header */     \
-	X(RDMA_READ, "rdma.read")	  /* rdma, receiving side: hold a READ into its slot */
+	X(RDMA_READ, "rdma.read")	  /* rdma, receiving side: hold a READ into its slot */  \
+	X(PEER_ACCEPT,                                                                           \
+	  "peer.accept") /* close an accepted peer connection unread (match: its number) */
 
 #define KVS_FP_ONE_MORE(id, name) +1
 enum { KVS_FP_COUNT = 0 KVS_FAILPOINTS(KVS_FP_ONE_MORE) };

@@ -249,6 +249,52 @@ Test(hostile, a_dialer_queued_behind_silent_ones_is_heard_first)
 	close(h.fd);
 }
 
+/* B closes the first peer connection it accepts before reading a byte
+ * (failpoint peer.accept), as its admission does to a dialer that had not
+ * spoken yet when silent newcomers from its address pushed it out. A place
+ * refused is not a refusal of the dialer: it dials that stream again,
+ * within the joining deadline, and the room moves. */
+Test(hostile, a_stream_closed_before_a_word_is_dialed_again)
+{
+	listener(&pb, NULL);
+	uint64_t first = 1;
+	fp_set(&pb, "peer.accept", "fail", &first);
+	kvs_client *rx = connect_ok(&pb);
+	dialer(&pa);
+	kvs_client *tx = connect_ok(&pa);
+	one_room(rx, tx, 0x64);
+	uint64_t hits = 0;
+	cr_assert_eq(kvs_admin_fp_get(pb.admin, "peer.accept", &hits), 0);
+	cr_assert_eq(hits, 1);
+	cr_assert_eq(proxy_log_count(&pa, "redialed"), 1, "the stream closed on was dialed again");
+	cr_assert_eq(stat_get(&pa, "peer_lost"), 0);
+	kvs_close(tx);
+	kvs_close(rx);
+}
+
+/* B closes every peer connection unread: the dialer's redials are bounded,
+ * and the room ends FAILED, not waiting for ever. */
+Test(hostile, a_listener_that_closes_every_stream_unread_fails_the_room_after_a_few_redials)
+{
+	listener(&pb, NULL);
+	fp_set(&pb, "peer.accept", "fail", NULL);
+	kvs_client *rx = connect_ok(&pb);
+	dialer(&pa);
+	kvs_client *tx = connect_ok(&pa);
+	struct xroom x;
+	xroom_open(&x, rx, tx, 3 * SLOT, 0x65);
+	struct kvs_event e = wait_event(tx);
+	cr_assert_eq(e.type, KVS_EV_FAILED, "the sender's final is %u", e.type);
+	cr_assert_eq(e.status, -ECONNRESET, "%s", kvs_strerror(e.status));
+	/* Two streams, then PSESS_REDIALS (8) redials: the ninth stream
+	 * closed on lost the session; the tenth may still be on its way. */
+	uint64_t hits = 0;
+	cr_assert_eq(kvs_admin_fp_get(pb.admin, "peer.accept", &hits), 0);
+	cr_assert(hits >= 9 && hits <= 10, "B closed %llu connections", (unsigned long long)hits);
+	kvs_close(tx);
+	kvs_close(rx);
+}
+
 /* ------------------------------------------- 3: failed handshakes, logged */
 
 Test(hostile, five_thousand_failed_handshakes_write_a_handful_of_lines)

@@ -469,6 +469,11 @@ int kvsp_xport_fp(struct kvsp *p, unsigned id, uint32_t i)
 	return kvsp_fp_eval(&p->fp[id], p->cfg.failpoints, a, b);
 }
 
+int kvsp_xport_fp_ud(struct kvsp *p, unsigned id, uint64_t ud)
+{
+	return kvsp_fp_eval(&p->fp[id], p->cfg.failpoints, ud, ud);
+}
+
 int kvsp_xport_fp_action(const struct kvsp *p, unsigned id, int *err)
 {
 	*err = p->fp[id].err;

@@ -212,6 +212,8 @@ bool kvsp_room_live(const struct kvsp *p, uint32_t room, uint32_t gen);
 void kvsp_room_user_data(const struct kvsp *p, uint32_t room, uint64_t *recv_ud, uint64_t *send_ud);
 /* Evaluates failpoint id (enum kvsp_fp_id) for a room. Returns 0 (pass), KVSP_FP_HOLD, or -errno. */
 int kvsp_xport_fp(struct kvsp *p, unsigned id, uint32_t room);
+/* Evaluates failpoint id for what ud names (not a room). Returns 0 (pass), KVSP_FP_HOLD, or -errno. */
+int kvsp_xport_fp_ud(struct kvsp *p, unsigned id, uint64_t ud);
 /* The failpoint's action now (enum kvs_fp_action) and its error. */
 int kvsp_xport_fp_action(const struct kvsp *p, unsigned id, int *err);
 /* What t holds at failpoint id is let go through release (kvstage-ctl's

@@ -18,6 +18,7 @@
 #include <errno.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
+#include <poll.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/epoll.h>
@@ -225,8 +226,13 @@ int pconn_handshake(struct pconn_table *t, struct pconn *c, uint64_t now)
 			ssize_t n = send(c->fd, c->hs_out + c->hs_out_off,
 					 c->hs_out_len - c->hs_out_off,
 					 MSG_DONTWAIT | MSG_NOSIGNAL);
-			if (n < 0)
-				return errno == EAGAIN ? 0 : -errno;
+			if (n < 0) {
+				if (errno != EAGAIN)
+					return -errno;
+				c->wblocked = true; /* still connecting (pconn_dialed), or full */
+				watch(t, c, EPOLL_CTL_MOD);
+				return 0;
+			}
 			c->hs_out_off += (uint32_t)n;
 		}
 		enum kvsp_auth_step step = kvsp_auth_next(&c->auth);
@@ -276,6 +282,16 @@ int pconn_handshake(struct pconn_table *t, struct pconn *c, uint64_t now)
 		if (rc < 0)
 			return rc;
 	}
+}
+
+void pconn_dialed(struct pconn_table *t, struct pconn *c, uint64_t now)
+{
+	struct pollfd pfd = { .fd = c->fd, .events = POLLOUT };
+	if (c->state != PCONN_CONNECTING || poll(&pfd, 1, 0) != 1 || pfd.revents != POLLOUT)
+		return; /* the loop hears how the connect went */
+	/* 0: the HELLO is on its way. A failure here is the socket's, and
+	 * its error wakes the loop, which fails the connection then. */
+	(void)pconn_handshake(t, c, now);
 }
 
 /* --------------------------------------------------------------- write */

@@ -126,6 +126,11 @@ struct pconn *pconn_of_tag(struct pconn_table *t, uint64_t tag);
  * secret is proven both ways (keys in place; its owner says what it is
  * now), 0 while it waits, or -errno. */
 int pconn_handshake(struct pconn_table *t, struct pconn *c, uint64_t now);
+/* A dialer's connection just made: if its connect completed at once (on
+ * loopback it does), its HELLO goes now. It is then in the listener's
+ * socket before the listener accepts it, and read at the accept: it is
+ * never taken for a silent one (pconn_admit). */
+void pconn_dialed(struct pconn_table *t, struct pconn *c, uint64_t now);
 /* c proved itself: JOINING (accepted) or UP (dialer, as stream of session sess). */
 void pconn_authed(struct pconn *c, uint32_t sess, unsigned stream);
 /* c joined session sess as its stream (JOINING -> UP). */

@@ -30,6 +30,7 @@
 #include <sys/timerfd.h>
 #include <unistd.h>
 
+#include "core/failpoint.h"
 #include "core/xport.h"
 #include "daemon/log.h"
 #include "datapath/datapath.h"
@@ -63,6 +64,7 @@ struct peer {
 	unsigned ndps;
 	struct kvsp_dp *by_type[KVS_WIRE_NTYPES]; /* who reads each data path's frame types */
 	struct kvsp_rl rl_conn, rl_sess;
+	uint64_t accepts; /* connections accepted: failpoint peer.accept matches the count */
 };
 
 static struct peer *peer_of(struct kvsp_transport *t)
@@ -129,6 +131,8 @@ static void conn_fail(struct peer *pr, struct pconn *c, int status)
 	if (c->state == PCONN_FREE)
 		return;
 	struct psess *s = psess_get(&pr->sessions, c->sess);
+	if (s && psess_redial(&pr->sessions, s, c, status, now_of(pr)) == 0)
+		return; /* a place refused, not us: dialed again */
 	if (s) {
 		psess_lost(&pr->sessions, s, status);
 		return;
@@ -301,7 +305,8 @@ static void on_accept(struct peer *pr)
 		if (fd < 0)
 			return;
 		struct kvsp_endpoint from;
-		if (kvsp_endpoint_of(&from, (struct sockaddr *)&sa, sl) < 0) {
+		if (kvsp_endpoint_of(&from, (struct sockaddr *)&sa, sl) < 0 ||
+		    kvsp_xport_fp_ud(pr->p, KVSP_FP_PEER_ACCEPT, ++pr->accepts) < 0) {
 			close(fd);
 			continue;
 		}

@@ -27,6 +27,11 @@
  * silent first), else an up session that carries nothing (longest idle
  * first) is evicted. A client makes us dial at most PSESS_DIALS_PER_CLIENT
  * sessions at once; nothing else of ours is held for it.
+ *
+ * A dialed stream the listener closes before it said a word was refused a
+ * place (its admission makes way for newcomers: peer/conn.h), not proven
+ * wrong: it is dialed again, within the session's joining deadline and at
+ * most PSESS_REDIALS times a session (psess_redial).
  */
 #include "peer/session.h"
 
@@ -282,6 +287,29 @@ static void sess_up(struct psess_table *t, struct psess *s, uint64_t now)
 		t->dps[k]->ops->sess_up(t->dps[k], s);
 }
 
+/* Stream k of dialed session s: a connect under way, its HELLO sent at
+ * once where it can be. Returns 0, or -errno. */
+static int dial_stream(struct psess_table *t, struct psess *s, unsigned k, uint64_t now)
+{
+	const struct kvsp_endpoint *ep = &s->ep;
+	int fd = socket(ep->sa.ss_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+	if (fd < 0)
+		return -errno;
+	if (connect(fd, (const struct sockaddr *)&ep->sa, ep->len) < 0 && errno != EINPROGRESS) {
+		int err = -errno;
+		close(fd);
+		return err;
+	}
+	struct pconn *c = pconn_new(t->conns, fd, true, ep, now);
+	if (!c)
+		return -EMFILE;
+	c->sess = s->id;
+	c->stream = k;
+	s->conn[k] = c;
+	pconn_dialed(t->conns, c, now);
+	return 0;
+}
+
 struct psess *psess_dial(struct psess_table *t, const struct kvsp_endpoint *ep, uint32_t cid,
 			 uint64_t now, int *err)
 {
@@ -302,27 +330,34 @@ struct psess *psess_dial(struct psess_table *t, const struct kvsp_endpoint *ep, 
 	s->nstreams = t->streams;
 	randombytes_buf(&s->sid, sizeof(s->sid));
 	for (unsigned k = 0; k < s->nstreams; k++) {
-		int fd = socket(ep->sa.ss_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
-		if (fd < 0 || (connect(fd, (const struct sockaddr *)&ep->sa, ep->len) < 0 &&
-			       errno != EINPROGRESS)) {
-			*err = -errno;
-			if (fd >= 0)
-				close(fd);
+		int rc = dial_stream(t, s, k, now);
+		if (rc < 0) {
+			*err = rc;
 			sess_free(t, s);
 			return NULL;
 		}
-		struct pconn *c = pconn_new(t->conns, fd, true, ep, now);
-		if (!c) {
-			*err = -EMFILE;
-			sess_free(t, s);
-			return NULL;
-		}
-		c->sess = s->id;
-		c->stream = k;
-		s->conn[k] = c;
 	}
 	LOG_DEBUG("peer %s: dialing, %u streams", ep->text, s->nstreams);
 	return s;
+}
+
+int psess_redial(struct psess_table *t, struct psess *s, struct pconn *c, int status, uint64_t now)
+{
+	if (!s->dialer || s->state != PSESS_JOINING || c->sess != s->id || c->heard ||
+	    (c->state != PCONN_CONNECTING && c->state != PCONN_HANDSHAKE) ||
+	    (status != -ECONNRESET && status != -EPIPE) || s->redials >= PSESS_REDIALS ||
+	    now - s->since_ns >= t->hs_ns)
+		return -1;
+	unsigned k = c->stream;
+	pconn_close(t->conns, c);
+	s->conn[k] = NULL;
+	s->redials++;
+	SLOG(t, KVSP_LOG_INFO, "peer %s: stream %u closed before the peer said a word: redialed",
+	     s->ep.text, k);
+	int rc = dial_stream(t, s, k, now);
+	if (rc < 0)
+		psess_lost(t, s, rc);
+	return 0;
 }
 
 int psess_authed(struct psess_table *t, struct pconn *c, uint64_t now)

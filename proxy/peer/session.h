@@ -28,6 +28,7 @@ struct pconn_table;
 
 #define PSESS_MAX 64		 /* KVS_MAX_PEERS: one published row each */
 #define PSESS_DIALS_PER_CLIENT 8 /* sessions being dialed for one client at once */
+#define PSESS_REDIALS 8		 /* streams of one dialed session dialed again (psess_redial) */
 
 enum psess_state {
 	PSESS_FREE = 0,
@@ -50,6 +51,7 @@ struct psess {
 	uint64_t sid;		 /* the dialer's name for the session */
 	uint32_t dial_cid;	 /* dialed: the client whose room made us dial it */
 	unsigned nstreams, njoined, rr;
+	unsigned redials; /* dialed: streams dialed again while joining */
 	struct pconn *conn[KVSP_PEER_MAX_STREAMS];
 	uint64_t since_ns; /* in this state since */
 	uint64_t last_rx_ns, last_tx_ns;
@@ -97,6 +99,13 @@ struct psess *psess_dialed(struct psess_table *t, const struct kvsp_endpoint *ep
  * dials too many at once), or socket()'s, connect()'s -errno. */
 struct psess *psess_dial(struct psess_table *t, const struct kvsp_endpoint *ep, uint32_t cid,
 			 uint64_t now, int *err);
+/* Dialed session s's stream c failed with status while joining, before the
+ * listener said a word on it (its admission closed it to make way: not a
+ * refusal of us). Dials that stream again, within the joining deadline, at
+ * most PSESS_REDIALS times a session. Returns 0 if it did (c is closed;
+ * s is lost instead if the new dial cannot start), or -1: c's failure is
+ * the session's (psess_lost). */
+int psess_redial(struct psess_table *t, struct psess *s, struct pconn *c, int status, uint64_t now);
 /* c proved the secret. Dialed: it joins its session (JOIN sent), which is
  * up with its last stream. Accepted: it waits for JOIN. Returns 0, or
  * -errno (c's session is to be lost; c alone, accepted). */
