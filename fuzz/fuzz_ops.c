@@ -175,7 +175,7 @@ static void near_valid(struct kvsp_client *c, const uint8_t *b)
 		.slot = slot,
 		.epoch = (slot < NSLOTS ? P.slots.pub[slot].epoch : 1) + (uint32_t)de,
 		.arg = (uint64_t)(b[5] % 6) * 4096 + (b[6] & 1),
-		.arg2 = b[7] & 1 ? 4096 : b[6],
+		.len = b[7] & 1 ? 4096 : b[6],
 	};
 	if (q.op == KVS_OP_ACQUIRE)
 		q.arg = b[5] % (NSLOTS + 2);

@@ -969,7 +969,7 @@ int kvs_send(kvs_room *h, const struct kvs_lease *l, uint64_t offset, uint32_t l
 			     .slot = l->slot,
 			     .epoch = l->epoch,
 			     .arg = offset,
-			     .arg2 = len };
+			     .len = len };
 	rc = submit(c, &q);
 	if (rc == 0)
 		r->sent[i / 64] |= 1ull << (i % 64);

@@ -108,7 +108,7 @@ Test(client, a_rejection_for_a_room_gone_since_leaves_the_new_room_alone)
 			     .slot = l[1].slot,
 			     .epoch = l[1].epoch + 1,
 			     .arg = 0,
-			     .arg2 = SLOT };
+			     .len = SLOT };
 	cr_assert_eq(raw_submit(tx, &q), 0);
 	struct kvs_event ev = wait_event(tx);
 	cr_assert_eq(ev.type, KVS_EV_REJECTED);

@@ -88,7 +88,7 @@ Test(errors, stale_lease_refused_and_nothing_changes)
 			     .slot = l[0].slot,
 			     .epoch = l[0].epoch,
 			     .arg = 0,
-			     .arg2 = SLOT };
+			     .len = SLOT };
 	for (unsigned h = 0; h < 4; h++)
 		if (c->rooms[h].role == KVS_ROLE_SEND)
 			q.handle = (uint16_t)h;
@@ -121,7 +121,7 @@ Test(errors, foreign_lease_refused_and_nothing_changes)
 	cr_assert_eq(kvs_recv_open(a, SLOT, 1, &rr, &d), 0);
 	cr_assert_eq(kvs_send_open(b, &d, 2, &sr), 0);
 	cr_assert_eq(kvs_send(sr, &l, 0, SLOT), -EPERM);
-	struct kvs_sqe q = { .op = KVS_OP_SEND, .slot = l.slot, .epoch = l.epoch, .arg2 = SLOT };
+	struct kvs_sqe q = { .op = KVS_OP_SEND, .slot = l.slot, .epoch = l.epoch, .len = SLOT };
 	q.handle = kvs_room_handle_idx(sr);
 	q.gen = kvs_room_handle_gen(sr);
 	cr_assert_eq(raw_submit(b, &q), 0);
@@ -233,30 +233,30 @@ Test(errors, bad_sends_are_refused_by_library_and_proxy)
 		  .slot = l[0].slot,
 		  .epoch = l[0].epoch,
 		  .arg = 1,
-		  .arg2 = SLOT },
+		  .len = SLOT },
 		{ .op = KVS_OP_SEND,
 		  .handle = h,
 		  .slot = l[0].slot,
 		  .epoch = l[0].epoch,
 		  .arg = 3 * SLOT,
-		  .arg2 = SLOT },
+		  .len = SLOT },
 		{ .op = KVS_OP_SEND,
 		  .handle = h,
 		  .slot = l[0].slot,
 		  .epoch = l[0].epoch,
 		  .arg = 0,
-		  .arg2 = SLOT + 1 },
+		  .len = SLOT + 1 },
 		{ .op = KVS_OP_SEND,
 		  .handle = h,
 		  .slot = SLOTS + 5,
 		  .epoch = 1,
 		  .arg = 0,
-		  .arg2 = SLOT },
+		  .len = SLOT },
 		{ .op = KVS_OP_SEND,
 		  .handle = 999,
 		  .slot = l[0].slot,
 		  .epoch = l[0].epoch,
-		  .arg2 = SLOT },
+		  .len = SLOT },
 		{ .op = 200, .handle = h },
 		{ .op = KVS_OP_ABORT, .handle = 3 },
 		{ .op = KVS_OP_CLOSE, .handle = 60000 },
@@ -278,7 +278,7 @@ Test(errors, bad_sends_are_refused_by_library_and_proxy)
 			       .slot = l[1].slot,
 			       .epoch = l[1].epoch,
 			       .arg = 0,
-			       .arg2 = SLOT };
+			       .len = SLOT };
 	cr_assert_eq(raw_submit(tx, &dup), 0);
 	struct kvs_event ev = wait_event(tx);
 	cr_assert_eq(ev.type, KVS_EV_REJECTED);

@@ -714,7 +714,7 @@ static int stepped_client(int rd_, int wr, void *arg)
 						     .slot = l[0].slot,
 						     .epoch = l[0].epoch,
 						     .arg = 1,
-						     .arg2 = SLOT4K };
+						     .len = SLOT4K };
 				struct kvs_event ev;
 				if (raw_submit(c, &q) || kvs_wait(c, &ev, WAIT_MS) != 1 ||
 				    ev.type != KVS_EV_REJECTED || ev.status != -EINVAL)

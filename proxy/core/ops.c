@@ -91,7 +91,7 @@ static void client_op(struct kvsp *p, struct kvsp_client *c, const struct kvs_sq
 		return;
 	case KVS_OP_SEND: {
 		struct kvs_lease l = { q->slot, q->epoch };
-		rc = kvsp_room_send(p, c, q->handle, &l, q->arg, q->arg2);
+		rc = kvsp_room_send(p, c, q->handle, &l, q->arg, q->len);
 		break;
 	}
 	case KVS_OP_ABORT:
