@@ -231,8 +231,7 @@ static_assert(offsetof(struct kvs_ctrl, stats) == 192, "stats stay where ABI 2 p
 
 /* ---------------------------------------------------------------- rings */
 
-/* Submission record, client -> proxy. 40 bytes. */
-/* 32 bytes, two to a cache line: no record straddles two, and each SEND
+/* Submission record, client -> proxy. 32 bytes, two to a cache line: no record straddles two, and each SEND
  * copies 8 words into the ring and out of it, not 10. The lease (SEND,
  * RELEASE) and user_data (the opens) share their place: no op takes both. */
 struct kvs_sqe {

@@ -65,6 +65,7 @@ static struct kvsp_transport *local_create(struct kvsp *p, const void *opts, cha
 	if (!p->cfg.failpoints) {
 		t->ops = &local_ops;
 		t->p = p;
+		t->lands_at_submit = true; /* local_submit is kvsp_xfer_handoff's every time */
 	}
 	return t;
 }

@@ -108,6 +108,9 @@ struct kvsp_transport {
 	const struct kvsp_transport_ops *ops;
 	struct kvsp *p;
 	uint8_t idx; /* in the registry */
+	/* Its submit lands every chunk at once, with no failure (the local
+	 * transport): the core lands it without the transfer record. */
+	bool lands_at_submit;
 };
 
 /* --------------------------------------------------- the registry */
