@@ -286,12 +286,27 @@ int pconn_handshake(struct pconn_table *t, struct pconn *c, uint64_t now)
 
 void pconn_dialed(struct pconn_table *t, struct pconn *c, uint64_t now)
 {
+	(void)now;
 	struct pollfd pfd = { .fd = c->fd, .events = POLLOUT };
 	if (c->state != PCONN_CONNECTING || poll(&pfd, 1, 0) != 1 || pfd.revents != POLLOUT)
 		return; /* the loop hears how the connect went */
-	/* 0: the HELLO is on its way. A failure here is the socket's, and
-	 * its error wakes the loop, which fails the connection then. */
-	(void)pconn_handshake(t, c, now);
+	/* The HELLO only, never a read: the listener may answer at once
+	 * (loopback, another CPU), and a handshake that finished here would
+	 * have no one to join its session. The loop reads the answer. */
+	c->state = PCONN_HANDSHAKE;
+	watch(t, c, EPOLL_CTL_MOD);
+	if (kvsp_auth_next(&c->auth) != KVSP_AUTH_SEND_HELLO ||
+	    kvsp_auth_hello(&c->auth, c->hs_out) < 0)
+		return;
+	c->hs_out_len = KVS_WIRE_HELLO_SIZE;
+	c->hs_out_off = 0;
+	ssize_t n = send(c->fd, c->hs_out, c->hs_out_len, MSG_DONTWAIT | MSG_NOSIGNAL);
+	if (n > 0) {
+		c->hs_out_off = (uint32_t)n;
+	} else if (n < 0 && errno == EAGAIN) {
+		c->wblocked = true;
+		watch(t, c, EPOLL_CTL_MOD);
+	} /* else the socket's error wakes the loop, which fails the connection */
 }
 
 /* --------------------------------------------------------------- write */
