@@ -54,6 +54,7 @@ static int watch(struct pconn_table *t, struct pconn *c, int op)
 	uint32_t events = (c->rx_paused ? 0 : EPOLLIN) |
 			  (c->wblocked || c->state == PCONN_CONNECTING ? EPOLLOUT : 0);
 	struct epoll_event ev = { .events = events, .data.u64 = (uint64_t)c->id << 32 | c->idx };
+	KVS_STAT_ADD(t->st->peer_epoll_ctls, 1);
 	return epoll_ctl(t->epfd, op, c->fd, &ev) < 0 ? -errno : 0;
 }
 
@@ -157,6 +158,7 @@ void pconn_close(struct pconn_table *t, struct pconn *c)
 {
 	if (c->state == PCONN_FREE)
 		return;
+	KVS_STAT_ADD(t->st->peer_epoll_ctls, 1);
 	epoll_ctl(t->epfd, EPOLL_CTL_DEL, c->fd, NULL);
 	close(c->fd);
 	kvsp_auth_wipe(&c->auth);
@@ -223,6 +225,7 @@ int pconn_handshake(struct pconn_table *t, struct pconn *c, uint64_t now)
 	}
 	for (;;) {
 		while (c->hs_out_off < c->hs_out_len) {
+			KVS_STAT_ADD(t->st->tcp_send_calls, 1);
 			ssize_t n = send(c->fd, c->hs_out + c->hs_out_off,
 					 c->hs_out_len - c->hs_out_off,
 					 MSG_DONTWAIT | MSG_NOSIGNAL);
@@ -251,6 +254,7 @@ int pconn_handshake(struct pconn_table *t, struct pconn *c, uint64_t now)
 			uint32_t need = step == KVSP_AUTH_RECV_HELLO ? KVS_WIRE_HELLO_SIZE
 								     : KVS_WIRE_PROOF_SIZE;
 			/* Exactly this message: what follows it is the first frame's. */
+			KVS_STAT_ADD(t->st->tcp_recv_calls, 1);
 			ssize_t n =
 				recv(c->fd, c->hs_in + c->hs_have, need - c->hs_have, MSG_DONTWAIT);
 			if (n == 0)
@@ -337,6 +341,7 @@ int pconn_write(struct pconn_table *t, struct pconn *c, uint16_t *type, struct k
 			iov[n_iov++] = (struct iovec){ (uint8_t *)c->tx_payload + c->tx_poff,
 						       c->tx_plen - c->tx_poff };
 		struct msghdr m = { .msg_iov = iov, .msg_iovlen = (size_t)n_iov };
+		KVS_STAT_ADD(t->st->tcp_send_calls, 1);
 		ssize_t n = sendmsg(c->fd, &m, MSG_DONTWAIT | MSG_NOSIGNAL);
 		if (n < 0) {
 			if (errno != EAGAIN)
@@ -393,6 +398,7 @@ int pconn_read(struct pconn_table *t, struct pconn *c, struct kvsp_frame *f, uin
 	uint32_t owed = kvsp_frame_rx_owed(&c->frx);
 	ssize_t n;
 	int what = PCONN_NOTHING;
+	KVS_STAT_ADD(t->st->tcp_recv_calls, 1);
 	if (owed) {
 		uint8_t *dst = c->rx_dst ? c->rx_dst + c->rx_off : t->sink;
 		size_t want = owed;

@@ -445,6 +445,7 @@ static int peer_poll(struct kvsp_transport *t)
 		return busy;
 	pr->woken = false;
 	struct epoll_event ev[64];
+	KVS_STAT_ADD(pr->st->peer_epoll_waits, 1);
 	int n = epoll_wait(pr->epfd, ev, 64, 0);
 	for (int k = 0; k < n; k++) {
 		uint64_t tag = ev[k].data.u64;
