@@ -353,8 +353,9 @@ static const char *const tcp_defs[][2] = {
 	  "over the chunks it moved in it (its chunks_moved counter): sends are sendmsg and "
 	  "send calls (tcp_send_calls), recvs recv and recvmsg calls (tcp_recv_calls), epoll "
 	  "the peer plane's epoll_wait and epoll_ctl calls (peer_epoll_waits + peer_epoll_ctls); "
-	  "calls that found the socket full or empty (EAGAIN) are counted. Counted, not "
-	  "timed: they do not depend on the machine's load as the other figures do" },
+	  "calls that found the socket full or empty (EAGAIN) are counted. Sends and recvs "
+	  "are counts of work, not times: they move little with the machine's load; epoll "
+	  "is mostly the loop's passes (an epoll_wait each, busy or not), so it does" },
 	{ "cpu_s_per_gb",
 	  "CPU seconds per GB moved, of every process on the path: both proxies and every "
 	  "sender and receiver process (utime + stime over the window, over the window's "
