@@ -467,25 +467,55 @@ struct kvsp_xfer *pconn_payload_to_sink(struct pconn *c)
 	return x;
 }
 
+/* Payload bytes, and after its tail the next frame's first ones in the same
+ * call (a chunk costs a recv less). Returns what came, or -errno. */
+static ssize_t read_payload(struct pconn_table *t, struct pconn *c, uint32_t owed, int *what)
+{
+	uint8_t *dst = c->rx_dst ? c->rx_dst + c->rx_off : t->sink;
+	size_t want = owed;
+	if (!c->rx_dst && want > PCONN_SINK_SIZE)
+		want = PCONN_SINK_SIZE;
+	struct iovec iov[2] = { { dst, want }, { NULL, 0 } };
+	size_t n_iov = 1;
+	if (want == owed && (iov[1].iov_len = kvsp_frame_rx_want_next(&c->frx, &iov[1].iov_base)))
+		n_iov = 2;
+	struct msghdr m = { .msg_iov = iov, .msg_iovlen = n_iov };
+	ssize_t n = recvmsg(c->fd, &m, MSG_DONTWAIT);
+	if (n <= 0)
+		return n;
+	size_t took = (size_t)n < want ? (size_t)n : want;
+	if (c->rx_has_crc)
+		c->rx_crc = kvsp_crc32c(dst, took, c->rx_crc);
+	c->rx_off += (uint32_t)took;
+	kvsp_frame_rx_payload(&c->frx, took);
+	*what = kvsp_frame_rx_owed(&c->frx) ? PCONN_DATA : PCONN_PAYLOAD_END;
+	if ((size_t)n > took) {
+		/* A header alone is never a frame: the decoder says only whether
+		 * it wants more, or refuses it. The refusal is the next read's
+		 * (kvsp_frame_rx_err), after this payload's end is heard. */
+		struct kvsp_frame unused;
+		if (kvsp_frame_rx_wrote(&c->frx, (size_t)n - took, &unused) < 0)
+			KVS_STAT_ADD(t->st->peer_frames_refused, 1);
+	}
+	return n;
+}
+
+int pconn_rx_err(const struct pconn *c)
+{
+	return kvsp_frame_rx_err(&c->frx);
+}
+
 int pconn_read(struct pconn_table *t, struct pconn *c, struct kvsp_frame *f, uint64_t now)
 {
+	int err = kvsp_frame_rx_err(&c->frx);
+	if (err)
+		return err; /* refused with the tail of the payload before it: counted then */
 	uint32_t owed = kvsp_frame_rx_owed(&c->frx);
 	ssize_t n;
 	int what = PCONN_NOTHING;
 	KVS_STAT_ADD(t->st->tcp_recv_calls, 1);
 	if (owed) {
-		uint8_t *dst = c->rx_dst ? c->rx_dst + c->rx_off : t->sink;
-		size_t want = owed;
-		if (!c->rx_dst && want > PCONN_SINK_SIZE)
-			want = PCONN_SINK_SIZE;
-		n = recv(c->fd, dst, want, MSG_DONTWAIT);
-		if (n > 0) {
-			if (c->rx_has_crc)
-				c->rx_crc = kvsp_crc32c(dst, (size_t)n, c->rx_crc);
-			c->rx_off += (uint32_t)n;
-			kvsp_frame_rx_payload(&c->frx, (size_t)n);
-			what = kvsp_frame_rx_owed(&c->frx) ? PCONN_DATA : PCONN_PAYLOAD_END;
-		}
+		n = read_payload(t, c, owed, &what);
 	} else {
 		void *at;
 		size_t want = kvsp_frame_rx_want(&c->frx, &at);

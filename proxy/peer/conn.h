@@ -159,12 +159,17 @@ void pconn_ready(struct pconn_table *t, struct pconn *c, uint32_t events);
 /* Returns the time c is overdue from (compare with now), or UINT64_MAX if it has no deadline. */
 uint64_t pconn_deadline(const struct pconn *c, uint64_t hs_ns, uint64_t timeout_ns);
 
-/* Reads once from c (a frame's bytes or a payload's). Returns PCONN_FRAME
- * with a verified frame in *f, PCONN_DATA (payload bytes taken, more to
- * come), PCONN_PAYLOAD_END (the payload is all in: rx_x, rx_dst and the
- * CRC say what came), PCONN_NOTHING (the socket has nothing now), or
- * -errno (the connection is lost; a refused frame is counted). */
+/* Reads once from c (a frame's bytes or a payload's; a payload's tail with
+ * the next frame's first bytes). Returns PCONN_FRAME with a verified frame
+ * in *f, PCONN_DATA (bytes taken, more to come), PCONN_PAYLOAD_END (the
+ * payload is all in: rx_x, rx_dst and the CRC say what came; then
+ * pconn_rx_err), PCONN_NOTHING (the socket has nothing now), or -errno
+ * (the connection is lost; a refused frame is counted). */
 int pconn_read(struct pconn_table *t, struct pconn *c, struct kvsp_frame *f, uint64_t now);
+/* Returns 0, or the refusal of a frame whose first bytes came with the tail of
+ * the payload before it (counted then): c is to be failed with it once that
+ * payload's end was heard. */
+int pconn_rx_err(const struct pconn *c);
 /* After a frame announcing plen payload bytes: they go to dst (a posted
  * slot, for transfer x) or, dst NULL, to the sink. crc: the frame's CRC32C
  * of them, checked at the end, when has_crc. */

@@ -238,6 +238,17 @@ static int dispatch(struct peer *pr, struct pconn *c, const struct kvsp_frame *f
 	return dp->ops->on_frame(dp, s, c, f);
 }
 
+/* The payload c's last frame announced is all in: its owner hears it.
+ * Returns 0, or the refusal of the frame read with its tail (c is lost). */
+static int payload_end(struct peer *pr, struct pconn *c)
+{
+	struct kvsp_dp *dp = c->rx_type < KVS_WIRE_NTYPES ? pr->by_type[c->rx_type] : NULL;
+	struct psess *s = psess_up(&pr->sessions, c->sess);
+	if (dp && dp->ops->payload_end && s)
+		dp->ops->payload_end(dp, s, c);
+	return pconn_rx_err(c);
+}
+
 /* Reads what c's socket has, a bounded amount. */
 static int conn_rx(struct peer *pr, struct pconn *c)
 {
@@ -252,13 +263,8 @@ static int conn_rx(struct peer *pr, struct pconn *c)
 			break;
 		if (rc == PCONN_FRAME)
 			rc = dispatch(pr, c, &f);
-		else if (rc == PCONN_PAYLOAD_END && c->rx_type < KVS_WIRE_NTYPES &&
-			 pr->by_type[c->rx_type] && pr->by_type[c->rx_type]->ops->payload_end) {
-			struct psess *s = psess_up(&pr->sessions, c->sess);
-			if (s)
-				pr->by_type[c->rx_type]->ops->payload_end(pr->by_type[c->rx_type],
-									  s, c);
-		}
+		else if (rc == PCONN_PAYLOAD_END)
+			rc = payload_end(pr, c);
 		if (rc < 0) {
 			conn_fail(pr, c, rc);
 			break;
