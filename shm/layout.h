@@ -108,6 +108,12 @@ struct kvs_stats {
 	uint64_t rdma_reads_refused; /* peers' READs our NIC refused (a key not held, or past it) */
 	uint64_t rdma_links_lost;    /* queue pairs that failed under a live session (made again) */
 	uint64_t rdma_sessions; /* sessions whose chunks go by RDMA READ now (both ends connected) */
+	/* appended: older readers stop at rdma_sessions. The tcp path's
+	 * syscalls, EAGAIN ones included (kvstage-bench tcp: per chunk). */
+	uint64_t tcp_send_calls;   /* sendmsg/send on peer connections */
+	uint64_t tcp_recv_calls;   /* recv/recvmsg on peer connections */
+	uint64_t peer_epoll_waits; /* the peer plane's epoll_wait */
+	uint64_t peer_epoll_ctls;  /* ... and epoll_ctl (a full socket's EPOLLOUT, a pause) */
 };
 
 /* The proxy is the counters' only writer, so a plain load and store (no

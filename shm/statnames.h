@@ -78,6 +78,10 @@ static const struct kvs_stat_name kvs_stat_names[] = {
 	KVS_STAT(rdma_reads_refused),
 	KVS_STAT(rdma_links_lost),
 	KVS_STAT(rdma_sessions),
+	KVS_STAT(tcp_send_calls),
+	KVS_STAT(tcp_recv_calls),
+	KVS_STAT(peer_epoll_waits),
+	KVS_STAT(peer_epoll_ctls),
 };
 
 /* Returns the counter's offset in struct kvs_stats, or -1. */

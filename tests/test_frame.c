@@ -900,10 +900,20 @@ static void decode_all(const uint8_t *in, size_t len, const struct sealed *s, si
 			cr_assert_eq(used, 0);
 			void *at;
 			cr_assert_eq(kvsp_frame_rx_want(&rx, &at), 0);
-			if (k > kvsp_frame_rx_owed(&rx))
-				k = kvsp_frame_rx_owed(&rx);
+			/* Half the time, the bytes past the tail go where the next
+			 * frame's will be wanted, in the same piece (as one recvmsg). */
+			void *next = NULL;
+			size_t owed = kvsp_frame_rx_owed(&rx), more = 0;
+			if (k > owed && xorshift() & 1) {
+				more = kvsp_frame_rx_want_next(&rx, &next);
+				cr_assert_eq(more, sizeof(struct kvs_wire_frame_hdr));
+				more = k - owed < more ? k - owed : more;
+				memcpy(next, in + pos + owed, more);
+			}
+			if (k > owed)
+				k = owed;
 			const struct sealed *c = &s[got - 1];
-			size_t off = c->plen - kvsp_frame_rx_owed(&rx);
+			size_t off = c->plen - owed;
 			memcpy(payload + off, in + pos, k);
 			cr_assert_eq(kvsp_frame_rx_payload(&rx, k), 0);
 			pos += k;
@@ -912,6 +922,16 @@ static void decode_all(const uint8_t *in, size_t len, const struct sealed *s, si
 					  "payload differs");
 				cr_assert_eq(kvsp_crc32c(payload, c->plen, 0),
 					     le32toh(c->body.chunk.crc32c));
+			}
+			if (more) {
+				void *at;
+				cr_assert_eq(kvsp_frame_rx_want(&rx, &at),
+					     sizeof(struct kvs_wire_frame_hdr));
+				cr_assert_eq(at, next,
+					     "the next frame's bytes are wanted where said");
+				cr_assert_eq(kvsp_frame_rx_wrote(&rx, more, &f), 0,
+					     "a header alone");
+				pos += more;
 			}
 			continue;
 		}
@@ -939,6 +959,7 @@ static void decode_all(const uint8_t *in, size_t len, const struct sealed *s, si
 	cr_assert_eq(kvsp_frame_rx_owed(&rx), 0);
 	void *at;
 	cr_assert_eq(kvsp_frame_rx_want(&rx, &at), sizeof(struct kvs_wire_frame_hdr));
+	cr_assert_eq(kvsp_frame_rx_want_next(&rx, &at), 0, "no payload owed: no next frame yet");
 	kvsp_frame_rx_wipe(&rx);
 }
 

@@ -661,6 +661,41 @@ Test(hostile, a_stalled_payload_gives_its_slot_back_at_the_abort)
 	wait_idle(&pb, 0);
 }
 
+/* A peer whose chunk's payload ends with a forged frame's header right
+ * behind it, in one write (the receiving proxy reads the payload's tail
+ * and that header in one recvmsg): the session is lost for the forgery at
+ * once, not at a deadline, the refusal is counted once, and the slot
+ * posted for the chunk comes back. */
+Test(hostile, a_frame_forged_behind_a_payloads_tail_loses_the_session_at_once)
+{
+	listener(&pb, NULL);
+	const char *ep = endpoint_of(&pb);
+	kvs_client *rx = connect_ok(&pb);
+	struct hpeer h;
+	hp_join(&h, ep, NULL, &good, rnd64(), rnd64(), 0, 1);
+	kvs_room *rr;
+	struct kvs_room_desc d;
+	hostile_opens(&h, rx, 1, &rr, &d);
+	uint64_t refused = stat_get(&pb, "peer_frames_refused"), lost = stat_get(&pb, "peer_lost");
+	struct kvs_wire_chunk c = { .room = hp_room((const void *)&d),
+				    .chunk = 0,
+				    .len = htole32(SLOT) };
+	hp_send(&h, KVS_WIRE_CHUNK, &c, SLOT, NULL);
+	static uint8_t tail[SLOT + sizeof(struct kvs_wire_frame_hdr)]; /* the header: no magic */
+	hp_put(h.fd, tail, sizeof(tail));
+	struct kvs_event e = wait_event(rx);
+	cr_assert_eq(e.type, KVS_EV_FAILED, "got %u", e.type);
+	cr_assert_eq(e.status, -EPROTO, "lost for the forgery, not at a deadline: %s",
+		     kvs_strerror(e.status));
+	hp_wait_closed(h.fd);
+	close(h.fd);
+	stat_wait(&pb, "peer_lost", 1, lost + 1);
+	cr_assert_eq(stat_get(&pb, "peer_frames_refused"), refused + 1, "counted once");
+	cr_assert_eq(kvs_room_close(rr), 0);
+	kvs_close(rx);
+	wait_idle(&pb, 0);
+}
+
 /* ----------------------------------------------- 8: the secret, wiped */
 
 #ifndef __SANITIZE_ADDRESS__

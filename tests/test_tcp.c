@@ -398,3 +398,65 @@ Test(tcp, a_draining_proxy_tells_its_peers_and_exits_quiesced)
 	wait_idle(&pa, 0);
 	kvs_close(rx);
 }
+
+/* ------------------------------------------------------ batched writes */
+
+#define SMALL 4096
+#define BATCH_CHUNKS 32
+
+/* Chunks owed on a connection at once leave several to a sendmsg: a room's
+ * chunks, queued together when its OPEN_ACK comes (its OPEN waited behind
+ * a payload held at tcp.payload), cost fewer sendmsg calls than half their
+ * number, and arrive byte for byte. */
+Test(tcp, chunks_owed_at_once_leave_several_to_a_sendmsg)
+{
+	if (by_rdma())
+		cr_skip_test("chunks go by RDMA READ in this run");
+	const char *args[] = { "--slots",  "64",	  "--slot-size",   "4K",
+			       "--listen", "127.0.0.1:0", "--tcp-streams", "1",
+			       NULL };
+	proxy_start(&pb, NULL, args);
+	proxy_start(&pa, NULL, args);
+	kvs_client *rx = connect_ok(&pb), *tx = connect_ok(&pa);
+	cr_assert_eq(kvs_admin_fp_set_mask(pa.admin, "tcp.payload", "pause", 0x70, 0xffff), 0);
+	kvs_room *rr[2], *sr[2];
+	struct kvs_room_desc d[2];
+	const uint64_t owner[2] = { 0x70, 0x71 };
+	const unsigned chunks[2] = { 1, BATCH_CHUNKS };
+	for (unsigned r = 0; r < 2; r++) {
+		cr_assert_eq(kvs_recv_open(rx, chunks[r] * SMALL, owner[r], &rr[r], &d[r]), 0);
+		cr_assert_eq(kvs_send_open(tx, &d[r], owner[r], &sr[r]), 0);
+		for (unsigned k = 0; k < chunks[r]; k++) {
+			struct kvs_lease l;
+			cr_assert_eq(kvs_acquire(tx, 1, &l), 0);
+			canary_fill(kvs_lease_ptr(tx, &l), owner[r], k * SMALL, SMALL);
+			cr_assert_eq(kvs_send(sr[r], &l, k * SMALL, SMALL), 0);
+		}
+		if (r == 0)
+			fp_wait(&pa, "tcp.payload", 1); /* its header left, its payload waits */
+	}
+	sync_barrier(tx); /* every chunk of the second room is A's, waiting for its OPEN_ACK */
+	uint64_t sends = stat_get(&pa, "tcp_send_calls");
+	fp_set(&pa, "tcp.payload", "off", NULL);
+	for (unsigned r = 0; r < 2; r++) {
+		cr_assert_eq(wait_event(tx).type, KVS_EV_SEND_DONE);
+		cr_assert_eq(wait_event(rx).type, KVS_EV_RECV_DONE);
+	}
+	sends = stat_get(&pa, "tcp_send_calls") - sends;
+	cr_assert_lt(sends, BATCH_CHUNKS / 2, "%llu sendmsg calls for %u chunks",
+		     (unsigned long long)sends, BATCH_CHUNKS + 1);
+	for (unsigned k = 0; k < BATCH_CHUNKS; k++) {
+		struct kvs_lease l;
+		cr_assert_eq(kvs_room_lease(rr[1], k, &l), 0);
+		cr_assert_eq(canary_check(kvs_lease_ptr(rx, &l), owner[1], k * SMALL, SMALL), SMALL,
+			     "chunk %u: wrong bytes", k);
+	}
+	for (unsigned r = 0; r < 2; r++) {
+		cr_assert_eq(kvs_room_close(rr[r]), 0);
+		cr_assert_eq(kvs_room_close(sr[r]), 0);
+	}
+	kvs_close(tx);
+	kvs_close(rx);
+	wait_idle(&pa, 0);
+	wait_idle(&pb, 0);
+}

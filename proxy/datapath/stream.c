@@ -139,7 +139,8 @@ static bool stream_next_frame(struct kvsp_dp *dp, struct psess *s, struct pconn 
 	out->payload = src;
 	out->plen = x->len;
 	out->x = x;
-	/* Test barrier: the header goes, the payload waits. */
+	/* Test barrier: the header goes, the payload waits (and, as the
+	 * batch's last, so does every frame after it). */
 	if (kvsp_xport_fp(dp->p, KVSP_FP_TCP_PAYLOAD, x->room) == KVSP_FP_HOLD)
 		c->tx_held = st->held = true;
 	return true;
@@ -209,8 +210,10 @@ static void stream_cancel(struct kvsp_dp *dp, uint32_t room, uint32_t gen)
 		 * comes back now (our own recv() is the only writer). */
 		if (c->rx_x && c->rx_x->room == room && c->rx_x->room_gen == gen)
 			kvsp_chunk_discard(dp->p, pconn_payload_to_sink(c), -ECANCELED);
-		/* Queued to be sent: never leaves its slot. (One being written
-		 * finishes: the peer reads its length whole, and it quiesces then.) */
+		/* Queued to be sent: never leaves its slot. (One sealed into the
+		 * connection's batch finishes, at most PCONN_TX_FRAMES of them: its
+		 * frame's seq is spent, the peer reads its length whole, and it
+		 * quiesces then.) */
 		uint32_t *at = &c->q_head, prev = PCONN_NONE;
 		while (*at != PCONN_NONE) {
 			uint32_t slot = *at;

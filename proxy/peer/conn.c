@@ -54,6 +54,7 @@ static int watch(struct pconn_table *t, struct pconn *c, int op)
 	uint32_t events = (c->rx_paused ? 0 : EPOLLIN) |
 			  (c->wblocked || c->state == PCONN_CONNECTING ? EPOLLOUT : 0);
 	struct epoll_event ev = { .events = events, .data.u64 = (uint64_t)c->id << 32 | c->idx };
+	KVS_STAT_ADD(t->st->peer_epoll_ctls, 1);
 	return epoll_ctl(t->epfd, op, c->fd, &ev) < 0 ? -errno : 0;
 }
 
@@ -157,6 +158,7 @@ void pconn_close(struct pconn_table *t, struct pconn *c)
 {
 	if (c->state == PCONN_FREE)
 		return;
+	KVS_STAT_ADD(t->st->peer_epoll_ctls, 1);
 	epoll_ctl(t->epfd, EPOLL_CTL_DEL, c->fd, NULL);
 	close(c->fd);
 	kvsp_auth_wipe(&c->auth);
@@ -165,8 +167,10 @@ void pconn_close(struct pconn_table *t, struct pconn *c)
 	c->state = PCONN_FREE;
 	c->sess = 0;
 	c->pub = NULL;
-	c->tx_x = c->rx_x = NULL; /* their owners release them, with every other pin */
-	c->tx_len = c->tx_off = c->tx_plen = c->tx_poff = 0;
+	c->rx_x = NULL; /* its owner releases it, and the batch's, with every other pin */
+	c->tx_head = c->tx_n = c->tx_sent = 0;
+	c->tx_off = 0;
+	c->tx_pbytes = 0;
 	c->qn = 0;
 	c->q_head = c->q_tail = PCONN_NONE;
 	while (t->hi && t->conn[t->hi - 1].state == PCONN_FREE)
@@ -223,6 +227,7 @@ int pconn_handshake(struct pconn_table *t, struct pconn *c, uint64_t now)
 	}
 	for (;;) {
 		while (c->hs_out_off < c->hs_out_len) {
+			KVS_STAT_ADD(t->st->tcp_send_calls, 1);
 			ssize_t n = send(c->fd, c->hs_out + c->hs_out_off,
 					 c->hs_out_len - c->hs_out_off,
 					 MSG_DONTWAIT | MSG_NOSIGNAL);
@@ -251,6 +256,7 @@ int pconn_handshake(struct pconn_table *t, struct pconn *c, uint64_t now)
 			uint32_t need = step == KVSP_AUTH_RECV_HELLO ? KVS_WIRE_HELLO_SIZE
 								     : KVS_WIRE_PROOF_SIZE;
 			/* Exactly this message: what follows it is the first frame's. */
+			KVS_STAT_ADD(t->st->tcp_recv_calls, 1);
 			ssize_t n =
 				recv(c->fd, c->hs_in + c->hs_have, need - c->hs_have, MSG_DONTWAIT);
 			if (n == 0)
@@ -311,71 +317,144 @@ void pconn_dialed(struct pconn_table *t, struct pconn *c, uint64_t now)
 
 /* --------------------------------------------------------------- write */
 
+static unsigned ring(const struct pconn *c, unsigned k)
+{
+	return (c->tx_head + k) % PCONN_TX_FRAMES;
+}
+
+/* The held payload is the batch's last (it ends the batch). */
+static bool held_payload(const struct pconn *c, unsigned k)
+{
+	return c->tx_held && k + 1 == c->tx_n;
+}
+
+/* What is left to write that may go now, as iovecs (frame, payload, ...). Returns their count. */
+static int tx_iov(const struct pconn *c, struct iovec *iov, size_t *len)
+{
+	int n = 0;
+	uint32_t done = c->tx_off;
+	*len = 0;
+	for (unsigned k = c->tx_sent; k < c->tx_n; k++, done = 0) {
+		unsigned i = ring(c, k);
+		const struct pconn_tx *f = &c->tx[i];
+		if (done < f->len)
+			iov[n++] = (struct iovec){ (uint8_t *)c->txbuf[i] + done, f->len - done };
+		uint32_t pdone = done > f->len ? done - f->len : 0;
+		if (pdone < f->plen && !held_payload(c, k))
+			iov[n++] = (struct iovec){ (uint8_t *)f->payload + pdone, f->plen - pdone };
+	}
+	for (int k = 0; k < n; k++)
+		*len += iov[k].iov_len;
+	return n;
+}
+
+/* n more bytes left, in order: frames all out are counted sent. */
+static void tx_advance(struct pconn *c, size_t n)
+{
+	while (n) {
+		const struct pconn_tx *f = &c->tx[ring(c, c->tx_sent)];
+		uint32_t left = f->len + f->plen - c->tx_off;
+		uint32_t k = n < left ? (uint32_t)n : left;
+		c->tx_off += k;
+		n -= k;
+		if (c->tx_off == f->len + f->plen) {
+			c->tx_sent++;
+			c->tx_off = 0;
+		}
+	}
+}
+
 bool pconn_tx_busy(const struct pconn *c)
 {
-	return c->tx_off < c->tx_len || c->tx_poff < c->tx_plen;
+	return c->tx_sent < c->tx_n;
 }
 
 bool pconn_tx_ready(const struct pconn *c)
 {
-	return c->state == PCONN_UP && !c->wblocked &&
-	       (c->tx_off < c->tx_len || (c->tx_poff < c->tx_plen && !c->tx_held));
+	if (c->state != PCONN_UP || c->wblocked || !pconn_tx_busy(c))
+		return false;
+	/* Only the last frame's payload can be held: anything before it can go. */
+	return c->tx_sent + 1 < c->tx_n || c->tx_off < c->tx[ring(c, c->tx_sent)].len ||
+	       !c->tx_held;
+}
+
+bool pconn_tx_room(const struct pconn *c)
+{
+	if (!c->tx_n)
+		return true;
+	return c->tx_n < PCONN_TX_FRAMES && c->tx[ring(c, c->tx_n - 1)].plen && !c->tx_held &&
+	       c->tx_pbytes < PCONN_TX_BYTES;
 }
 
 int pconn_put(struct pconn *c, uint16_t type, const void *body, const void *payload, uint32_t plen,
 	      struct kvsp_xfer *x)
 {
-	int n = kvsp_frame_seal(&c->ftx, type, body, plen, c->txbuf);
+	if (c->tx_n == PCONN_TX_FRAMES)
+		return -ENOBUFS;
+	unsigned i = ring(c, c->tx_n);
+	int n = kvsp_frame_seal(&c->ftx, type, body, plen, c->txbuf[i]);
 	if (n < 0)
 		return n;
-	c->tx_len = (uint32_t)n;
-	c->tx_off = 0;
-	c->tx_type = type;
-	c->tx_payload = payload;
-	c->tx_plen = plen;
-	c->tx_poff = 0;
-	c->tx_x = x;
+	c->tx[i] = (struct pconn_tx){ .payload = payload,
+				      .x = x,
+				      .len = (uint32_t)n,
+				      .plen = plen,
+				      .type = type };
+	c->tx_n++;
+	c->tx_pbytes += plen;
 	return 0;
 }
 
-int pconn_write(struct pconn_table *t, struct pconn *c, uint16_t *type, struct kvsp_xfer **x,
-		uint64_t now)
+/* The socket took less than it was offered, or nothing: it is full. */
+static void tx_full(struct pconn_table *t, struct pconn *c)
+{
+	c->wblocked = true;
+	watch(t, c, EPOLL_CTL_MOD);
+}
+
+int pconn_write(struct pconn_table *t, struct pconn *c, uint64_t now)
 {
 	(void)now;
-	while (!c->wblocked && pconn_tx_ready(c)) {
-		struct iovec iov[2];
-		int n_iov = 0;
-		if (c->tx_off < c->tx_len)
-			iov[n_iov++] =
-				(struct iovec){ c->txbuf + c->tx_off, c->tx_len - c->tx_off };
-		if (c->tx_poff < c->tx_plen && !c->tx_held)
-			iov[n_iov++] = (struct iovec){ (uint8_t *)c->tx_payload + c->tx_poff,
-						       c->tx_plen - c->tx_poff };
-		struct msghdr m = { .msg_iov = iov, .msg_iovlen = (size_t)n_iov };
-		ssize_t n = sendmsg(c->fd, &m, MSG_DONTWAIT | MSG_NOSIGNAL);
-		if (n < 0) {
-			if (errno != EAGAIN)
-				return -errno;
-			c->wblocked = true;
-			watch(t, c, EPOLL_CTL_MOD);
-			return 0;
-		}
-		KVS_STAT_ADD(t->st->tcp_bytes_tx, (uint64_t)n);
-		if (c->pub)
-			KVS_STAT_ADD(c->pub->bytes_tx, (uint64_t)n);
-		uint32_t h = c->tx_len - c->tx_off < (size_t)n ? c->tx_len - c->tx_off
-							       : (uint32_t)n;
-		c->tx_off += h;
-		c->tx_poff += (uint32_t)n - h;
-	}
-	if (pconn_tx_busy(c))
+	struct iovec iov[2 * PCONN_TX_FRAMES];
+	size_t want;
+	int n_iov = pconn_tx_ready(c) ? tx_iov(c, iov, &want) : 0;
+	if (!n_iov)
 		return 0;
-	/* Every byte left: the socket has its copy. */
-	*type = c->tx_type;
-	*x = c->tx_x;
-	c->tx_len = c->tx_off = c->tx_plen = c->tx_poff = 0;
-	c->tx_x = NULL;
+	struct msghdr m = { .msg_iov = iov, .msg_iovlen = (size_t)n_iov };
+	KVS_STAT_ADD(t->st->tcp_send_calls, 1);
+	ssize_t n = sendmsg(c->fd, &m, MSG_DONTWAIT | MSG_NOSIGNAL);
+	if (n < 0) {
+		if (errno != EAGAIN)
+			return -errno;
+		tx_full(t, c);
+		return 0;
+	}
+	KVS_STAT_ADD(t->st->tcp_bytes_tx, (uint64_t)n);
+	if (c->pub)
+		KVS_STAT_ADD(c->pub->bytes_tx, (uint64_t)n);
+	tx_advance(c, (size_t)n);
+	/* A short write filled the socket: asking again would only hear
+	 * EAGAIN. The level-triggered EPOLLOUT says when it has room (at
+	 * once, if it made some meanwhile). */
+	if ((size_t)n < want) {
+		tx_full(t, c);
+		return 0;
+	}
 	return 1;
+}
+
+bool pconn_tx_done(struct pconn *c, uint16_t *type, struct kvsp_xfer **x)
+{
+	if (!c->tx_sent)
+		return false;
+	const struct pconn_tx *f = &c->tx[c->tx_head];
+	*type = f->type;
+	*x = f->x;
+	c->tx_pbytes -= f->plen;
+	c->tx_head = (uint8_t)ring(c, 1);
+	c->tx_n--;
+	c->tx_sent--;
+	return true;
 }
 
 /* ---------------------------------------------------------------- read */
@@ -403,24 +482,55 @@ struct kvsp_xfer *pconn_payload_to_sink(struct pconn *c)
 	return x;
 }
 
+/* Payload bytes, and after its tail the next frame's first ones in the same
+ * call (a chunk costs a recv less). Returns what came, or -errno. */
+static ssize_t read_payload(struct pconn_table *t, struct pconn *c, uint32_t owed, int *what)
+{
+	uint8_t *dst = c->rx_dst ? c->rx_dst + c->rx_off : t->sink;
+	size_t want = owed;
+	if (!c->rx_dst && want > PCONN_SINK_SIZE)
+		want = PCONN_SINK_SIZE;
+	struct iovec iov[2] = { { dst, want }, { NULL, 0 } };
+	size_t n_iov = 1;
+	if (want == owed && (iov[1].iov_len = kvsp_frame_rx_want_next(&c->frx, &iov[1].iov_base)))
+		n_iov = 2;
+	struct msghdr m = { .msg_iov = iov, .msg_iovlen = n_iov };
+	ssize_t n = recvmsg(c->fd, &m, MSG_DONTWAIT);
+	if (n <= 0)
+		return n;
+	size_t took = (size_t)n < want ? (size_t)n : want;
+	if (c->rx_has_crc)
+		c->rx_crc = kvsp_crc32c(dst, took, c->rx_crc);
+	c->rx_off += (uint32_t)took;
+	kvsp_frame_rx_payload(&c->frx, took);
+	*what = kvsp_frame_rx_owed(&c->frx) ? PCONN_DATA : PCONN_PAYLOAD_END;
+	if ((size_t)n > took) {
+		/* A header alone is never a frame: the decoder says only whether
+		 * it wants more, or refuses it. The refusal is the next read's
+		 * (kvsp_frame_rx_err), after this payload's end is heard. */
+		struct kvsp_frame unused;
+		if (kvsp_frame_rx_wrote(&c->frx, (size_t)n - took, &unused) < 0)
+			KVS_STAT_ADD(t->st->peer_frames_refused, 1);
+	}
+	return n;
+}
+
+int pconn_rx_err(const struct pconn *c)
+{
+	return kvsp_frame_rx_err(&c->frx);
+}
+
 int pconn_read(struct pconn_table *t, struct pconn *c, struct kvsp_frame *f, uint64_t now)
 {
+	int err = kvsp_frame_rx_err(&c->frx);
+	if (err)
+		return err; /* refused with the tail of the payload before it: counted then */
 	uint32_t owed = kvsp_frame_rx_owed(&c->frx);
 	ssize_t n;
 	int what = PCONN_NOTHING;
+	KVS_STAT_ADD(t->st->tcp_recv_calls, 1);
 	if (owed) {
-		uint8_t *dst = c->rx_dst ? c->rx_dst + c->rx_off : t->sink;
-		size_t want = owed;
-		if (!c->rx_dst && want > PCONN_SINK_SIZE)
-			want = PCONN_SINK_SIZE;
-		n = recv(c->fd, dst, want, MSG_DONTWAIT);
-		if (n > 0) {
-			if (c->rx_has_crc)
-				c->rx_crc = kvsp_crc32c(dst, (size_t)n, c->rx_crc);
-			c->rx_off += (uint32_t)n;
-			kvsp_frame_rx_payload(&c->frx, (size_t)n);
-			what = kvsp_frame_rx_owed(&c->frx) ? PCONN_DATA : PCONN_PAYLOAD_END;
-		}
+		n = read_payload(t, c, owed, &what);
 	} else {
 		void *at;
 		size_t want = kvsp_frame_rx_want(&c->frx, &at);

@@ -14,9 +14,15 @@
  * never the other way round, so silent connections cannot keep a real
  * proxy out, even from its own address.
  *
- * Writes go straight from slot memory into the socket (frame and payload
- * in one sendmsg); reads go straight from the socket into the slot a
- * payload is posted for, or into the sink. Non-blocking throughout.
+ * Writes go straight from slot memory into the socket: a batch of sealed
+ * frames, each with its payload after it, in one sendmsg (iovecs header,
+ * payload, header, payload...). A frame joins the batch while it holds
+ * fewer than PCONN_TX_FRAMES and less than PCONN_TX_BYTES of payload, and
+ * its last frame has a payload (a frame without one, a control frame,
+ * ends it: a BYE is the last thing said); so a control frame owed
+ * meanwhile waits behind at most that much. Reads go straight from the
+ * socket into the slot a payload is posted for, or into the sink.
+ * Non-blocking throughout.
  */
 #ifndef KVSP_CONN_H
 #define KVSP_CONN_H
@@ -35,6 +41,8 @@ struct kvs_stats;
 #define PCONN_HANDSHAKES 256 /* accepted connections not joined yet, in all */
 #define PCONN_PER_SOURCE 32  /* ... and from one address: a peer's streams (16) twice over */
 #define PCONN_SINK_SIZE (64 * 1024)
+#define PCONN_TX_FRAMES 8	    /* frames in one batch (one sendmsg) */
+#define PCONN_TX_BYTES (256 * 1024) /* no frame joins a batch holding this much payload */
 #define PCONN_NONE UINT32_MAX
 
 enum pconn_state {
@@ -48,12 +56,20 @@ enum pconn_state {
 /* What pconn_read found. */
 enum { PCONN_NOTHING = 0, PCONN_FRAME, PCONN_DATA, PCONN_PAYLOAD_END };
 
+/* A sealed frame being written (its bytes are txbuf's at the same index). */
+struct pconn_tx {
+	const uint8_t *payload;
+	struct kvsp_xfer *x; /* the payload's transfer */
+	uint32_t len, plen;  /* frame bytes, payload bytes */
+	uint16_t type;
+};
+
 struct pconn {
 	int fd;
 	uint8_t state;
 	bool dialer;
 	bool wblocked;	/* the socket is full: wait for EPOLLOUT */
-	bool tx_held;	/* the payload waits (test barrier, datapath/stream.c) */
+	bool tx_held;	/* the batch's last payload waits (test barrier, datapath/stream.c) */
 	bool rx_paused; /* joined a session that is not up: its frames wait in the socket */
 	bool heard;	/* it has said a byte */
 	uint16_t idx;
@@ -70,13 +86,13 @@ struct pconn {
 	/* frames */
 	struct kvsp_frame_tx ftx;
 	struct kvsp_frame_rx frx;
-	/* what is being written: a frame, and a payload after it */
-	uint8_t txbuf[KVS_WIRE_FRAME_MAX];
-	uint32_t tx_len, tx_off;
-	uint16_t tx_type;
-	const uint8_t *tx_payload;
-	uint32_t tx_plen, tx_poff;
-	struct kvsp_xfer *tx_x;
+	/* what is being written: a ring of sealed frames, each with its payload;
+	 * tx[tx_head..] for tx_n, the first tx_sent of them all out */
+	uint8_t txbuf[PCONN_TX_FRAMES][KVS_WIRE_FRAME_MAX];
+	struct pconn_tx tx[PCONN_TX_FRAMES];
+	uint8_t tx_head, tx_n, tx_sent;
+	uint32_t tx_off; /* bytes of the first frame not all out that are (frame, then payload) */
+	uint64_t tx_pbytes; /* payload bytes in the ring */
 	/* what is being read: a payload, into a slot or the sink */
 	uint16_t rx_type; /* the frame that announced it */
 	struct kvsp_xfer *rx_x;
@@ -143,12 +159,17 @@ void pconn_ready(struct pconn_table *t, struct pconn *c, uint32_t events);
 /* Returns the time c is overdue from (compare with now), or UINT64_MAX if it has no deadline. */
 uint64_t pconn_deadline(const struct pconn *c, uint64_t hs_ns, uint64_t timeout_ns);
 
-/* Reads once from c (a frame's bytes or a payload's). Returns PCONN_FRAME
- * with a verified frame in *f, PCONN_DATA (payload bytes taken, more to
- * come), PCONN_PAYLOAD_END (the payload is all in: rx_x, rx_dst and the
- * CRC say what came), PCONN_NOTHING (the socket has nothing now), or
- * -errno (the connection is lost; a refused frame is counted). */
+/* Reads once from c (a frame's bytes or a payload's; a payload's tail with
+ * the next frame's first bytes). Returns PCONN_FRAME with a verified frame
+ * in *f, PCONN_DATA (bytes taken, more to come), PCONN_PAYLOAD_END (the
+ * payload is all in: rx_x, rx_dst and the CRC say what came; then
+ * pconn_rx_err), PCONN_NOTHING (the socket has nothing now), or -errno
+ * (the connection is lost; a refused frame is counted). */
 int pconn_read(struct pconn_table *t, struct pconn *c, struct kvsp_frame *f, uint64_t now);
+/* Returns 0, or the refusal of a frame whose first bytes came with the tail of
+ * the payload before it (counted then): c is to be failed with it once that
+ * payload's end was heard. */
+int pconn_rx_err(const struct pconn *c);
 /* After a frame announcing plen payload bytes: they go to dst (a posted
  * slot, for transfer x) or, dst NULL, to the sink. crc: the frame's CRC32C
  * of them, checked at the end, when has_crc. */
@@ -163,15 +184,20 @@ struct kvsp_xfer *pconn_payload_to_sink(struct pconn *c);
 bool pconn_tx_busy(const struct pconn *c);
 /* True if c can write something now. */
 bool pconn_tx_ready(const struct pconn *c);
-/* Seals a frame of type with body into c's write buffer (empty: !pconn_tx_busy),
- * with plen payload bytes from payload after it (transfer x). Returns 0, or -errno. */
+/* True if another frame may join c's batch (see the head of this file). */
+bool pconn_tx_room(const struct pconn *c);
+/* Seals a frame of type with body into c's batch (pconn_tx_room said so), with
+ * plen payload bytes from payload after it (transfer x). Returns 0, or -errno. */
 int pconn_put(struct pconn *c, uint16_t type, const void *body, const void *payload, uint32_t plen,
 	      struct kvsp_xfer *x);
-/* Writes what c holds until the socket is full. Returns 1 once the frame
- * and its payload are all out (*x: the payload's transfer, else NULL; the
- * buffer is empty again), 0 while it waits (the socket is full, or the
- * payload is held), or -errno (the connection is lost). */
-int pconn_write(struct pconn_table *t, struct pconn *c, uint16_t *type, struct kvsp_xfer **x,
-		uint64_t now);
+/* Writes what c's batch holds, in one sendmsg. Returns 1 if all it could
+ * offer went, 0 if the socket is full (c waits for EPOLLOUT) or nothing
+ * could go (the payload is held), or -errno (the connection is lost).
+ * Frames all out are pconn_tx_done's. */
+int pconn_write(struct pconn_table *t, struct pconn *c, uint64_t now);
+/* Takes the oldest frame whose every byte left (the socket has its copy),
+ * oldest first: its type and payload's transfer (NULL: none). Returns false
+ * when there is none. */
+bool pconn_tx_done(struct pconn *c, uint16_t *type, struct kvsp_xfer **x);
 
 #endif

@@ -136,6 +136,22 @@ size_t kvsp_frame_rx_want(struct kvsp_frame_rx *rx, void **at)
 	return rx->need - rx->have;
 }
 
+size_t kvsp_frame_rx_want_next(struct kvsp_frame_rx *rx, void **at)
+{
+	if (rx->err || !rx->owed) {
+		*at = NULL;
+		return 0;
+	}
+	/* judge_frame left the next frame's header to come: have 0, need HDR. */
+	*at = rx->buf + rx->have;
+	return rx->need - rx->have;
+}
+
+int kvsp_frame_rx_err(const struct kvsp_frame_rx *rx)
+{
+	return rx->err;
+}
+
 uint32_t kvsp_frame_rx_owed(const struct kvsp_frame_rx *rx)
 {
 	return rx->err ? 0 : rx->owed;

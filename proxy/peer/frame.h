@@ -14,6 +14,9 @@
  * Two ways to feed it, mixed as the caller likes:
  *   n = kvsp_frame_rx_want(rx, &at);  recv(fd, at, n);  kvsp_frame_rx_wrote(rx, got, &f);
  *   kvsp_frame_rx_feed(rx, buf, len, &used, &f);   (copies from a buffer the caller filled)
+ * A payload's tail and the next frame's first bytes can come in one read:
+ *   m = kvsp_frame_rx_want_next(rx, &next);  recvmsg(fd, {tail, owed}, {next, m});
+ *   kvsp_frame_rx_payload(rx, owed);  kvsp_frame_rx_wrote(rx, got - owed, &f);
  *
  * Every refusal kills the decoder (the connection is to be dropped): the
  * call and every later one return the same -errno, one per cause, so the
@@ -106,6 +109,12 @@ int kvsp_frame_rx_wrote(struct kvsp_frame_rx *rx, size_t n, struct kvsp_frame *f
  * payload is owed: the decoder stays alive. */
 int kvsp_frame_rx_feed(struct kvsp_frame_rx *rx, const void *bytes, size_t n, size_t *used,
 		       struct kvsp_frame *f);
+/* While a payload is owed: returns how many bytes of the next frame the decoder
+ * will want once it is all taken, with *at where (what kvsp_frame_rx_want will
+ * say then), so they can be read with its tail; 0 when none is owed or once dead. */
+size_t kvsp_frame_rx_want_next(struct kvsp_frame_rx *rx, void **at);
+/* Returns 0, or the refusal that killed the decoder. */
+int kvsp_frame_rx_err(const struct kvsp_frame_rx *rx);
 /* Returns the CHUNK payload bytes the caller has still to take. */
 uint32_t kvsp_frame_rx_owed(const struct kvsp_frame_rx *rx);
 /* The caller took n more payload bytes off the stream. Returns 0, or -EINVAL if n

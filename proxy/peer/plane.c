@@ -163,7 +163,21 @@ static void on_sent(struct peer *pr, struct psess *s, uint16_t type, struct kvsp
 		psess_bye_sent(&pr->sessions, s);
 }
 
-/* Writes what c owes until its socket is full. Returns KVSP_BUSY or KVSP_IDLE. */
+/* Seals into c's batch what next_frame says s owes on it, while the batch
+ * has room. Returns 0, or -errno (c is lost). */
+static int conn_fill(struct peer *pr, struct psess *s, struct pconn *c)
+{
+	struct kvsp_dp_frame f;
+	while (s->state == PSESS_UP && pconn_tx_room(c) && next_frame(pr, s, c, &f)) {
+		int rc = pconn_put(c, f.type, &f.body, f.payload, f.plen, f.x);
+		if (rc < 0)
+			return rc;
+	}
+	return 0;
+}
+
+/* Writes what c owes until its socket is full, a batch a sendmsg. Returns
+ * KVSP_BUSY or KVSP_IDLE. */
 static int conn_tx(struct peer *pr, struct pconn *c)
 {
 	int busy = KVSP_IDLE;
@@ -173,27 +187,23 @@ static int conn_tx(struct peer *pr, struct pconn *c)
 		struct psess *s = psess_get(&pr->sessions, c->sess);
 		if (!s)
 			break;
-		if (!pconn_tx_busy(c)) {
-			struct kvsp_dp_frame f;
-			if (s->state != PSESS_UP || !next_frame(pr, s, c, &f))
-				break;
-			int rc = pconn_put(c, f.type, &f.body, f.payload, f.plen, f.x);
-			if (rc < 0) {
-				conn_fail(pr, c, rc);
-				break;
-			}
-		}
-		uint16_t type;
-		struct kvsp_xfer *x;
-		int rc = pconn_write(&pr->conns, c, &type, &x, now_of(pr));
+		int rc = conn_fill(pr, s, c);
+		if (rc == 0 && !pconn_tx_ready(c))
+			break; /* nothing owed, the socket is full, or a payload is held */
+		if (rc == 0)
+			rc = pconn_write(&pr->conns, c, now_of(pr));
 		if (rc < 0) {
 			conn_fail(pr, c, rc);
 			break;
 		}
+		uint16_t type;
+		struct kvsp_xfer *x;
+		while (pconn_tx_done(c, &type, &x)) {
+			busy = KVSP_BUSY;
+			on_sent(pr, s, type, x); /* a BYE may close c: its batch is empty then */
+		}
 		if (rc == 0)
-			break; /* the socket is full, or a payload is held */
-		busy = KVSP_BUSY;
-		on_sent(pr, s, type, x);
+			break;
 	}
 	return busy;
 }
@@ -228,6 +238,17 @@ static int dispatch(struct peer *pr, struct pconn *c, const struct kvsp_frame *f
 	return dp->ops->on_frame(dp, s, c, f);
 }
 
+/* The payload c's last frame announced is all in: its owner hears it.
+ * Returns 0, or the refusal of the frame read with its tail (c is lost). */
+static int payload_end(struct peer *pr, struct pconn *c)
+{
+	struct kvsp_dp *dp = c->rx_type < KVS_WIRE_NTYPES ? pr->by_type[c->rx_type] : NULL;
+	struct psess *s = psess_up(&pr->sessions, c->sess);
+	if (dp && dp->ops->payload_end && s)
+		dp->ops->payload_end(dp, s, c);
+	return pconn_rx_err(c);
+}
+
 /* Reads what c's socket has, a bounded amount. */
 static int conn_rx(struct peer *pr, struct pconn *c)
 {
@@ -242,13 +263,8 @@ static int conn_rx(struct peer *pr, struct pconn *c)
 			break;
 		if (rc == PCONN_FRAME)
 			rc = dispatch(pr, c, &f);
-		else if (rc == PCONN_PAYLOAD_END && c->rx_type < KVS_WIRE_NTYPES &&
-			 pr->by_type[c->rx_type] && pr->by_type[c->rx_type]->ops->payload_end) {
-			struct psess *s = psess_up(&pr->sessions, c->sess);
-			if (s)
-				pr->by_type[c->rx_type]->ops->payload_end(pr->by_type[c->rx_type],
-									  s, c);
-		}
+		else if (rc == PCONN_PAYLOAD_END)
+			rc = payload_end(pr, c);
 		if (rc < 0) {
 			conn_fail(pr, c, rc);
 			break;
@@ -445,6 +461,7 @@ static int peer_poll(struct kvsp_transport *t)
 		return busy;
 	pr->woken = false;
 	struct epoll_event ev[64];
+	KVS_STAT_ADD(pr->st->peer_epoll_waits, 1);
 	int n = epoll_wait(pr->epfd, ev, 64, 0);
 	for (int k = 0; k < n; k++) {
 		uint64_t tag = ev[k].data.u64;

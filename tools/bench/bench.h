@@ -249,6 +249,9 @@ double baseline_ib_read_bw(const char *dev, int gid_index, uint64_t chunk, doubl
 int bench_enter_netns(const char *ns);
 /* One of the published counters (statnames.h) of the proxy at sock, or 0 if unreadable. */
 uint64_t bench_stat(const char *sock, const char *name);
+/* n published counters of the proxy at sock, read from one mapping into out
+ * (0 for one unknown). Returns 0, or -1 (unreadable: every out is 0). */
+int bench_stats(const char *sock, const char *const *names, unsigned n, uint64_t *out);
 /* Eventfd ping-pong between two processes that both block (placed like the
  * proxy and a client), one round trip after each gap_ns of quiet: the
  * kernel's floor for waking a sleeping proxy and then its sleeping client.
@@ -286,6 +289,9 @@ struct local_point {
 	double rdma_gbps;		 /* verbs: ib_read_bw on the same device; < 0: failed */
 	/* verbs: each chunk's key on the sending proxy, per chunk READ */
 	double binds, invalidates, regions, region_frees;
+	/* tcp: each proxy's (0: A, 1: B) syscalls on its peer connections over
+	 * the window, per chunk it moved (its chunks_moved); NaN: n/a */
+	double sends[2], recvs[2], epolls[2];
 };
 
 struct latency_result {

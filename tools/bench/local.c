@@ -141,6 +141,33 @@ static void progress(const struct bench_opts *o, const struct lshared *sh, unsig
 	*last_t = t;
 }
 
+/* The counters a proxy's tcp syscalls per chunk come from (local_point's sends, recvs, epolls). */
+enum { K_SEND, K_RECV, K_WAIT, K_CTL, K_CHUNKS, K_N };
+static const char *const calls_names[K_N] = { "tcp_send_calls", "tcp_recv_calls",
+					      "peer_epoll_waits", "peer_epoll_ctls",
+					      "chunks_moved" };
+
+/* Each proxy's counters now (0: A, the senders', 1: B); false if one is unreadable. */
+static bool calls_take(const struct bench_ends *e, uint64_t v[2][K_N])
+{
+	return bench_stats(e->tx_sock, calls_names, K_N, v[0]) == 0 &&
+	       bench_stats(e->rx_sock, calls_names, K_N, v[1]) == 0;
+}
+
+/* Per chunk each proxy moved between the two samples; NaN where unknown. */
+static void calls_per_chunk(struct local_point *pt, bool ok, uint64_t a[2][K_N], uint64_t b[2][K_N])
+{
+	for (int i = 0; i < 2; i++) {
+		double chunks = ok ? (double)(b[i][K_CHUNKS] - a[i][K_CHUNKS]) : 0;
+		pt->sends[i] = chunks > 0 ? (double)(b[i][K_SEND] - a[i][K_SEND]) / chunks : NAN;
+		pt->recvs[i] = chunks > 0 ? (double)(b[i][K_RECV] - a[i][K_RECV]) / chunks : NAN;
+		pt->epolls[i] = chunks > 0 ? (double)(b[i][K_WAIT] - a[i][K_WAIT] + b[i][K_CTL] -
+						      a[i][K_CTL]) /
+						     chunks
+					   : NAN;
+	}
+}
+
 int local_measure(const struct bench_opts *o, const struct bench_ends *e, uint64_t chunk,
 		  struct local_point *pt)
 {
@@ -224,6 +251,8 @@ int local_measure(const struct bench_opts *o, const struct bench_ends *e, uint64
 	pid_t rx_pid = e->rx_cpu_pid != e->tx_cpu_pid ? e->rx_cpu_pid : 0;
 	double cpu_a = -1, cpu_b = -1, rcpu_a = -1, rcpu_b = -1, kcpu_a = -1, kcpu_b = -1;
 	uint64_t t_a = 0, t_b = 0;
+	uint64_t calls_a[2][K_N] = { { 0 } }, calls_b[2][K_N] = { { 0 } };
+	bool calls_ok = e->tcp_calls;
 	if (!rc) {
 		uint64_t t0 = now_ns();
 		sh->t0 = t0;
@@ -255,6 +284,8 @@ int local_measure(const struct bench_opts *o, const struct bench_ends *e, uint64
 				cpu_a = proc_cpu_seconds(e->tx_cpu_pid);
 				rcpu_a = proc_cpu_seconds(rx_pid);
 				kcpu_a = kids_cpu_seconds(&kids);
+				if (calls_ok)
+					calls_ok = calls_take(e, calls_a);
 				t_a = now_ns();
 			}
 			if (interrupted || kids_reap(&kids, false)) {
@@ -267,6 +298,8 @@ int local_measure(const struct bench_opts *o, const struct bench_ends *e, uint64
 		cpu_b = proc_cpu_seconds(e->tx_cpu_pid);
 		rcpu_b = proc_cpu_seconds(rx_pid);
 		kcpu_b = kids_cpu_seconds(&kids);
+		if (calls_ok)
+			calls_ok = t_a && calls_take(e, calls_b);
 		t_b = now_ns();
 		progress_clear();
 	}
@@ -297,6 +330,7 @@ int local_measure(const struct bench_opts *o, const struct bench_ends *e, uint64
 		hist_merge(hr, &sh->rx[i].h);
 		hist_merge(hs, &sh->tx[i].h);
 	}
+	calls_per_chunk(pt, calls_ok && !rc, calls_a, calls_b);
 	uint64_t t_meas = sh->t_meas;
 	if (!rc && (!t_meas || !pt->rooms || t_end <= t_meas)) {
 		fprintf(stderr, "kvstage-bench: no room completed in the measured window\n");
@@ -586,7 +620,8 @@ int run_local(const struct bench_opts *o)
 			pt->slots = px.slots;
 			note(o, "local %s: %u pair(s) through the proxy at %s", cs, pairs,
 			     o->socket);
-			struct bench_ends e = { o->socket, o->socket, px.cpu_pid, px.cpu_pid };
+			struct bench_ends e = { o->socket, o->socket, px.cpu_pid, px.cpu_pid,
+						false };
 			rc = local_measure(o, &e, chunk, pt);
 		} else {
 			uint32_t slots = proxy_slots_for(chunk, need);
@@ -610,7 +645,7 @@ int run_local(const struct bench_opts *o)
 			     "payload %s",
 			     cs, (int)px.pid, slots, pairs, o->rooms, pt->room_chunks,
 			     bench_payload_str(o->payload));
-			struct bench_ends e = { px.sock, px.sock, px.cpu_pid, px.cpu_pid };
+			struct bench_ends e = { px.sock, px.sock, px.cpu_pid, px.cpu_pid, false };
 			rc = local_measure(o, &e, chunk, pt);
 			proxy_stop(&px);
 		}

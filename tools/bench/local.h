@@ -57,6 +57,7 @@ struct lctx {
 struct bench_ends {
 	const char *rx_sock, *tx_sock;
 	pid_t rx_cpu_pid, tx_cpu_pid; /* 0: n/a */
+	bool tcp_calls; /* two proxies over tcp: their syscalls per chunk (local_point's) */
 };
 
 /* Forks the pairs, runs one point, fills pt (proxy_cpu: the senders'

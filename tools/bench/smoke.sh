@@ -88,10 +88,11 @@ run 0 tcp.json -q --chunk 64K --duration 0.3 --payload verify --json tcp
 valid_json "$tmp/tcp.json"
 has_keys "$tmp/tcp.json" transport tcp_streams points gbps chunks_per_s room_latency_us \
   proxy_a_cpu_pct proxy_b_cpu_pct clients_cpu_pct raw_tcp_1_gbps raw_tcp_n_gbps gbps_vs_raw_tcp_1 \
-  cpu_s_per_gb raw_tcp_cpu_s_per_gb cpu_s_per_gb_vs_raw_tcp ucx_tcp_gbps ucx_tcp_cpu_s_per_gb errors
+  cpu_s_per_gb raw_tcp_cpu_s_per_gb cpu_s_per_gb_vs_raw_tcp ucx_tcp_gbps ucx_tcp_cpu_s_per_gb errors \
+  syscalls_per_chunk proxy_a proxy_b sends recvs epoll
 grep -q '"mode": "tcp"' "$tmp/tcp.json" || fail "tcp.json: mode is not tcp"
 grep -q '"errors": 0' "$tmp/tcp.json" || fail "tcp.json: verify found wrong bytes"
-for k in gbps chunks_per_s raw_tcp_1_gbps raw_tcp_n_gbps raw_tcp_cpu_s_per_gb; do
+for k in gbps chunks_per_s raw_tcp_1_gbps raw_tcp_n_gbps raw_tcp_cpu_s_per_gb sends recvs; do
   positive "$tmp/tcp.json" "$k"
 done
 run 2 tcp-socket.txt --socket /nonexistent tcp

@@ -127,6 +127,24 @@ static int make_secret(struct tcp_env *e)
 	return 0;
 }
 
+int bench_stats(const char *sock, const char *const *names, unsigned n, uint64_t *out)
+{
+	const struct kvs_ctrl *ctrl;
+	size_t len;
+	memset(out, 0, n * sizeof(*out));
+	if (kvs_stat_map(sock, &ctrl, &len) < 0)
+		return -1;
+	for (unsigned i = 0; i < n; i++) {
+		long off = kvs_stat_find(names[i]);
+		if (off >= 0)
+			out[i] = __atomic_load_n(
+				(const uint64_t *)((const uint8_t *)&ctrl->stats + off),
+				__ATOMIC_RELAXED);
+	}
+	munmap((void *)ctrl, len);
+	return 0;
+}
+
 uint64_t bench_stat(const char *sock, const char *name)
 {
 	const struct kvs_ctrl *ctrl;
@@ -276,7 +294,7 @@ static int point(const struct bench_opts *o, const struct tcp_env *e, struct loc
 	     "%u pair(s), %u rooms x %u chunks, payload %s",
 	     cs, (int)a.pid, (int)b.pid, listen, slots, pairs, o->rooms, pt->room_chunks,
 	     bench_payload_str(o->payload));
-	struct bench_ends ends = { b.sock, a.sock, b.pid, a.pid };
+	struct bench_ends ends = { b.sock, a.sock, b.pid, a.pid, !verbs };
 	int rc = local_measure(o, &ends, chunk, pt);
 	/* Every room crossed the wire (by READ in verbs mode): at least the
 	 * window's bytes went, or the figure is not this path's. */
@@ -330,6 +348,14 @@ static const char *const tcp_defs[][2] = {
 	{ "chunk_latency",
 	  "a room's last kvs_send on A to its SEND_DONE (the bytes left A's slot)" },
 	{ "proxy_cpu", "utime + stime of each proxy over the window, % of one core" },
+	{ "syscalls_per_chunk",
+	  "each proxy's syscalls on its peer connections over the window (as its proxy_cpu), "
+	  "over the chunks it moved in it (its chunks_moved counter): sends are sendmsg and "
+	  "send calls (tcp_send_calls), recvs recv and recvmsg calls (tcp_recv_calls), epoll "
+	  "the peer plane's epoll_wait and epoll_ctl calls (peer_epoll_waits + peer_epoll_ctls); "
+	  "calls that found the socket full or empty (EAGAIN) are counted. Sends and recvs "
+	  "are counts of work, not times: they move little with the machine's load; epoll "
+	  "is mostly the loop's passes (an epoll_wait each, busy or not), so it does" },
 	{ "cpu_s_per_gb",
 	  "CPU seconds per GB moved, of every process on the path: both proxies and every "
 	  "sender and receiver process (utime + stime over the window, over the window's "
@@ -351,6 +377,27 @@ static const char *keys_name(const struct local_point *p)
 	return !(p->binds > 0)	? "regions"
 	       : p->regions > 0 ? "windows over chunk regions"
 				: "windows";
+}
+
+/* Each proxy's syscalls per chunk on its peer connections (tcp mode). */
+static void calls_figs(struct point *p, const struct local_point *lp)
+{
+	static const char *const side[2] = { "senders' side", "receivers' side" };
+	for (int i = 0; i < 2; i++) {
+		char who = (char)('A' + i), key = (char)('a' + i);
+		vs(p,
+		   fig(p, keep(p, "proxy %c sends per chunk", who), NULL, U_NUM, lp->sends[i],
+		       keep(p, "syscalls_per_chunk.proxy_%c.sends|%c_sends_per_chunk", key, key)),
+		   NAN, keep(p, "%s: sendmsg, send", side[i]), NULL, NULL);
+		vs(p,
+		   fig(p, keep(p, "proxy %c recvs per chunk", who), NULL, U_NUM, lp->recvs[i],
+		       keep(p, "syscalls_per_chunk.proxy_%c.recvs|%c_recvs_per_chunk", key, key)),
+		   NAN, "recv, recvmsg", NULL, NULL);
+		vs(p,
+		   fig(p, keep(p, "proxy %c epoll per chunk", who), NULL, U_NUM, lp->epolls[i],
+		       keep(p, "syscalls_per_chunk.proxy_%c.epoll|%c_epoll_per_chunk", key, key)),
+		   NAN, "epoll_wait, epoll_ctl", NULL, NULL);
+	}
 }
 
 static void describe(const struct bench_opts *o, struct point *p, const struct local_point *lp)
@@ -405,6 +452,8 @@ static void describe(const struct bench_opts *o, struct point *p, const struct l
 	       "proxy_b_cpu_pct"),
 	   NAN, "receivers' side", NULL, NULL);
 	fig(p, "clients CPU (% of a core)", NULL, U_NUM, lp->clients_cpu, "clients_cpu_pct");
+	if (!verbs)
+		calls_figs(p, lp);
 	double a = cpu_per_gb(lp->proxy_cpu, lp->gbps), b = cpu_per_gb(lp->proxy_rx_cpu, lp->gbps),
 	       cl = cpu_per_gb(lp->clients_cpu, lp->gbps);
 	double raw_cpu = lp->tcp1_cpu_gb > 0 && lp->tcpn_cpu_gb > 0
@@ -464,7 +513,8 @@ static void report_tcp(const struct bench_opts *o, const struct local_point *pt,
 		 "chunk_p99_us,proxy_a_cpu_pct,proxy_b_cpu_pct,clients_cpu_pct,raw_tcp_1_gbps,"
 		 "raw_tcp_n_gbps,gbps_vs_raw_tcp_1,gbps_vs_raw_tcp_n,cpu_s_per_gb,"
 		 "raw_tcp_cpu_s_per_gb,cpu_s_per_gb_vs_raw_tcp,ucx_tcp_gbps,gbps_vs_ucx_tcp,"
-		 "ucx_tcp_cpu_s_per_gb,cpu_s_per_gb_vs_ucx_tcp";
+		 "ucx_tcp_cpu_s_per_gb,cpu_s_per_gb_vs_ucx_tcp,a_sends_per_chunk,a_recvs_per_chunk,"
+		 "a_epoll_per_chunk,b_sends_per_chunk,b_recvs_per_chunk,b_epoll_per_chunk";
 	if (o->mode == MODE_VERBS)
 		CAT(d->tail,
 		    "\nverbs: the same two proxies with --rdma-device %s: every chunk is pulled "
