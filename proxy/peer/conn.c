@@ -306,6 +306,7 @@ void pconn_dialed(struct pconn_table *t, struct pconn *c, uint64_t now)
 		return;
 	c->hs_out_len = KVS_WIRE_HELLO_SIZE;
 	c->hs_out_off = 0;
+	KVS_STAT_ADD(t->st->tcp_send_calls, 1);
 	ssize_t n = send(c->fd, c->hs_out, c->hs_out_len, MSG_DONTWAIT | MSG_NOSIGNAL);
 	if (n > 0) {
 		c->hs_out_off = (uint32_t)n;
