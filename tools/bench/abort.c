@@ -644,6 +644,9 @@ static int measure(const struct bench_opts *o, struct ab_ctx *x, unsigned pairs,
 		char b[64];
 		struct pollfd pf = { .fd = ready[0], .events = POLLIN };
 		ssize_t k = poll(&pf, 1, 30000) > 0 ? read(ready[0], b, sizeof(b)) : -1;
+		if (k <= 0 && !local_interrupted())
+			fprintf(stderr, "kvstage-bench: abort: %u of %u pairs ready, the rest %s\n",
+				got, n, k == 0 ? "exited first" : "not in 30 s");
 		if (k <= 0 || local_interrupted())
 			rc = 1;
 		else
@@ -667,6 +670,16 @@ static int measure(const struct bench_opts *o, struct ab_ctx *x, unsigned pairs,
 				left--;
 				if (!WIFEXITED(st) || WEXITSTATUS(st))
 					rc = 1;
+				if (WIFSIGNALED(st))
+					fprintf(stderr,
+						"kvstage-bench: abort pair %u: killed by signal %d "
+						"(%s)\n",
+						i, WTERMSIG(st), strsignal(WTERMSIG(st)));
+				else if (WEXITSTATUS(st) && !res[i].failed)
+					fprintf(stderr,
+						"kvstage-bench: abort pair %u: exited %d, saying "
+						"nothing\n",
+						i, WEXITSTATUS(st));
 			}
 		}
 		if (local_interrupted() || (rc && left)) {
@@ -680,8 +693,12 @@ static int measure(const struct bench_opts *o, struct ab_ctx *x, unsigned pairs,
 			/* Let go of what is held (the late writes land), hold again. */
 			if (kvs_admin_fp_set(admin, "local.quiesce", "off", NULL) < 0 ||
 			    kvs_admin_fp_set_mask(admin, "local.quiesce", "pause", DOOM_BIT,
-						  DOOM_BIT) < 0)
+						  DOOM_BIT) < 0) {
+				fprintf(stderr,
+					"kvstage-bench: abort: failpoint local.quiesce: the "
+					"proxy's admin socket refused\n");
 				admin = -1, rc = 1;
+			}
 			t_stage = t;
 		}
 		if (prog && t - t_prog > 200000000ull) {
