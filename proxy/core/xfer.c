@@ -33,13 +33,19 @@ static void claim(struct kvsp_room *r, uint32_t chunk)
 	r->claimed_bits[chunk / 64] |= 1ull << (chunk % 64);
 }
 
-/* The slot now holds chunk of room i, on the half's list at head. */
-static void slot_to_room(struct kvsp *p, uint32_t slot, uint32_t i, uint32_t chunk, uint32_t *head)
+/* The slot now holds chunk of room i. */
+static void slot_names(struct kvsp *p, uint32_t slot, uint32_t i, uint32_t chunk)
 {
 	struct kvsp_slot_priv *sp = &p->slots.priv[slot];
 	sp->room = i;
 	sp->chunk = chunk;
 	__atomic_store_n(&p->slots.pub[slot].room, i + 1, __ATOMIC_RELAXED);
+}
+
+/* ... and is on the half's list at head. */
+static void slot_to_room(struct kvsp *p, uint32_t slot, uint32_t i, uint32_t chunk, uint32_t *head)
+{
+	slot_names(p, slot, i, chunk);
 	kvsp_slist_push(p, head, slot);
 }
 
@@ -63,6 +69,15 @@ static void placed(struct kvsp *p, uint32_t i, uint32_t slot, uint32_t chunk, ui
 		kvsp_room_mark(p, i);
 }
 
+/* The fence let a sent chunk through: its slot is the receiver's now. */
+static void land(struct kvsp *p, uint32_t i, uint32_t slot, uint32_t chunk, uint32_t len,
+		 uint64_t sent_ns)
+{
+	kvsp_slot_handoff(&p->slots, slot, p->rooms[i].recv.client.cid);
+	kvsp_hist_add(&p->chunk_hist, p->now_ns - sent_ns);
+	placed(p, i, slot, chunk, len);
+}
+
 /* ------------------------------------------------------- sending side */
 
 /* A transport that lands every chunk at its submit (the local one): the
@@ -75,16 +90,11 @@ static void land_at_submit(struct kvsp *p, uint32_t owner, uint32_t i, const str
 			   uint32_t chunk)
 {
 	struct kvsp_room *r = &p->rooms[i];
-	struct kvsp_slot_priv *sp = &p->slots.priv[l->slot];
 	kvsp_slot_pin(&p->slots, owner, l);
-	sp->room = i;
-	sp->chunk = chunk;
-	__atomic_store_n(&p->slots.pub[l->slot].room, i + 1, __ATOMIC_RELAXED);
+	slot_names(p, l->slot, i, chunk);
 	claim(r, chunk);
 	kvsp_slot_unpin(&p->slots, l->slot);
-	kvsp_slot_handoff(&p->slots, l->slot, r->recv.client.cid);
-	kvsp_hist_add(&p->chunk_hist, 0); /* sent and landed in the same pass */
-	placed(p, i, l->slot, chunk, (uint32_t)kvsp_chunk_len(p, r, chunk));
+	land(p, i, l->slot, chunk, (uint32_t)kvsp_chunk_len(p, r, chunk), p->now_ns);
 }
 
 void kvsp_xfer_send(struct kvsp *p, uint32_t owner, uint32_t i, const struct kvs_lease *l,
@@ -169,9 +179,7 @@ void kvsp_xfer_handoff(struct kvsp *p, struct kvsp_xfer *x, int status)
 	bool lands = status == 0 && st == KVS_SLOT_INFLIGHT && p->slots.pub[slot].epoch == epoch &&
 		     r->gen == gen && r->state == KVSP_ROOM_OPEN && r->recv.client.cid;
 	if (lands) {
-		kvsp_slot_handoff(&p->slots, slot, r->recv.client.cid);
-		kvsp_hist_add(&p->chunk_hist, p->now_ns - sent_ns);
-		placed(p, i, slot, chunk, len);
+		land(p, i, slot, chunk, len, sent_ns);
 	} else if (st == KVS_SLOT_INFLIGHT) {
 		/* Not tombstoned, yet not landing: the transport failed it. */
 		kvsp_slot_kill(&p->slots, slot);
