@@ -211,6 +211,26 @@ uint64_t pconn_deadline(const struct pconn *c, uint64_t hs_ns, uint64_t timeout_
 
 /* ----------------------------------------------------------- handshake */
 
+/* Writes what is left of the handshake's message. Returns 1 once it is all
+ * out, 0 while the socket is full (c waits for EPOLLOUT), or -errno. */
+static int hs_send(struct pconn_table *t, struct pconn *c)
+{
+	while (c->hs_out_off < c->hs_out_len) {
+		KVS_STAT_ADD(t->st->tcp_send_calls, 1);
+		ssize_t n = send(c->fd, c->hs_out + c->hs_out_off, c->hs_out_len - c->hs_out_off,
+				 MSG_DONTWAIT | MSG_NOSIGNAL);
+		if (n < 0) {
+			if (errno != EAGAIN)
+				return -errno;
+			c->wblocked = true;
+			watch(t, c, EPOLL_CTL_MOD);
+			return 0;
+		}
+		c->hs_out_off += (uint32_t)n;
+	}
+	return 1;
+}
+
 int pconn_handshake(struct pconn_table *t, struct pconn *c, uint64_t now)
 {
 	if (c->state == PCONN_CONNECTING) {
@@ -226,20 +246,9 @@ int pconn_handshake(struct pconn_table *t, struct pconn *c, uint64_t now)
 		watch(t, c, EPOLL_CTL_MOD);
 	}
 	for (;;) {
-		while (c->hs_out_off < c->hs_out_len) {
-			KVS_STAT_ADD(t->st->tcp_send_calls, 1);
-			ssize_t n = send(c->fd, c->hs_out + c->hs_out_off,
-					 c->hs_out_len - c->hs_out_off,
-					 MSG_DONTWAIT | MSG_NOSIGNAL);
-			if (n < 0) {
-				if (errno != EAGAIN)
-					return -errno;
-				c->wblocked = true; /* still connecting (pconn_dialed), or full */
-				watch(t, c, EPOLL_CTL_MOD);
-				return 0;
-			}
-			c->hs_out_off += (uint32_t)n;
-		}
+		int sent = hs_send(t, c);
+		if (sent <= 0)
+			return sent;
 		enum kvsp_auth_step step = kvsp_auth_next(&c->auth);
 		int rc = 0;
 		switch (step) {
@@ -290,9 +299,8 @@ int pconn_handshake(struct pconn_table *t, struct pconn *c, uint64_t now)
 	}
 }
 
-void pconn_dialed(struct pconn_table *t, struct pconn *c, uint64_t now)
+void pconn_dialed(struct pconn_table *t, struct pconn *c)
 {
-	(void)now;
 	struct pollfd pfd = { .fd = c->fd, .events = POLLOUT };
 	if (c->state != PCONN_CONNECTING || poll(&pfd, 1, 0) != 1 || pfd.revents != POLLOUT)
 		return; /* the loop hears how the connect went */
@@ -306,14 +314,8 @@ void pconn_dialed(struct pconn_table *t, struct pconn *c, uint64_t now)
 		return;
 	c->hs_out_len = KVS_WIRE_HELLO_SIZE;
 	c->hs_out_off = 0;
-	KVS_STAT_ADD(t->st->tcp_send_calls, 1);
-	ssize_t n = send(c->fd, c->hs_out, c->hs_out_len, MSG_DONTWAIT | MSG_NOSIGNAL);
-	if (n > 0) {
-		c->hs_out_off = (uint32_t)n;
-	} else if (n < 0 && errno == EAGAIN) {
-		c->wblocked = true;
-		watch(t, c, EPOLL_CTL_MOD);
-	} /* else the socket's error wakes the loop, which fails the connection */
+	(void)hs_send(t,
+		      c); /* a failure is the socket's: its error wakes the loop, which fails c */
 }
 
 /* --------------------------------------------------------------- write */

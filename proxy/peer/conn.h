@@ -146,7 +146,7 @@ int pconn_handshake(struct pconn_table *t, struct pconn *c, uint64_t now);
  * loopback it does), its HELLO goes now. It is then in the listener's
  * socket before the listener accepts it, and read at the accept: it is
  * never taken for a silent one (pconn_admit). */
-void pconn_dialed(struct pconn_table *t, struct pconn *c, uint64_t now);
+void pconn_dialed(struct pconn_table *t, struct pconn *c);
 /* c proved itself: JOINING (accepted) or UP (dialer, as stream of session sess). */
 void pconn_authed(struct pconn *c, uint32_t sess, unsigned stream);
 /* c joined session sess as its stream (JOINING -> UP). */

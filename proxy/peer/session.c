@@ -306,7 +306,7 @@ static int dial_stream(struct psess_table *t, struct psess *s, unsigned k, uint6
 	c->sess = s->id;
 	c->stream = k;
 	s->conn[k] = c;
-	pconn_dialed(t->conns, c, now);
+	pconn_dialed(t->conns, c);
 	return 0;
 }
 
