@@ -147,14 +147,8 @@ int bench_stats(const char *sock, const char *const *names, unsigned n, uint64_t
 
 uint64_t bench_stat(const char *sock, const char *name)
 {
-	const struct kvs_ctrl *ctrl;
-	size_t len;
-	long off = kvs_stat_find(name);
-	if (off < 0 || kvs_stat_map(sock, &ctrl, &len) < 0)
-		return 0;
-	uint64_t v = __atomic_load_n((const uint64_t *)((const uint8_t *)&ctrl->stats + off),
-				     __ATOMIC_RELAXED);
-	munmap((void *)ctrl, len);
+	uint64_t v;
+	bench_stats(sock, &name, 1, &v);
 	return v;
 }
 
