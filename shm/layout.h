@@ -114,6 +114,8 @@ struct kvs_stats {
 	uint64_t tcp_recv_calls;   /* recv/recvmsg on peer connections */
 	uint64_t peer_epoll_waits; /* the peer plane's epoll_wait */
 	uint64_t peer_epoll_ctls;  /* ... and epoll_ctl (a full socket's EPOLLOUT, a pause) */
+	/* appended: older readers stop at peer_epoll_ctls */
+	uint64_t tcp_lowat_calls; /* setsockopt(SO_RCVLOWAT): a large payload's wake-up mark */
 };
 
 /* The proxy is the counters' only writer, so a plain load and store (no

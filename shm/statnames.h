@@ -82,6 +82,7 @@ static const struct kvs_stat_name kvs_stat_names[] = {
 	KVS_STAT(tcp_recv_calls),
 	KVS_STAT(peer_epoll_waits),
 	KVS_STAT(peer_epoll_ctls),
+	KVS_STAT(tcp_lowat_calls),
 };
 
 /* Returns the counter's offset in struct kvs_stats, or -1. */

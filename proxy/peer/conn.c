@@ -518,6 +518,31 @@ static ssize_t read_payload(struct pconn_table *t, struct pconn *c, uint32_t owe
 	return n;
 }
 
+/*
+ * A large payload wakes the loop for a useful amount, not for each piece
+ * the loopback or the NIC hands over (64-100 KiB): epoll reports the socket
+ * once SO_RCVLOWAT bytes are in, or once the kernel's buffer or window is
+ * full (it never waits for more than can come), or at a hang-up. The mark
+ * never exceeds what the payload still owes, so the payload's last bytes
+ * always wake us: nothing else need come behind them. Below
+ * PCONN_LOWAT_MIN owed, or between frames, the mark is the kernel's 1.
+ */
+static void rx_lowat(struct pconn_table *t, struct pconn *c)
+{
+	uint32_t owed = kvsp_frame_rx_owed(&c->frx);
+	uint32_t want = owed < PCONN_LOWAT_MIN ? 0 : owed;
+	if (want > PCONN_LOWAT_MAX)
+		want = PCONN_LOWAT_MAX;
+	if (want == c->rx_lowat)
+		return;
+	int v = want ? (int)want : 1;
+	KVS_STAT_ADD(t->st->tcp_lowat_calls, 1);
+	if (setsockopt(c->fd, SOL_SOCKET, SO_RCVLOWAT, &v, sizeof(v)) == 0)
+		c->rx_lowat = want;
+	else if (want < c->rx_lowat)
+		c->rx_lowat = 0; /* not on a TCP socket; were it to, the next read tries again */
+}
+
 int pconn_rx_err(const struct pconn *c)
 {
 	return kvsp_frame_rx_err(&c->frx);
@@ -561,5 +586,6 @@ int pconn_read(struct pconn_table *t, struct pconn *c, struct kvsp_frame *f, uin
 		KVS_STAT_ADD(c->pub->bytes_rx, (uint64_t)n);
 	if (what == PCONN_PAYLOAD_END)
 		c->rx_len = 0; /* no payload in progress: no payload deadline */
+	rx_lowat(t, c);
 	return what;
 }

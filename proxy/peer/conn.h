@@ -56,6 +56,12 @@ enum pconn_state {
 /* What pconn_read found. */
 enum { PCONN_NOTHING = 0, PCONN_FRAME, PCONN_DATA, PCONN_PAYLOAD_END };
 
+/* A payload owing at least MIN bytes wakes the loop for up to MAX of them
+ * at once (SO_RCVLOWAT; conn.c's rx_lowat). MAX: more made a 4 MiB chunk's
+ * sender wait for the window on loopback (docs/benchmarks.md). */
+#define PCONN_LOWAT_MIN (64u << 10)
+#define PCONN_LOWAT_MAX (1u << 20)
+
 /* A sealed frame being written (its bytes are txbuf's at the same index). */
 struct pconn_tx {
 	const uint8_t *payload;
@@ -99,7 +105,8 @@ struct pconn {
 	uint8_t *rx_dst; /* NULL: the sink */
 	uint32_t rx_len, rx_off, rx_crc, rx_want_crc;
 	bool rx_has_crc;
-	bool rx_ended; /* its owner ended its transfer already (pconn_payload_to_sink) */
+	bool rx_ended;	   /* its owner ended its transfer already (pconn_payload_to_sink) */
+	uint32_t rx_lowat; /* the socket's SO_RCVLOWAT (0: the kernel's 1); see rx_lowat() */
 	/* chunks queued to go on this connection (datapath/stream.c's list) */
 	uint32_t q_head, q_tail, qn;
 };

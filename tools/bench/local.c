@@ -142,10 +142,10 @@ static void progress(const struct bench_opts *o, const struct lshared *sh, unsig
 }
 
 /* The counters a proxy's tcp syscalls per chunk come from (local_point's sends, recvs, epolls). */
-enum { K_SEND, K_RECV, K_WAIT, K_CTL, K_CHUNKS, K_N };
-static const char *const calls_names[K_N] = { "tcp_send_calls", "tcp_recv_calls",
+enum { K_SEND, K_RECV, K_WAIT, K_CTL, K_LOWAT, K_CHUNKS, K_N };
+static const char *const calls_names[K_N] = { "tcp_send_calls",	  "tcp_recv_calls",
 					      "peer_epoll_waits", "peer_epoll_ctls",
-					      "chunks_moved" };
+					      "tcp_lowat_calls",  "chunks_moved" };
 
 /* Each proxy's counters now (0: A, the senders', 1: B); false if one is unreadable. */
 static bool calls_take(const struct bench_ends *e, uint64_t v[2][K_N])
@@ -162,7 +162,7 @@ static void calls_per_chunk(struct local_point *pt, bool ok, uint64_t a[2][K_N],
 		pt->sends[i] = chunks > 0 ? (double)(b[i][K_SEND] - a[i][K_SEND]) / chunks : NAN;
 		pt->recvs[i] = chunks > 0 ? (double)(b[i][K_RECV] - a[i][K_RECV]) / chunks : NAN;
 		pt->epolls[i] = chunks > 0 ? (double)(b[i][K_WAIT] - a[i][K_WAIT] + b[i][K_CTL] -
-						      a[i][K_CTL]) /
+						      a[i][K_CTL] + b[i][K_LOWAT] - a[i][K_LOWAT]) /
 						     chunks
 					   : NAN;
 	}

@@ -55,8 +55,9 @@ static const char *const mode_help[] = {
 		     "endpoints (one stream, and --tcp-streams streams) and, where\n"
 		     "ucx-utils is installed, UCX tag_bw over UCX_TLS=tcp, measured\n"
 		     "in the same run; and each proxy's syscalls per chunk it moved\n"
-		     "(sendmsg/send, recv/recvmsg, epoll_wait/epoll_ctl on its peer\n"
-		     "connections, EAGAIN ones included: its counters over the window)",
+		     "(sendmsg/send, recv/recvmsg, epoll_wait/epoll_ctl/SO_RCVLOWAT\n"
+		     "on its peer connections, EAGAIN ones included: its counters over\n"
+		     "the window)",
 	[MODE_VERBS] = "the tcp mode with --rdma-device on both proxies: chunks pulled\n"
 		       "by RDMA READ; baseline: perftest's ib_read_bw between two\n"
 		       "processes on the same device, in the same run",

@@ -346,7 +346,9 @@ static const char *const tcp_defs[][2] = {
 	  "each proxy's syscalls on its peer connections over the window (as its proxy_cpu), "
 	  "over the chunks it moved in it (its chunks_moved counter): sends are sendmsg and "
 	  "send calls (tcp_send_calls), recvs recv and recvmsg calls (tcp_recv_calls), epoll "
-	  "the peer plane's epoll_wait and epoll_ctl calls (peer_epoll_waits + peer_epoll_ctls); "
+	  "the calls that say when the loop wakes: the peer plane's epoll_wait and epoll_ctl "
+	  "calls and the SO_RCVLOWAT setsockopts of large payloads (peer_epoll_waits + "
+	  "peer_epoll_ctls + tcp_lowat_calls); "
 	  "calls that found the socket full or empty (EAGAIN) are counted. Sends and recvs "
 	  "are counts of work, not times: they move little with the machine's load; epoll "
 	  "is mostly the loop's passes (an epoll_wait each, busy or not), so it does" },
@@ -390,7 +392,7 @@ static void calls_figs(struct point *p, const struct local_point *lp)
 		vs(p,
 		   fig(p, keep(p, "proxy %c epoll per chunk", who), NULL, U_NUM, lp->epolls[i],
 		       keep(p, "syscalls_per_chunk.proxy_%c.epoll|%c_epoll_per_chunk", key, key)),
-		   NAN, "epoll_wait, epoll_ctl", NULL, NULL);
+		   NAN, "epoll_wait, epoll_ctl, SO_RCVLOWAT", NULL, NULL);
 	}
 }
 

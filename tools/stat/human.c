@@ -50,8 +50,10 @@ void print_human(const struct kvs_ctrl *c, size_t len, const char *path, int slo
 	       S(chunks_discarded), S(tcp_bytes_tx), S(tcp_bytes_rx));
 	printf("peers     deadlines %llu  evicted %llu  closed %llu  pings %llu\n",
 	       S(peer_timeouts), S(peer_evicted), S(peer_closed), S(peer_pings));
-	printf("syscalls  tcp-sends %llu  tcp-recvs %llu  epoll-waits %llu  epoll-ctls %llu\n",
-	       S(tcp_send_calls), S(tcp_recv_calls), S(peer_epoll_waits), S(peer_epoll_ctls));
+	printf("syscalls  tcp-sends %llu  tcp-recvs %llu  epoll-waits %llu  epoll-ctls %llu  "
+	       "lowat-sets %llu\n",
+	       S(tcp_send_calls), S(tcp_recv_calls), S(peer_epoll_waits), S(peer_epoll_ctls),
+	       S(tcp_lowat_calls));
 	printf("rdma      sessions %llu  reads %llu  rx %llu  binds %llu  invalidates %llu  "
 	       "regions %llu"
 	       "  region-frees %llu  reads-refused %llu  links-lost %llu\n",
