@@ -86,7 +86,8 @@ def run(build, args):
 
 
 PROXY_FNS = ("kvsp_run", "kvsp_client_poll", "kvsp_client_op", "kvsp_room_send")
-CLIENT_FNS = ("kvs_acquire", "kvs_send", "kvs_release", "kvs_poll", "kvs_room_lease")
+CLIENT_FNS = ("kvs_acquire", "kvs_send", "kvs_release", "kvs_poll", "kvs_wait", "kvs_room_lease",
+              "kvs_send_open", "kvs_recv_open", "kvs_room_close")
 
 
 def callgrind_costs(path, names):
