@@ -667,6 +667,79 @@ Test(hostile, a_stalled_payload_gives_its_slot_back_at_the_abort)
 	wait_idle(&pb, 0);
 }
 
+/* A payload that trickles in below its wake-up mark (SO_RCVLOWAT, design
+ * note 35) is progress, not a stall. The session's connection has carried
+ * a whole 2 MiB chunk first, so its window is wide and the kernel wakes
+ * the proxy for nothing less than the mark; then the second chunk comes 4
+ * KiB at a time, each piece only once the proxy has read the last (a
+ * barrier on its counter), longer than --peer-timeout in all, and then the
+ * rest at once. Unread, the pieces would leave the connection quiet past
+ * its deadline: the session would be lost. */
+#define BIG (2u << 20)
+Test(hostile, a_payload_that_trickles_in_below_its_mark_is_not_a_stall)
+{
+	proxy_start(&pb, NULL,
+		    (const char *[]){ "--slots", "8", "--slot-size", "2M", "--listen",
+				      "127.0.0.1:0", "--peer-timeout", "800", NULL });
+	const char *ep = endpoint_of(&pb);
+	kvs_client *rx = connect_ok(&pb);
+	struct hpeer h[2];
+	uint64_t inst = rnd64(), sid = rnd64();
+	hp_join(&h[0], ep, NULL, &good, inst, sid, 0, 2);
+	hp_join(&h[1], ep, NULL, &good, inst, sid, 1, 2);
+	kvs_room *rr;
+	struct kvs_room_desc d;
+	cr_assert_eq(kvs_recv_open(rx, 2 * BIG, 0xe0, &rr, &d), 0);
+	struct kvs_wire_open o = { .room = hp_room((const void *)&d),
+				   .bytes = htole64(2 * BIG),
+				   .slot_size = htole64(BIG),
+				   .sender_ref = htole64(100) };
+	hp_send(&h[0], KVS_WIRE_OPEN, &o, 0, NULL);
+	struct kvsp_frame f = hp_recv(&h[0]);
+	cr_assert_eq(f.type, KVS_WIRE_OPEN_ACK);
+	cr_assert_eq(f.body.open_ack.status, 0);
+	struct child ch;
+	child_start(&ch, ponger, &h[0]);
+	static uint8_t payload[2 * BIG];
+	for (size_t k = 0; k < sizeof(payload); k++)
+		payload[k] = (uint8_t)(k * 7 + k / 4096);
+	struct kvs_wire_chunk c = { .room = hp_room((const void *)&d), .len = htole32(BIG) };
+	hp_send(&h[1], KVS_WIRE_CHUNK, &c, BIG, NULL);
+	hp_put(h[1].fd, payload, BIG);
+	c.chunk = htole32(1);
+	hp_send(&h[1], KVS_WIRE_CHUNK, &c, BIG, NULL);
+	enum { PIECE = 4096, PIECES = 16 };
+	struct timespec t0, t1;
+	clock_gettime(CLOCK_MONOTONIC, &t0);
+	for (size_t k = 0; k < PIECES; k++) {
+		uint64_t rx0 = stat_get(&pb, "tcp_bytes_rx");
+		hp_put(h[1].fd, payload + BIG + k * PIECE, PIECE);
+		stat_wait(&pb, "tcp_bytes_rx", 1, rx0 + PIECE); /* read, below the mark */
+	}
+	clock_gettime(CLOCK_MONOTONIC, &t1);
+	hp_put(h[1].fd, payload + BIG + PIECES * PIECE, BIG - PIECES * PIECE);
+	struct kvs_event e = wait_event(rx);
+	cr_assert_eq(e.type, KVS_EV_RECV_DONE, "got %u (%s)", e.type, kvs_strerror(e.status));
+	double took = (double)(t1.tv_sec - t0.tv_sec) + (double)(t1.tv_nsec - t0.tv_nsec) / 1e9;
+	cr_assert_gt(took, 0.8,
+		     "the pieces were read in %.2f s, within one --peer-timeout: the kernel woke "
+		     "the proxy for each (a narrow window?), so the case is not made",
+		     took);
+	for (unsigned k = 0; k < 2; k++) {
+		struct kvs_lease l;
+		cr_assert_eq(kvs_room_lease(rr, k, &l), 0);
+		cr_assert_eq(memcmp(kvs_lease_ptr(rx, &l), payload + k * BIG, BIG), 0,
+			     "chunk %u's bytes", k);
+	}
+	cr_assert_eq(stat_get(&pb, "peer_timeouts"), 0);
+	close(h[1].fd);
+	close(h[0].fd);
+	child_wait(&ch);
+	cr_assert_eq(kvs_room_close(rr), 0);
+	kvs_close(rx);
+	wait_idle(&pb, 0);
+}
+
 /* A peer whose chunk's payload ends with a forged frame's header right
  * behind it, in one write (the receiving proxy reads the payload's tail
  * and that header in one recvmsg, when they arrive together): the session

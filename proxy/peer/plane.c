@@ -360,6 +360,12 @@ static void on_timer(struct peer *pr)
 		return;
 	for (unsigned i = 0; i < pr->conns.hi; i++) {
 		struct pconn *c = &pr->conns.conn[i];
+		/* A payload read at a mark (conn.c's rx_lowat) is read at every
+		 * tick too: bytes that trickle in below the mark are its
+		 * progress, as every piece was without one, and only a payload
+		 * that stops arriving meets its deadline. */
+		if (c->rx_lowat)
+			conn_rx(pr, c);
 		if (now > pconn_deadline(c, pr->hs_ns, pr->timeout_ns))
 			conn_fail(pr, c, -ETIMEDOUT);
 	}
