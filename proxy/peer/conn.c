@@ -537,10 +537,9 @@ static void rx_lowat(struct pconn_table *t, struct pconn *c)
 		return;
 	int v = want ? (int)want : 1;
 	KVS_STAT_ADD(t->st->tcp_lowat_calls, 1);
-	if (setsockopt(c->fd, SOL_SOCKET, SO_RCVLOWAT, &v, sizeof(v)) == 0)
-		c->rx_lowat = want;
-	else if (want < c->rx_lowat)
-		c->rx_lowat = 0; /* not on a TCP socket; were it to, the next read tries again */
+	/* It cannot fail on a TCP socket. Were it to, the mark is unknown: the
+	 * next read sets it again, and the timer's ticks read meanwhile. */
+	c->rx_lowat = setsockopt(c->fd, SOL_SOCKET, SO_RCVLOWAT, &v, sizeof(v)) ? UINT32_MAX : want;
 }
 
 int pconn_rx_err(const struct pconn *c)

@@ -106,7 +106,7 @@ struct pconn {
 	uint32_t rx_len, rx_off, rx_crc, rx_want_crc;
 	bool rx_has_crc;
 	bool rx_ended;	   /* its owner ended its transfer already (pconn_payload_to_sink) */
-	uint32_t rx_lowat; /* the socket's SO_RCVLOWAT (0: the kernel's 1); see rx_lowat() */
+	uint32_t rx_lowat; /* the socket's SO_RCVLOWAT (0: the kernel's 1; UINT32_MAX: unknown) */
 	/* chunks queued to go on this connection (datapath/stream.c's list) */
 	uint32_t q_head, q_tail, qn;
 };
