@@ -620,6 +620,18 @@ Test(hostile, a_peer_that_never_ends_an_abort_is_lost_at_its_deadline)
 	wait_idle(&pb, 0);
 }
 
+/* A hostile sender's session of two streams (h[0], h[1]) to px, joined,
+ * and a receiving client of px. */
+static kvs_client *two_streams_to(struct proxy *px, struct hpeer h[2])
+{
+	const char *ep = endpoint_of(px);
+	kvs_client *rx = connect_ok(px);
+	uint64_t inst = rnd64(), sid = rnd64();
+	hp_join(&h[0], ep, NULL, &good, inst, sid, 0, 2);
+	hp_join(&h[1], ep, NULL, &good, inst, sid, 1, 2);
+	return rx;
+}
+
 /* A peer that stalls a payload one byte short on stream 1 and answers
  * PINGs on stream 0: the receivers abort, and the slot posted for it
  * comes back at once (the rest goes to the sink); the session is lost
@@ -627,12 +639,8 @@ Test(hostile, a_peer_that_never_ends_an_abort_is_lost_at_its_deadline)
 Test(hostile, a_stalled_payload_gives_its_slot_back_at_the_abort)
 {
 	listener(&pb, "3000");
-	const char *ep = endpoint_of(&pb);
-	kvs_client *rx = connect_ok(&pb);
 	struct hpeer h[2];
-	uint64_t inst = rnd64(), sid = rnd64();
-	hp_join(&h[0], ep, NULL, &good, inst, sid, 0, 2);
-	hp_join(&h[1], ep, NULL, &good, inst, sid, 1, 2);
+	kvs_client *rx = two_streams_to(&pb, h);
 	enum { N = 8 };
 	kvs_room *rr[N];
 	struct kvs_room_desc d[N];
@@ -681,12 +689,8 @@ Test(hostile, a_payload_that_trickles_in_below_its_mark_is_not_a_stall)
 	proxy_start(&pb, NULL,
 		    (const char *[]){ "--slots", "8", "--slot-size", "2M", "--listen",
 				      "127.0.0.1:0", "--peer-timeout", "800", NULL });
-	const char *ep = endpoint_of(&pb);
-	kvs_client *rx = connect_ok(&pb);
 	struct hpeer h[2];
-	uint64_t inst = rnd64(), sid = rnd64();
-	hp_join(&h[0], ep, NULL, &good, inst, sid, 0, 2);
-	hp_join(&h[1], ep, NULL, &good, inst, sid, 1, 2);
+	kvs_client *rx = two_streams_to(&pb, h);
 	kvs_room *rr;
 	struct kvs_room_desc d;
 	cr_assert_eq(kvs_recv_open(rx, 2 * BIG, 0xe0, &rr, &d), 0);
