@@ -564,17 +564,18 @@ static int ponger(int rd, int wr, void *arg)
 	return 0;
 }
 
-/* n real rooms on B, opened by a hostile sender h (session of nstreams,
- * h[k] its stream k): OPENed on stream 0, each acknowledged. */
+/* n real rooms of bytes on B (its --slot-size slot), opened by a hostile
+ * sender h (session of nstreams, h[k] its stream k): OPENed on stream 0,
+ * each acknowledged. */
 static void hostile_opens_of(struct hpeer *h, kvs_client *rx, unsigned n, uint64_t bytes,
-			     kvs_room **rr, struct kvs_room_desc *d)
+			     uint64_t slot, kvs_room **rr, struct kvs_room_desc *d)
 {
 	for (unsigned i = 0; i < n; i++) {
 		cr_assert_eq(kvs_recv_open(rx, bytes, 0xd0 + i, &rr[i], &d[i]), 0);
 		const struct kvs_desc_wire *w = (const void *)&d[i];
 		struct kvs_wire_open o = { .room = hp_room(w),
 					   .bytes = htole64(bytes),
-					   .slot_size = htole64(SLOT),
+					   .slot_size = htole64(slot),
 					   .sender_ref = htole64(100 + i) };
 		hp_send(&h[0], KVS_WIRE_OPEN, &o, 0, NULL);
 		struct kvsp_frame f = hp_recv(&h[0]);
@@ -586,7 +587,7 @@ static void hostile_opens_of(struct hpeer *h, kvs_client *rx, unsigned n, uint64
 static void hostile_opens(struct hpeer *h, kvs_client *rx, unsigned n, kvs_room **rr,
 			  struct kvs_room_desc *d)
 {
-	hostile_opens_of(h, rx, n, SLOT, rr, d);
+	hostile_opens_of(h, rx, n, SLOT, SLOT, rr, d);
 }
 
 /* A peer that is alive (it answers PINGs) but never answers an ABORT with
@@ -693,15 +694,7 @@ Test(hostile, a_payload_that_trickles_in_below_its_mark_is_not_a_stall)
 	kvs_client *rx = two_streams_to(&pb, h);
 	kvs_room *rr;
 	struct kvs_room_desc d;
-	cr_assert_eq(kvs_recv_open(rx, 2 * BIG, 0xe0, &rr, &d), 0);
-	struct kvs_wire_open o = { .room = hp_room((const void *)&d),
-				   .bytes = htole64(2 * BIG),
-				   .slot_size = htole64(BIG),
-				   .sender_ref = htole64(100) };
-	hp_send(&h[0], KVS_WIRE_OPEN, &o, 0, NULL);
-	struct kvsp_frame f = hp_recv(&h[0]);
-	cr_assert_eq(f.type, KVS_WIRE_OPEN_ACK);
-	cr_assert_eq(f.body.open_ack.status, 0);
+	hostile_opens_of(h, rx, 1, 2 * BIG, BIG, &rr, &d);
 	struct child ch;
 	child_start(&ch, ponger, &h[0]);
 	static uint8_t payload[2 * BIG];
@@ -760,7 +753,7 @@ Test(hostile, a_frame_forged_behind_a_payloads_tail_loses_the_session_at_once)
 	hp_join(&h, ep, NULL, &good, rnd64(), rnd64(), 0, 1);
 	kvs_room *rr;
 	struct kvs_room_desc d;
-	hostile_opens_of(&h, rx, 1, 2 * SLOT, &rr, &d);
+	hostile_opens_of(&h, rx, 1, 2 * SLOT, SLOT, &rr, &d);
 	uint64_t refused = stat_get(&pb, "peer_frames_refused"), lost = stat_get(&pb, "peer_lost");
 	struct kvs_wire_chunk c = { .room = hp_room((const void *)&d),
 				    .chunk = 0,
