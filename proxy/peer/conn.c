@@ -314,8 +314,8 @@ void pconn_dialed(struct pconn_table *t, struct pconn *c)
 		return;
 	c->hs_out_len = KVS_WIRE_HELLO_SIZE;
 	c->hs_out_off = 0;
-	(void)hs_send(t,
-		      c); /* a failure is the socket's: its error wakes the loop, which fails c */
+	/* A failure is the socket's: its error wakes the loop, which fails c. */
+	(void)hs_send(t, c);
 }
 
 /* --------------------------------------------------------------- write */
