@@ -326,8 +326,9 @@ static const char *const tcp_defs[][2] = {
 	{ "raw_tcp",
 	  "the same two endpoints with nothing of kvstage: one sender process and one "
 	  "receiver process placed like the proxies, each holding all its sockets in "
-	  "one thread, writes and reads of the chunk size from a 64 MiB ring of buffers; "
-	  "one stream, and --tcp-streams streams" },
+	  "one thread, writes and reads of the chunk size from a 64 MiB ring of buffers, "
+	  "the reader woken at kvstaged's mark (SO_RCVLOWAT: what a chunk of 64 KiB or "
+	  "more still owes, at most 1 MiB); one stream, and --tcp-streams streams" },
 	{ "ucx_tcp", "UCX's ucx_perftest -t tag_bw with UCX_TLS=tcp between the same two "
 		     "endpoints, placed like the proxies, about --baseline-sec of messages of the "
 		     "chunk size (where ucx-utils is installed; what NIXL builds on); its CPU is "
