@@ -32,6 +32,7 @@ enum kvs_fp_action {
 	X(ACQUIRE, "acquire")		  /* fail acquires */                                    \
 	X(RECV_OPEN, "recv_open")	  /* fail receiving-room opens */                        \
 	X(TCP_PAYLOAD, "tcp.payload")	  /* tcp: hold a chunk's payload after its header */     \
+	X(TCP_ZC_NOTIFY, "tcp.zc_notify") /* tcp: leave the kernel's zerocopy answers unread */  \
 	X(RDMA_READ, "rdma.read")	  /* rdma, receiving side: hold a READ into its slot */  \
 	X(PEER_ACCEPT,                                                                           \
 	  "peer.accept") /* close an accepted peer connection unread (match: its number) */

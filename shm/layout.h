@@ -116,6 +116,9 @@ struct kvs_stats {
 	uint64_t peer_epoll_ctls;  /* ... and epoll_ctl (a full socket's EPOLLOUT, a pause) */
 	/* appended: older readers stop at peer_epoll_ctls */
 	uint64_t tcp_lowat_calls; /* setsockopt(SO_RCVLOWAT): a large payload's wake-up mark */
+	/* appended: older readers stop at tcp_lowat_calls */
+	uint64_t tcp_zc_sends;	/* sendmsg with MSG_ZEROCOPY (--tcp-zerocopy) */
+	uint64_t tcp_zc_copied; /* ... of them, the kernel said it copied anyway (loopback, veth) */
 };
 
 /* The proxy is the counters' only writer, so a plain load and store (no

@@ -83,6 +83,8 @@ static const struct kvs_stat_name kvs_stat_names[] = {
 	KVS_STAT(peer_epoll_waits),
 	KVS_STAT(peer_epoll_ctls),
 	KVS_STAT(tcp_lowat_calls),
+	KVS_STAT(tcp_zc_sends),
+	KVS_STAT(tcp_zc_copied),
 };
 
 /* Returns the counter's offset in struct kvs_stats, or -1. */

@@ -41,6 +41,11 @@ ninja -C build-asan
 ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
   meson test -C build-asan --print-errorlogs
 python/run-tests.sh build-asan
+echo "== conformance, tcp and hostile again under ASan+UBSan, every proxy sending payloads with MSG_ZEROCOPY (--tcp-zerocopy: on loopback the kernel copies at delivery and says so; this checks its answers' bookkeeping, not a speed)"
+for suite in conformance tcp hostile; do
+  KVSTAGE_TEST_PROXY_ARGS=--tcp-zerocopy KVSTAGE_BUILD_DIR="$PWD/build-asan" ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 \
+    UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 "build-asan/tests/test-$suite" --jobs=1
+done
 echo "== soft-RoCE in a qemu guest (tests/rxe: Debian's kernel, rdma_rxe, a real RC transfer)"
 tests/rxe/setup.sh
 RXE_WORKDIR="$PWD/build/rxe" tests/rxe/selftest.sh

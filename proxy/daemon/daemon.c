@@ -88,6 +88,10 @@ static void usage(FILE *f)
 		"                           rooms fail; a handshake gets a quarter of it\n"
 		"      --tcp-checksum       send a CRC32C of every chunk's payload (received\n"
 		"                           ones are always checked when they carry one)\n"
+		"      --tcp-zerocopy       send chunk payloads with MSG_ZEROCOPY: the NIC reads\n"
+		"                           them from the slot, which stays pinned until the\n"
+		"                           kernel says it is done (for a real NIC; to loopback\n"
+		"                           or veth the kernel copies anyway)\n"
 		"      --transport MODE     how chunks go to peers: auto | tcp | verbs (default\n"
 		"                           auto: by RDMA READ on --rdma-device, else on the\n"
 		"                           first RDMA device listed if its port is up, else\n"
@@ -199,6 +203,7 @@ enum {
 	O_STREAMS,
 	O_PTIMEOUT,
 	O_CSUM,
+	O_ZEROCOPY,
 	O_RDMA,
 	O_GIDX,
 	O_KEYS,
@@ -256,6 +261,7 @@ int kvsp_daemon_main(int argc, char **argv, const struct kvsp_daemon_hooks *hook
 		{ "tcp-streams", required_argument, NULL, O_STREAMS },
 		{ "peer-timeout", required_argument, NULL, O_PTIMEOUT },
 		{ "tcp-checksum", no_argument, NULL, O_CSUM },
+		{ "tcp-zerocopy", no_argument, NULL, O_ZEROCOPY },
 		{ "transport", required_argument, NULL, O_TRANSPORT },
 		{ "rdma-device", required_argument, NULL, O_RDMA },
 		{ "rdma-gid-index", required_argument, NULL, O_GIDX },
@@ -445,6 +451,9 @@ int kvsp_daemon_main(int argc, char **argv, const struct kvsp_daemon_hooks *hook
 			break;
 		case O_CSUM:
 			peer.checksum = true;
+			break;
+		case O_ZEROCOPY:
+			peer.zerocopy = true;
 			break;
 		case O_TRANSPORT:
 			if (!strcmp(optarg, "auto"))

@@ -7,8 +7,9 @@
  * carries every session: the last data path asked.
  *
  *   sending:   quiesced once every payload byte left the slot (the socket
- *              has its copy); a chunk still queued when its room aborts
- *              never leaves (quiesced -ECANCELED).
+ *              has its copy; with --tcp-zerocopy, the kernel said it is
+ *              done reading the slot); a chunk still queued when its room
+ *              aborts never leaves (quiesced -ECANCELED).
  *   receiving: the slot is posted when the header arrives (room,
  *              generation, token, chunk checked by the core) and lands or
  *              is discarded when the payload is all in; when its room
@@ -234,10 +235,20 @@ static void stream_cancel(struct kvsp_dp *dp, uint32_t room, uint32_t gen)
 
 static bool stream_sess_quiesce(struct kvsp_dp *dp, struct psess *s)
 {
-	/* Its sockets are closed: no byte of ours reads or writes for it. */
-	(void)dp;
-	(void)s;
-	return false;
+	/* Its sockets are closed, but for those the kernel still reads slot
+	 * bytes from (zerocopy sends): their answers, then. */
+	if (!dp->conns->nzombies)
+		return false;
+	/* (test barrier: at tcp.zc_notify the answers wait unread) */
+	bool read = kvsp_xport_fp_ud(dp->p, KVSP_FP_TCP_ZC_NOTIFY, 0) != KVSP_FP_HOLD;
+	return pconn_zombies_reap(dp->conns, s->id, read) > 0;
+}
+
+/* Overdue: a kernel that has not answered for bytes it dropped at the purge
+ * in a peer timeout never will (its NIC is gone); the pins go with them. */
+static void stream_sess_force(struct kvsp_dp *dp, struct psess *s)
+{
+	pconn_zombies_close(dp->conns, s->id);
 }
 
 /* --------------------------------------------------------------- poll */
@@ -277,6 +288,7 @@ const struct kvsp_dp_ops kvsp_dp_stream = {
 	.next_frame = stream_next_frame,
 	.sent = stream_sent,
 	.sess_quiesce = stream_sess_quiesce,
+	.sess_force = stream_sess_force,
 	.sess_free = sess_nothing,
 	.poll = stream_poll,
 	.pending = stream_pending,

@@ -5,7 +5,8 @@
  *
  *   FREE --dial--> CONNECTING --connected--> HANDSHAKE --proved--> UP
  *   FREE --accept-------------------------> HANDSHAKE --proved--> JOINING --JOIN--> UP
- *   any state --close--> FREE
+ *   any state --close--> FREE (a zerocopy one the kernel still reads for:
+ *                         a zombie of its session, closed once answered)
  *
  * Deadlines (pconn_deadline): every state before UP ends by born + the
  * handshake time; an UP connection lives as long as its session, except
@@ -29,8 +30,12 @@
 #include "layout.h"
 
 int pconn_table_init(struct pconn_table *t, int epfd, uint32_t max_payload, uint64_t instance,
-		     const struct kvsp_secret *secret, struct kvs_stats *st)
+		     const struct kvsp_secret *secret, struct kvs_stats *st, bool zerocopy)
 {
+	t->zerocopy = zerocopy;
+	for (unsigned i = 0; i < PCONN_MAX; i++)
+		t->zombie[i].fd = -1;
+	t->nzombies = 0;
 	t->epfd = epfd;
 	t->max_payload = max_payload;
 	t->instance = instance;
@@ -44,6 +49,7 @@ void pconn_table_fini(struct pconn_table *t)
 {
 	for (unsigned i = 0; i < t->hi; i++)
 		pconn_close(t, &t->conn[i]);
+	pconn_zombies_close(t, 0); /* the proxy is going: nothing reuses the pool */
 	free(t->sink);
 	t->sink = NULL;
 }
@@ -142,6 +148,7 @@ struct pconn *pconn_new(struct pconn_table *t, int fd, bool dialer,
 	c->q_head = c->q_tail = PCONN_NONE;
 	int one = 1;
 	setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+	c->zc_on = t->zerocopy && pconn_zc_set(fd);
 	if (kvsp_auth_start(&c->auth, t->secret, dialer ? KVS_WIRE_DIALER : KVS_WIRE_LISTENER,
 			    t->instance) < 0 ||
 	    watch(t, c, EPOLL_CTL_ADD) < 0) {
@@ -160,7 +167,8 @@ void pconn_close(struct pconn_table *t, struct pconn *c)
 		return;
 	KVS_STAT_ADD(t->st->peer_epoll_ctls, 1);
 	epoll_ctl(t->epfd, EPOLL_CTL_DEL, c->fd, NULL);
-	close(c->fd);
+	if (!pconn_zc_owed(c) || !pconn_zombie_from(t, c))
+		close(c->fd);
 	kvsp_auth_wipe(&c->auth);
 	kvsp_frame_tx_wipe(&c->ftx);
 	kvsp_frame_rx_wipe(&c->frx);
@@ -173,6 +181,7 @@ void pconn_close(struct pconn_table *t, struct pconn *c)
 	c->tx_pbytes = 0;
 	c->qn = 0;
 	c->q_head = c->q_tail = PCONN_NONE;
+	c->zc = (struct pconn_zc){ 0 };
 	while (t->hi && t->conn[t->hi - 1].state == PCONN_FREE)
 		t->hi--;
 }
@@ -351,11 +360,16 @@ static int tx_iov(const struct pconn *c, struct iovec *iov, size_t *len)
 	return n;
 }
 
-/* n more bytes left, in order: frames all out are counted sent. */
-static void tx_advance(struct pconn *c, size_t n)
+/* n more bytes left, in order: frames all out are counted sent. zc: a
+ * zerocopy call took them, whose answer frees its frames (zc_end). */
+static void tx_advance(struct pconn *c, size_t n, bool zc)
 {
 	while (n) {
-		const struct pconn_tx *f = &c->tx[ring(c, c->tx_sent)];
+		struct pconn_tx *f = &c->tx[ring(c, c->tx_sent)];
+		if (zc) {
+			f->zc = true;
+			f->zc_end = c->zc.sent;
+		}
 		uint32_t left = f->len + f->plen - c->tx_off;
 		uint32_t k = n < left ? (uint32_t)n : left;
 		c->tx_off += k;
@@ -363,6 +377,7 @@ static void tx_advance(struct pconn *c, size_t n)
 		if (c->tx_off == f->len + f->plen) {
 			c->tx_sent++;
 			c->tx_off = 0;
+			c->tx_pbytes -= f->plen; /* the batch's bytes are those still to write */
 		}
 	}
 }
@@ -383,10 +398,16 @@ bool pconn_tx_ready(const struct pconn *c)
 
 bool pconn_tx_room(const struct pconn *c)
 {
+	if (c->tx_n == PCONN_TX_FRAMES)
+		return false;
 	if (!c->tx_n)
 		return true;
-	return c->tx_n < PCONN_TX_FRAMES && c->tx[ring(c, c->tx_n - 1)].plen && !c->tx_held &&
-	       c->tx_pbytes < PCONN_TX_BYTES;
+	const struct pconn_tx *last = &c->tx[ring(c, c->tx_n - 1)];
+	/* All written, some awaiting the kernel's zerocopy answer: a new batch
+	 * (but nothing goes after a BYE). */
+	if (c->tx_sent == c->tx_n)
+		return last->type != KVS_WIRE_BYE;
+	return last->plen && !c->tx_held && c->tx_pbytes < PCONN_TX_BYTES;
 }
 
 int pconn_put(struct pconn *c, uint16_t type, const void *body, const void *payload, uint32_t plen,
@@ -424,8 +445,16 @@ int pconn_write(struct pconn_table *t, struct pconn *c, uint64_t now)
 	if (!n_iov)
 		return 0;
 	struct msghdr m = { .msg_iov = iov, .msg_iovlen = (size_t)n_iov };
+	/* Zerocopy for a batch with payload enough to pay for the answer, while
+	 * the kernel owes fewer answers than the window. */
+	bool zc = c->zc_on && want >= PCONN_ZC_MIN && c->zc.sent - c->zc.done < PCONN_ZC_WINDOW;
 	KVS_STAT_ADD(t->st->tcp_send_calls, 1);
-	ssize_t n = sendmsg(c->fd, &m, MSG_DONTWAIT | MSG_NOSIGNAL);
+	ssize_t n = sendmsg(c->fd, &m, MSG_DONTWAIT | MSG_NOSIGNAL | (zc ? MSG_ZEROCOPY : 0));
+	if (n < 0 && zc && errno == ENOBUFS) { /* no memory left for its answer: copy */
+		zc = false;
+		KVS_STAT_ADD(t->st->tcp_send_calls, 1);
+		n = sendmsg(c->fd, &m, MSG_DONTWAIT | MSG_NOSIGNAL);
+	}
 	if (n < 0) {
 		if (errno != EAGAIN)
 			return -errno;
@@ -435,7 +464,11 @@ int pconn_write(struct pconn_table *t, struct pconn *c, uint64_t now)
 	KVS_STAT_ADD(t->st->tcp_bytes_tx, (uint64_t)n);
 	if (c->pub)
 		KVS_STAT_ADD(c->pub->bytes_tx, (uint64_t)n);
-	tx_advance(c, (size_t)n);
+	if (zc) { /* the call took bytes: the kernel numbered it, as we do */
+		c->zc.sent++;
+		KVS_STAT_ADD(t->st->tcp_zc_sends, 1);
+	}
+	tx_advance(c, (size_t)n, zc);
 	/* A short write filled the socket: asking again would only hear
 	 * EAGAIN. The level-triggered EPOLLOUT says when it has room (at
 	 * once, if it made some meanwhile). */
@@ -451,9 +484,10 @@ bool pconn_tx_done(struct pconn *c, uint16_t *type, struct kvsp_xfer **x)
 	if (!c->tx_sent)
 		return false;
 	const struct pconn_tx *f = &c->tx[c->tx_head];
+	if (f->zc && (int32_t)(c->zc.done - f->zc_end) < 0)
+		return false; /* the kernel may still read its bytes */
 	*type = f->type;
 	*x = f->x;
-	c->tx_pbytes -= f->plen;
 	c->tx_head = (uint8_t)ring(c, 1);
 	c->tx_n--;
 	c->tx_sent--;

@@ -23,6 +23,15 @@
  * meanwhile waits behind at most that much. Reads go straight from the
  * socket into the slot a payload is posted for, or into the sink.
  * Non-blocking throughout.
+ *
+ * With --tcp-zerocopy a batch holding payload goes with MSG_ZEROCOPY: the
+ * kernel (and the NIC) reads the slot after sendmsg returns, until it
+ * says on the socket's error queue that it is done with that call. A
+ * frame is done (pconn_tx_done) only then, so its transfer quiesces only
+ * then; its header stays in txbuf as long. A connection closed while the
+ * kernel still holds such bytes is not closed: its queues are purged and
+ * it waits, as a zombie of its session, until the kernel has said so for
+ * every call (pconn_zombies_reap); the session is dying meanwhile.
  */
 #ifndef KVSP_CONN_H
 #define KVSP_CONN_H
@@ -44,6 +53,11 @@ struct kvs_stats;
 #define PCONN_TX_FRAMES 8	    /* frames in one batch (one sendmsg) */
 #define PCONN_TX_BYTES (256 * 1024) /* no frame joins a batch holding this much payload */
 #define PCONN_NONE UINT32_MAX
+#define PCONN_ZC_MIN (16 * 1024) /* a batch with less payload is copied: zerocopy costs more */
+#define PCONN_ZC_WINDOW 64	 /* zerocopy sendmsgs a connection has unanswered, at most */
+/* The kernel copied this many zerocopy sendmsgs in a row (to loopback or veth it
+ * always does, at delivery, and slower than a plain send): the connection copies. */
+#define PCONN_ZC_COPIED_RUN 64
 
 enum pconn_state {
 	PCONN_FREE = 0,
@@ -68,6 +82,24 @@ struct pconn_tx {
 	struct kvsp_xfer *x; /* the payload's transfer */
 	uint32_t len, plen;  /* frame bytes, payload bytes */
 	uint16_t type;
+	bool zc;	 /* a zerocopy sendmsg carried some of its bytes ... */
+	uint32_t zc_end; /* ... the last of them is the one before this id */
+};
+
+/* The kernel's answers to a connection's zerocopy sendmsgs (ids from 0, one
+ * per call): every id below done is answered, and bit k of ahead says id
+ * done + 1 + k is (answers may come out of order). */
+struct pconn_zc {
+	uint32_t sent, done;
+	uint64_t ahead;
+	uint32_t copied_run; /* answers in a row that say the kernel copied anyway */
+};
+
+/* A closed connection the kernel still reads slot bytes for (see above). */
+struct pconn_zombie {
+	int fd; /* -1: a free place */
+	uint32_t sess;
+	struct pconn_zc zc;
 };
 
 struct pconn {
@@ -78,6 +110,7 @@ struct pconn {
 	bool tx_held;	/* the batch's last payload waits (test barrier, datapath/stream.c) */
 	bool rx_paused; /* joined a session that is not up: its frames wait in the socket */
 	bool heard;	/* it has said a byte */
+	bool zc_on;	/* SO_ZEROCOPY is set: batches with payload go with MSG_ZEROCOPY */
 	uint16_t idx;
 	uint32_t id;   /* a generation: the epoll tag is id << 32 | idx */
 	uint32_t sess; /* its session's id once JOINed; 0: none */
@@ -109,6 +142,7 @@ struct pconn {
 	uint32_t rx_lowat; /* the socket's SO_RCVLOWAT (0: the kernel's 1; UINT32_MAX: unknown) */
 	/* chunks queued to go on this connection (datapath/stream.c's list) */
 	uint32_t q_head, q_tail, qn;
+	struct pconn_zc zc;
 };
 
 #define PCONN_MAX (64 * 16 + PCONN_HANDSHAKES) /* every session's streams, and handshakes */
@@ -123,12 +157,26 @@ struct pconn_table {
 	uint64_t instance; /* ours, in every handshake */
 	const struct kvsp_secret *secret;
 	struct kvs_stats *st;
+	bool zerocopy; /* --tcp-zerocopy */
+	struct pconn_zombie zombie[PCONN_MAX];
+	unsigned nzombies;
 };
 
 /* Sets t up (epfd is the plane's). Returns 0, or -ENOMEM. */
 int pconn_table_init(struct pconn_table *t, int epfd, uint32_t max_payload, uint64_t instance,
-		     const struct kvsp_secret *secret, struct kvs_stats *st);
-/* Closes every connection and frees t's memory. */
+		     const struct kvsp_secret *secret, struct kvs_stats *st, bool zerocopy);
+/* --tcp-zerocopy's part (zerocopy.c), design note 36. */
+/* With --tcp-zerocopy: SO_ZEROCOPY on fd, a socket about to connect or
+ * listen (for a kernel that takes it only then). */
+void pconn_zc_prepare(const struct pconn_table *t, int fd);
+/* SO_ZEROCOPY on fd. Returns whether it is on. */
+bool pconn_zc_set(int fd);
+/* c's socket still lends slot bytes to the kernel: its queues are purged
+ * (connect AF_UNSPEC: the kernel drops what it held and answers for it;
+ * the fd stays ours to hear that) and it waits as a zombie of c's session.
+ * Returns false if it has no place (never: at most one per connection). */
+bool pconn_zombie_from(struct pconn_table *t, struct pconn *c);
+/* Closes every connection and zombie and frees t's memory. */
 void pconn_table_fini(struct pconn_table *t);
 
 /* Takes a place for a connection accepted from `from`, making one if
@@ -140,8 +188,21 @@ uint32_t pconn_admit(struct pconn_table *t, const struct kvsp_endpoint *from);
  * progress) or accepted from `from`. Returns it, or NULL (fd closed, the table full). */
 struct pconn *pconn_new(struct pconn_table *t, int fd, bool dialer,
 			const struct kvsp_endpoint *from, uint64_t now);
-/* Closes c's socket and frees its place; what it held is its owner's to release. */
+/* Closes c's socket and frees its place; what it held is its owner's to
+ * release. A socket the kernel still reads slot bytes for becomes a zombie
+ * of c's session instead (purged, never written or read again). */
 void pconn_close(struct pconn_table *t, struct pconn *c);
+/* Reads the kernel's answers of sess's zombies (every zombie's, sess 0),
+ * closing those answered in full; read false: only counts them. Returns
+ * how many are left. */
+unsigned pconn_zombies_reap(struct pconn_table *t, uint32_t sess, bool read);
+/* Closes sess's zombies, answered or not (their wait is overdue). */
+void pconn_zombies_close(struct pconn_table *t, uint32_t sess);
+/* Reads the kernel's answers to c's zerocopy sendmsgs (EPOLLERR says some
+ * wait); the frames they free are pconn_tx_done's. Returns 0, or -errno. */
+int pconn_zc_reap(struct pconn_table *t, struct pconn *c);
+/* True while the kernel owes c answers for zerocopy sendmsgs. */
+bool pconn_zc_owed(const struct pconn *c);
 /* The live connection an epoll tag names, or NULL. */
 struct pconn *pconn_of_tag(struct pconn_table *t, uint64_t tag);
 
@@ -202,9 +263,10 @@ int pconn_put(struct pconn *c, uint16_t type, const void *body, const void *payl
  * could go (the payload is held), or -errno (the connection is lost).
  * Frames all out are pconn_tx_done's. */
 int pconn_write(struct pconn_table *t, struct pconn *c, uint64_t now);
-/* Takes the oldest frame whose every byte left (the socket has its copy),
- * oldest first: its type and payload's transfer (NULL: none). Returns false
- * when there is none. */
+/* Takes the oldest frame whose every byte left (the socket has its copy,
+ * or for a zerocopy one, the kernel said it is done with them), oldest
+ * first: its type and payload's transfer (NULL: none). Returns false when
+ * there is none. */
 bool pconn_tx_done(struct pconn *c, uint16_t *type, struct kvsp_xfer **x);
 
 #endif

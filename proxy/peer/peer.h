@@ -37,6 +37,7 @@ struct kvsp_peer_opts {
 	unsigned streams;      /* connections per peer */
 	uint64_t peer_timeout_ns;
 	bool checksum; /* CRC32C of every payload */
+	bool zerocopy; /* payloads sent with MSG_ZEROCOPY */
 	enum kvsp_peer_data data;
 	const char *rdma_device; /* chunks by RDMA READ with peers that have it; NULL: per data */
 	int rdma_gid_index;	 /* -1: the device's first RoCE v2 GID, IPv4-mapped first */

@@ -163,6 +163,19 @@ static void on_sent(struct peer *pr, struct psess *s, uint16_t type, struct kvsp
 		psess_bye_sent(&pr->sessions, s);
 }
 
+/* c's frames that are done go to their owners. Returns KVSP_BUSY if any did. */
+static int conn_done(struct peer *pr, struct psess *s, struct pconn *c)
+{
+	int busy = KVSP_IDLE;
+	uint16_t type;
+	struct kvsp_xfer *x;
+	while (pconn_tx_done(c, &type, &x)) {
+		busy = KVSP_BUSY;
+		on_sent(pr, s, type, x); /* a BYE may close c: its batch is empty then */
+	}
+	return busy;
+}
+
 /* Seals into c's batch what next_frame says s owes on it, while the batch
  * has room. Returns 0, or -errno (c is lost). */
 static int conn_fill(struct peer *pr, struct psess *s, struct pconn *c)
@@ -196,16 +209,27 @@ static int conn_tx(struct peer *pr, struct pconn *c)
 			conn_fail(pr, c, rc);
 			break;
 		}
-		uint16_t type;
-		struct kvsp_xfer *x;
-		while (pconn_tx_done(c, &type, &x)) {
-			busy = KVSP_BUSY;
-			on_sent(pr, s, type, x); /* a BYE may close c: its batch is empty then */
-		}
+		busy |= conn_done(pr, s, c);
 		if (rc == 0)
 			break;
 	}
 	return busy;
+}
+
+/* The kernel answered zerocopy sendmsgs of c (EPOLLERR): the frames whose
+ * bytes it no longer reads are done. */
+static void conn_zc(struct peer *pr, struct pconn *c)
+{
+	if (kvsp_xport_fp_ud(pr->p, KVSP_FP_TCP_ZC_NOTIFY, 0) == KVSP_FP_HOLD)
+		return; /* test barrier: the answers wait unread */
+	int rc = pconn_zc_reap(&pr->conns, c);
+	if (rc < 0) {
+		conn_fail(pr, c, rc);
+		return;
+	}
+	struct psess *s = psess_get(&pr->sessions, c->sess);
+	if (s && conn_done(pr, s, c))
+		pr->tx_due = true; /* places in its batch came free */
 }
 
 /* ------------------------------------------------------------- reading */
@@ -277,6 +301,12 @@ static int conn_rx(struct peer *pr, struct pconn *c)
 static void on_conn_event(struct peer *pr, struct pconn *c, uint32_t events)
 {
 	pconn_ready(&pr->conns, c, events);
+	if (events & EPOLLERR && c->state == PCONN_UP && pconn_zc_owed(c)) {
+		uint32_t id = c->id;
+		conn_zc(pr, c);
+		if (c->id != id || c->state != PCONN_UP)
+			return; /* it failed reading them */
+	}
 	if (c->rx_paused && events & (EPOLLERR | EPOLLHUP)) {
 		conn_fail(pr, c, -ECONNRESET); /* hung up while its session was joining */
 		return;
@@ -582,6 +612,7 @@ static int open_listener(struct peer *pr, bool advertised, char *why, size_t len
 		return -errno;
 	}
 	setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+	pconn_zc_prepare(&pr->conns, fd); /* accepted connections inherit it */
 	if (bind(fd, (const struct sockaddr *)&l->sa, l->len) < 0 || listen(fd, 128) < 0) {
 		int e = errno;
 		snprintf(why, len, "--listen %s: %s", l->text, strerror(e));
@@ -664,7 +695,7 @@ static int start(struct peer *pr, const struct kvsp_peer_opts *o, char *why, siz
 	}
 	if (pr->epfd < 0 || pr->timer_fd < 0 ||
 	    pconn_table_init(&pr->conns, pr->epfd, (uint32_t)kvsp_slot_size(pr->p),
-			     kvsp_instance(pr->p), o->secret, pr->st) < 0) {
+			     kvsp_instance(pr->p), o->secret, pr->st, o->zerocopy) < 0) {
 		snprintf(why, len, "peer plane: %s", strerror(errno ? errno : ENOMEM));
 		return -ENOMEM;
 	}

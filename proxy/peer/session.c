@@ -295,6 +295,7 @@ static int dial_stream(struct psess_table *t, struct psess *s, unsigned k, uint6
 	int fd = socket(ep->sa.ss_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
 	if (fd < 0)
 		return -errno;
+	pconn_zc_prepare(t->conns, fd);
 	if (connect(fd, (const struct sockaddr *)&ep->sa, ep->len) < 0 && errno != EINPROGRESS) {
 		int err = -errno;
 		close(fd);

@@ -51,9 +51,9 @@ void print_human(const struct kvs_ctrl *c, size_t len, const char *path, int slo
 	printf("peers     deadlines %llu  evicted %llu  closed %llu  pings %llu\n",
 	       S(peer_timeouts), S(peer_evicted), S(peer_closed), S(peer_pings));
 	printf("syscalls  tcp-sends %llu  tcp-recvs %llu  epoll-waits %llu  epoll-ctls %llu  "
-	       "lowat-sets %llu\n",
+	       "lowat-sets %llu  zerocopy-sends %llu  zerocopy-copied %llu\n",
 	       S(tcp_send_calls), S(tcp_recv_calls), S(peer_epoll_waits), S(peer_epoll_ctls),
-	       S(tcp_lowat_calls));
+	       S(tcp_lowat_calls), S(tcp_zc_sends), S(tcp_zc_copied));
 	printf("rdma      sessions %llu  reads %llu  rx %llu  binds %llu  invalidates %llu  "
 	       "regions %llu"
 	       "  region-frees %llu  reads-refused %llu  links-lost %llu\n",

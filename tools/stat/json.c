@@ -76,7 +76,8 @@ void print_json(const struct kvs_ctrl *c, size_t len, const char *path, int slot
 	       "\"chunks_discarded\":%llu,\"bytes_tx\":%llu,\"bytes_rx\":%llu,"
 	       "\"deadlines\":%llu,\"evicted\":%llu,\"closed\":%llu,\"pings\":%llu,"
 	       "\"send_calls\":%llu,\"recv_calls\":%llu,\"epoll_waits\":%llu,"
-	       "\"epoll_ctls\":%llu,\"lowat_calls\":%llu},"
+	       "\"epoll_ctls\":%llu,\"lowat_calls\":%llu,\"zerocopy_sends\":%llu,"
+	       "\"zerocopy_copied\":%llu},"
 	       "\"rdma\":{\"reads\":%llu,\"bytes_rx\":%llu,\"binds\":%llu,\"invalidates\":%llu,"
 	       "\"regions\":%llu,\"region_frees\":%llu,\"reads_refused\":%llu,"
 	       "\"links_lost\":%llu,\"sessions\":%llu},\"peers\":[",
@@ -84,9 +85,10 @@ void print_json(const struct kvs_ctrl *c, size_t len, const char *path, int slot
 	       S(peer_frames_refused), S(peer_frames_ignored), S(peer_crc_errors),
 	       S(chunks_discarded), S(tcp_bytes_tx), S(tcp_bytes_rx), S(peer_timeouts),
 	       S(peer_evicted), S(peer_closed), S(peer_pings), S(tcp_send_calls), S(tcp_recv_calls),
-	       S(peer_epoll_waits), S(peer_epoll_ctls), S(tcp_lowat_calls), S(rdma_reads),
-	       S(rdma_bytes_rx), S(rdma_binds), S(rdma_invalidates), S(rdma_regions),
-	       S(rdma_region_frees), S(rdma_reads_refused), S(rdma_links_lost), S(rdma_sessions));
+	       S(peer_epoll_waits), S(peer_epoll_ctls), S(tcp_lowat_calls), S(tcp_zc_sends),
+	       S(tcp_zc_copied), S(rdma_reads), S(rdma_bytes_rx), S(rdma_binds),
+	       S(rdma_invalidates), S(rdma_regions), S(rdma_region_frees), S(rdma_reads_refused),
+	       S(rdma_links_lost), S(rdma_sessions));
 	for (uint32_t i = 0; i < tb->npe; i++) {
 		const struct peer_row *k = &tb->pe[i];
 		printf("%s{\"endpoint\":", i ? "," : "");
