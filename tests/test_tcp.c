@@ -550,6 +550,17 @@ static const char *zc_args[] = { "--slots",  "8",	    "--slot-size",    "2M",
 				 "tcp",	     NULL };
 /* (--transport tcp: where a device is up, auto would pull chunks by RDMA READ.) */
 
+/* B and A on zc_args, a client of each. */
+static void zc_pair(kvs_client **rx, kvs_client **tx)
+{
+	if (by_rdma())
+		cr_skip_test("chunks go by RDMA READ in this run");
+	proxy_start(&pb, NULL, zc_args);
+	proxy_start(&pa, NULL, zc_args);
+	*rx = connect_ok(&pb);
+	*tx = connect_ok(&pa);
+}
+
 /* One chunk (1 MiB) from tx, owner's canary; its lease in *l. */
 static kvs_room *zc_room(kvs_client *rx, kvs_client *tx, uint64_t owner, kvs_room **sr,
 			 struct kvs_lease *l)
@@ -584,11 +595,8 @@ static void zc_held(struct proxy *px, const struct kvs_lease *l)
 
 Test(tcp, zerocopy_payloads_land_whole_and_their_slot_waits_for_the_kernel)
 {
-	if (by_rdma())
-		cr_skip_test("chunks go by RDMA READ in this run");
-	proxy_start(&pb, NULL, zc_args);
-	proxy_start(&pa, NULL, zc_args);
-	kvs_client *rx = connect_ok(&pb), *tx = connect_ok(&pa);
+	kvs_client *rx, *tx;
+	zc_pair(&rx, &tx);
 	const uint64_t sizes[] = { 2ull * BIG_SLOT + (100u << 10), BIG_SLOT + 4096, 20u << 10,
 				   4096 };
 	for (unsigned r = 0; r < sizeof(sizes) / sizeof(sizes[0]); r++) {
@@ -623,11 +631,8 @@ Test(tcp, zerocopy_payloads_land_whole_and_their_slot_waits_for_the_kernel)
  * fail and its pins go. */
 Test(tcp, a_session_lost_with_zerocopy_answers_owed_keeps_its_pins_until_they_come)
 {
-	if (by_rdma())
-		cr_skip_test("chunks go by RDMA READ in this run");
-	proxy_start(&pb, NULL, zc_args);
-	proxy_start(&pa, NULL, zc_args);
-	kvs_client *rx = connect_ok(&pb), *tx = connect_ok(&pa);
+	kvs_client *rx, *tx;
+	zc_pair(&rx, &tx);
 	fp_set(&pa, "tcp.zc_notify", "pause", NULL);
 	kvs_room *sr;
 	struct kvs_lease l;
@@ -659,11 +664,8 @@ Test(tcp, a_session_lost_with_zerocopy_answers_owed_keeps_its_pins_until_they_co
  * read their answers.) */
 Test(tcp, zerocopy_the_kernel_copies_every_time_turns_itself_off_and_nothing_waits)
 {
-	if (by_rdma())
-		cr_skip_test("chunks go by RDMA READ in this run");
-	proxy_start(&pb, NULL, zc_args);
-	proxy_start(&pa, NULL, zc_args);
-	kvs_client *rx = connect_ok(&pb), *tx = connect_ok(&pa);
+	kvs_client *rx, *tx;
+	zc_pair(&rx, &tx);
 	/* Rooms of one chunk, 8 in flight at a time, round robin on the 2
 	 * streams: when a connection turns zerocopy off, sends are in flight. */
 	const unsigned batch = 8, rooms = 24 * batch;
