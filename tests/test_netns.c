@@ -238,12 +238,33 @@ Test(netns, a_decode_proxy_killed_mid_transfer_fails_the_room_and_leaks_nothing)
  * instance: A retires the old session and dials anew, and the room
  * arrives; it never fails as stale. At the default --peer-timeout, so
  * the old session is still up all along. */
+/* Waits until no TCP socket on host i has bytes its peer has not acked:
+ * the peer's delayed ACK is out, so nothing of the session is still owed
+ * on the wire (an ACK that reached a host reborn meanwhile would draw
+ * its RST). */
+static void wire_settled(unsigned i)
+{
+	char out[16384], err[512];
+	for (unsigned tries = 0;; tries++) {
+		cr_assert_eq(run_cmd((const char *[]){ ipbin, "netns", "exec", ns[i], "ss", "-t",
+						       "-i", "-n", "-H", NULL },
+				     out, sizeof(out), err, sizeof(err)),
+			     0, "ss -ti: %s", err);
+		if (!strstr(out, "unacked:"))
+			return;
+		cr_assert_lt(tries, WAIT_MS, "host %u's sockets never settled: %s", i, out);
+		usleep(1000); /* the kernel's delayed-ACK timer, up to 200 ms: polled, not guessed */
+	}
+}
+
 Test(netns, a_proxy_restarted_at_its_address_is_dialed_anew_never_stale)
 {
 	hosts_at(2, "128", NULL);
 	kvs_client *tx = connect_ok(&px[0]), *rx = connect_ok(&px[1]);
 	one_room(rx, tx, 0x70); /* the session is up */
 	kvs_close(rx);
+	wire_settled(0);
+	wire_settled(1);
 	cr_assert_eq(IP("-n", ns[1], "link", "set", "eth1", "down"), 0);
 	proxy_kill(&px[1], SIGKILL);
 	/* What the killed proxy's kernel still holds would FIN or RST once the
