@@ -128,7 +128,7 @@ if [ -f "$D$unit" ]; then
 else
 	fail "no unit $unit"
 fi
-# The Python package: every module of the source's python/kvstage.
+# The Python package: every module of the source's python/kvstage, its subpackages' included.
 pydir=$(meson introspect --installed "$build" | python3 -c '
 import json, sys
 d = [v for v in json.load(sys.stdin).values() if v.endswith("/kvstage/__init__.py")]
@@ -136,8 +136,10 @@ print(d[0][:-len("/kvstage/__init__.py")] if d else "")')
 if [ -z "$pydir" ]; then
 	fail "the Python package (kvstage/__init__.py) is not installed"
 else
-	for m in "$src"/python/kvstage/*.py; do
-		[ -f "$D$pydir/kvstage/${m##*/}" ] || fail "python/kvstage/${m##*/} is not installed (list it in python/meson.build)"
+	for m in "$src"/python/kvstage/*.py "$src"/python/kvstage/*/*.py; do
+		[ -f "$m" ] || continue
+		rel=${m#"$src"/python/}
+		[ -f "$D$pydir/$rel" ] || fail "python/$rel is not installed (list it in python/meson.build)"
 	done
 	# Its distribution metadata next to it: SGLang finds kvstage's plugin (entry point group
 	# sglang.srt.plugins) through importlib.metadata, in every process it starts (python/SGLANG.md).

@@ -112,16 +112,18 @@ def run_process(tmp_path, with_dist_info, **env):
     return out.stdout
 
 
-EXPECTED = ("{'KVARGS': '%s.KVArgs', 'MANAGER': 'kvstage.sglang.KvstageKVManager', "
-            "'SENDER': 'kvstage.sglang.KvstageKVSender', 'RECEIVER': 'kvstage.sglang.KvstageKVReceiver', "
-            "'BOOTSTRAP_SERVER': 'kvstage.sglang.KvstageKVBootstrapServer'}" % "sglang.srt.disaggregation.base.conn")
+EXPECTED = ("{'KVARGS': '%s.KVArgs', 'MANAGER': 'kvstage.sglang.manager.KvstageKVManager', "
+            "'SENDER': 'kvstage.sglang.sender.KvstageKVSender', "
+            "'RECEIVER': 'kvstage.sglang.receiver.KvstageKVReceiver', "
+            "'BOOTSTRAP_SERVER': 'kvstage.sglang.bootstrap.KvstageKVBootstrapServer'}"
+            % "sglang.srt.disaggregation.base.conn")
 
 
 def test_installed_entry_point_registers_the_backend_in_every_process(tmp_path):
     out = run_process(tmp_path, True)
     for tag in ("main", "child"):
         assert f"{tag} cli: ok KVSTAGE {EXPECTED}" in out, out
-        assert f"{tag} early: kvstage.sglang.KvstageKVManager" in out, out
+        assert f"{tag} early: kvstage.sglang.manager.KvstageKVManager" in out, out
         assert f"{tag} mooncake: <builtin mooncake sender>" in out or REAL_SGLANG, out
     assert "child exit: 0" in out, out
 

@@ -192,7 +192,8 @@ def _run_launcher(tmp_path, *argv):
 def test_launcher_reaches_spawned_children(tmp_path):
     out = _run_launcher(tmp_path, "sglang.launch_server", "--disaggregation-transfer-backend", "kvstage")
     assert out.returncode == 0, out.stderr
-    assert "child: KVSTAGE kvstage.sglang.KvstageKVManager" in out.stdout and "exit: 0" in out.stdout, out.stdout
+    assert "child: KVSTAGE kvstage.sglang.manager.KvstageKVManager" in out.stdout and "exit: 0" in out.stdout, \
+        out.stdout
 
 
 def test_launcher_without_kvstage_is_sglang_unchanged(tmp_path):

@@ -89,7 +89,8 @@ def test_created_by_vllms_factory():
 @pytest.mark.skipif(not vllm_stubs.STAND_IN, reason="vLLM is installed: its absence cannot be shown")
 def test_needs_vllm():
     """Without vLLM (and without the tests' stand-ins on the path) kvstage.vllm says it needs vLLM."""
-    env = dict(os.environ, PYTHONPATH=str(Path(kv.__file__).resolve().parent.parent))
+    import kvstage
+    env = dict(os.environ, PYTHONPATH=str(Path(kvstage.__file__).resolve().parent.parent))
     out = subprocess.run([sys.executable, "-c", "import kvstage.vllm"], env=env, capture_output=True, text=True,
                          timeout=60)
     assert out.returncode != 0 and "ImportError: kvstage.vllm is a vLLM KV connector and needs vLLM" in out.stderr, \

@@ -1,6 +1,6 @@
 """Test helpers for the vLLM connector: a small stand-in of a vLLM engine that drives kvstage.vllm.KvstageConnector
 the way vLLM v1 does (vllm/v1/core/sched/scheduler.py and the model runner's KV-connector context, at the commits
-named in kvstage/vllm.py). One Engine is one vLLM instance: a scheduler-role connector and, per tensor-parallel
+named in kvstage/vllm/__init__.py). One Engine is one vLLM instance: a scheduler-role connector and, per tensor-parallel
 rank, a worker-role connector with that rank's own KV cache shard (tp=1: one worker, as vLLM's UniProcExecutor runs
 it; tp>1: the ranks' outputs aggregated as vLLM's KVOutputAggregator does for MultiprocExecutor, each rank's
 metadata a pickled copy), real torch CPU KV caches in vLLM's paged layout (per layer (2, num_blocks, block_size,
