@@ -3,8 +3,13 @@
 #ifndef KVS_SHM_CLIENT_H
 #define KVS_SHM_CLIENT_H
 
+#include <errno.h>
 #include <stdbool.h>
 #include <stdint.h>
+#include <sys/eventfd.h>
+#include <time.h>
+
+#include <rte_atomic.h>
 
 #include "kvstage.h"
 #include "layout.h"
@@ -97,5 +102,129 @@ struct kvs_client {
 	unsigned stash_cap, stash_head, stash_n;
 	struct kvs_ext ext[KVS_EXT_MAX];
 };
+
+/* ------------------------------------------------- the library's insides
+ * Shared by its files: client.c (the registry of connections, liveness,
+ * ops to the proxy and waits for its replies), connect.c, rooms.c (leases
+ * and rooms), events.c. libkvstage.map keeps them out of the shared
+ * library's interface; kvsc_ keeps them out of a static linker's way. */
+
+#define KVS_NO_DEADLINE UINT64_MAX
+#define KVS_LIVENESS_NS 1000000ull /* async calls look at the socket at most every 1 ms */
+
+/* Every connection of the process, indexed by kvs_client.reg (client.c). */
+extern kvs_client *kvsc_registry[KVS_REGISTRY_MAX];
+
+static inline uint64_t kvsc_mono_ns(void)
+{
+	struct timespec ts;
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+/* The vDSO's coarse clock: no syscall, a tick's resolution. Liveness
+ * checks use it and nothing else, so their differences never go negative. */
+static inline uint64_t kvsc_coarse_ns(void)
+{
+	struct timespec ts;
+	clock_gettime(CLOCK_MONOTONIC_COARSE, &ts);
+	return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+/* c may be used by this process: 0, or -EINVAL, -ECHILD. */
+static inline int kvsc_usable(const kvs_client *c)
+{
+	if (!c)
+		return -EINVAL;
+	return c->forked ? -ECHILD : 0;
+}
+
+/* The room handle h names, if it names one that is open now (not closed,
+ * not reused). Returns 0, or -EINVAL (NULL), -EBADF, -ECHILD.
+ * Inline: every kvs_send takes it. */
+static inline __attribute__((always_inline)) int kvsc_room_find(const kvs_room *h, kvs_client **cp,
+								struct kvs_rstate **rp)
+{
+	if (!h)
+		return -EINVAL;
+	kvs_client *c = __atomic_load_n(&kvsc_registry[kvs_room_handle_reg(h)], __ATOMIC_ACQUIRE);
+	if (!c)
+		return -EBADF;
+	if (c->forked)
+		return -ECHILD;
+	uint16_t i = kvs_room_handle_idx(h);
+	if (i >= c->nrooms)
+		return -EBADF;
+	struct kvs_rstate *r = &c->rooms[i];
+	if (!r->role || r->gen != kvs_room_handle_gen(h) || r->state == KVS_ROOM_CLOSING)
+		return -EBADF;
+	*cp = c;
+	*rp = r;
+	return 0;
+}
+
+/* kvs_event_fd was asked for: the proxy kicks the eventfd for every batch. */
+static inline bool kvsc_fd_mode(const kvs_client *c)
+{
+	return c->event_fd >= 0;
+}
+
+/* Leaves `waiting` as the mode wants it after a blocking wait. */
+static inline void kvsc_unwait(kvs_client *c)
+{
+	__atomic_store_n(&c->cshm->waiting, kvsc_fd_mode(c), __ATOMIC_RELAXED);
+}
+
+/* Adds c to the registry (c->reg). Returns 0, or -EMFILE. */
+int kvsc_registry_add(kvs_client *c);
+/* Takes c out of the registry. */
+void kvsc_registry_del(kvs_client *c);
+/* The connection's error once the proxy's end of the socket is gone (c->err), else 0. Costs a syscall. */
+int kvsc_proxy_gone(kvs_client *c);
+
+/* kvsc_proxy_gone at most every KVS_LIVENESS_NS, for the async fast path. */
+static inline int kvsc_proxy_gone_lazy(kvs_client *c)
+{
+	if (c->err)
+		return c->err;
+	if (kvsc_coarse_ns() - c->alive_ns < KVS_LIVENESS_NS)
+		return 0;
+	return kvsc_proxy_gone(c);
+}
+
+/* Wakes the proxy if it sleeps, after our enqueue. */
+static inline void kvsc_kick_proxy(kvs_client *c)
+{
+	/* Pairs with the proxy's fence between setting `sleeping` and its last
+	 * look at the rings: our enqueue (a store) must be visible before we
+	 * load `sleeping`, or both sides could decide the other will act. */
+	rte_atomic_thread_fence(__ATOMIC_SEQ_CST);
+	if (__atomic_load_n(&c->ctrl->sleeping, __ATOMIC_RELAXED))
+		eventfd_write(c->wake_fd, 1);
+}
+
+/* kvsc_submit with the ring full: waits up to 1 ms for space. Returns 0, or -EAGAIN, c->err. */
+int kvsc_submit_full(kvs_client *c, const struct kvs_sqe *q);
+
+/* Enqueues q (an async op). Returns 0, or -EAGAIN (ring full for 1 ms), c->err.
+ * Inline: every kvs_send takes it. */
+static inline int kvsc_submit(kvs_client *c, const struct kvs_sqe *q)
+{
+	int rc = kvsc_proxy_gone_lazy(c);
+	if (rc)
+		return rc;
+	if (kvs_ring_push(&c->sq, q, sizeof(*q), 1) == 1) {
+		kvsc_kick_proxy(c);
+		return 0;
+	}
+	return kvsc_submit_full(c, q);
+}
+/* Blocks until the eventfd fires, the proxy hangs up, or deadline (a CLOCK_MONOTONIC ns, or
+ * KVS_NO_DEADLINE). Returns > 0 when woken, 0 at the deadline, or -errno (-ENOTCONN). */
+int kvsc_block(kvs_client *c, uint64_t deadline);
+/* Sends q and waits for the proxy's reply. Returns its status (>= 0), or -errno. */
+int kvsc_sync_call(kvs_client *c, struct kvs_sqe *q);
+/* Gives r's handle index back to c (rooms.c). */
+void kvsc_room_free(kvs_client *c, struct kvs_rstate *r);
 
 #endif
