@@ -91,17 +91,18 @@ CLIENT_FNS = ("kvs_acquire", "kvs_send", "kvs_release", "kvs_poll", "kvs_wait", 
 
 
 def callgrind_costs(path, names):
-    """{name: (inclusive Ir, calls)} for the named functions in one callgrind output file."""
-    out = subprocess.run(["callgrind_annotate", "--inclusive=yes", "--auto=no", "--threshold=100", path],
-                         capture_output=True, text=True, check=True).stdout
-    ir = {}
-    for line in out.splitlines():
-        m = re.match(r"\s*([\d,]+)\s+\([^)]*\)\s+\S*?:?(\w+)\s+\[", line)
-        if m and m.group(2) in names and m.group(2) not in ir:
-            ir[m.group(2)] = int(m.group(1).replace(",", ""))
-    calls, ids, cur = dict.fromkeys(names, 0), {}, None
+    """{name: (inclusive Ir, calls)} for the named functions in one callgrind output file, summed over the calls
+    made to them (each call's line in the file carries its inclusive cost). Not callgrind_annotate's rows: those
+    split a function by the source file of each instruction, so code inlined from a header would be left out."""
+    ir, calls, ids, cur, take = dict.fromkeys(names, 0), dict.fromkeys(names, 0), {}, None, None
     with open(path) as f:
         for line in f:
+            if take is not None:  # the cost line after calls=: "position Ir"
+                parts = line.split()
+                if len(parts) >= 2 and parts[-1].isdigit():
+                    ir[take] += int(parts[-1])
+                take = None
+                continue
             m = re.match(r"c?fn=\((\d+)\)(?: (.*))?", line)
             if m:
                 if m.group(2):
@@ -111,8 +112,8 @@ def callgrind_costs(path, names):
             m = re.match(r"calls=(\d+)", line)
             if m and cur in calls:
                 calls[cur] += int(m.group(1))
-                cur = None
-    return {n: (ir.get(n, 0), calls[n]) for n in names}
+                take, cur = cur, None
+    return {n: (ir[n], calls[n]) for n in names}
 
 
 def callgrind_side(build, args, outdir):
