@@ -9,7 +9,6 @@
  */
 #include <errno.h>
 #include <sched.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -47,16 +46,8 @@ struct pair {
 	unsigned fhead, fn, npages;
 };
 
-static int fail(struct ab_res *res, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-static int fail(struct ab_res *res, const char *fmt, ...)
-{
-	va_list ap;
-	va_start(ap, fmt);
-	vsnprintf(res->msg, sizeof(res->msg), fmt, ap);
-	va_end(ap);
-	res->failed = 1;
-	return 1;
-}
+/* Records why this child failed in its shared figures; returns 1. */
+#define fail(res, ...) child_fail((res)->msg, sizeof((res)->msg), &(res)->failed, __VA_ARGS__)
 
 static uint64_t rnd(struct pair *p)
 {

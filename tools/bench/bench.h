@@ -346,5 +346,8 @@ void progress_line(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 void progress_clear(void);
 /* A note on stderr unless --quiet (printf-style, newline added). */
 void note(const struct bench_opts *o, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+/* A child's failure: writes why into msg (len bytes), sets *failed. Returns 1, the child's exit code. */
+int child_fail(char *msg, size_t len, int *failed, const char *fmt, ...)
+	__attribute__((format(printf, 4, 5)));
 
 #endif

@@ -10,7 +10,6 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <poll.h>
-#include <stdarg.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
@@ -24,16 +23,8 @@
 #define EV_BATCH 64
 #define LEASE_BATCH 256 /* leases per kvs_acquire when rooms are small */
 
-static int fail(struct child_res *res, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-static int fail(struct child_res *res, const char *fmt, ...)
-{
-	va_list ap;
-	va_start(ap, fmt);
-	vsnprintf(res->msg, sizeof(res->msg), fmt, ap);
-	va_end(ap);
-	res->failed = 1;
-	return 1;
-}
+/* Records why this child failed in its shared figures; returns 1. */
+#define fail(res, ...) child_fail((res)->msg, sizeof((res)->msg), &(res)->failed, __VA_ARGS__)
 
 static uint64_t canary_owner(unsigned pair, uint64_t seq)
 {

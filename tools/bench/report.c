@@ -59,6 +59,16 @@ void note(const struct bench_opts *o, const char *fmt, ...)
 	va_end(ap);
 }
 
+int child_fail(char *msg, size_t len, int *failed, const char *fmt, ...)
+{
+	va_list ap;
+	va_start(ap, fmt);
+	vsnprintf(msg, len, fmt, ap);
+	va_end(ap);
+	*failed = 1;
+	return 1;
+}
+
 /* ------------------------------------------------------------- numbers */
 
 struct doc *doc_new(const struct bench_opts *o, unsigned n)
