@@ -149,8 +149,9 @@ with several KV cache groups or HND blocks, other cache layouts, pipeline parall
 the decode side (the scheduler's checks) or fails by kv_load_failure_policy (the workers').
 
 Where each part lives: config.py (settings, KV cache groups, TP pairing), layout.py (VllmLayout), metadata.py (the
-scheduler's metadata for the workers), scheduler.py (the scheduler side), agent.py (the worker's thread: stage, serve,
-load), connector.py (KvstageConnector and its worker side), stats.py (KVConnectorStats and Prometheus).
+scheduler's metadata for the workers), scheduler.py (the scheduler side), agent.py (the worker's thread), stage.py (its
+prefill half: stages, and the pulls it serves), load.py (its decode half), connector.py (KvstageConnector and its
+worker side), stats.py (KVConnectorStats and Prometheus).
 """
 from __future__ import annotations
 

@@ -1,0 +1,415 @@
+"""kvstage.vllm: the agent's prefill half - stages (a request's blocks copied into leased slots, per layer), and the
+pulls the decode side sends over the side channel, each given a room's sending half."""
+from __future__ import annotations
+
+import collections
+import errno as _errno
+import logging
+import time
+
+from .. import sidechannel as _sidechannel
+from ..client import EventType
+from ..errors import Again, KvstageError, NotConnected, PoolExhausted, Timeout
+from ..plan import needs_view, plan
+from .config import tp_shares
+from .layout import _cdiv
+
+logger = logging.getLogger("kvstage.vllm")  # one logger for the whole connector
+
+
+class _Stage:
+    """Prefill side of one request: its blocks copied into slots, waiting for (then handed to) its rooms.
+
+    With the decode side's TP size this side's (shares None) one room holds the request's KV in the plain layout.
+    Else one room per decode rank this rank serves (tp_shares), each holding that rank's heads of every block in the
+    share layout (VllmLayout.share_extents); share j's bytes are slots [j * part_chunks, (j + 1) * part_chunks) of the
+    stage, its room's chunk i slot j * part_chunks + i."""
+
+    def __init__(self, spec, layout, ss, shares=None):
+        self.req = spec.req_id
+        grouped = bool(spec.block_ids) and isinstance(spec.block_ids[0], (list, tuple))
+        self.blocks = [list(g) for g in spec.block_ids] if grouped else list(spec.block_ids)
+        self.nblocks = tuple(len(g) for g in self.blocks) if grouped else len(self.blocks)
+        self.shares = shares  # None, or [(decode rank, first head, end head)]
+        self.decode_tp = spec.decode_tp
+        if shares is None:
+            self.part_nbytes = layout.nbytes(self.nblocks)
+        else:  # every share has as many heads (tp_shares): as many bytes
+            self.part_nbytes = layout.share_nbytes(self.nblocks, shares[0][1], shares[0][2])
+        self.nparts = 1 if shares is None else len(shares)
+        self.part_chunks = _cdiv(self.part_nbytes, ss)
+        self.nbytes = self.part_nbytes * self.nparts
+        self.chunks = self.part_chunks * self.nparts
+        self.ss = ss
+        self.deadline = time.monotonic() + spec.stage_timeout
+        self.posted, self.pieces, self.sealed = set(), collections.deque(), False
+        self.leases, self.views, self.jobs = None, {}, []
+        self.written, self.full, self.sent = [0] * self.chunks, set(), set()
+        self.rooms, self.finals = [None] * self.nparts, [None] * self.nparts
+        self.uids = {}  # a room's user_data -> its share
+        self.handoff, self.delayed, self.finish_known, self.reported = None, False, False, False
+        self.state, self.why = "staging", None  # staging -> ready -> sending -> done; or failed
+        self.starved = False
+
+    def chunk_len(self, s):
+        return min(self.ss, self.part_nbytes - (s % self.part_chunks) * self.ss)
+
+    @property
+    def room(self):
+        """The plain layout's one room (tests, logs)."""
+        return self.rooms[0]
+
+    @property
+    def all_final(self):
+        return all(f is not None for f in self.finals)
+
+    def unopened(self):
+        """True while a share's room was never opened (and is not given up)."""
+        return any(r is None and f is None for r, f in zip(self.rooms, self.finals))
+
+    @property
+    def copied(self):
+        return self.sealed and not self.pieces and not self.jobs and len(self.full) == self.chunks
+
+    @property
+    def terminal(self):
+        return self.state in ("done", "failed")
+
+
+class _StageSide:
+    """The prefill half of _Agent (agent.py), which holds the state it uses (self._stages, the connection, ...)."""
+
+    def cmd_stage(self, spec):
+        if spec.req_id in self._stages:
+            old = self._stages.pop(spec.req_id)  # a restage after a preemption
+            self._stage_fail(old, "staged again", failure=False)
+        try:
+            c = self._c()
+        except KvstageError as e:  # no proxy: nothing is staged (the blocks are freed when the request ends)
+            logger.error("kvstage connector: cannot stage %s: %s", spec.req_id, e)
+            return self._end(spec.req_id, f"no connection to kvstaged: {e}")
+        if self.mla and self.tp_rank != 0:
+            return self._end(spec.req_id, "MLA: prefill rank 0 stages the KV every rank holds")
+        shares, why = None, None
+        if spec.decode_tp and spec.decode_tp != self.tp_size:
+            try:
+                if not self.layout.kv_heads:
+                    raise ValueError("a cache without KV heads to split (a state or MLA layer) moves between equal TP "
+                                     "sizes only")
+                shares = tp_shares(self.tp_rank, self.tp_size, spec.decode_tp, self.layout.kv_heads)
+            except ValueError as e:
+                why = f"refused: decode TP size {spec.decode_tp}, this side {self.tp_size}: {e}"
+        st = _Stage(spec, self.layout, c.slot_size, shares)
+        self._stages[st.req] = st
+        if why is not None:
+            return self._stage_fail(st, why)
+        try:
+            self.layout.check(st.blocks)
+        except ValueError as e:
+            return self._stage_fail(st, f"refused: {e}")
+        if st.chunks > c.slot_count:
+            self._stage_fail(st, f"{st.nbytes} bytes do not fit the pool ({c.slot_count} slots)")
+
+    def cmd_unstage(self, req):
+        st = self._stages.pop(req, None)
+        if st is not None:
+            self._stage_fail(st, "preempted: its blocks were freed", failure=False)
+            self._end(req, "preempted")
+        self._freed(req)  # no copy reads its blocks any more (_stage_fail cancelled or waited for them)
+
+    def _post_layer(self, st, li):
+        if li in st.posted:
+            return
+        st.posted.add(li)
+        if st.shares is None:
+            st.pieces.extend(self.layout.plan(st.nblocks, st.blocks, 0, st.ss, layer=li))
+            return
+        for j, (_, h0, h1) in enumerate(st.shares):  # share j from its first slot on
+            st.pieces.extend(plan(self.layout.share_extents(st.nblocks, st.blocks, 0, h0, h1, layer=li,
+                                                            room_off=j * st.part_chunks * st.ss), st.ss))
+
+    def cmd_layer(self, li, reqs, event=None):
+        if event is not None:
+            self.copier.after(event)
+        for req in reqs:
+            st = self._stages.get(req)
+            if st is not None and st.state == "staging" and not st.sealed:
+                self._post_layer(st, li)
+
+    def cmd_seal(self, reqs, event=None):
+        if event is not None:
+            self.copier.after(event)
+        for req in reqs:
+            st = self._stages.get(req)
+            if st is not None and st.state == "staging" and not st.sealed:
+                for li in range(len(self.layout.layer_names)):
+                    self._post_layer(st, li)  # layers the forward did not announce: the forward is over
+                st.sealed = True
+
+    def cmd_finished(self, req, handoff, delayed):
+        st = self._stages.get(req)
+        if st is None:
+            if delayed:
+                with self._lock:
+                    self._finished_sending.add(req)
+            self._freed(req)
+            return
+        st.finish_known, st.handoff, st.delayed = True, handoff, delayed
+        if not handoff:
+            self._stage_fail(st, "the request ended without a hand-off", failure=False)
+        self._stage_report(st)
+
+    def _stage_progress(self, st):
+        if st.terminal:
+            return self._stage_report(st)
+        c = self._c()
+        st.starved = False
+        if st.pieces and st.leases is None:
+            try:
+                st.leases = c.acquire(st.chunks)  # all or none: a half-staged request never holds slots
+            except PoolExhausted:
+                st.starved = True
+                return
+        if st.pieces:
+            batch = []
+            while st.pieces:
+                p = st.pieces.popleft()
+                s = p.slot
+                view = st.views.get(s)
+                if view is None and needs_view(p):
+                    view = st.views[s] = st.leases[s].view()
+                batch.append((st.leases[s], view, p))
+            st.jobs.append(self.copier.submit(self._stage_job(st, batch)))
+        for h in list(st.jobs):
+            if h.done():
+                st.jobs.remove(h)
+                if h.error is not None:
+                    return self._stage_fail(st, f"copying blocks into slots failed: {h.error!r}")
+        if any(r is not None and f is None for r, f in zip(st.rooms, st.finals)):
+            self._stage_send(st)
+        self._stage_report(st)  # before the state says so: whoever sees "ready" knows the report is out
+        if st.state == "staging" and st.copied:
+            st.state = "ready"
+        if st.state == "ready" and len(st.sent) == st.chunks:
+            st.state = "sending"
+
+    def _stage_job(self, st, batch):
+        copier = self.copier
+
+        def job():
+            for lease, view, p in batch:
+                copier.copy_in(lease, view, p)
+            copier.sync()  # before any slot counts as full (and so can be sent)
+            for _, _, p in batch:
+                s = p.slot
+                st.written[s] += p.nbytes
+                if st.written[s] == st.chunk_len(s):
+                    st.full.add(s)
+        job.req_id, job.kind = st.req, "stage"
+        return job
+
+    def _stage_send(self, st):
+        for s in sorted(st.full - st.sent):
+            hold = self.hold_send
+            if hold is not None and hold(st.req, s):
+                return
+            j, i = divmod(s, st.part_chunks)
+            room = st.rooms[j]
+            if room is None or st.finals[j] is not None:
+                continue  # its decode rank has not asked yet
+            st.views.pop(s, None)
+            try:
+                room.send(st.leases[s], i * st.ss, st.chunk_len(s))
+            except Again:
+                return  # ring full: the next step sends
+            except (NotConnected, Timeout):
+                raise
+            except KvstageError as e:
+                return self._stage_fail(st, f"sending a chunk failed: {e}")
+            st.sent.add(s)
+
+    def _stage_report(self, st):
+        """finished_sending once the request's blocks cannot be read by a copy any more."""
+        if st.finish_known and st.delayed and not st.reported and not st.jobs and (st.copied or st.terminal):
+            st.reported = True
+            with self._lock:  # one step for a reader: the report is out only once the state says so
+                if st.state == "staging" and st.copied:
+                    st.state = "ready"
+                self._finished_sending.add(st.req)
+            self._freed(st.req)
+        if (st.terminal and st.all_final and (st.reported or (st.finish_known and not st.delayed))
+                and self._stages.get(st.req) is st):
+            del self._stages[st.req]
+
+    def _stage_fail(self, st, why, failure=True):
+        """Fails a stage; failure: it counts in num_failed_transfers (not for an abort, preemption or release)."""
+        if st.terminal:
+            return
+        if failure:
+            self._record("num_failed_transfers")
+        logger.debug("kvstage connector: stage of %s failed: %s", st.req, why)
+        st.state, st.why = "failed", why
+        self._end(st.req, why)
+        for h in st.jobs:
+            h.cancel()  # queued copies never run; a copy runs only on this thread, so none is running
+        st.jobs = []
+        try:
+            self.copier.sync()
+        except Exception:
+            pass
+        st.views.clear()
+        st.pieces.clear()
+        if st.leases is not None and self._client is not None:
+            for s, lease in enumerate(st.leases):
+                if s not in st.sent:
+                    try:
+                        self._client.release(lease)
+                    except KvstageError:
+                        pass
+        st.leases = None
+        for j, room in enumerate(st.rooms):
+            if room is not None and st.finals[j] is None:
+                room.abort_quietly()  # its final event closes it
+            if room is None:
+                st.finals[j] = st.finals[j] or "no room"
+        self._stage_report(st)
+
+    def _stage_event(self, st, ev):
+        if ev.type == EventType.REJECTED:
+            lease = next((x for x in (st.leases or ()) if (x.slot, x.epoch) == tuple(ev.lease)), None)
+            if lease is not None and self._client is not None:
+                st.sent.discard(st.leases.index(lease))
+            self._record("num_stale_rejections")
+            return self._stage_fail(st, f"the proxy refused a chunk: {ev.error}")
+        j = st.uids.pop(ev.user_data, None)
+        if j is None:
+            return
+        st.finals[j] = ev
+        if ev.type == EventType.SEND_DONE and not st.terminal:
+            if all(f is not None and getattr(f, "type", None) == EventType.SEND_DONE for f in st.finals):
+                st.state = "done"
+                self._end(st.req, "sent")
+                self._record("bytes_sent", st.nbytes)
+        elif not st.terminal:
+            # one share lost fails the request on its decode rank, and so on every rank (vLLM unites the invalid
+            # blocks): the other shares are given up too
+            why = ("aborted by the decode side, the proxy or a timeout" if ev.type == EventType.ABORTED
+                   else f"failed: {ev.error}")
+            room = "the room" if st.shares is None else f"decode rank {st.shares[j][0]}'s room"
+            self._stage_fail(st, f"{room} was {why}", failure=ev.type != EventType.ABORTED)
+        try:
+            st.rooms[j].close()
+        except Exception:
+            pass
+        st.rooms[j] = None
+        self._by_uid.pop(ev.user_data, None)
+        if st.all_final:
+            st.leases = None  # every slot sent is its room's, every other one released
+        self._stage_report(st)
+
+    def _share_of(self, st, rank):
+        """The index of the share of stage st that decode rank `rank` loads, or None (it loads none of this rank's)."""
+        if self.mla:
+            return 0  # the one stage every decode rank reads (through decode rank 0's shared room)
+        if st.shares is None:
+            return 0 if rank == self.tp_rank else None
+        return next((j for j, (d, _, _) in enumerate(st.shares) if d == rank), None)
+
+    def _on_side_msg(self, msg):
+        if msg["t"] == "drop":
+            st = self._stages.get(msg["req"])
+            j = self._share_of(st, msg.get("tp_rank", self.tp_rank)) if st is not None else 0
+            if j is None or (st is None and msg.get("tp_rank", self.tp_rank) != self.tp_rank
+                             and msg.get("tp_size", self.tp_size) == self.tp_size):
+                logger.warning("kvstage connector: a release of %s for TP rank %s reached rank %s: ignored",
+                               msg["req"], msg.get("tp_rank"), self.tp_rank)
+                return
+            if st is not None and st.rooms[j] is None and st.finals[j] is None:
+                self._stage_fail(st, "released: the decode side will not load it", failure=False)
+            return
+        if msg["t"] == "join":  # MLA: decode rank 0's shared room, for this rank's load of req to join
+            self._joins[msg["req"]] = msg.get("desc")
+            while len(self._joins) > self.JOINS_MAX:
+                self._joins.popitem(last=False)
+            return
+        self._pull(msg)
+
+    def _reject(self, msg, why):
+        logger.info("kvstage connector: refusing the load of %s: %s", msg.get("req"), why)
+        try:
+            r = self._c().send_open(_sidechannel.desc_bytes(msg.get("desc")), user_data=0)
+            r.abort()
+            r.close()
+        except (KvstageError, ValueError, KeyError, TypeError) as e:
+            logger.debug("kvstage connector: the refused room was gone already: %s", e)
+
+    def _pull(self, msg):
+        d, dtp = msg.get("tp_rank"), msg.get("tp_size", self.tp_size)
+        if self.mla:
+            if d != 0 or self.tp_rank != 0:
+                return self._reject(msg, f"MLA: decode rank 0 loads from prefill rank 0 alone, not decode rank {d} "
+                                         f"from prefill rank {self.tp_rank} (remote_port misconfigured?)")
+        elif dtp == self.tp_size and d != self.tp_rank:  # each rank holds its own shard: another's would load silently
+            return self._reject(msg, f"a load for TP rank {d} reached rank {self.tp_rank} "
+                                     "(kvstage_port or remote_port misconfigured?)")
+        st = self._stages.get(msg["req"])
+        if st is None:
+            return self._reject(msg, f"no staged KV here ({self.ended.get(msg['req'], 'unknown request')})")
+        if st.terminal:
+            return self._reject(msg, st.why or st.state)
+        staged_for = st.decode_tp or self.tp_size
+        if dtp != staged_for and not self.mla:
+            return self._reject(msg, f"staged for decode TP size {staged_for}, a load from a decode rank of TP size "
+                                     f"{dtp}")
+        j = self._share_of(st, d)
+        if j is None:
+            return self._reject(msg, f"a load for decode TP rank {d} reached prefill rank {self.tp_rank}, which "
+                                     f"serves decode ranks {[r for r, _, _ in st.shares]} (remote_port misconfigured?)")
+        if st.rooms[j] is not None or st.finals[j] is not None:
+            return self._reject(msg, "a second load of the same request")
+        if st.shares is None and msg.get("block_size", self.block_size) != self.block_size:
+            mine = self.layout.token_fingerprint(self.block_size)
+            if mine is None:
+                return self._reject(msg, f"decode block size {msg.get('block_size')}, this side {self.block_size}: "
+                                         "this side's blocks are not token-major (HND, or K and V in one block)")
+            if msg.get("tokens") != mine:
+                return self._reject(msg, f"token layouts differ: decode {msg.get('tokens')}, prefill {mine}")
+        elif st.shares is None:
+            if msg.get("layout") != self.layout.fingerprint():
+                return self._reject(msg, f"cache layouts differ: decode {msg.get('layout')}, "
+                                         f"prefill {self.layout.fingerprint()}")
+        else:
+            h = self.layout.kv_heads
+            _, h0, h1 = st.shares[j]
+            heads = [self.tp_rank * h + h0, self.tp_rank * h + h1]  # of the model's KV heads
+            if msg.get("heads") != heads:
+                return self._reject(msg, f"decode rank {d} expects KV heads {msg.get('heads')} from prefill rank "
+                                         f"{self.tp_rank}, whose share for it is heads {heads}")
+            mine = self.layout.share_fingerprint(h0, h1)
+            if msg.get("share") != mine:
+                return self._reject(msg, f"share layouts differ: decode {msg.get('share')}, prefill {mine}")
+        if msg.get("nbytes") != st.part_nbytes:
+            return self._reject(msg, f"the decode side expects {msg.get('nbytes')} bytes, {st.part_nbytes} staged")
+        try:
+            desc = _sidechannel.desc_bytes(msg.get("desc"))
+        except ValueError as e:
+            return self._reject(msg, str(e))
+        try:
+            uid = next(self._uids)
+            room = self._c().send_open(desc, user_data=uid)
+        except (NotConnected, Timeout):
+            raise
+        except KvstageError as e:
+            if e.errno in (_errno.EMFILE, _errno.ENFILE, _errno.EAGAIN, _errno.ENOSR):
+                self._pending_pulls.append((msg,))  # no handle, room or peer session free yet
+                return
+            return self._stage_fail(st, f"could not open the decode side's room: {e}")
+        except (ValueError, TypeError) as e:
+            return self._reject(msg, f"bad descriptor: {e}")
+        if room.nbytes != st.part_nbytes:
+            room.abort()
+            room.close()
+            return self._stage_fail(st, f"the room has {room.nbytes} bytes, {st.part_nbytes} staged")
+        st.rooms[j] = room
+        st.uids[uid] = j
+        self._by_uid[uid] = st
