@@ -95,7 +95,6 @@ void kvsc_registry_del(kvs_client *c)
 
 /* --------------------------------------------------------- liveness */
 
-/* The connection's error once the proxy's end of the socket is gone. Costs a syscall. */
 int kvsc_proxy_gone(kvs_client *c)
 {
 	char b;
@@ -141,9 +140,7 @@ int kvsc_submit_full(kvs_client *c, const struct kvs_sqe *q)
 	return kvsc_proxy_gone(c) ?: -EAGAIN;
 }
 
-/* Blocks until the eventfd fires, the proxy hangs up, or deadline (a
- * CLOCK_MONOTONIC ns, or KVS_NO_DEADLINE). A signal does not move the deadline.
- * Returns > 0 when woken, 0 at the deadline, or -errno (-ENOTCONN). */
+/* A signal does not move the deadline: poll is restarted with what is left. */
 int kvsc_block(kvs_client *c, uint64_t deadline)
 {
 	struct pollfd p[2] = { { .fd = c->efd, .events = POLLIN },

@@ -219,6 +219,7 @@ static inline int kvsc_submit(kvs_client *c, const struct kvs_sqe *q)
 	}
 	return kvsc_submit_full(c, q);
 }
+
 /* Blocks until the eventfd fires, the proxy hangs up, or deadline (a CLOCK_MONOTONIC ns, or
  * KVS_NO_DEADLINE). Returns > 0 when woken, 0 at the deadline, or -errno (-ENOTCONN). */
 int kvsc_block(kvs_client *c, uint64_t deadline);
