@@ -69,6 +69,14 @@ def tp_shares(rank, tp, remote_tp, heads):
     return [(rank * k + i, i * per, (i + 1) * per) for i in range(k)]
 
 
+def head_shares(layout, rank, tp, remote_tp):
+    """tp_shares of this rank's KV heads (layout.kv_heads). Raises ValueError for a cache without KV heads to split,
+    or heads that do not split."""
+    if not layout.kv_heads:
+        raise ValueError("a cache without KV heads to split (a state or MLA layer) moves between equal TP sizes only")
+    return tp_shares(rank, tp, remote_tp, layout.kv_heads)
+
+
 def _spec_kind(spec):
     """A KVCacheSpec's kind by its class (vllm/v1/kv_cache_interface.py): mamba, sw, full, or its class name."""
     names = [c.__name__ for c in type(spec).__mro__]

@@ -11,7 +11,7 @@ from .. import sidechannel as _sidechannel
 from ..client import EventType
 from ..errors import KvstageError, NotConnected, Timeout
 from ..plan import copy_room_out, plan
-from .config import tp_shares
+from .config import head_shares
 from .layout import _flat
 
 logger = logging.getLogger("kvstage.vllm")  # one logger for the whole connector
@@ -70,12 +70,8 @@ class _LoadSide:
         shares, why = None, None
         if spec.remote_tp and spec.remote_tp != self.tp_size:
             try:
-                if not self.layout.kv_heads:
-                    raise ValueError("a cache without KV heads to split (a state or MLA layer) moves between equal TP "
-                                     "sizes only")
                 shares = [_Share(spec, self.layout, rank, h0, h1, plain=False)
-                          for rank, h0, h1 in tp_shares(self.tp_rank, self.tp_size, spec.remote_tp,
-                                                        self.layout.kv_heads)]
+                          for rank, h0, h1 in head_shares(self.layout, self.tp_rank, self.tp_size, spec.remote_tp)]
             except ValueError as e:
                 why = f"refused: prefill TP size {spec.remote_tp}, this side {self.tp_size}: {e}"
         ld = _Load(spec, self.layout, self.tp_rank, shares, self.block_size)

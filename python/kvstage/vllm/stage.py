@@ -11,7 +11,7 @@ from .. import sidechannel as _sidechannel
 from ..client import EventType
 from ..errors import Again, KvstageError, NotConnected, PoolExhausted, Timeout
 from ..plan import needs_view, plan
-from .config import tp_shares
+from .config import head_shares
 from .layout import _cdiv
 
 logger = logging.getLogger("kvstage.vllm")  # one logger for the whole connector
@@ -93,10 +93,7 @@ class _StageSide:
         shares, why = None, None
         if spec.decode_tp and spec.decode_tp != self.tp_size:
             try:
-                if not self.layout.kv_heads:
-                    raise ValueError("a cache without KV heads to split (a state or MLA layer) moves between equal TP "
-                                     "sizes only")
-                shares = tp_shares(self.tp_rank, self.tp_size, spec.decode_tp, self.layout.kv_heads)
+                shares = head_shares(self.layout, self.tp_rank, self.tp_size, spec.decode_tp)
             except ValueError as e:
                 why = f"refused: decode TP size {spec.decode_tp}, this side {self.tp_size}: {e}"
         st = _Stage(spec, self.layout, c.slot_size, shares)
