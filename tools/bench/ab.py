@@ -10,8 +10,13 @@ client library and the proxy are both that side's. Runs go A, B, A, B, ... (RUNS
 default 7), so that a machine that drifts drifts for both; each is given --json.
 
 Prints, for every figure of every point (chunk size; latency mode: its one result), each side's runs, their medians,
-and B's median over A's. A figure that moves less than the runs spread says nothing:
-the runs are printed so that the spread can be seen.
+B's median over A's, and the median of the pairs' ratios (run i of B over run i of A, taken one after the other).
+A figure that moves less than the runs spread says nothing: the runs are printed so that the spread can be seen.
+
+Each run's raw rte_ring round trip between two processes (the bench's own baseline, p50) is printed first: it is the
+host's cross-CPU latency at that moment. A VM's vCPUs can move between host cores that share a cache and ones that do
+not; then the round trip jumps (0.23 against 1.0 us on the machine this was written on) and every figure with it.
+Runs taken in different states compare the host, not the builds: read the pairs whose round trips agree.
 
   tools/bench/ab.py --callgrind A B -- KVSTAGE-BENCH-ARGS...
 
@@ -179,6 +184,11 @@ def figure(point, path):
     return v if isinstance(v, (int, float)) else None
 
 
+def host_rtt(report):
+    """The run's raw rte_ring ping-pong round trip p50 (us), or None where the mode does not measure it."""
+    return figure(report, ("baselines", "ring", "pingpong_rtt_us", "p50"))
+
+
 def points(report):
     """A report's points: its "points" (the throughput modes), or its one "result" (latency mode)."""
     if "points" in report:
@@ -210,6 +220,11 @@ def main():
     npoints = len(points(runs["A"][0]))
     if not npoints:
         sys.exit("ab: the bench's JSON has neither points nor a result: nothing to compare")
+    rtt = {s: [host_rtt(r) for r in runs[s]] for s in runs}
+    if not any(v is None for v in rtt["A"] + rtt["B"]):
+        print("\nhost: raw rte_ring round trip p50 us, each run's own baseline (the host's cross-CPU latency)")
+        for s in ("A", "B"):
+            print(f"  {'':15s} {s} {' '.join(f'{v:.3g}' for v in rtt[s])}")
     for k in range(npoints):
         p0 = points(runs["A"][0])[k]
         print(f"\npoint {k}: chunk {p0.get('chunk_bytes', '?')} bytes")
@@ -222,8 +237,9 @@ def main():
             ratio = mb / ma if ma else float("nan")
             better = "better" if (ratio > 1) == higher else "worse"
             print(f"  {label:15s} A {' '.join(f'{v:.4g}' for v in va)}  median {ma:.4g}")
+            pairs = statistics.median(b / a for a, b in zip(va, vb)) if all(va) else float("nan")
             print(f"  {'':15s} B {' '.join(f'{v:.4g}' for v in vb)}  median {mb:.4g}  "
-                  f"B/A {ratio:.3f} ({better if abs(ratio - 1) > 0.005 else 'same'})")
+                  f"B/A {ratio:.3f} ({better if abs(ratio - 1) > 0.005 else 'same'}), pairs {pairs:.3f}")
     return 0
 
 
