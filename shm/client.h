@@ -59,7 +59,7 @@ struct kvs_rstate {
 	uint32_t final_type;
 	int32_t final_status;
 	uint64_t bytes, chunk, user_data;
-	uint64_t *sent;		/* sender: chunks handed over */
+	uint64_t *sent;		/* sender: chunks handed over (kvs_client.sent_bits[idx]) */
 	struct kvs_lease *map;	/* receiver: chunk leases, fetched on demand */
 	struct kvs_lease first; /* receiver: chunk 0, from RECV_DONE */
 	uint32_t joined;	/* a joined shared room: its index at the proxy + 1; else 0 */
@@ -97,6 +97,9 @@ struct kvs_client {
 	int64_t sync_timeout_ns; /* < 0: no bound */
 	unsigned nrooms, nfree;
 	struct kvs_rstate *rooms;
+	uint64_t **sent_bits; /* per handle index, once it has sent: slot_count bits, kept
+			       * all 0 between rooms, so an open neither allocates nor
+			       * clears the largest room's bitmap */
 	uint16_t *free_idx;
 	struct kvs_cqe *stash; /* events taken off the ring while waiting for a reply */
 	unsigned stash_cap, stash_head, stash_n;

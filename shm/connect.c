@@ -67,7 +67,7 @@ void kvs_close(kvs_client *c)
 	}
 	kvsc_registry_del(c);
 	for (unsigned i = 0; c->rooms && i < c->nrooms; i++) {
-		free(c->rooms[i].sent);
+		free(c->sent_bits ? c->sent_bits[i] : NULL);
 		free(c->rooms[i].map);
 	}
 	int fds[] = { c->sock, c->wake_fd, c->efd, c->event_fd };
@@ -76,6 +76,7 @@ void kvs_close(kvs_client *c)
 			close(fds[i]);
 	unmap_all(c);
 	free(c->rooms);
+	free(c->sent_bits);
 	free(c->free_idx);
 	free(c->stash);
 	free(c);
@@ -206,10 +207,11 @@ static int attach(kvs_client *c, const struct kvs_welcome *w, const int fds[KVS_
 	c->id = w->client_id;
 	c->nrooms = c->ctrl->client_rooms;
 	c->rooms = calloc(c->nrooms, sizeof(*c->rooms));
+	c->sent_bits = calloc(c->nrooms, sizeof(*c->sent_bits));
 	c->free_idx = calloc(c->nrooms, sizeof(*c->free_idx));
 	c->stash_cap = c->ctrl->cq_count + c->ctrl->sq_count; /* see sync_call */
 	c->stash = calloc(c->stash_cap, sizeof(*c->stash));
-	if (!c->rooms || !c->free_idx || !c->stash)
+	if (!c->rooms || !c->sent_bits || !c->free_idx || !c->stash)
 		return -ENOMEM;
 	for (unsigned i = 0; i < c->nrooms; i++) {
 		c->rooms[i].idx = (uint16_t)i;

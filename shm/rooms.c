@@ -93,10 +93,20 @@ static struct kvs_rstate *room_new(kvs_client *c, uint8_t role, uint64_t user_da
 	return r;
 }
 
+/* Lets go of what r held beyond its handle: its chunk leases, and its sent
+ * bitmap, cleared where this room set bits (below nchunks) for the next. */
+static void room_drop_bufs(struct kvs_rstate *r)
+{
+	if (r->sent)
+		memset(r->sent, 0, (size_t)(r->nchunks + 63) / 64 * sizeof(uint64_t));
+	free(r->map);
+	r->sent = NULL;
+	r->map = NULL;
+}
+
 void kvsc_room_free(kvs_client *c, struct kvs_rstate *r)
 {
-	free(r->sent);
-	free(r->map);
+	room_drop_bufs(r);
 	uint16_t idx = r->idx;
 	memset(r, 0, sizeof(*r));
 	r->idx = idx;
@@ -168,11 +178,15 @@ static int open_by_desc(kvs_client *c, const struct kvs_room_desc *desc, uint8_t
 	if (!r)
 		return -EMFILE;
 	/* Sized for the largest room the pool allows, so nothing can fail
-	 * after the proxy has opened it. */
-	if (role == KVS_ROLE_SEND &&
-	    !(r->sent = calloc((c->slot_count + 63) / 64, sizeof(uint64_t)))) {
-		kvsc_room_free(c, r);
-		return -ENOMEM;
+	 * after the proxy has opened it; made once per handle index, not
+	 * per room (a pool of 1M slots makes it 128 KiB). */
+	if (role == KVS_ROLE_SEND) {
+		uint64_t **bits = &c->sent_bits[r->idx];
+		if (!*bits && !(*bits = calloc((c->slot_count + 63) / 64, sizeof(uint64_t)))) {
+			kvsc_room_free(c, r);
+			return -ENOMEM;
+		}
+		r->sent = *bits;
 	}
 	memcpy(c->cshm->request, desc->bytes, KVS_ROOM_DESC_SIZE);
 	struct kvs_sqe q = { .op = op, .handle = r->idx, .gen = r->gen, .arg2 = user_data };
@@ -355,10 +369,7 @@ int kvs_room_close(kvs_room *h)
 		/* The proxy still owes this handle its final event; keep the
 		 * index reserved until that arrives. */
 		r->state = KVS_ROOM_CLOSING;
-		free(r->sent);
-		free(r->map);
-		r->sent = NULL;
-		r->map = NULL;
+		room_drop_bufs(r);
 	}
 	return 0;
 }

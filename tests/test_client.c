@@ -121,6 +121,59 @@ Test(client, a_rejection_for_a_room_gone_since_leaves_the_new_room_alone)
 	wait_idle(&px, 0);
 }
 
+/* Sends every chunk of s (4 of them) from fresh leases, each accepted. */
+static void send_all4(kvs_client *tx, kvs_room *s)
+{
+	struct kvs_lease l[4];
+	cr_assert_eq(kvs_acquire(tx, 4, l), 0);
+	for (unsigned i = 0; i < 4; i++)
+		cr_assert_eq(kvs_send(s, &l[i], (uint64_t)i * SLOT, SLOT), 0, "chunk %u", i);
+}
+
+Test(client, a_sending_handle_reused_starts_with_no_chunk_sent)
+{
+	/* The library keeps a handle's sent bitmap from room to room: each
+	 * room must start with it clear, however the last one ended. */
+	kvs_client *rx = connect_ok(&px), *tx = connect_ok(&px);
+	kvs_room *r, *s;
+	struct kvs_room_desc d;
+	cr_assert_eq(kvs_recv_open(rx, 4 * SLOT, 1, &r, &d), 0);
+	cr_assert_eq(kvs_send_open(tx, &d, 1, &s), 0);
+	uint16_t idx = kvs_room_handle_idx(s);
+	send_all4(tx, s);
+	cr_assert_eq(wait_event(tx).type, KVS_EV_SEND_DONE);
+	cr_assert_eq(wait_event(rx).type, KVS_EV_RECV_DONE);
+	cr_assert_eq(kvs_room_close(s), 0, "closed once ended");
+	cr_assert_eq(kvs_room_close(r), 0);
+
+	/* the next room at that index: two chunks, then closed while open */
+	cr_assert_eq(kvs_recv_open(rx, 4 * SLOT, 2, &r, &d), 0);
+	cr_assert_eq(kvs_send_open(tx, &d, 2, &s), 0);
+	cr_assert_eq(kvs_room_handle_idx(s), idx, "the index is reused");
+	struct kvs_lease l[4];
+	cr_assert_eq(kvs_acquire(tx, 4, l), 0);
+	cr_assert_eq(kvs_send(s, &l[0], 0, SLOT), 0, "chunk 0 of the first room is not this one's");
+	cr_assert_eq(kvs_send(s, &l[1], SLOT, SLOT), 0);
+	cr_assert_eq(kvs_send(s, &l[2], SLOT, SLOT), -EEXIST, "this room's own chunk 1 is sent");
+	cr_assert_eq(kvs_room_close(s), 0, "closed while open");
+	cr_assert_eq(wait_event(tx).type, KVS_EV_ABORTED);
+	cr_assert_eq(wait_event(rx).type, KVS_EV_ABORTED);
+	cr_assert_eq(kvs_room_close(r), 0);
+	cr_assert_eq(kvs_release(tx, &l[2]), 0);
+	cr_assert_eq(kvs_release(tx, &l[3]), 0);
+
+	/* and the one after it */
+	cr_assert_eq(kvs_recv_open(rx, 4 * SLOT, 3, &r, &d), 0);
+	cr_assert_eq(kvs_send_open(tx, &d, 3, &s), 0);
+	cr_assert_eq(kvs_room_handle_idx(s), idx);
+	send_all4(tx, s);
+	cr_assert_eq(wait_event(tx).type, KVS_EV_SEND_DONE);
+	cr_assert_eq(wait_event(rx).type, KVS_EV_RECV_DONE);
+	kvs_close(tx);
+	kvs_close(rx);
+	wait_idle(&px, 0);
+}
+
 Test(client, null_arguments_are_refused_not_followed)
 {
 	kvs_client *c = connect_ok(&px);
