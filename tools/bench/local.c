@@ -638,12 +638,22 @@ int run_local(const struct bench_opts *o)
 				rc = 1;
 				break;
 			}
-			pt->slots = slots;
+			if (px.slots < need || px.slot_size != chunk) {
+				fprintf(stderr,
+					"kvstage-bench: the proxy started with %u slots of %llu "
+					"bytes (--proxy-arg); the run needs %llu of %s\n",
+					px.slots, (unsigned long long)px.slot_size,
+					(unsigned long long)need, cs);
+				proxy_stop(&px);
+				rc = 2;
+				break;
+			}
+			pt->slots = px.slots;
 			note(o,
 			     "local %s: kvstaged pid %d, %u slots; %u pair(s), %u rooms x %u "
 			     "chunks, "
 			     "payload %s",
-			     cs, (int)px.pid, slots, pairs, o->rooms, pt->room_chunks,
+			     cs, (int)px.pid, px.slots, pairs, o->rooms, pt->room_chunks,
 			     bench_payload_str(o->payload));
 			struct bench_ends e = { px.sock, px.sock, px.cpu_pid, px.cpu_pid, false };
 			rc = local_measure(o, &e, chunk, pt);

@@ -326,8 +326,18 @@ int proxy_start_ex(struct bench_proxy *px, const struct bench_opts *o, uint64_t 
 		return -1;
 	}
 	px->pid = px->cpu_pid = pid;
-	px->slot_size = slot_size;
-	px->slots = slots;
+	/* Its pool as it says, not as we asked: a --proxy-arg may have
+	 * changed it (--slots, --slot-size), and the report says what ran. */
+	const struct kvs_ctrl *ctrl;
+	size_t len;
+	if (kvs_stat_map(px->sock, &ctrl, &len) == 0) {
+		px->slot_size = ctrl->slot_size;
+		px->slots = ctrl->slot_count;
+		munmap((void *)ctrl, len);
+	} else {
+		px->slot_size = slot_size;
+		px->slots = slots;
+	}
 	return 0;
 }
 
