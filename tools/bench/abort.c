@@ -276,6 +276,11 @@ static int point(const struct bench_opts *o, const struct tcp_env *e, struct abo
 			po.kvstaged = vuln_bin;
 		if (proxy_start_ex(&a, &po, x.chunk, slots, pt->staged ? fp : NULL, -1, NULL) < 0)
 			return 1;
+		if (proxy_fits(&a, x.chunk, need) < 0) {
+			proxy_stop(&a);
+			return 1;
+		}
+		pt->slots = a.slots;
 		if (pt->staged) {
 			admin = kvs_admin_connect(a.sock);
 			if (admin < 0 || kvs_admin_fp_set_mask(admin, "local.quiesce", "pause",
@@ -296,7 +301,7 @@ static int point(const struct bench_opts *o, const struct tcp_env *e, struct abo
 		note(o,
 		     "abort local, rate %g%s: %s pid %d, %u slots; %u pair(s), %u rooms x %u "
 		     "chunks",
-		     pt->rate, pt->staged ? ", staged" : "", pt->proxy, (int)a.pid, slots,
+		     pt->rate, pt->staged ? ", staged" : "", pt->proxy, (int)a.pid, a.slots,
 		     o->senders, o->rooms, x.room_chunks);
 		rc = measure(o, &x, o->senders, admin, pt);
 		proxy_counts(pt, (const char *[]){ a.sock }, 1);
@@ -305,8 +310,9 @@ static int point(const struct bench_opts *o, const struct tcp_env *e, struct abo
 		proxy_stop(&a);
 		return rc;
 	}
-	if (tcp_proxies_start(o, e, !strcmp(pt->path, "verbs"), x.chunk, slots, &a, &b) < 0)
+	if (tcp_proxies_start(o, e, !strcmp(pt->path, "verbs"), x.chunk, slots, need, &a, &b) < 0)
 		return 1;
+	pt->slots = a.slots;
 	x.rx_sock = b.sock;
 	x.tx_sock = a.sock;
 	note(o,

@@ -162,6 +162,10 @@ int proxy_start(struct bench_proxy *px, const struct bench_opts *o, uint64_t slo
  * Returns 0, or -1 after printing why. */
 int proxy_start_ex(struct bench_proxy *px, const struct bench_opts *o, uint64_t slot_size,
 		   uint32_t slots, const char *const *extra, int cpu, const char *netns);
+/* A proxy we started has the pool the run needs: need chunks of chunk bytes
+ * (a --proxy-arg may have changed --slots or --slot-size). Returns 0, or
+ * -1 after saying why. */
+int proxy_fits(const struct bench_proxy *px, uint64_t chunk, uint64_t need);
 /* Uses the running proxy at sock: reads its pool geometry and pid from its
  * control segment. Returns 0, or -1 after printing why. */
 int proxy_attach(struct bench_proxy *px, const char *sock);

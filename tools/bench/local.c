@@ -638,12 +638,7 @@ int run_local(const struct bench_opts *o)
 				rc = 1;
 				break;
 			}
-			if (px.slots < need || px.slot_size != chunk) {
-				fprintf(stderr,
-					"kvstage-bench: the proxy started with %u slots of %llu "
-					"bytes (--proxy-arg); the run needs %llu of %s\n",
-					px.slots, (unsigned long long)px.slot_size,
-					(unsigned long long)need, cs);
+			if (proxy_fits(&px, chunk, need) < 0) {
 				proxy_stop(&px);
 				rc = 2;
 				break;

@@ -101,8 +101,10 @@ int tcp_env_init(const struct bench_opts *o, struct tcp_env *e);
 /* Removes what tcp_env_init made. */
 void tcp_env_fini(struct tcp_env *e);
 /* Starts B (listens, the receivers' proxy) and A (dials B, the senders'), tcp or verbs
- * (--rdma-device) as the data path. Returns 0, or -1 after saying why (neither left running). */
+ * (--rdma-device) as the data path, each asked for slots x chunk and holding at least need
+ * chunks. Returns 0, or -1 after saying why (neither left running). */
 int tcp_proxies_start(const struct bench_opts *o, const struct tcp_env *e, bool verbs,
-		      uint64_t chunk, uint32_t slots, struct bench_proxy *a, struct bench_proxy *b);
+		      uint64_t chunk, uint32_t slots, uint64_t need, struct bench_proxy *a,
+		      struct bench_proxy *b);
 
 #endif

@@ -341,6 +341,19 @@ int proxy_start_ex(struct bench_proxy *px, const struct bench_opts *o, uint64_t 
 	return 0;
 }
 
+int proxy_fits(const struct bench_proxy *px, uint64_t chunk, uint64_t need)
+{
+	if (px->slots >= need && px->slot_size == chunk)
+		return 0;
+	char a[16], b[16];
+	fprintf(stderr,
+		"kvstage-bench: kvstaged started with %u slots of %s (--proxy-arg); the run needs "
+		"%llu of %s\n",
+		px->slots, bench_size_str(px->slot_size, a, sizeof(a)), (unsigned long long)need,
+		bench_size_str(chunk, b, sizeof(b)));
+	return -1;
+}
+
 int proxy_attach(struct bench_proxy *px, const char *sock)
 {
 	memset(px, 0, sizeof(*px));

@@ -153,7 +153,8 @@ uint64_t bench_stat(const char *sock, const char *name)
 }
 
 int tcp_proxies_start(const struct bench_opts *o, const struct tcp_env *e, bool verbs,
-		      uint64_t chunk, uint32_t slots, struct bench_proxy *a, struct bench_proxy *b)
+		      uint64_t chunk, uint32_t slots, uint64_t need, struct bench_proxy *a,
+		      struct bench_proxy *b)
 {
 	char streams[8], listen[48], gid[16];
 	snprintf(streams, sizeof(streams), "%u", o->tcp_streams);
@@ -197,6 +198,11 @@ int tcp_proxies_start(const struct bench_opts *o, const struct tcp_env *e, bool 
 	if (proxy_start_ex(b, o, chunk, slots, b_args, g_pin.proxy2_cpu, e->ns[1]) < 0)
 		return -1;
 	if (proxy_start_ex(a, o, chunk, slots, a_args, g_pin.proxy_cpu, e->ns[0]) < 0) {
+		proxy_stop(b);
+		return -1;
+	}
+	if (proxy_fits(a, chunk, need) < 0 || proxy_fits(b, chunk, need) < 0) {
+		proxy_stop(a);
 		proxy_stop(b);
 		return -1;
 	}
@@ -280,13 +286,14 @@ static int point(const struct bench_opts *o, const struct tcp_env *e, struct loc
 	}
 
 	struct bench_proxy a, b;
-	if (tcp_proxies_start(o, e, verbs, chunk, slots, &a, &b))
+	if (tcp_proxies_start(o, e, verbs, chunk, slots, need, &a, &b))
 		return 1;
+	pt->slots = a.slots;
 	*shown = a; /* the report names A's binary */
 	note(o,
 	     "tcp %s: kvstaged A pid %d (senders) -> B pid %d (receivers, %s), %u slots each; "
 	     "%u pair(s), %u rooms x %u chunks, payload %s",
-	     cs, (int)a.pid, (int)b.pid, listen, slots, pairs, o->rooms, pt->room_chunks,
+	     cs, (int)a.pid, (int)b.pid, listen, a.slots, pairs, o->rooms, pt->room_chunks,
 	     bench_payload_str(o->payload));
 	struct bench_ends ends = { b.sock, a.sock, b.pid, a.pid, !verbs };
 	int rc = local_measure(o, &ends, chunk, pt);
