@@ -158,9 +158,8 @@ static const struct opt_def defs[O_COUNT] = {
 	[O_PROXYARG] = { "proxy-arg", "ARG", 0, PROXIED | M(GPU) | M(ABORT), OWN, NULL,
 			 "pass ARG to the kvstaged we start (repeatable), "
 			 "e.g.\n--proxy-arg=--spin-us=1000; "
-			 "it is started with\n--socket, --slots, --slot-size and --ready-fd; "
-			 "local: an ARG\n--slots=N gives its pool N slots (reported as it has "
-			 "them)" },
+			 "it is started with\n--socket, --slots, --slot-size and --ready-fd; an "
+			 "ARG\n--slots=N gives each pool N slots (reported as it has them)" },
 	[O_STREAMS] = { "tcp-streams", "N", 0, M(TCP) | M(VERBS) | M(ABORT),
 			UINT(tcp_streams, 1, 16), "tcp, verbs, abort:",
 			"connections per peer, for the proxies and the raw\nbaseline (default 2, "
