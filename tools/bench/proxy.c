@@ -241,6 +241,22 @@ static void cleanup_dir(struct bench_proxy *px)
 	px->dir[0] = 0;
 }
 
+/* The pool of the proxy at px->sock, from its control segment, into px;
+ * *pid its own pid as it says it. Returns 0, or -errno. */
+static int pool_of(struct bench_proxy *px, pid_t *pid)
+{
+	const struct kvs_ctrl *ctrl;
+	size_t len;
+	int rc = kvs_stat_map(px->sock, &ctrl, &len);
+	if (rc < 0)
+		return rc;
+	px->slot_size = ctrl->slot_size;
+	px->slots = ctrl->slot_count;
+	*pid = ctrl->proxy_pid;
+	munmap((void *)ctrl, len);
+	return 0;
+}
+
 int proxy_start(struct bench_proxy *px, const struct bench_opts *o, uint64_t slot_size,
 		uint32_t slots)
 {
@@ -328,15 +344,13 @@ int proxy_start_ex(struct bench_proxy *px, const struct bench_opts *o, uint64_t 
 	px->pid = px->cpu_pid = pid;
 	/* Its pool as it says, not as we asked: a --proxy-arg may have
 	 * changed it (--slots, --slot-size), and the report says what ran. */
-	const struct kvs_ctrl *ctrl;
-	size_t len;
-	if (kvs_stat_map(px->sock, &ctrl, &len) == 0) {
-		px->slot_size = ctrl->slot_size;
-		px->slots = ctrl->slot_count;
-		munmap((void *)ctrl, len);
-	} else {
-		px->slot_size = slot_size;
-		px->slots = slots;
+	pid_t self;
+	int rc = pool_of(px, &self);
+	if (rc < 0) {
+		fprintf(stderr, "kvstage-bench: cannot read the pool of the kvstaged at %s: %s\n",
+			px->sock, kvs_strerror(rc));
+		proxy_stop(px);
+		return -1;
 	}
 	return 0;
 }
@@ -358,19 +372,14 @@ int proxy_attach(struct bench_proxy *px, const char *sock)
 {
 	memset(px, 0, sizeof(*px));
 	snprintf(px->sock, sizeof(px->sock), "%s", sock);
-	const struct kvs_ctrl *ctrl;
-	size_t len;
-	int rc = kvs_stat_map(sock, &ctrl, &len);
+	pid_t pid;
+	int rc = pool_of(px, &pid);
 	if (rc < 0) {
 		fprintf(stderr, "kvstage-bench: no proxy at %s: %s\n", sock, kvs_strerror(rc));
 		return -1;
 	}
-	px->slot_size = ctrl->slot_size;
-	px->slots = ctrl->slot_count;
 	/* The pid is the proxy's own view; from another pid namespace it
 	 * names someone else, so trust it only if /proc agrees. */
-	pid_t pid = ctrl->proxy_pid;
-	munmap((void *)ctrl, len);
 	char path[64], comm[32] = { 0 };
 	snprintf(path, sizeof(path), "/proc/%d/comm", (int)pid);
 	int fd = open(path, O_RDONLY | O_CLOEXEC);
