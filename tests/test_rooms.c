@@ -528,3 +528,25 @@ Test(rooms, a_local_room_hands_its_slots_over_and_leaves_no_record)
 	cr_assert_eq(e.type, KVS_EV_SEND_DONE);
 	cr_assert_eq(F.nsent, 0, "the fake transport carried nothing");
 }
+
+/* The receiver's final is posted before the sender's (design.md, "Which
+ * final first"): one client holding both halves hears RECV_DONE first. */
+Test(rooms, the_receivers_final_is_posted_before_the_senders)
+{
+	struct kvsp_client *c = client(1);
+	struct kvs_desc_wire d;
+	uint64_t bytes;
+	cr_assert_eq(kvsp_room_open_recv(&P, c, 0, SLOT, 1, 10, &d), 0);
+	cr_assert_eq(kvsp_room_open_send(&P, c, 1, &d, 11, &bytes), 0);
+	struct kvs_lease l;
+	cr_assert_eq(kvsp_slot_acquire(&P.slots, c->id, 1, &l), 0);
+	cr_assert_eq(kvsp_room_send(&P, c, 1, &l, 0, SLOT), 0);
+	struct kvs_cqe e;
+	cr_assert(next_event(c, &e));
+	cr_assert_eq(e.type, KVS_EV_RECV_DONE, "first: %u", e.type);
+	cr_assert_eq(e.user_data, 10);
+	cr_assert(next_event(c, &e));
+	cr_assert_eq(e.type, KVS_EV_SEND_DONE, "second: %u", e.type);
+	cr_assert_eq(e.user_data, 11);
+	cr_assert_not(next_event(c, &e));
+}

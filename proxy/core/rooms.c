@@ -218,18 +218,21 @@ static void room_complete(struct kvsp *p, uint32_t i, uint8_t type)
 	r->state = KVSP_ROOM_ENDED;
 	r->final_type = type;
 	p->rooms_active--;
+	/* The receivers' finals first: a request waits on them (its KV is in),
+	 * while SEND_DONE only hands back what the sender already let go of.
+	 * The bookkeeping comes after both. */
+	if (type == KVS_EV_RECV_DONE) {
+		uint32_t epoch = p->slots.pub[r->recv.chunk0].epoch;
+		post_final(p, &r->recv.client, KVS_EV_RECV_DONE, 0, r->bytes, r->recv.chunk0,
+			   epoch);
+		for (unsigned k = 0; k < r->recv.njoined; k++)
+			post_final(p, &r->recv.joined[k], KVS_EV_RECV_DONE, 0, r->bytes,
+				   r->recv.chunk0, epoch);
+		note(p, i, KVSP_NOTE_DONE, 0);
+	}
+	post_final(p, &r->send.client, KVS_EV_SEND_DONE, 0, r->bytes, NONE, 0);
 	KVS_STAT_ADD(p->stats->rooms_done, 1);
 	kvsp_hist_add(&p->room_hist, p->now_ns - r->opened_ns);
-	if (type == KVS_EV_RECV_DONE)
-		note(p, i, KVSP_NOTE_DONE, 0);
-	post_final(p, &r->send.client, KVS_EV_SEND_DONE, 0, r->bytes, NONE, 0);
-	if (type != KVS_EV_RECV_DONE)
-		return;
-	uint32_t epoch = p->slots.pub[r->recv.chunk0].epoch;
-	post_final(p, &r->recv.client, KVS_EV_RECV_DONE, 0, r->bytes, r->recv.chunk0, epoch);
-	for (unsigned k = 0; k < r->recv.njoined; k++)
-		post_final(p, &r->recv.joined[k], KVS_EV_RECV_DONE, 0, r->bytes, r->recv.chunk0,
-			   epoch);
 }
 
 /*
