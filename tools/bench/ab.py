@@ -16,7 +16,8 @@ A figure that moves less than the runs spread says nothing: the runs are printed
 Each run's raw rte_ring round trip between two processes (the bench's own baseline, p50) is printed first: it is the
 host's cross-CPU latency at that moment. A VM's vCPUs can move between host cores that share a cache and ones that do
 not; then the round trip jumps (0.23 against 1.0 us on the machine this was written on) and every figure with it.
-Runs taken in different states compare the host, not the builds: read the pairs whose round trips agree.
+Runs taken in different states compare the host, not the builds: each figure's line ends with the median
+ratio over the pairs whose two round trips agree (within 1.5x), and how many did.
 
   tools/bench/ab.py --callgrind A B -- KVSTAGE-BENCH-ARGS...
 
@@ -38,6 +39,10 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
+
+# Two runs saw the same host when their raw ring round trips are within this factor: the
+# regimes differ by 4x (0.22 against 0.9 us), a regime's runs by well under 1.5x.
+AGREE = 1.5
 
 # (label, path into a point, better when higher)
 FIGURES = [
@@ -189,6 +194,18 @@ def host_rtt(report):
     return figure(report, ("baselines", "ring", "pingpong_rtt_us", "p50"))
 
 
+def agreeing_pairs(va, vb, rtt):
+    """The median ratio over the pairs whose two runs saw the same host (round trips within
+    AGREE of each other), as a suffix; "" where the mode has no round trip or no pair agrees."""
+    if any(v is None for v in rtt["A"] + rtt["B"]) or not all(va):
+        return ""
+    same = [b / a for a, b, ra, rb in zip(va, vb, rtt["A"], rtt["B"])
+            if max(ra, rb) <= AGREE * min(ra, rb)]
+    if not same:
+        return ", no pair's round trips agree"
+    return f", pairs whose round trips agree {statistics.median(same):.3f} ({len(same)} of {len(va)})"
+
+
 def points(report):
     """A report's points: its "points" (the throughput modes), or its one "result" (latency mode)."""
     if "points" in report:
@@ -239,7 +256,8 @@ def main():
             print(f"  {label:15s} A {' '.join(f'{v:.4g}' for v in va)}  median {ma:.4g}")
             pairs = statistics.median(b / a for a, b in zip(va, vb)) if all(va) else float("nan")
             print(f"  {'':15s} B {' '.join(f'{v:.4g}' for v in vb)}  median {mb:.4g}  "
-                  f"B/A {ratio:.3f} ({better if abs(ratio - 1) > 0.005 else 'same'}), pairs {pairs:.3f}")
+                  f"B/A {ratio:.3f} ({better if abs(ratio - 1) > 0.005 else 'same'}), pairs {pairs:.3f}"
+                  + agreeing_pairs(va, vb, rtt))
     return 0
 
 
