@@ -162,6 +162,17 @@ if command -v gnuplot >/dev/null; then
   grep -q '<svg' "$tmp/a.svg" || fail "abort --plot wrote no SVG"
 fi
 
+# --- ab.py: two builds (here the same one twice) alternated; its table's shape
+if command -v python3 >/dev/null; then
+  ab="$(cd "$(dirname "$0")" && pwd)/ab.py"
+  python3 "$ab" -n 2 "$build" "$build" -- --duration 0.2 --chunk 4K --payload none local \
+    >"$tmp/ab.txt" 2>"$tmp/ab.err" || fail "ab.py -n 2 exited $?"
+  grep -q '^host: raw rte_ring round trip' "$tmp/ab.txt" || fail "ab.py printed no round trips"
+  grep -qE '^ +chunks/s +A( [0-9.e+]+){2} +median' "$tmp/ab.txt" || fail "ab.py: no chunks/s row for A"
+  grep -qE 'B/A [0-9.]+ \((better|worse|same)\), pairs [0-9.]+, (pairs whose round trips agree [0-9.]+ \([12] of 2\)|no pair.s round trips agree)' \
+    "$tmp/ab.txt" || fail "ab.py: no B/A, pairs and agreeing pairs"
+fi
+
 # --- gpu: the real mode or the stub, never a crash
 rc=0
 "$bench" gpu >"$tmp/gpu.txt" 2>&1 || rc=$?
