@@ -529,8 +529,8 @@ Test(rooms, a_local_room_hands_its_slots_over_and_leaves_no_record)
 	cr_assert_eq(F.nsent, 0, "the fake transport carried nothing");
 }
 
-/* The receiver's final is posted before the sender's (design.md, "Which
- * final first"): one client holding both halves hears RECV_DONE first. */
+/* The receiver's final is posted before the sender's (design note 37):
+ * one client holding both halves hears RECV_DONE first. */
 Test(rooms, the_receivers_final_is_posted_before_the_senders)
 {
 	struct kvsp_client *c = client(1);
