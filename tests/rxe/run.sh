@@ -16,6 +16,9 @@
 # not boot, rxe0 cannot be made, or everything takes longer than --timeout
 # (default 600 s), it says so with the tail of the serial log and exits 125
 # (or 124 on timeout): it never exits 0 unless COMMAND ran and exited 0.
+# A guest that has not started COMMAND within RXE_BOOT_TIMEOUT seconds
+# (default 120; a boot takes 6-9 s) is stopped and booted again, three
+# boots at most; one that ran COMMAND is never run again.
 #
 # RXE_WORKDIR: where the initramfs is cached (rebuilt when the kernel or
 #   the files it is made of change) and each run's files live; default a
@@ -224,21 +227,68 @@ qemu=(
 	-virtfs "local,path=$run,mount_tag=out,security_model=none"
 	"${virtfs_rw[@]}"
 )
+# A guest that has not started the command within boot_s (a boot and rxe
+# setup take 6-9 s here) is hung, not slow: multi-threaded TCG on this VM
+# has been seen to lose a vCPU's timer during boot (RCU stalls on the
+# serial console, then nothing). It is stopped and booted again, at most
+# boot_tries times in all. Only a guest that never ran the command is
+# retried: once it has, its verdict stands, whatever it is.
+boot_s=${RXE_BOOT_TIMEOUT:-120}
+boot_tries=3
+[[ $boot_s =~ ^[1-9][0-9]*$ ]] || { say "RXE_BOOT_TIMEOUT wants whole seconds, not '$boot_s'"; exit 2; }
+
+# Waits for qemu; stops it (and returns 1) if the command has not started
+# within boot_s. Sets qrc to qemu's (timeout's) exit status.
+watch_boot() {
+	local deadline=$(($(date +%s) + boot_s)) st
+	while kill -0 "$qpid" 2>/dev/null; do
+		st=$(cat "$run/stage" 2>/dev/null || true)
+		case $st in running | "done") break ;; esac
+		if [ "$(date +%s)" -ge "$deadline" ]; then
+			kill "$qpid" 2>/dev/null || true
+			wait "$qpid" || true
+			return 1
+		fi
+		sleep 0.5
+	done
+	qrc=0
+	wait "$qpid" || qrc=$?
+	return 0
+}
+
 t0=$(date +%s.%N)
-# setpriv --pdeathsig: should run.sh itself be killed (even by SIGKILL),
-# timeout gets SIGTERM and passes it on to qemu; should timeout die, qemu
-# gets SIGKILL. No guest outlives the harness.
-setpriv --pdeathsig TERM timeout -k 5 "$timeout_s" \
-	setpriv --pdeathsig KILL "${qemu[@]}" </dev/null >"$run/qemu.log" 2>&1 &
-qpid=$!
-# Stream the command's output as the guest writes it into the out share.
-tail -n +1 -s 0.2 -f --pid="$qpid" "$run/output" &
-tailpid=$!
 qrc=0
-wait "$qpid" || qrc=$?
-qpid=
-wait "$tailpid" || true
-tailpid=
+hung=
+for try in $(seq 1 "$boot_tries"); do
+	# setpriv --pdeathsig: should run.sh itself be killed (even by SIGKILL),
+	# timeout gets SIGTERM and passes it on to qemu; should timeout die, qemu
+	# gets SIGKILL. No guest outlives the harness.
+	setpriv --pdeathsig TERM timeout -k 5 "$timeout_s" \
+		setpriv --pdeathsig KILL "${qemu[@]}" </dev/null >"$run/qemu.log" 2>&1 &
+	qpid=$!
+	# Stream the command's output as the guest writes it into the out share.
+	tail -n +1 -s 0.2 -f --pid="$qpid" "$run/output" &
+	tailpid=$!
+	booted=1
+	watch_boot || booted=
+	qpid=
+	wait "$tailpid" || true
+	tailpid=
+	[ -n "$booted" ] && break
+	say "the guest had not started the command after ${boot_s}s (stage: $(cat "$run/stage" 2>/dev/null || echo none)): stopped"
+	if [ "$try" -eq "$boot_tries" ]; then
+		hung=1
+		break
+	fi
+	if [ -e "$run/serial.log" ]; then
+		mv "$run/serial.log" "$run/serial.log.try$try"
+		say "last lines of its serial console ($run/serial.log.try$try):"
+		tail -n 8 "$run/serial.log.try$try" >&2 || true
+	fi
+	rm -f "$run/stage" "$run/error" "$run/status" "$run/times"
+	: >"$run/output"
+	say "booting again (try $((try + 1)) of $boot_tries)"
+done
 t1=$(date +%s.%N)
 
 # --- verdict ---------------------------------------------------------------
@@ -251,6 +301,9 @@ guest_failed() {
 	say "run files kept in $run"
 	exit "${2:-125}"
 }
+if [ -n "$hung" ]; then
+	guest_failed "the guest did not start the command in any of $boot_tries boots (${boot_s}s each)"
+fi
 status=
 [ -f "$run/status" ] && status=$(cat "$run/status")
 if [ "$qrc" = 124 ] || [ "$qrc" = 137 ]; then
