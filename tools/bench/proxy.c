@@ -242,7 +242,7 @@ static void cleanup_dir(struct bench_proxy *px)
 }
 
 /* The pool of the proxy at px->sock, from its control segment, into px;
- * *pid its own pid as it says it. Returns 0, or -errno. */
+ * *pid (unless NULL) its own pid as it says it. Returns 0, or -errno. */
 static int pool_of(struct bench_proxy *px, pid_t *pid)
 {
 	const struct kvs_ctrl *ctrl;
@@ -252,7 +252,8 @@ static int pool_of(struct bench_proxy *px, pid_t *pid)
 		return rc;
 	px->slot_size = ctrl->slot_size;
 	px->slots = ctrl->slot_count;
-	*pid = ctrl->proxy_pid;
+	if (pid)
+		*pid = ctrl->proxy_pid;
 	munmap((void *)ctrl, len);
 	return 0;
 }
@@ -344,8 +345,7 @@ int proxy_start_ex(struct bench_proxy *px, const struct bench_opts *o, uint64_t 
 	px->pid = px->cpu_pid = pid;
 	/* Its pool as it says, not as we asked: a --proxy-arg may have
 	 * changed it (--slots, --slot-size), and the report says what ran. */
-	pid_t self;
-	int rc = pool_of(px, &self);
+	int rc = pool_of(px, NULL);
 	if (rc < 0) {
 		fprintf(stderr, "kvstage-bench: cannot read the pool of the kvstaged at %s: %s\n",
 			px->sock, kvs_strerror(rc));
