@@ -9,6 +9,9 @@ KVS_ROOM_DESC_SIZE = 128
 KVS_MAX_READERS = 8  # kvstage.h: readers a shared room may have, its opener included
 KVS_DEFAULT_SOCKET = "/run/kvstage/kvstaged.sock"
 
+# The package's own copies, in a wheel's install (meson -Dwheel=true: kvstage/_libs, with the libraries
+# they need beside them; tools/wheel/repair.py); absent from the source tree and a system install.
+_PKG_LIBS = Path(__file__).resolve().parent / "_libs"
 # The build tree next to the package (python/../build/shm), when the package
 # is the source tree's; an installed one loads the installed library.
 _SRC = Path(__file__).resolve().parent.parent.parent
@@ -39,10 +42,12 @@ class kvs_event(ctypes.Structure):
 
 
 def _candidates(env, name):
-    """Returns the paths to try for library `name` (libNAME.so.0), in order."""
+    """Returns the paths to try for library `name` (libNAME.so.0), in order: $ENV alone if set, else the
+    package's own (a wheel's), the build tree's (a source tree's), the loader's."""
     if os.environ.get(env):
         return [os.environ[env]]
-    out = [str(_BUILD_SHM / f"lib{name}.so.0")] if _BUILD_SHM else []
+    out = [str(_PKG_LIBS / f"lib{name}.so.0")] if (_PKG_LIBS / f"lib{name}.so.0").exists() else []
+    out += [str(_BUILD_SHM / f"lib{name}.so.0")] if _BUILD_SHM else []
     found = ctypes.util.find_library(name)
     if found:
         out.append(found)
@@ -50,10 +55,10 @@ def _candidates(env, name):
     return out
 
 
-def _open(env, name, extra=()):
-    """Returns the first candidate that loads, raises OSError naming all tried."""
+def _open(env, name, extra=(), alone=False):
+    """Returns the first candidate that loads (extra's alone if alone), raises OSError naming all tried."""
     errors = []
-    for path in [*extra, *_candidates(env, name)]:
+    for path in [*extra, *([] if alone else _candidates(env, name))]:
         if "/" in path and not os.path.exists(path):
             errors.append(f"{path}: no such file")
             continue
@@ -119,13 +124,18 @@ _CUDA_PROTOS = {
 
 
 def cuda():
-    """Returns libkvstage_cuda (loaded once, next to libkvstage first), raises OSError saying why not."""
+    """Returns libkvstage_cuda (loaded once, next to libkvstage first), raises OSError saying why not.
+
+    A wheel's libkvstage (kvstage/_libs) takes its own libkvstage_cuda or none: a wheel built without
+    the CUDA toolkit has none, and another copy (the system's) would be another version's.
+    """
     global _cuda
     if _cuda is None:
         sibling = () if os.environ.get("KVSTAGE_CUDA_LIB") else (
             os.path.join(os.path.dirname(lib_path), "libkvstage_cuda.so.0"),) if "/" in lib_path else ()
+        own = bool(sibling) and Path(lib_path).parent == _PKG_LIBS
         try:
-            cl, _ = _open("KVSTAGE_CUDA_LIB", "kvstage_cuda", sibling)
+            cl, _ = _open("KVSTAGE_CUDA_LIB", "kvstage_cuda", sibling, alone=own)
             for name, (res, args) in _CUDA_PROTOS.items():
                 f = getattr(cl, name)
                 f.restype, f.argtypes = res, args

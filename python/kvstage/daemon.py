@@ -2,13 +2,27 @@
 
 spawn(exe, args, log) starts kvstaged with --ready-fd and returns once it
 serves, or raises DaemonError saying why; stop(proc) ends it with SIGTERM
-(its drain), then SIGKILL.
+(its drain), then SIGKILL. find_kvstaged() says which kvstaged to start.
 """
 import os
 import select
+import shutil
 import signal
 import subprocess
 import time
+
+# A wheel's install carries its programs in the package (meson -Dwheel=true; kvstage/_cli.py).
+_PKG_KVSTAGED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_bin", "kvstaged")
+
+
+def find_kvstaged():
+    """Returns the kvstaged to start: $KVSTAGED, else this package's own (a wheel's install), else the first
+    on PATH; None if none. The package's own is the binary itself, not the console script that execs it."""
+    if os.environ.get("KVSTAGED"):
+        return os.environ["KVSTAGED"]
+    if os.access(_PKG_KVSTAGED, os.X_OK):
+        return _PKG_KVSTAGED
+    return shutil.which("kvstaged")
 
 
 class DaemonError(RuntimeError):
