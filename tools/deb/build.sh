@@ -26,7 +26,6 @@ die() { say "$*"; exit 1; }
 mkdir -p "$1"
 out=$(cd "$1" && pwd)
 cd "$(dirname "$0")/../.."
-top=$(pwd)
 
 for tool in git dpkg-buildpackage dpkg-checkbuilddeps dpkg-parsechangelog lintian; do
   command -v "$tool" >/dev/null || die "$tool not found: apt-get install git dpkg-dev lintian"
@@ -58,7 +57,8 @@ say "copied $(git ls-files -co --exclude-standard | wc -l) files to $src"
 # debhelper builds with one job unless DEB_BUILD_OPTIONS says more.
 case " ${DEB_BUILD_OPTIONS:-} " in
   *" parallel="*) ;;
-  *) export DEB_BUILD_OPTIONS="${DEB_BUILD_OPTIONS:+$DEB_BUILD_OPTIONS }parallel=$(nproc)" ;;
+  *) DEB_BUILD_OPTIONS="${DEB_BUILD_OPTIONS:+$DEB_BUILD_OPTIONS }parallel=$(nproc)"
+     export DEB_BUILD_OPTIONS ;;
 esac
 say "dpkg-buildpackage -b -us -uc (kvstage $version, $arch, DEB_BUILD_OPTIONS=$DEB_BUILD_OPTIONS)"
 if ! (cd "$src" && dpkg-buildpackage -b -us -uc) > "$tmp/build.log" 2>&1; then
@@ -74,10 +74,10 @@ say "built in $((t1 - t0)) s; compiler and tool warnings in the log: $warnings"
 changes="$tmp/kvstage_${version}_${arch}.changes"
 [ -f "$changes" ] || die "no $changes"
 # Debian names debug symbols' packages PKG-dbgsym_*.deb (Ubuntu: .ddeb).
-files=$(sed -n '/^Files:/,/^[^ ]/s/^ .* \([^ ]*\.d\{0,1\}deb\)$/\1/p' "$changes")
-debs=$(printf '%s\n' $files | grep -v -- '-dbgsym_' || true)
-dbgsyms=$(printf '%s\n' $files | grep -- '-dbgsym_' || true)
-[ -n "$debs" ] || die "no .deb in $changes"
+sed -n '/^Files:/,/^[^ ]/s/^ .* \([^ ]*\.d\{0,1\}deb\)$/\1/p' "$changes" > "$tmp/files"
+mapfile -t debs < <(grep -v -- '-dbgsym_' "$tmp/files" || true)
+mapfile -t dbgsyms < <(grep -- '-dbgsym_' "$tmp/files" || true)
+[ ${#debs[@]} -gt 0 ] || die "no .deb in $changes"
 
 # Every tag lintian has (errors, warnings, info, pedantic), so nothing hides;
 # only errors fail the build.
@@ -105,14 +105,14 @@ for pkg in kvstage libkvstage0 libkvstage-dev python3-kvstage; do
 done
 rm -f "$out/kvstage_"*.changes "$out/kvstage_"*.buildinfo
 cp "$changes" "$tmp/kvstage_${version}_${arch}.buildinfo" "$tmp/build.log" "$tmp/lintian.txt" "$out/"
-for d in $debs; do cp "$tmp/$d" "$out/"; done
-if [ -n "$dbgsyms" ]; then
+for d in "${debs[@]}"; do cp "$tmp/$d" "$out/"; done
+if [ ${#dbgsyms[@]} -gt 0 ]; then
   mkdir -p "$out/dbgsym"
-  for d in $dbgsyms; do cp "$tmp/$d" "$out/dbgsym/"; done
+  for d in "${dbgsyms[@]}"; do cp "$tmp/$d" "$out/dbgsym/"; done
 fi
 
 if grep -q '^E: ' "$tmp/lintian.txt"; then
   die "lintian reports errors (E: above; also in $out/lintian.txt)"
 fi
 say "done in $(($(date +%s) - t0)) s"
-for d in $debs; do echo "$out/$d"; done
+for d in "${debs[@]}"; do echo "$out/$d"; done
