@@ -1,0 +1,85 @@
+# Sourced by run.sh (lib.sh's helpers, $net, $k8s): two pods, prefill and
+# decode, each an engine with kvstaged as its sidecar; the proxies talk over
+# TCP between the pods, at their defaults (--peer-timeout 10 s).
+decode_run() { # ARGS...: pd_hosts.py decode in the decode pod's engine container
+	pm exec kvstage-decode-engine python3 /opt/kvstage/python/examples/pd_hosts.py decode \
+		--prefill kvstage-prefill:7700 "$@"
+}
+report_has() { # LOG PYEXPR: the decode side's JSON report (r) holds PYEXPR
+	grep '^decode: {' "$1" | tail -n 1 | cut -d' ' -f2- |
+		python3 -c "import json, sys; r = json.load(sys.stdin); sys.exit(0 if ($2) else 1)"
+}
+play_decode() {
+	pm kube play --quiet --network "$net" "$k8s/decode.yaml" >/dev/null &&
+		wait_until 60 ready kvstage-decode-kvstaged
+}
+pools_free() {
+	stat_is kvstage-prefill-kvstaged 'd["slots"]["free"] == d["slot_count"]' &&
+		stat_is kvstage-decode-kvstaged 'd["slots"]["free"] == d["slot_count"]'
+}
+PEER_TIMEOUT_S=10 # kvstaged's default --peer-timeout, which the manifests keep
+
+pm kube play --quiet --network "$net" "$k8s/prefill.yaml" >/dev/null
+if ! wait_until 60 ready kvstage-prefill-kvstaged || ! play_decode; then
+	fail "two pods: a sidecar never served"
+	pm logs kvstage-prefill-kvstaged 2>&1 | tail -n 20 >&2 || true
+	pm logs kvstage-decode-kvstaged 2>&1 | tail -n 20 >&2 || true
+else
+	pass "two pods: both sidecars serve"
+	log=$out/decode-1.log
+	decode_run --requests 300 --abort-fraction 0.1 > "$log" 2>&1 || true
+	cat "$log" >&2
+	check "two pods: 300 requests decode <- prefill over TCP, every completed one byte-exact" \
+		report_has "$log" 'r["wrong"] == 0 and r["failed"] == 0 and r["unfinished"] == 0 and r["exact"] > 0'
+	check "two pods: aborts from each side ended their rooms (ABORTED on the decode side)" \
+		report_has "$log" 'r["aborted_here"] > 0 and r["aborted_by_prefill"] > 0'
+	check "two pods: the rooms went by TCP between the proxies (the prefill proxy's peer session, bytes sent)" \
+		stat_is kvstage-prefill-kvstaged 'd["tcp"]["peers"] == 1 and d["tcp"]["bytes_tx"] > 0'
+
+	# The decode pod silenced mid-transfer: a long run, its first room ended
+	# (the barrier), then every process of the pod paused: its sockets stay
+	# open and say nothing, as a host that hangs or drops off the network.
+	log=$out/decode-2.log
+	decode_run --requests 1000000 --concurrency 16 --abort-fraction 0 --timeout 600 > "$log" 2>&1 &
+	runner=$!
+	if wait_until 60 grep -q '^decode: 1 requests ended' "$log" &&
+		wait_until 30 stat_is kvstage-prefill-kvstaged 'd["rooms"]["open"] > 0'; then
+		pm pod pause kvstage-decode >/dev/null
+		t0=$(date +%s%N)
+		if wait_until $((PEER_TIMEOUT_S + 10)) stat_is kvstage-prefill-kvstaged \
+			'd["tcp"]["lost"] >= 1 and d["tcp"]["peers"] == 0 and d["rooms"]["open"] == 0'; then
+			took_ms=$((($(date +%s%N) - t0) / 1000000))
+			say "the prefill proxy lost the silent decode pod after ${took_ms} ms (--peer-timeout ${PEER_TIMEOUT_S} s)"
+			check "two pods: the prefill proxy lost the silenced decode pod within its --peer-timeout (${took_ms} ms)" \
+				test "$took_ms" -le $((PEER_TIMEOUT_S * 1000 + 2000))
+		else
+			fail "two pods: the prefill proxy did not lose the silenced decode pod within $((PEER_TIMEOUT_S + 10)) s"
+			stat_json kvstage-prefill-kvstaged >&2 || true
+		fi
+		check "two pods: nothing lost on the prefill side (every slot free, no room open, no tombstone)" \
+			wait_until 5 stat_is kvstage-prefill-kvstaged \
+			'd["slots"]["free"] == d["slot_count"] and d["slots"]["tombstone"] == 0 and d["rooms"]["open"] == 0'
+		check "two pods: the prefill engine still serves (its process lives)" \
+			pm exec kvstage-prefill-engine kill -0 1
+	else
+		fail "two pods: the long decode run never got going"
+		cat "$log" >&2
+	fi
+	pm kube down "$k8s/decode.yaml" >/dev/null 2>&1 || pm pod rm -f kvstage-decode >/dev/null 2>&1 || true
+	kill "$runner" 2>/dev/null || true
+	wait "$runner" 2>/dev/null || true
+
+	say "the decode pod made again"
+	if play_decode; then
+		log=$out/decode-3.log
+		decode_run --requests 200 --abort-fraction 0 > "$log" 2>&1 || true
+		cat "$log" >&2
+		check "two pods: the new decode pod's 200 rooms complete, byte-exact" \
+			report_has "$log" 'r["exact"] == 200 and r["wrong"] == 0 and r["failed"] == 0'
+		check "two pods: both pools end free" wait_until 10 pools_free
+	else
+		fail "two pods: the decode pod made again never served"
+	fi
+fi
+pm kube down "$k8s/decode.yaml" >/dev/null 2>&1 || true
+pm kube down "$k8s/prefill.yaml" >/dev/null 2>&1 || true
