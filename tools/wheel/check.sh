@@ -6,14 +6,15 @@
 # so that the system's numpy (Debian: python3-numpy) satisfies the wheel's one dependency and its
 # pytest (python3-pytest) runs the tests; pip installs the wheel with --no-index. Then: kvstage is
 # imported from the venv and loads its own libkvstage (kvstage/_libs); ldd finds every library of
-# every ELF file in the package, each one not glibc's from kvstage/_libs; the SGLang plugin entry point
-# is there; each console script runs (--help), kvstaged's "built without" names exactly the optional
-# parts whose library it does not link; the venv's kvstaged (the script that execs kvstage/_bin/kvstaged)
-# keeps its pid and --ready-fd, serves kvstage-demo and kvstage-stat, and drains on SIGTERM;
-# kvstage-bench finds the package's kvstaged; and the Python suite's tests that need only the client
-# and a kvstaged (no torch, no SGLang or vLLM) pass against it (CHECK_TESTS below), with
-# KVSTAGED=<venv>/bin/kvstaged and no PYTHONPATH. Writes only under a temporary directory (the
-# repository may be read-only). Needs bash, coreutils and ldd besides PYTHON with venv and pip.
+# every ELF file in the package, each one not glibc's from kvstage/_libs; the SGLang plugin entry
+# point is there, as python/dist-info/entry_points.txt names it; each console script runs (--help);
+# kvstaged's "built without" names exactly the optional parts whose library it does not link; the
+# venv's kvstaged (the script that execs kvstage/_bin/kvstaged) keeps its pid and --ready-fd, serves
+# kvstage-demo and kvstage-stat, and drains on SIGTERM; kvstage-bench finds the package's kvstaged;
+# and the Python suite's tests that need only the client and a kvstaged (no torch, no SGLang or vLLM)
+# pass against it (CHECK_TESTS below), with KVSTAGED=<venv>/bin/kvstaged and no PYTHONPATH. Writes
+# only under a temporary directory (the repository may be read-only). Needs bash, coreutils and ldd
+# besides PYTHON with venv and pip.
 # Exit 0: every check passed; 1: some failed (each says why); 2: usage.
 set -uo pipefail
 case ${1:-} in
@@ -66,7 +67,8 @@ else
 fi
 
 # The installed package, from inside the venv's interpreter: where it is, what its ELF files load.
-"$venv/bin/python" - "$venv" >"$tmp/package.log" 2>&1 <<'EOF'
+"$venv/bin/python" - "$venv" "$root" >"$tmp/package.log" 2>&1 <<'EOF'
+import configparser
 import importlib.metadata
 import os
 import re
@@ -135,6 +137,12 @@ try:
 except Exception as e:  # the check reports what went wrong, whatever it was
     target = e
 report(callable(target), f"entry point sglang.srt.plugins: kvstage = {mine[0].value if mine else None} ({target!r})")
+# The same group as a system install's (python/dist-info/entry_points.txt; pyproject.toml names it again).
+system = configparser.ConfigParser()
+system.read(os.path.join(sys.argv[2], "python", "dist-info", "entry_points.txt"))
+want = dict(system["sglang.srt.plugins"]) if system.has_section("sglang.srt.plugins") else None
+got = {ep.name: ep.value for ep in group}
+report(got == want, f"sglang.srt.plugins: {got}, as python/dist-info/entry_points.txt says: {want}")
 sys.exit(1 if failed else 0)
 EOF
 rc=$?
@@ -214,7 +222,7 @@ fi
 tests=()
 for t in "${CHECK_TESTS[@]}"; do tests+=("$root/python/tests/$t"); done
 echo "check.sh: pytest ${CHECK_TESTS[*]} ..."
-if KVSTAGED=$bin/kvstaged "$venv/bin/python" -m pytest -p no:cacheprovider -q -rs "${tests[@]}" </dev/null \
+if KVSTAGED=$bin/kvstaged "$venv/bin/python" -m pytest -p no:cacheprovider --basetemp="$tmp/pytest" -q -rs "${tests[@]}" </dev/null \
 	>"$tmp/pytest.log" 2>&1; then
 	grep '^SKIPPED' "$tmp/pytest.log" # what this host cannot test, and why
 	ok "pytest: $(tail -n 1 "$tmp/pytest.log")"
