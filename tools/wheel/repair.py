@@ -270,6 +270,6 @@ def main(argv):
 if __name__ == "__main__":
     try:
         sys.exit(main(sys.argv[1:]))
-    except RepairError as e:
+    except (RepairError, zipfile.BadZipFile, OSError) as e:
         print(f"repair.py: {e}", file=sys.stderr)
         sys.exit(1)
