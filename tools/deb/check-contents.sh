@@ -239,6 +239,11 @@ grep -q 'systemd-tmpfiles .*--create kvstaged.conf' "$post" && ok "postinst: sys
   ok "postinst: sysusers before tmpfiles" || bad "postinst: tmpfiles runs before sysusers"
 grep -q "deb-systemd-helper enable 'kvstaged.service'" "$post" && ok "postinst: enables the unit" || bad "postinst: no enable"
 grep -q 'deb-systemd-invoke start' "$post" && bad "postinst starts the unit" || ok "postinst: no start at install"
+# An upgrade: no stop before it, a try-restart after it.
+grep -qs 'deb-systemd-invoke stop' "$tmp/kvstage/DEBIAN/preinst" && bad "preinst stops the unit before an upgrade" ||
+  ok "preinst: no stop before an upgrade"
+grep -q "deb-systemd-invoke try-restart 'kvstaged.service'" "$post" && ok "postinst: try-restart on upgrade" ||
+  bad "postinst: no try-restart on upgrade"
 grep -q 'deb-systemd-invoke stop kvstaged.service' "$tmp/kvstage/DEBIAN/prerm" &&
   ok "prerm: stops at removal" || bad "prerm: no stop"
 grep -q 'py3compile -p python3-kvstage' "$tmp/python3-kvstage/DEBIAN/postinst" &&
