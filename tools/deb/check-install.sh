@@ -13,10 +13,8 @@
 # a purge removes the unit's link, the conffile and __pycache__.
 #
 # Usage: tools/deb/check-install.sh DEBDIR [ROOTFS]
-#   ROOTFS: a minbase bookworm root, as a directory or a tarball (copied,
-#   never changed); default: the newest $KVSTAGE_CI_CACHE/base-*.tar
-#   (/var/cache/kvstage-ci, tools/container/base.sh's), else a fresh
-#   debootstrap --variant=minbase bookworm (a few minutes).
+#   ROOTFS: a minbase bookworm root, a directory or a tarball; default:
+#   tools/container/base.sh's cached one, else debootstrap (rootfs.sh).
 # Needs root (chroot, mounts in a private mount namespace), network to the
 # Debian archive, and about 1 GB in /tmp. Progress on stderr; exits 1 on a
 # failed check.
@@ -29,46 +27,16 @@ if [ $# -lt 1 ] || [ $# -gt 2 ]; then die "usage: tools/deb/check-install.sh DEB
 [ "$(id -u)" -eq 0 ] || die "needs root (chroot)"
 debdir=$(cd "$1" && pwd)
 src=$(cd "$(dirname "$0")/../.." && pwd)
-rootfs=${2:-}
-if [ -z "$rootfs" ]; then
-  # shellcheck disable=SC2012 # the cache's names are base-HASH.tar
-  rootfs=$(ls -t "${KVSTAGE_CI_CACHE:-/var/cache/kvstage-ci}"/base-*.tar 2>/dev/null | head -1 || true)
-fi
-mirror=${KVSTAGE_DEBIAN_MIRROR:-http://deb.debian.org/debian}
+. "$src/tools/deb/rootfs.sh"
 
 tmp=$(mktemp -d /tmp/kvstage-debinst.XXXXXX)
 trap 'rm -rf "$tmp"' EXIT
 root=$tmp/root
 mkdir "$root"
 t0=$(date +%s)
-if [ -z "$rootfs" ]; then
-  command -v debootstrap >/dev/null || die "no ROOTFS and no debootstrap: apt-get install debootstrap"
-  say "debootstrap --variant=minbase bookworm $root"
-  debootstrap --variant=minbase bookworm "$root" "$mirror" > "$tmp/debootstrap.log" 2>&1 ||
-    { tail -20 "$tmp/debootstrap.log" >&2; die "debootstrap failed"; }
-elif [ -d "$rootfs" ]; then
-  say "copying $rootfs"
-  cp -a "$rootfs/." "$root/"
-else
-  say "unpacking $rootfs"
-  tar -xf "$rootfs" -C "$root"
-fi
-
-mkdir -p "$root/tmp/debs" "$root/tmp/src"
-debs=()
-for p in kvstage libkvstage0 libkvstage-dev python3-kvstage; do
-  f=$(ls "$debdir/${p}"_*.deb 2>/dev/null) || die "no ${p}_*.deb in $debdir"
-  [ "$(echo "$f" | wc -l)" -eq 1 ] || die "more than one ${p}_*.deb in $debdir"
-  cp "$f" "$root/tmp/debs/"
-  debs+=("/tmp/debs/$(basename "$f")")
-done
+deb_root "$root" "$debdir" "${2:-}"
+mkdir -p "$root/tmp/src"
 cp "$src/dist/check-install.c" "$root/tmp/src/"
-cp /etc/resolv.conf "$root/etc/resolv.conf"
-# A rootfs made for offline use (the container base) has no sources: the archive's.
-if ! grep -qs '^deb ' "$root/etc/apt/sources.list" && [ -z "$(ls "$root/etc/apt/sources.list.d/" 2>/dev/null)" ]; then
-  printf 'deb %s bookworm main\ndeb %s bookworm-updates main\ndeb http://deb.debian.org/debian-security bookworm-security main\n' \
-    "$mirror" "$mirror" > "$root/etc/apt/sources.list"
-fi
 
 # What runs inside: every check prints "ok: ..." or "FAIL: ..." and counts.
 cat > "$root/tmp/inside.sh" <<'INSIDE'
