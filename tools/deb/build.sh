@@ -35,7 +35,7 @@ done
 if ! unmet=$(dpkg-checkbuilddeps 2>&1); then
   say "$unmet"
   pkgs=$(printf '%s\n' "$unmet" | sed -n 's/.*Unmet build dependencies: //p' |
-         sed 's/([^)]*)//g; s/|[^ ]*//g')
+         sed 's/([^)]*)//g; s/\[[^]]*\]//g; s/<[^>]*>//g; s/ *| *[^ ]*//g; s/:any//g' | tr -s ' ')
   die "install them: apt-get install --no-install-recommends build-essential ${pkgs}"
 fi
 
