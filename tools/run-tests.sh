@@ -20,6 +20,9 @@ echo "== the Python binding (python/, pytest against build/), and its style (pyt
 python/lint.sh
 python/run-tests.sh build
 
+echo "== installed and deployed as users do, each on a clean system (tests/deploy/run.sh): the wheel in a venv, the .debs with apt, the sidecar image, Kubernetes pods under podman kube play"
+tests/deploy/run.sh build/deploy
+
 echo "== the minimal build (build-min/): without verbs, metrics, systemd and acl, -Werror; its quick suites"
 # What a host without those libraries builds (meson_options.txt): it must
 # compile warning-free, and say and refuse what it lacks (test-cli), while

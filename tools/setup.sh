@@ -11,7 +11,10 @@ cd "$(dirname "$0")/.."
 
 PKGS=(gcc pkg-config meson ninja-build libdpdk-dev libcriterion-dev libibverbs-dev
       libsodium-dev libinih-dev libsystemd-dev libmicrohttpd-dev libacl1-dev acl systemd clang libclang-rt-14-dev gnuplot-nox ucx-utils iproute2 procps
-      python3 python3-pytest python3-numpy python3-torch python3-aiohttp pycodestyle clang-format scdoc man-db groff-base perftest prometheus)
+      python3 python3-pytest python3-numpy python3-torch python3-aiohttp pycodestyle clang-format scdoc man-db groff-base perftest prometheus
+      # the wheel (tools/wheel), the Debian package (debian/, tools/deb), the images and pods (tests/deploy)
+      python3-venv python3-mesonpy python3-build patchelf debhelper dh-python dpkg-dev lintian systemd-container
+      podman runc catatonit containernetworking-plugins golang-github-containernetworking-plugin-dnsname debootstrap)
 [ -n "${KVSTAGE_EXTRA_PKGS:-}" ] && PKGS+=(${KVSTAGE_EXTRA_PKGS})
 
 missing=()

@@ -34,13 +34,8 @@ from kvstage import EventType, sidechannel  # noqa: E402
 
 
 def pattern(seed, chunk, n):
-    """Returns chunk's n bytes of the request seeded seed: SHA-256 in counter mode, so any byte out of place shows."""
-    out = bytearray()
-    i = 0
-    while len(out) < n:
-        out += hashlib.sha256(b"%d/%d/%d" % (seed, chunk, i)).digest()
-        i += 1
-    return bytes(out[:n])
+    """Returns chunk's n bytes of the request seeded seed (SHAKE-256 of both): any byte out of place shows."""
+    return hashlib.shake_256(b"%d/%d" % (seed, chunk)).digest(n)
 
 
 def endpoint(s):
@@ -152,7 +147,8 @@ def run_prefill(args):
             busy = True
             p.pull(m) if m["op"] == "pull" else p.drop(m["req"])
         busy |= p.step()
-        for ev in client.poll():
+        # Idle: block until an event (or a pull, within 50 ms); else just look.
+        for ev in client.poll() if busy else client.wait(0.05):
             busy = True
             if ev.final:
                 p.final(ev)
@@ -160,8 +156,6 @@ def run_prefill(args):
         if done // 1000 > shown:
             shown = done // 1000
             print("prefill: " + json.dumps(p.counts), flush=True)
-        if not busy:
-            client.wait(0.05)
     for r in p.rooms.values():
         r[0].abort_quietly()
     lis.close()

@@ -36,3 +36,9 @@ summary() {
 	echo "$passed passed, $failed failed"
 	[ "$failed" -eq 0 ]
 }
+# play [--network NET] YAML: podman kube play, its chatter kept in $out/podman.log
+# (podman 4.3 logs at level=error that it cannot add systemd timers for the
+# probes where systemd is not PID 1, and goes on).
+play() {
+	pm kube play --quiet "$@" >/dev/null 2>>"$out/podman.log" || { tail -n 20 "$out/podman.log" >&2; return 1; }
+}
