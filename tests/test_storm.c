@@ -755,6 +755,31 @@ Test(storm, scribbled_ring_hurts_only_its_owner)
 	wait_idle(&px, 0);
 }
 
+Test(storm, ring_claiming_more_than_it_holds_is_cut_off)
+{
+	proxy_start(&px, NULL, NULL); /* the defaults a user runs with */
+	kvs_client *evil = connect_ok(&px), *rx = connect_ok(&px), *tx = connect_ok(&px);
+	struct kvs_lease held;
+	cr_assert_eq(kvs_acquire(evil, 1, &held), 0);
+	uint64_t died = stat_get(&px, "clients_died");
+	/* One write, then sleep: 2^32 - 1 records claimed, all zeroes (NOPs).
+	 * Taken at its word, the proxy read them for ever (57-72 % of a CPU). */
+	struct rte_ring *r = evil->sq.r;
+	__atomic_store_n(&r->prod.tail, r->cons.head - 1, __ATOMIC_RELEASE);
+	raw_kick(evil);
+	stat_wait(&px, "clients_died", 1, died + 1);
+	stat_wait(&px, "clients", 0, 2);
+	stat_wait(&px, "slots.leased", 0, 0); /* its lease came back */
+	/* and the proxy sleeps again: a spinning one never would */
+	stat_wait(&px, "sleeps", 1, stat_get(&px, "sleeps") + 1);
+	cr_assert_lt(kvs_acquire(evil, 1, &held), 0, "a cut-off client is told so");
+	one_clean_room(rx, tx, 1);
+	kvs_close(evil);
+	kvs_close(rx);
+	kvs_close(tx);
+	wait_idle(&px, 0);
+}
+
 /* ---------------------------------------------------------------- limits */
 
 Test(storm, limits_give_clear_errors)

@@ -59,6 +59,9 @@ struct kvsp_client {
 	size_t cmem_size;
 	struct kvs_lease *reply_leases;
 	struct kvs_ring sq, cq;
+	/* The submission ring's consumer index. Its copy in the ring lives in
+	 * memory the client can write: this one is what the proxy trusts. */
+	uint32_t sq_cons;
 	struct kvsp_handle *handles;
 	uint32_t finals_owed; /* one cq entry reserved for each */
 	bool kick;	      /* on p->kicks: its eventfd is due a look */
@@ -67,6 +70,17 @@ struct kvsp_client {
 	struct kvs_client_row *pub; /* its row in the published clients table */
 	struct kvsp_client_tally tally;
 };
+
+/* Records waiting on c's submission ring, by the producer index the client
+ * wrote and the consumer index we keep; -1 when that claims more than the
+ * ring holds, which only a client writing its indices by hand can make. */
+static inline int64_t kvsp_sq_waiting(const struct kvsp_client *c)
+{
+	/* Acquire: pairs with the client's release of prod.tail, so the
+	 * records it covers are visible once we see it. */
+	uint32_t n = __atomic_load_n(&c->sq.r->prod.tail, __ATOMIC_ACQUIRE) - c->sq_cons;
+	return n <= c->sq.r->capacity ? (int64_t)n : -1;
+}
 
 /* Counts a chunk of len bytes c gave to an open room's transport. */
 void kvsp_client_sent(struct kvsp_client *c, uint64_t len);

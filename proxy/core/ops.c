@@ -133,8 +133,13 @@ int kvsp_client_poll(struct kvsp *p, struct kvsp_client *c)
 	/* Each op can use at most one completion slot (a rejection) or owe
 	 * one more final (an open); finals already owed keep theirs. Taking
 	 * no more ops than that leaves every final room on the ring. */
-	if (!kvs_ring_count(&c->sq))
+	int64_t waiting = kvsp_sq_waiting(c);
+	if (!waiting)
 		return KVSP_IDLE; /* the common case: one line, the client's tail */
+	if (waiting < 0) {
+		kvsp_client_cut_off(p, c);
+		return KVSP_BUSY;
+	}
 	unsigned room = kvs_ring_free(&c->cq);
 	if (room <= c->finals_owed)
 		return KVSP_IDLE;
@@ -142,7 +147,11 @@ int kvsp_client_poll(struct kvsp *p, struct kvsp_client *c)
 	if (n > BURST)
 		n = BURST;
 	struct kvs_sqe q[BURST];
+	/* Our consumer index back into the ring first: one the client wrote
+	 * there could replay old records or skip new ones. */
+	c->sq.r->cons.head = c->sq.r->cons.tail = c->sq_cons;
 	n = kvs_ring_pop(&c->sq, q, sizeof(q[0]), n);
+	c->sq_cons += n;
 	for (unsigned i = 0; i < n; i++)
 		kvsp_client_op(p, c, &q[i]);
 	kvsp_client_took(p, c, n);

@@ -704,3 +704,13 @@ void kvsp_client_destroy(struct kvsp *p, struct kvsp_client *c)
 	kvsp_client_reclaim(p, c);
 	kvsp_client_free(p, c);
 }
+
+void kvsp_client_cut_off(struct kvsp *p, struct kvsp_client *c)
+{
+	KVS_STAT_ADD(p->stats->clients_died, 1);
+	kvsp_log_rl(&p->rl_died, p->now_ns, &p->stats->log_suppressed, KVSP_LOG_WARN,
+		    "client %u (pid %d) cut off: its submission ring's producer index is %u "
+		    "records past ours, and the ring holds %u",
+		    c->id, (int)c->pid, c->sq.r->prod.tail - c->sq_cons, c->sq.r->capacity);
+	kvsp_client_destroy(p, c);
+}

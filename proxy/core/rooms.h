@@ -99,6 +99,11 @@ void kvsp_slot_drop(struct kvsp *p, uint32_t slot);
 void kvsp_client_reclaim(struct kvsp *p, struct kvsp_client *c);
 /* kvsp_client_reclaim, then frees the client itself. */
 void kvsp_client_destroy(struct kvsp *p, struct kvsp_client *c);
+/* A client whose submission ring claims more records than it holds
+ * (kvsp_sq_waiting < 0) wrote its indices by hand: taken at its word, the
+ * proxy would read the ring for ever while the client sleeps. It is
+ * destroyed as a dead one is, with a log line, and counted as died. */
+void kvsp_client_cut_off(struct kvsp *p, struct kvsp_client *c);
 /* Aborts rooms past --room-timeout. Returns the next deadline. */
 uint64_t kvsp_rooms_tick(struct kvsp *p);
 void kvsp_rooms_abort_all(struct kvsp *p, int status);

@@ -260,8 +260,11 @@ static bool work_waiting(struct kvsp *p)
 			return true;
 	for (unsigned i = 0; i < p->clients_hi; i++) {
 		struct kvsp_client *c = p->clients[i];
-		if (c && kvs_ring_count(&c->sq) && kvs_ring_free(&c->cq) > c->finals_owed)
-			return true;
+		if (!c)
+			continue;
+		int64_t sq = kvsp_sq_waiting(c);
+		if (sq < 0 || (sq && kvs_ring_free(&c->cq) > c->finals_owed))
+			return true; /* a bad index is work too: the client's cut-off */
 	}
 	return false;
 }
