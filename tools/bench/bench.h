@@ -71,6 +71,7 @@ struct bench_opts {
 	unsigned nrates;
 	unsigned abort_sides;	/* 1: the sender aborts, 2: the receiver, 3: either at random */
 	const char *vulnerable; /* the test-only kvstaged-vulnerable, or NULL: next to the build */
+	bool strict;		/* a red control that caught nothing is an error */
 	/* gpu */
 	uint64_t gpu_size;   /* bytes per slot copy and per gather */
 	uint64_t psizes[16]; /* gather/scatter page sizes */

@@ -113,6 +113,7 @@ enum opt_id {
 	O_ARATE,
 	O_ASIDE,
 	O_VULN,
+	O_STRICT,
 	O_JSON,
 	O_CSV,
 	O_PLOT,
@@ -263,6 +264,9 @@ static const struct opt_def defs[O_COUNT] = {
 		     "the test-only kvstaged-vulnerable for the baseline\n(default: tests/kvstaged-"
 		     "vulnerable in the build tree\nnext to this binary; none there: skipped, "
 		     "said)" },
+	[O_STRICT] = { "strict", NULL, 0, M(ABORT), FLAG(strict), NULL,
+		       "exit 1 when the red control caught nothing (the\nvulnerable build's run "
+		       "corrupted no byte): its\nrow then shows nothing, said either way" },
 	[O_JSON] = { "json", NULL, 0, ALL, OWN,
 		     "Output (the table goes to stdout, progress and notes "
 		     "to stderr):",

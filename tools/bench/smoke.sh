@@ -136,6 +136,16 @@ head -1 "$tmp/abort.csv" | grep -q '^mode,path,proxy,' || fail "abort.csv: no he
 [ "$(wc -l <"$tmp/abort.csv")" -eq 5 ] || fail "abort.csv: want a header and 4 rows"
 grep -q "fence's baseline: skipped" "$tmp/abort.csv.err" || fail "abort: a missing vulnerable build was not said"
 
+# A red control that cannot catch anything (the fenced kvstaged named as the
+# vulnerable one) must say so: in the table, the JSON, and by --strict's exit.
+run 0 abort-silent.txt -q --chunk 16K --rooms 2 --duration 0.1 --abort-rate 0.5 \
+  --vulnerable "$build/proxy/kvstaged" abort
+grep -q 'vuln: caught nothing' "$tmp/abort-silent.txt" || fail "abort: a silent control's row does not say so"
+grep -q 'red control .* caught nothing' "$tmp/abort-silent.txt.err" || fail "abort: a silent control was not said"
+run 1 abort-strict.json -q --chunk 16K --rooms 2 --duration 0.1 --abort-rate 0.5 \
+  --vulnerable "$build/proxy/kvstaged" --strict --json abort
+grep -q '"control_caught": *false' "$tmp/abort-strict.json" || fail "abort: no control_caught false in the JSON"
+
 # --- latency, idle, baseline
 run 0 latency.json -q --wset 32M --duration 0.2 --json latency
 valid_json "$tmp/latency.json"
