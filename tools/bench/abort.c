@@ -626,7 +626,8 @@ int run_abort(const struct bench_opts *o)
 	for (unsigned i = 0; i < n; i++)
 		if (pts[i].vulnerable && !caught_any(&pts[i])) {
 			fprintf(stderr,
-				"kvstage-bench: the red control (kvstaged-vulnerable, %.2f s) caught "
+				"kvstage-bench: the red control (kvstaged-vulnerable, %.2f s) "
+				"caught "
 				"nothing%s\n",
 				pts[i].seconds, o->strict ? ": --strict makes that an error" : "");
 			if (o->strict && !rc)
