@@ -24,9 +24,13 @@ length or a message valid() refuses; each is counted (FrameListener.stats()) and
 LOG_EVERY_S seconds with the number suppressed.
 
 The listener (FrameListener) is one thread running a selectors loop over every connection: at most
-max_conns (64) at once (a newcomer past that takes the place of the oldest connection not yet proven, else it is
-closed at once), a handshake deadline (5 s) and an idle deadline (60 s
-without a complete frame). accept() errors never end it: they are logged (rate-limited) and, for
+max_conns (64) serving at once. A newcomer past that takes the place of the oldest connection not yet proven, else
+of the proven one heard from longest ago, which retires: the listener shuts its side (the connector sees the FIN
+and its next message takes a new connection, as Peers does before every send) and still reads it for
+RETIRE_GRACE_S (2 s), so a frame written before the FIN arrived still lands. A newcomer is never refused for want
+of room: a holder of the secret cannot lock a listener by keeping max_conns connections alive (issue 39), it only
+makes them take turns. At most max_conns more may be retiring at once (past that the oldest is closed). Deadlines:
+5 s for the handshake, 60 s without a complete frame. accept() errors never end it: they are logged (rate-limited) and, for
 EMFILE/ENFILE/ENOBUFS/ENOMEM, accepting pauses briefly while the loop keeps serving the connections it has.
 """
 from __future__ import annotations
@@ -57,6 +61,7 @@ SECRET_MIN, SECRET_MAX = 16, 4096
 HANDSHAKE_TIMEOUT_S = 5.0
 IDLE_TIMEOUT_S = 60.0
 MAX_CONNS = 64
+RETIRE_GRACE_S = 2.0  # a retiring connection is still read this long: well above a frame's time in flight
 LOG_EVERY_S = 5.0
 ACCEPT_PAUSE_S = 0.25
 
@@ -368,13 +373,14 @@ class _RateLog:
 
 
 class _Conn:
-    __slots__ = ("sock", "buf", "cn", "sn", "seq", "since", "peer")
+    __slots__ = ("sock", "buf", "cn", "sn", "seq", "since", "peer", "retire_at")
 
     def __init__(self, sock, peer, now):
         self.sock, self.peer, self.since = sock, peer, now
         self.buf = bytearray()
         self.cn = self.sn = None  # sn set: the listener has answered the hello
         self.seq = 0  # frames that passed their MAC: > 0, the connector is proven to hold the secret
+        self.retire_at = None  # retiring: our side shut, still read until then
 
 
 _PAUSE_ERRNOS = (_errno.EMFILE, _errno.ENFILE, _errno.ENOBUFS, _errno.ENOMEM)
@@ -387,7 +393,7 @@ class FrameListener:
     connector. wait_stats(pred, timeout) waits until pred(stats()) (tests use it as a barrier)."""
 
     COUNTERS = ("accepted", "handshakes", "frames", "bad_magic", "bad_mac", "bad_length", "malformed",
-                "handshake_timeouts", "idle_timeouts", "evicted", "refused_full", "accept_errors", "accept_pauses",
+                "handshake_timeouts", "idle_timeouts", "evicted", "retired", "accept_errors", "accept_pauses",
                 "closed_by_peer")
 
     def __init__(self, host, port, deliver, valid, name, key=None, *, max_conns=MAX_CONNS,
@@ -488,6 +494,12 @@ class FrameListener:
         """Drops connections past their deadline; returns the seconds until the next deadline."""
         nxt = 1.0
         for c in list(self._conns.values()):
+            if c.retire_at is not None:
+                if now >= c.retire_at:
+                    self._drop(c, None)
+                else:
+                    nxt = min(nxt, c.retire_at - now)
+                continue
             # The hello alone proves nothing (anyone can send 24 bytes): until a frame passes its MAC a connection
             # stays on the handshake deadline from its accept, and evictable.
             if c.seq == 0:
@@ -520,20 +532,31 @@ class FrameListener:
                     return
                 continue  # ECONNABORTED, EPROTO, ...: that one connection is gone
             now = time.monotonic()
-            if len(self._conns) >= self.max_conns:
-                half = [c for c in self._conns.values() if c.seq == 0]
-                if not half:
-                    self._count("refused_full")  # before the close a connector sees: counters lead what they count
-                    sock.close()
-                    self._log("full", "kvstage %s side channel: %d connections open: refused one from %s",
-                              self._name, len(self._conns), peer)
-                    continue
-                self._drop(min(half, key=lambda c: c.since), "evicted")
+            serving = [c for c in self._conns.values() if c.retire_at is None]
+            if len(serving) >= self.max_conns:
+                half = [c for c in serving if c.seq == 0]
+                if half:
+                    self._drop(min(half, key=lambda c: c.since), "evicted")
+                else:
+                    self._retire(min(serving, key=lambda c: c.since), now)
             sock.setblocking(False)
             c = _Conn(sock, peer, now)
             self._conns[sock.fileno()] = c
             self._sel.register(sock, selectors.EVENT_READ, c)
             self._count("accepted")
+
+    def _retire(self, c, now):
+        """Makes way for a newcomer without losing a frame: shuts our side of c (its connector sees the FIN and
+        connects anew for its next message) and keeps reading it for RETIRE_GRACE_S."""
+        retiring = [r for r in self._conns.values() if r.retire_at is not None]
+        if len(retiring) >= self.max_conns:
+            self._drop(min(retiring, key=lambda r: r.retire_at), None)
+        try:
+            c.sock.shutdown(socket.SHUT_WR)
+        except OSError:
+            return self._drop(c, "closed_by_peer")
+        c.retire_at = now + RETIRE_GRACE_S
+        self._count("retired")
 
     def _drop(self, c, kind, why=None):
         if self._conns.get(c.sock.fileno()) is c:

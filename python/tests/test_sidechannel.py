@@ -7,6 +7,7 @@ secret; secret files others can read. Barriers are the listener's own counters (
 import json
 import os
 import queue
+import select
 import socket
 import subprocess
 import sys
@@ -207,20 +208,46 @@ def test_200_idle_connections_hold_at_most_64(lis):
     c.close()
 
 
-def test_a_full_table_of_live_connections_refuses_the_newcomer():
-    sink = Sink()
-    L = sc.FrameListener("127.0.0.1", 0, sink, lambda m: True, "test", KEY, max_conns=4)
+def test_a_listener_serves_its_65th_honest_worker(lis):
+    """64 proven connections (64 decode workers, or a holder of the secret keeping them alive with a frame a minute)
+    do not lock a listener at its default max_conns: the 65th worker is served, the connection heard from longest
+    ago retires, and its worker's next message takes a new connection. No message is lost on the way."""
+    assert lis.max_conns == sc.MAX_CONNS == 64
+    workers = [sc.Peers(KEY) for _ in range(sc.MAX_CONNS + 1)]
     try:
-        live = [sc.connect("127.0.0.1", L.port, KEY) for _ in range(4)]
-        for k, c in enumerate(live):  # a frame that passes its MAC: proven (the hello alone proves nothing)
-            c.send({"t": "abort", "room": k})
-        assert sink.wait(4)
-        with pytest.raises(sc.HandshakeError, match="closed the connection"):
-            sc.connect("127.0.0.1", L.port, KEY)
-        assert L.stats()["refused_full"] == 1
-        live[0].send({"t": "abort", "room": 9})
-        assert sink.wait(5)
-        for c in live:
+        for k, w in enumerate(workers):
+            w.send("127.0.0.1", lis.port, {"t": "abort", "room": k})
+        assert lis.sink.wait(65) and lis.stats()["retired"] == 1
+        for k, w in enumerate(workers):  # the retired one first: each reconnect retires the next longest quiet
+            w.send("127.0.0.1", lis.port, {"t": "abort", "room": 100 + k})
+        assert lis.sink.wait(130)
+        assert sorted(m["room"] for m in lis.sink.msgs) == [*range(65), *range(100, 165)]
+        assert lis.stats()["open"] <= 2 * sc.MAX_CONNS
+    finally:
+        for w in workers:
+            w.close()
+
+
+def test_a_frame_written_as_its_connection_retires_still_lands():
+    """The listener shuts its side of the retiring connection and reads it for RETIRE_GRACE_S more: a connector
+    that wrote before the FIN reached it (it looks for one before every send, as Peers does) loses nothing."""
+    sink = Sink()
+    L = sc.FrameListener("127.0.0.1", 0, sink, lambda m: True, "test", KEY, max_conns=2)
+    try:
+        old = sc.connect("127.0.0.1", L.port, KEY)
+        old.send({"t": "abort", "room": 1})
+        assert sink.wait(1)
+        other = sc.connect("127.0.0.1", L.port, KEY)
+        other.send({"t": "abort", "room": 2})
+        assert sink.wait(2)
+        new = sc.connect("127.0.0.1", L.port, KEY)
+        new.send({"t": "abort", "room": 3})
+        assert sink.wait(3) and L.stats()["retired"] == 1
+        assert select.select([old], [], [], T)[0], "the retiring connection's FIN"
+        old.send({"t": "abort", "room": 4})  # written anyway, inside the grace: it lands
+        assert sink.wait(4) and [m["room"] for m in sink.msgs] == [1, 2, 3, 4]
+        assert L.wait_stats(lambda st: st["open"] == 2, T)  # then it is closed
+        for c in (old, other, new):
             c.close()
     finally:
         L.close()
@@ -240,7 +267,7 @@ def test_a_hello_without_a_frame_pins_nothing():
         assert L.wait_stats(lambda st: st["handshakes"] == 4, T)
         c = sc.connect("127.0.0.1", L.port, KEY)
         c.send({"t": "abort", "room": 1})
-        assert sink.wait(1) and L.stats()["evicted"] == 1 and L.stats()["refused_full"] == 0
+        assert sink.wait(1) and L.stats()["evicted"] == 1 and L.stats()["retired"] == 0
         assert L.wait_stats(lambda st: st["handshake_timeouts"] == 3, T)  # the 5 s deadline from their accept
         assert L.stats()["open"] == 1
         for s in squat:
