@@ -30,8 +30,8 @@ and its next message takes a new connection, as Peers does before every send) an
 RETIRE_GRACE_S (2 s), so a frame written before the FIN arrived still lands. A newcomer is never refused for want
 of room: a holder of the secret cannot lock a listener by keeping max_conns connections alive (issue 39), it only
 makes them take turns. At most max_conns more may be retiring at once (past that the oldest is closed). Deadlines:
-5 s for the handshake, 60 s without a complete frame. accept() errors never end it: they are logged (rate-limited) and, for
-EMFILE/ENFILE/ENOBUFS/ENOMEM, accepting pauses briefly while the loop keeps serving the connections it has.
+5 s for the handshake, 60 s without a complete frame. accept() errors never end it: they are logged (rate-limited)
+and, for EMFILE/ENFILE/ENOBUFS/ENOMEM, accepting pauses briefly while the loop keeps serving the connections it has.
 """
 from __future__ import annotations
 
