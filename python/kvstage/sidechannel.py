@@ -36,6 +36,7 @@ and, for EMFILE/ENFILE/ENOBUFS/ENOMEM, accepting pauses briefly while the loop k
 from __future__ import annotations
 
 import base64
+import collections
 import errno as _errno
 import hashlib
 import hmac
@@ -316,6 +317,108 @@ class Peers:
     def close(self):
         for ep in list(self._conns):
             self._forget(ep)
+
+
+class _Sender:
+    """One endpoint's queue and thread (AsyncPeers): its messages, in order, through a Peers of its own."""
+
+    def __init__(self, owner, ep):
+        self.owner, self.ep = owner, ep
+        self.q = collections.deque()  # (msg, on_error)
+        self.cv = threading.Condition(owner._lock)
+        self.alive, self.dead_until = True, 0.0
+        self.thread = threading.Thread(target=self._run, name=f"kvstage-side-{ep[0]}:{ep[1]}", daemon=True)
+        self.thread.start()
+
+    def put(self, msg, on_error):
+        """Queues msg (the owner's lock held); raises OSError while the endpoint is given up on or its queue full."""
+        if time.monotonic() < self.dead_until:
+            raise OSError(_errno.EHOSTUNREACH, f"{self.ep[0]}:{self.ep[1]} failed moments ago")
+        if len(self.q) >= self.owner.QUEUE_MAX:
+            raise OSError(_errno.ENOBUFS, f"{len(self.q)} messages already wait for {self.ep[0]}:{self.ep[1]}")
+        self.q.append((msg, on_error))
+        self.cv.notify()
+
+    def _run(self):
+        peers = Peers(self.owner._key, self.owner._idle_timeout)
+        try:
+            while True:
+                with self.cv:
+                    if not self.q and not self.owner._closed:
+                        self.cv.wait(self.owner.IDLE_S)
+                    if not self.q or self.owner._closed:  # idle, or closing: this endpoint's thread ends
+                        self.alive = False
+                        if self.owner._senders.get(self.ep) is self:
+                            del self.owner._senders[self.ep]
+                        failed, self.q = list(self.q), collections.deque()
+                        break
+                    msg, on_error = self.q.popleft()
+                try:
+                    peers.send(self.ep[0], self.ep[1], msg)
+                except OSError as e:
+                    with self.cv:  # what waits behind it would fail the same way: now, not one timeout each
+                        self.dead_until = time.monotonic() + Peers.DEAD_S
+                        failed, self.q = [(msg, on_error), *self.q], collections.deque()
+                    _report(failed, e)
+            _report(failed, OSError(_errno.ESHUTDOWN, "the side channel is closing"))
+        finally:
+            peers.close()
+
+
+def _report(failed, exc):
+    for _, on_error in failed:
+        if on_error is not None:
+            try:
+                on_error(exc)
+            except Exception:
+                logger.exception("kvstage side channel: a send's error callback failed")
+
+
+class AsyncPeers:
+    """Peers for an engine's scheduler or worker thread, which must never wait on a peer: send() only queues the
+    message (microseconds); a thread per endpoint connects, proves the secret and writes, in order, so a slow or
+    silent endpoint delays only the messages addressed to it (issue 39: one silent prefill rank froze SGLang's
+    decode scheduler for 5 s a request, and a vLLM worker's loads for honest prefills waited behind it). A message
+    that cannot be delivered goes to its on_error(exc), called on that endpoint's thread: it must only hand work to
+    the engine's own thread. send() raises at once, without queuing, ValueError (too large), or OSError while the
+    endpoint is given up on (Peers.DEAD_S after a failure), when QUEUE_MAX messages already wait for it, or when
+    MAX_ENDPOINTS endpoints have threads. A thread idle for IDLE_S ends; the next message starts another."""
+
+    QUEUE_MAX = 1024
+    MAX_ENDPOINTS = 256
+    IDLE_S = 30.0
+
+    def __init__(self, key, idle_timeout=IDLE_TIMEOUT_S):
+        self._key, self._idle_timeout = key, idle_timeout
+        self._lock = threading.Lock()
+        self._senders = {}  # (host, port) -> _Sender
+        self._closed = False
+
+    def send(self, host, port, msg, on_error=None):
+        """Queues msg for (host, port); raises ValueError or OSError (see the class) without queuing it."""
+        _frame(msg)
+        ep = (str(host), int(port))
+        with self._lock:
+            if self._closed:
+                raise OSError(_errno.ESHUTDOWN, "the side channel is closed")
+            s = self._senders.get(ep)
+            if s is None:
+                if len(self._senders) >= self.MAX_ENDPOINTS:
+                    raise OSError(_errno.EMFILE, f"{len(self._senders)} side-channel endpoints have threads already")
+                s = self._senders[ep] = _Sender(self, ep)
+            s.put(msg, on_error)
+
+    def close(self, timeout=5.0):
+        """Stops every endpoint's thread; what still waits goes to its on_error (ESHUTDOWN). Returns within about
+        timeout seconds (a thread inside a connect ends when that does)."""
+        with self._lock:
+            self._closed = True
+            senders = list(self._senders.values())
+            for s in senders:
+                s.cv.notify_all()
+        end = time.monotonic() + timeout
+        for s in senders:
+            s.thread.join(max(0.0, end - time.monotonic()))
 
 
 def handshake(sock, key):

@@ -186,6 +186,42 @@ def test_registration_is_what_sglangs_server_reads(kv_proxy):
         srv.close()
 
 
+@NEED_TORCH
+def test_a_silent_prefill_rank_stops_nothing_else(engines):
+    """A rank the bootstrap server names that takes the connection and never answers (a hung host; its PUT /route
+    needs no secret): the decode scheduler's send_metadata only queues, another request to an honest rank completes
+    while the silent one's handshake still waits, and then the silent one fails with the reason (issue 39, item 8:
+    send_metadata ran the connect and handshake on the scheduler's thread, 5 s a request)."""
+    import socket
+    pc, dc, P, D, addr = engines
+    srv = ks.bootstrap_server_on_a_free_port()
+    hung = socket.socket()
+    hung.bind(("127.0.0.1", 0))
+    hung.listen(16)
+    reg = dict(attn_tp_size=1, attn_tp_rank=0, attn_cp_size=1, attn_cp_rank=0, attn_dp_size=1, attn_dp_rank=0,
+               pp_size=1, pp_rank=0, system_dp_size=1, system_dp_rank=0, rank_ip="127.0.0.1",
+               rank_port=hung.getsockname()[1], page_size=dc.page_size, kv_cache_dtype="auto")
+    try:
+        assert ks._http("PUT", f"http://127.0.0.1:{srv.port}/route", reg)[0] == 200
+        stuck = ks.KvstageKVReceiver(D, f"127.0.0.1:{srv.port}", 77)
+        stuck.init(0)
+        stuck.send_metadata([1, 2], 3, [[3]])  # only queues the message: the rank's own thread waits on it
+        s, r = start(engines, 4243, [0, 1, 2], [5, 6, 7], 9)
+        assert D.wait_until(lambda: r.poll() == KVPoll.Success, 10), r
+        assert stuck.poll() == KVPoll.Transferring, stuck  # its handshake still waits (5 s): it cost nobody else
+        sender_done(s)
+        assert dc.check(4243, [5, 6, 7], 9) is None
+        r.clear()
+        s.clear()
+        assert D.wait_until(lambda: stuck.poll() == KVPoll.Failed, 30), stuck
+        assert "could not reach the prefill rank" in stuck._reason, stuck._reason
+        stuck.clear()
+        assert stuck.pages_released
+    finally:
+        hung.close()
+        srv.close()
+
+
 # ------------------------------------------------------------------------------------------ transfers in one process
 @NEED_TORCH
 @pytest.mark.parametrize("ppages,dpages,chunks", [
@@ -290,8 +326,9 @@ def test_topology_and_unknown_prefill_are_refused(engines):
 
 @NEED_TORCH
 def test_unreachable_prefill_rank(engines):
-    """The bootstrap server names a rank whose side channel is gone: the request fails with the reason, its
-    room is aborted, and the next one to that rank fails at once instead of waiting out a connect timeout."""
+    """The bootstrap server names a rank whose side channel is gone: the request fails with the reason (at the
+    scheduler's next poll: the message went out on the rank's own thread), its room is aborted, and the next one to
+    that rank fails at once instead of waiting out a connect timeout."""
     import socket
     import sglang_engine as E
     pc, dc, P, D, addr = engines
@@ -311,7 +348,8 @@ def test_unreachable_prefill_rank(engines):
             assert r.poll() == KVPoll.WaitingForInput
             t0 = time.monotonic()
             r.send_metadata([1, 2], 3, [[3]])
-            assert r.poll() == KVPoll.Failed and "could not reach the prefill rank" in r._reason, r
+            assert D.wait_until(lambda: r.poll() == KVPoll.Failed, 10), r
+            assert "could not reach the prefill rank" in r._reason, r._reason
             if k == 2:
                 assert "failed moments ago" in r._reason and time.monotonic() - t0 < 1
             r.clear()

@@ -441,7 +441,8 @@ def _tampered(dep, tamper):
     as it would arrive)."""
     for m in dep.D.mgrs.values():
         orig = m.send_to
-        m.send_to = lambda ep, msg, orig=orig: orig(ep, tamper(dict(msg)) if msg.get("t") == "meta" else msg)
+        m.send_to = lambda ep, msg, failing=None, orig=orig: orig(
+            ep, tamper(dict(msg)) if msg.get("t") == "meta" else msg, failing)
 
 
 def _slices(msg, f):

@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 
@@ -577,10 +578,14 @@ def test_sglang_failed_handshake_fails_the_request_cleanly(engines):
     from kvstage import sglang as ks
     from kvstage.sglang import KVPoll
     pc, dc, P, D, addr = engines
-    D._peers = sc.Peers(WRONG)  # the decode rank's connections made with another secret
+    D._peers.close()
+    D._peers = sc.AsyncPeers(WRONG)  # the decode rank's connections made with another secret
     r = ks.KvstageKVReceiver(D, addr, 31)
     r.init(0)
-    r.send_metadata([1, 2], 3, [[3]])
+    r.send_metadata([1, 2], 3, [[3]])  # queued: the handshake's refusal comes back to the scheduler's poll
+    end = time.monotonic() + T
+    while r.poll() != KVPoll.Failed and time.monotonic() < end:
+        time.sleep(0.01)
     assert r.poll() == KVPoll.Failed and "side-channel handshake failed" in r._reason, r._reason
     r.clear()
     assert r.pages_released
@@ -623,7 +628,8 @@ def test_vllm_failed_handshake_fails_the_load_cleanly(kv_proxy):
     import vllm_engine as E
     pd = E.PD(kv_proxy.socket)
     try:
-        pd.D.agent._peers = sc.Peers(WRONG)  # the decode worker's connections made with another secret
+        pd.D.agent._peers.close()
+        pd.D.agent._peers = sc.AsyncPeers(WRONG)  # the decode worker's connections made with another secret
         pd.add(0, 10)
         pd.run(lambda: "d0" in pd.D.freed and "d0" in pd.D.agent.ended, what="failed")
         assert "side-channel handshake failed" in pd.D.agent.ended["d0"], pd.D.agent.ended
@@ -646,3 +652,91 @@ def test_peers_replace_a_connection_quiet_for_half_the_idle_deadline(lis):
     assert lis.sink.wait(6) and lis.stats()["handshakes"] == 4
     fresh.close()
     stale.close()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# AsyncPeers: an engine's thread never waits on a peer (issue 39, items 7 and 8)
+# ---------------------------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def silent():
+    """An endpoint that takes the connection (the kernel's backlog) and never answers the hello: a hung host."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen(16)
+    yield s.getsockname()[1]
+    s.close()
+
+
+def test_async_send_to_a_silent_endpoint_delays_no_other(lis, silent):
+    """Queued in microseconds; the silent endpoint's own thread waits out its handshake (5 s) while the honest
+    endpoint's message lands: in that order, where one thread sending both (Peers) lands it only after."""
+    order, done = [], threading.Event()
+    peers = sc.AsyncPeers(KEY)
+    try:
+        def failed(e):
+            order.append(("failed", type(e).__name__))
+            done.set()
+        peers.send("127.0.0.1", silent, {"t": "abort", "room": 1}, on_error=failed)
+        peers.send("127.0.0.1", lis.port, {"t": "abort", "room": 2}, on_error=failed)
+        assert lis.sink.wait(1)
+        order.append(("landed", lis.sink.msgs[0]["room"]))
+        assert done.wait(T)
+        assert [o[0] for o in order] == ["landed", "failed"], order  # the handshake's timeout, or a refusal
+        with pytest.raises(OSError, match="failed moments ago"):  # given up on for Peers.DEAD_S: at once
+            peers.send("127.0.0.1", silent, {"t": "abort", "room": 3})
+    finally:
+        peers.close()
+
+
+def test_async_queues_are_bounded_and_close_reports_what_waits(silent):
+    peers = sc.AsyncPeers(KEY)
+    peers.QUEUE_MAX = 3
+    errors = []
+    accepted = 0
+    try:
+        # QUEUE_MAX wait at most, and the endpoint's thread holds one more once it took it (its handshake waits)
+        with pytest.raises(OSError, match="already wait"):
+            for k in range(10):
+                peers.send("127.0.0.1", silent, {"t": "abort", "room": k}, on_error=errors.append)
+                accepted += 1
+        assert 3 <= accepted <= 4, accepted
+        with pytest.raises(ValueError):
+            peers.send("127.0.0.1", silent, {"t": "x" * (sc._MAX_MSG + 1)})
+    finally:
+        peers.close(timeout=T)
+    # each message once: the one in flight failed its handshake, the ones waiting failed with it or at the close
+    assert len(errors) == accepted and all(isinstance(e, OSError) for e in errors), errors
+
+
+def test_async_a_wrong_secret_fails_the_message_not_the_caller(lis):
+    peers = sc.AsyncPeers(WRONG)
+    got = queue.SimpleQueue()
+    try:
+        peers.send("127.0.0.1", lis.port, {"t": "abort", "room": 1}, on_error=got.put)
+        e = got.get(timeout=T)
+        assert isinstance(e, sc.HandshakeError) and "did not prove" in str(e)
+        assert lis.sink.msgs == []
+    finally:
+        peers.close()
+
+
+@NEED_TORCH
+def test_vllm_a_silent_prefill_worker_stalls_no_other_load(kv_proxy, silent):
+    """Two loads on one decode worker, d0's prefill worker silent (it takes the connection, never answers): d1's
+    load completes while d0's pull still waits on its handshake, then d0 fails with the reason (issue 39, item 7:
+    the agent thread ran each send inline, and every other load and handle_preemptions waited 5 s behind it)."""
+    import vllm_engine as E
+    pd = E.PD(kv_proxy.socket)
+    route = dict(d_extra=lambda k: {"remote_port": silent} if k == 0 else {})
+    try:
+        pd.add(0, 10)
+        pd.add(1, 10)
+        pd.run(lambda: "d1" in pd.D.freed and "d1" in pd.D.agent.ended, what="the honest load", **route)
+        assert "d0" not in pd.D.agent.ended, pd.D.agent.ended  # its handshake still waits (5 s): it stalled nothing
+        pd.run(lambda: "d0" in pd.D.agent.ended and "d0" in pd.D.freed, timeout=30, what="the silent load failed",
+               **route)
+        assert "could not reach the prefill worker" in pd.D.agent.ended["d0"], pd.D.agent.ended
+    finally:
+        pd.close()
+    assert_pool_free(kv_proxy.socket)

@@ -127,9 +127,13 @@ class KvstageKVManager(BaseKVManager):
         else:
             self.prefill_info_table: Dict[str, PrefillServerInfo] = {}
             self.connection_pool: Dict[str, dict] = {}
-            self._peers = _sidechannel.Peers(self._side_key)  # one cached connection per prefill rank
+            # one connection and one sender thread per prefill rank: the scheduler's thread only queues (a silent
+            # rank costs its own requests, never the scheduler's time)
+            self._peers = _sidechannel.AsyncPeers(self._side_key)
             self._recompute_pool = None                # retract rebootstrap: POSTs /generate off the scheduler thread
-            self._recompute_failed = queue.SimpleQueue()  # (receiver, reason), applied by pump()
+            # (receiver, reason) from other threads (a failed rebootstrap, a side-channel message that could not be
+            # delivered), applied by pump()
+            self._recompute_failed = queue.SimpleQueue()
         self.client()  # connect now: a missing proxy is a start-up error, not a per-request one
 
     @staticmethod
@@ -227,7 +231,7 @@ class KvstageKVManager(BaseKVManager):
         else:
             if self._recompute_pool is not None:
                 self._recompute_pool.shutdown(wait=False, cancel_futures=True)
-            self._peers.close()
+            self._peers.close(timeout=1.0)  # its threads are daemons: one stuck in a connect ends with it
 
     # -- prefill side ---------------------------------------------------------------------
     def register_to_bootstrap(self):
@@ -501,8 +505,14 @@ class KvstageKVManager(BaseKVManager):
             if r._status != KVPoll.Success:  # a transfer that completed stays complete
                 r._fail(why)
 
-    def send_to(self, endpoint, msg):
-        """Sends one message to a prefill rank at endpoint ("host:port"); raises OSError
-        (sidechannel.HandshakeError when the rank did not prove it holds the peer secret); see sidechannel.Peers."""
+    def send_to(self, endpoint, msg, failing=None):
+        """Queues one message for the prefill rank at endpoint ("host:port") and returns at once; raises OSError
+        without queuing it when that rank failed moments ago or too much already waits for it (see
+        sidechannel.AsyncPeers). One that cannot be delivered later (a silent rank, a refused handshake: the rank
+        did not prove it holds the peer secret) fails the receiver failing, if given, on the scheduler's thread."""
         host, port = endpoint.rsplit(":", 1)
-        self._peers.send(host, int(port), msg)
+        on_error = None
+        if failing is not None:
+            def on_error(e):
+                self._recompute_failed.put((failing, f"could not reach the prefill rank at {endpoint}: {e}"))
+        self._peers.send(host, int(port), msg, on_error)

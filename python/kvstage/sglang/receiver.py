@@ -253,7 +253,7 @@ class KvstageKVReceiver(BaseKVReceiver):
                 return self._fail(f"could not open a room: {e}")
         msg = dict(sh.meta, desc=base64.b64encode(desc).decode() if desc else None)
         try:
-            mgr.send_to(sh.endpoint, msg)
+            mgr.send_to(sh.endpoint, msg, failing=self)
             sh.sent = True
         except OSError as e:
             self._fail(f"could not reach the prefill rank at {sh.endpoint}: {e}")

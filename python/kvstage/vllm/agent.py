@@ -50,7 +50,9 @@ class _Agent(_StageSide, _LoadSide):
         # req_id -> time.time() of its abort or preemption (the scheduler's), till its blocks are free
         self._abort_t = {}
         self._uids = itertools.count(1)
-        self._peers = _sidechannel.Peers(self.side_key)  # one cached connection per prefill worker
+        # one connection and one sender thread per prefill worker: this thread only queues (a silent worker costs its
+        # own loads, never this thread's time: every other load and handle_preemptions wait on it)
+        self._peers = _sidechannel.AsyncPeers(self.side_key)
         self._client = None
         self._stop = False
         self._r, self._w = os.pipe()
@@ -303,7 +305,7 @@ class _Agent(_StageSide, _LoadSide):
             except Exception:
                 logger.exception("kvstage connector: closing the connection")
             self._client = None
-        self._peers.close()
+        self._peers.close(timeout=1.0)  # its threads are daemons: one stuck in a connect ends with it
 
     def cmd_barrier(self, event):
         """Sets event once every command posted before it has run (handle_preemptions waits on it)."""
@@ -320,7 +322,18 @@ class _Agent(_StageSide, _LoadSide):
                 self._load_fail(ld, f"timed out after {ld.spec.load_timeout:.1f}s")
 
     # -- the side channel's sending end ----------------------------------------------------------
-    def _send_msg(self, endpoint, msg):
-        """Sends one message to the prefill worker at endpoint (host, port); raises OSError
-        (sidechannel.HandshakeError when the worker did not prove it holds the peer secret); see sidechannel.Peers."""
-        self._peers.send(endpoint[0], endpoint[1], msg)
+    def _send_msg(self, endpoint, msg, failing=None):
+        """Queues one message for the prefill worker at endpoint (host, port) and returns at once; raises OSError
+        without queuing it when that worker failed moments ago or too much already waits for it (see
+        sidechannel.AsyncPeers). One that cannot be delivered later (a silent worker, a refused handshake: the worker
+        did not prove it holds the peer secret) fails the load failing, if given, on this thread."""
+        on_error = None
+        if failing is not None:
+            def on_error(e):
+                self.post(self._load_fail_late, failing,
+                          f"could not reach the prefill worker at {endpoint[0]}:{endpoint[1]}: {e}")
+        self._peers.send(endpoint[0], endpoint[1], msg, on_error)
+
+    def _load_fail_late(self, ld, why):
+        if self._loads.get(ld.req) is ld:  # still this load: not ended and replaced meanwhile
+            self._load_fail(ld, why)

@@ -136,7 +136,7 @@ class _LoadSide:
                 msg["heads"] = [first + sh.h0, first + sh.h1]
                 msg["share"] = self.layout.share_fingerprint(sh.h0, sh.h1)
             try:
-                self._send_msg(sh.endpoint, msg)
+                self._send_msg(sh.endpoint, msg, failing=ld)
             except OSError as e:
                 return self._load_fail(ld, f"could not reach the prefill worker at {sh.endpoint[0]}:{sh.endpoint[1]}: "
                                            f"{e}")
@@ -186,7 +186,7 @@ class _LoadSide:
         host, base = self._listen[0], self._listen[1] - self.tp_rank
         try:
             for rank in range(1, self.tp_size):
-                self._send_msg((host, base + rank), {"t": "join", "req": ld.req, "desc": b64})
+                self._send_msg((host, base + rank), {"t": "join", "req": ld.req, "desc": b64}, failing=ld)
         except OSError as e:
             return self._load_fail(ld, f"could not tell decode rank {rank} the shared room (at {host}:{base + rank}): "
                                        f"{e}")
@@ -195,7 +195,7 @@ class _LoadSide:
         if ld.spec.remote_block_size:
             self._token_msg(msg)
         try:
-            self._send_msg(sh.endpoint, msg)
+            self._send_msg(sh.endpoint, msg, failing=ld)
         except OSError as e:
             self._load_fail(ld, f"could not reach the prefill worker at {sh.endpoint[0]}:{sh.endpoint[1]}: {e}")
 
