@@ -222,6 +222,53 @@ def test_a_silent_prefill_rank_stops_nothing_else(engines):
         srv.close()
 
 
+def test_the_prefill_inbox_holds_senders_back_and_loses_nothing(engines):
+    """A holder of the secret floods a prefill rank whose scheduler is busy (no pump): past INBOX_MAX messages the
+    listener stops reading (TCP holds the sender back) instead of queuing without bound; once the scheduler pumps,
+    every message arrives (issue 39, item 9)."""
+    from kvstage import sidechannel as sc
+    pc, dc, P, D, addr = engines
+    c = sc.connect("127.0.0.1", P.rank_port, sc.load_key())
+    try:
+        n = P.INBOX_MAX + 50
+        for k in range(n):  # aborts for rooms this rank never had: each leaves a tombstone once taken
+            c.send({"t": "abort", "room": 900000 + k})
+        end = time.monotonic() + 30
+        while P._inbox.qsize() < P.INBOX_MAX and time.monotonic() < end:
+            time.sleep(0.01)
+        assert P._inbox.qsize() == P.INBOX_MAX and P._listener.stats()["frames"] <= P.INBOX_MAX + 1
+        while P._listener.stats()["frames"] < n and time.monotonic() < end:
+            P.pump()
+        P.pump()
+        assert all(900000 + k in P.tombstones for k in range(n)), len(P.tombstones)
+    finally:
+        c.close()
+
+
+def test_pending_rooms_are_bounded_oldest_first(engines):
+    """Messages for rooms this prefill rank does not have (yet) are kept till the bootstrap timeout: at most
+    ROOMS_MAX rooms of them, the oldest refused first (its decode room aborted, so that request fails at once)."""
+    pc, dc, P, D, addr = engines
+    P.ROOMS_MAX = 2
+    rs = []
+    for k in range(3):
+        r = ks.KvstageKVReceiver(D, addr, 5000 + k)
+        r.init(0)
+        r.send_metadata([1 + k], 3, [[3]])
+        rs.append(r)
+    end = time.monotonic() + 30
+    while P._listener.stats()["frames"] < 3:
+        P.pump()
+        assert time.monotonic() < end, (P.pending_meta.keys(), P._listener.stats())
+    P.pump()
+    assert sorted(P.pending_meta) == [5001, 5002]
+    assert D.wait_until(lambda: rs[0].poll() == KVPoll.Failed, 10), rs[0]
+    assert all(r.poll() != KVPoll.Failed for r in rs[1:])
+    for r in rs:
+        r.clear()
+    P.pending_meta.clear()  # their requests never come: the pool must end free (fixture)
+
+
 # ------------------------------------------------------------------------------------------ transfers in one process
 @NEED_TORCH
 @pytest.mark.parametrize("ppages,dpages,chunks", [

@@ -74,6 +74,9 @@ class KvstageKVManager(BaseKVManager):
     or the prefill lookups (decode). Attributes the scheduler and tests may set: bootstrap_timeout, waiting_timeout,
     clear_timeout (seconds; each request copies them at creation), copier (CpuCopier or CudaCopier)."""
 
+    INBOX_MAX = 256    # side-channel messages waiting for pump() (prefill)
+    ROOMS_MAX = 65536  # rooms kept in pending_meta, and in tombstones, each (prefill)
+
     def __init__(self, args: KVArgs, disaggregation_mode, server_args, is_mla_backend: Optional[bool] = False):
         self.kv_args = args
         self.server_args = server_args
@@ -114,9 +117,12 @@ class KvstageKVManager(BaseKVManager):
         self.closed = False
         self.enable_staging = False
         if self.mode == "prefill":
-            self._inbox = queue.SimpleQueue()
+            # Bounded: past INBOX_MAX messages the listener's thread waits for pump() to take some, reading
+            # nothing meanwhile, and TCP holds the senders back; nothing is dropped (at most INBOX_MAX frames of
+            # the side channel's 1 MiB each wait here)
+            self._inbox = queue.Queue(maxsize=self.INBOX_MAX)
             self.local_ip = _local_host(server_args)
-            self._listener = FrameListener(self.local_ip, 0, self._inbox.put,
+            self._listener = FrameListener(self.local_ip, 0, self._inbox_put,
                                            lambda m: True, "sglang",  # each message checked in _drain_inbox
                                            self._side_key)
             self.rank_port = self._listener.port
@@ -267,6 +273,27 @@ class KvstageKVManager(BaseKVManager):
             delay = min(delay * 2, 8)
         logger.error("kvstage backend: this prefill rank could not register with the bootstrap server at %s", url)
 
+    def _inbox_put(self, msg):
+        """The listener's deliver(): waits while the inbox is full (back-pressure), never past close()."""
+        while not self.closed:
+            try:
+                return self._inbox.put(msg, timeout=0.1)
+            except queue.Full:
+                continue
+
+    def _remember(self, table, room, value):
+        """Adds room to pending_meta or tombstones, which a holder of the secret could otherwise grow with a room id
+        a message till the bootstrap timeout: past ROOMS_MAX the oldest goes (its messages refused, as at the
+        timeout)."""
+        table[room] = value
+        while len(table) > self.ROOMS_MAX:
+            old, v = next(iter(table.items()))
+            del table[old]
+            if table is self.pending_meta:
+                for m in v[0]:
+                    self._reject(m, f"more than {self.ROOMS_MAX} rooms wait for their request on this prefill rank: "
+                                    "the oldest is dropped")
+
     def _drain_inbox(self):
         now = time.monotonic()
         while True:
@@ -287,7 +314,9 @@ class KvstageKVManager(BaseKVManager):
                 elif s is not None:
                     s._offer(msg)
                 else:  # the decode ranks may ask before this rank has the request: kept until its sender comes
-                    waiting = self.pending_meta.setdefault(room, ([], now))[0]
+                    if room not in self.pending_meta:
+                        self._remember(self.pending_meta, room, ([], now))
+                    waiting = self.pending_meta[room][0]
                     if any(_decode_rank_of(m) == _decode_rank_of(msg) for m in waiting):
                         self._reject(msg, "a second transfer request for a room in use")
                     else:
@@ -298,7 +327,7 @@ class KvstageKVManager(BaseKVManager):
                 for m in (pending[0] if pending is not None else ()):
                     self._reject(m, "aborted by the decode side")
                 if s is None:
-                    self.tombstones[room] = now
+                    self._remember(self.tombstones, room, now)
                 elif s._status != KVPoll.Success:  # a transfer that completed stays complete
                     s._fail("aborted by the decode side")
         for room, (msgs, t) in list(self.pending_meta.items()):  # decode asked, this rank never had the request
