@@ -211,6 +211,73 @@ Test(access, allowed_uids_and_supplementary_groups_get_in_and_others_hear_why_no
 	cr_assert(strstr(log, "refused pid") && strstr(log, "uid 4247"), "%s", log);
 }
 
+/* As uid 4250 in a child: connects, and opens a room. Returns 0, or the
+ * first -errno (connect's, or recv_open's + 1000). */
+static int connect_and_open_as(uid_t uid)
+{
+	fflush(NULL);
+	pid_t pid = fork();
+	cr_assert_neq(pid, -1);
+	if (pid == 0) {
+		if (setgroups(0, NULL) || setgid(uid) || setuid(uid))
+			_exit(255);
+		kvs_client *c;
+		int rc = kvs_connect(px.sock, &c);
+		if (rc < 0)
+			_exit(-rc);
+		kvs_room *r;
+		struct kvs_room_desc d;
+		rc = kvs_recv_open(c, 4096, 1, &r, &d);
+		kvs_close(c);
+		_exit(rc < 0 ? 100 - rc : 0);
+	}
+	int st;
+	cr_assert_eq(reap(pid, &st), pid);
+	cr_assert(WIFEXITED(st) && WEXITSTATUS(st) != 255, "could not become uid %u", uid);
+	int v = WEXITSTATUS(st);
+	return v >= 100 ? -(1000 + v - 100) : -v;
+}
+
+/* No uid takes every client place, nor every room (--uid-share, at its
+ * default 75 % of the default --max-clients 256 and --max-rooms 4096). */
+Test(access, one_uid_cannot_take_every_place_or_room)
+{
+	need_root();
+	proxy_start_plain(&px,
+			  (const char *[]){ "--slots", "16", "--slot-size", "4K", "--socket-mode",
+					    "0666", "--allow-uid", "4250", NULL });
+	chmod(px.dir, 0755);
+	enum { SHARE_CLIENTS = 256 * 75 / 100, SHARE_ROOMS = 4096 * 75 / 100 };
+	static kvs_client *c[SHARE_CLIENTS];
+	for (int i = 0; i < SHARE_CLIENTS; i++) {
+		int rc = kvs_connect(px.sock, &c[i]);
+		cr_assert_eq(rc, 0, "client %d of our share: %s", i, kvs_strerror(rc));
+	}
+	kvs_client *extra;
+	int rc = kvs_connect(px.sock, &extra);
+	cr_assert_eq(rc, -EUSERS, "past our uid's share of places: %s", kvs_strerror(rc));
+	cr_assert_eq(connect_and_open_as(4250), 0, "another uid still gets a place and a room");
+	/* rooms: 256 a connection (--client-rooms), 3072 in all for this uid */
+	struct kvs_room_desc d;
+	kvs_room *r;
+	int opened = 0;
+	for (int i = 0; opened < SHARE_ROOMS; i++)
+		for (int k = 0; k < 256 && opened < SHARE_ROOMS; k++, opened++) {
+			rc = kvs_recv_open(c[i], 4096, (uint64_t)opened, &r, &d);
+			cr_assert_eq(rc, 0, "room %d of our share: %s", opened, kvs_strerror(rc));
+		}
+	rc = kvs_recv_open(c[SHARE_ROOMS / 256], 4096, 1, &r, &d);
+	cr_assert_eq(rc, -ENFILE, "past our uid's share of rooms: %s", kvs_strerror(rc));
+	cr_assert_eq(connect_and_open_as(4250), 0, "another uid still opens a room");
+	char log[65536] = { 0 };
+	int fd = open(px.log, O_RDONLY);
+	cr_assert_eq(read(fd, log, sizeof(log) - 1) > 0, 1);
+	close(fd);
+	cr_assert(strstr(log, "uid 0 holds its share of the client places"), "%s", log);
+	for (int i = 0; i < SHARE_CLIENTS; i++)
+		kvs_close(c[i]);
+}
+
 /* Silent connections (no hello) must not keep a client that talks out. */
 Test(access, silent_connections_lock_nobody_out)
 {

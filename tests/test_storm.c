@@ -786,7 +786,7 @@ Test(storm, limits_give_clear_errors)
 {
 	proxy_start(&px, NULL,
 		    (const char *[]){ "--slots", "16", "--slot-size", "4K", "--max-clients", "3",
-				      "--max-rooms", "2", NULL });
+				      "--max-rooms", "2", "--uid-share", "100", NULL });
 	kvs_client *c[3];
 	for (int i = 0; i < 3; i++)
 		c[i] = connect_ok(&px);

@@ -122,7 +122,7 @@ static void client_free(struct kvsp_client *c)
 	free(c);
 }
 
-struct kvsp_client *kvsp_client_new(struct kvsp *p, int sock, pid_t pid)
+struct kvsp_client *kvsp_client_new(struct kvsp *p, int sock, pid_t pid, uid_t uid)
 {
 	unsigned idx;
 	for (idx = 0; idx < p->cfg.max_clients; idx++)
@@ -130,6 +130,15 @@ struct kvsp_client *kvsp_client_new(struct kvsp *p, int sock, pid_t pid)
 			break;
 	if (idx == p->cfg.max_clients) {
 		errno = EUSERS;
+		return NULL;
+	}
+	uint16_t share = kvsp_share_of(&p->shares, uid);
+	if (share == KVSP_NO_SHARE) {
+		errno = EUSERS;
+		return NULL;
+	}
+	if (p->shares.tab[share].clients >= p->shares.max_clients) {
+		errno = EDQUOT;
 		return NULL;
 	}
 	struct kvsp_client *c = calloc(1, sizeof(*c));
@@ -151,6 +160,9 @@ struct kvsp_client *kvsp_client_new(struct kvsp *p, int sock, pid_t pid)
 	c->id = p->next_cid;
 	c->idx = (uint16_t)idx;
 	c->pid = pid;
+	c->uid = uid;
+	c->share = share;
+	p->shares.tab[share].clients++;
 	c->pub = &kvsp_client_rows(p)[idx];
 	row_open(c, sock);
 	p->clients[idx] = c;
@@ -180,6 +192,7 @@ void kvsp_client_free(struct kvsp *p, struct kvsp_client *c)
 	unkick(p, c);
 	kvsp_rl_flush(&c->rl[KVSP_RL_TOKEN], p->now_ns, KVSP_LOG_WARN, "wrong room tokens", 1);
 	p->clients[c->idx] = NULL;
+	p->shares.tab[c->share].clients--;
 	while (p->clients_hi && !p->clients[p->clients_hi - 1])
 		p->clients_hi--;
 	/* Gone from the table before the count says so (the fence orders

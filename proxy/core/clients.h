@@ -55,6 +55,8 @@ struct kvsp_client {
 	uint16_t idx; /* in p->clients */
 	int sock, efd, cmem_fd;
 	pid_t pid;
+	uid_t uid;
+	uint16_t share;	       /* its uid's entry in p->shares */
 	struct kvs_cshm *cshm; /* client-writable: copy before trusting */
 	size_t cmem_size;
 	struct kvs_lease *reply_leases;
@@ -88,8 +90,9 @@ void kvsp_client_sent(struct kvsp_client *c, uint64_t len);
 /* pool.c: the published clients table, one row per client index. */
 struct kvs_client_row *kvsp_client_rows(const struct kvsp *p);
 
-/* A new client on sock. Returns it, or NULL with errno EUSERS (--max-clients reached) or why. */
-struct kvsp_client *kvsp_client_new(struct kvsp *p, int sock, pid_t pid);
+/* A new client of uid on sock. Returns it, or NULL with errno EUSERS
+ * (--max-clients reached), EDQUOT (uid holds its share of them) or why. */
+struct kvsp_client *kvsp_client_new(struct kvsp *p, int sock, pid_t pid, uid_t uid);
 /* Frees c itself: its rooms and slots must be gone (kvsp_client_destroy, core/rooms.h). */
 void kvsp_client_free(struct kvsp *p, struct kvsp_client *c);
 struct kvsp_client *kvsp_client_get(struct kvsp *p, uint16_t cidx, uint32_t cid);

@@ -36,6 +36,7 @@ struct kvsp_config {
 	uint32_t max_rooms;    /* rooms open at once, proxy-wide */
 	uint32_t client_rooms; /* room handles per client */
 	uint32_t max_clients;
+	unsigned uid_share_pct; /* the most of max_clients and max_rooms one uid may hold; 0: all */
 	uint32_t sq_count, cq_count;
 	uint64_t room_timeout_ns; /* 0: rooms never time out */
 	uint64_t shutdown_grace_ns;

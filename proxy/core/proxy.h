@@ -15,6 +15,7 @@
 
 #include <time.h>
 
+#include "core/shares.h"
 #include "core/config.h"
 #include "core/failpoint.h"
 #include "core/hist.h"
@@ -55,6 +56,7 @@ struct kvsp {
 	unsigned rnd_used;
 	/* clients */
 	struct kvsp_client **clients;
+	struct kvsp_shares shares; /* each uid's client places and rooms */
 	uint32_t next_cid;
 	unsigned clients_hi; /* clients[] is empty from here up: the loop stops here */
 	uint16_t *kicks;     /* clients with kick set, each once: never more than max_clients */

@@ -142,8 +142,12 @@ void kvsp_rooms_fini(struct kvsp *p)
 	p->bits_arena = NULL;
 }
 
-static uint32_t room_alloc(struct kvsp *p)
+/* A free room for client c, within its uid's share (shares.h); NONE when
+ * the table or that share is full (-ENFILE to the client either way). */
+static uint32_t room_alloc(struct kvsp *p, const struct kvsp_client *c)
 {
+	if (p->shares.tab[c->share].rooms >= p->shares.max_rooms)
+		return NONE;
 	uint32_t i = p->room_free_head;
 	if (i == NONE) {
 		kvsp_rooms_settle(p); /* a room that ended this pass may be free now */
@@ -154,6 +158,8 @@ static uint32_t room_alloc(struct kvsp *p)
 	p->room_free_head = p->rooms[i].next_free;
 	if (p->room_free_head == NONE)
 		p->room_free_tail = NONE;
+	p->rooms[i].share = c->share;
+	p->shares.tab[c->share].rooms++;
 	KVS_STAT_ADD(p->stats->rooms_open, 1);
 	return i;
 }
@@ -165,6 +171,7 @@ static void room_free(struct kvsp *p, uint32_t i)
 	struct kvsp_room *r = &p->rooms[i];
 	r->state = KVSP_ROOM_FREE;
 	r->gen++;
+	p->shares.tab[r->share].rooms--;
 	r->next_free = NONE;
 	if (p->room_free_tail != NONE)
 		p->rooms[p->room_free_tail].next_free = i;
@@ -411,7 +418,7 @@ int kvsp_room_open_recv(struct kvsp *p, struct kvsp_client *c, uint16_t h, uint6
 	int rc = kvsp_fp_eval(&p->fp[KVSP_FP_RECV_OPEN], p->cfg.failpoints, user_data, user_data);
 	if (rc < 0)
 		return rc;
-	uint32_t i = room_alloc(p);
+	uint32_t i = room_alloc(p, c);
 	if (i == NONE)
 		return -ENFILE;
 	struct kvsp_room *r = room_start(p, i, bytes, p->local);
@@ -456,7 +463,7 @@ static int open_send_far(struct kvsp *p, struct kvsp_client *c, uint16_t h,
 		return -EMSGSIZE;
 	if (p->draining)
 		return -ESHUTDOWN;
-	uint32_t i = room_alloc(p);
+	uint32_t i = room_alloc(p, c);
 	if (i == NONE)
 		return -ENFILE;
 	struct kvsp_room *r = room_start(p, i, n, t);

@@ -59,6 +59,9 @@ static void usage(FILE *f)
 		"      --max-rooms N        rooms open at once, proxy-wide (default 4096)\n"
 		"      --client-rooms N     rooms one connection may hold open (default 256)\n"
 		"      --max-clients N      connections at once (default 256)\n"
+		"      --uid-share PERCENT  the most of --max-clients and of --max-rooms the\n"
+		"                           clients of one uid may hold (default 75; 100:\n"
+		"                           no share): the rest stays for other uids\n"
 		"      --ring N             submission ring entries per connection, a power of\n"
 		"                           two (default 1024)\n"
 		"      --room-timeout MS    abort a room that makes no progress for MS\n"
@@ -190,6 +193,7 @@ enum {
 	O_ROOMS,
 	O_CROOMS,
 	O_CLIENTS,
+	O_USHARE,
 	O_RING,
 	O_TIMEOUT,
 	O_GRACE,
@@ -251,6 +255,7 @@ int kvsp_daemon_main(int argc, char **argv, const struct kvsp_daemon_hooks *hook
 		{ "max-rooms", required_argument, NULL, O_ROOMS },
 		{ "client-rooms", required_argument, NULL, O_CROOMS },
 		{ "max-clients", required_argument, NULL, O_CLIENTS },
+		{ "uid-share", required_argument, NULL, O_USHARE },
 		{ "ring", required_argument, NULL, O_RING },
 		{ "room-timeout", required_argument, NULL, O_TIMEOUT },
 		{ "shutdown-grace", required_argument, NULL, O_GRACE },
@@ -284,6 +289,7 @@ int kvsp_daemon_main(int argc, char **argv, const struct kvsp_daemon_hooks *hook
 		.max_rooms = 4096,
 		.client_rooms = 256,
 		.max_clients = 256,
+		.uid_share_pct = 75,
 		.sq_count = 1024,
 		.room_timeout_ns = 30000ull * 1000000,
 		.shutdown_grace_ns = 5000ull * 1000000,
@@ -399,6 +405,11 @@ int kvsp_daemon_main(int argc, char **argv, const struct kvsp_daemon_hooks *hook
 			if (kvs_parse_uint(optarg, 65535, &v) || !v)
 				return bad("--max-clients", optarg, "want 1 to 65535");
 			cfg.max_clients = (uint32_t)v;
+			break;
+		case O_USHARE:
+			if (kvs_parse_uint(optarg, 100, &v) || !v)
+				return bad("--uid-share", optarg, "want a percent, 1 to 100");
+			cfg.uid_share_pct = (unsigned)v;
 			break;
 		case O_RING:
 			if (kvs_parse_uint(optarg, 65536, &v) || v < 64 || (v & (v - 1)))

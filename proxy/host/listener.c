@@ -476,20 +476,25 @@ static void welcome_client(struct kvsp *p, struct kvsp_pending *pd)
 		kvsp_refuse(p, fd, -ESHUTDOWN, "proxy is shutting down");
 		return;
 	}
-	struct kvsp_client *c = kvsp_client_new(p, fd, pd->pid);
+	struct kvsp_client *c = kvsp_client_new(p, fd, pd->pid, pd->uid);
 	if (!c) {
 		int err = errno;
 		char why[96];
 		if (err == EUSERS)
 			snprintf(why, sizeof(why), "too many clients (--max-clients %u)",
 				 p->cfg.max_clients);
+		else if (err == EDQUOT)
+			snprintf(why, sizeof(why),
+				 "uid %u holds its share of the client places (%u of %u, "
+				 "--uid-share)",
+				 (unsigned)pd->uid, p->shares.max_clients, p->cfg.max_clients);
 		else
 			snprintf(why, sizeof(why), "cannot set up a client: %s", strerror(err));
 		kvsp_log_rl(&p->rl_full, p->now_ns, &p->stats->log_suppressed, KVSP_LOG_WARN,
 			    "refused pid %d (uid %u): %s", (int)pd->pid, (unsigned)pd->uid, why);
 		/* Out of descriptors is the proxy being full, as far as the
 		 * client can tell; -EMFILE would read as its own limit. */
-		bool full = err == EUSERS || err == EMFILE || err == ENFILE;
+		bool full = err == EUSERS || err == EDQUOT || err == EMFILE || err == ENFILE;
 		kvsp_refuse(p, fd, full ? -EUSERS : -err, why);
 		return;
 	}

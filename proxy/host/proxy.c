@@ -78,6 +78,9 @@ int kvsp_init(struct kvsp *p, const struct kvsp_config *cfg)
 	if (rc == 0)
 		rc = kvsp_rooms_init(p);
 	if (rc == 0)
+		rc = kvsp_shares_init(&p->shares, p->cfg.max_clients, p->cfg.max_rooms,
+				      p->cfg.uid_share_pct);
+	if (rc == 0)
 		rc = kvsp_listener_init(p);
 	if (rc == 0)
 		rc = kvsp_admin_init(p);
@@ -114,6 +117,7 @@ void kvsp_fini(struct kvsp *p)
 	free(p->xfers);
 	kvsp_listener_fini(p);
 	kvsp_rooms_fini(p);
+	kvsp_shares_fini(&p->shares);
 	kvsp_pool_destroy(p);
 	free(p->clients);
 	free(p->kicks);
