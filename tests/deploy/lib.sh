@@ -1,3 +1,4 @@
+# shellcheck shell=bash disable=SC2154 # sourced: run.sh sets out, net, k8s, here
 # Sourced by tests/deploy/*.sh: counting checks, waiting on a condition, and
 # podman with kvstage's test configuration.
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)

@@ -1,3 +1,4 @@
+# shellcheck shell=bash disable=SC2154 # sourced: run.sh sets out, net, k8s, here
 # Sourced by run.sh (lib.sh's helpers, $net, $k8s): two pods, prefill and
 # decode, each an engine with kvstaged as its sidecar; the proxies talk over
 # TCP between the pods, at their defaults (--peer-timeout 10 s).

@@ -19,16 +19,9 @@ die() { say "$*"; exit 1; }
 if [ $# -lt 1 ] || [ $# -gt 2 ]; then die "usage: tools/deb/check-boot.sh DEBDIR [ROOTFS]"; fi
 [ "$(id -u)" -eq 0 ] || die "needs root"
 command -v systemd-nspawn >/dev/null || die "no systemd-nspawn: apt-get install systemd-container"
-debdir=$(cd "$1" && pwd)
 src=$(cd "$(dirname "$0")/../.." && pwd)
 . "$src/tools/deb/rootfs.sh"
-
-tmp=$(mktemp -d /tmp/kvstage-debboot.XXXXXX)
-trap 'rm -rf "$tmp"' EXIT
-root=$tmp/root
-mkdir "$root"
-t0=$(date +%s)
-deb_root "$root" "$debdir" "${2:-}"
+deb_scratch debboot "$1" "${2:-}"
 
 say "apt-get install ${debs[*]} (in a chroot, no systemd running)"
 # shellcheck disable=SC2016 # expanded by the inner bash, from its arguments

@@ -25,16 +25,9 @@ die() { say "$*"; exit 1; }
 
 if [ $# -lt 1 ] || [ $# -gt 2 ]; then die "usage: tools/deb/check-install.sh DEBDIR [ROOTFS]"; fi
 [ "$(id -u)" -eq 0 ] || die "needs root (chroot)"
-debdir=$(cd "$1" && pwd)
 src=$(cd "$(dirname "$0")/../.." && pwd)
 . "$src/tools/deb/rootfs.sh"
-
-tmp=$(mktemp -d /tmp/kvstage-debinst.XXXXXX)
-trap 'rm -rf "$tmp"' EXIT
-root=$tmp/root
-mkdir "$root"
-t0=$(date +%s)
-deb_root "$root" "$debdir" "${2:-}"
+deb_scratch debinst "$1" "${2:-}"
 mkdir -p "$root/tmp/src"
 cp "$src/dist/check-install.c" "$root/tmp/src/"
 

@@ -3,6 +3,7 @@
 # a clean bookworm root with the .debs of DEBDIR in it.
 #
 # Usage: . tools/deb/rootfs.sh; deb_root ROOT DEBDIR [ROOTFS]
+#    or: deb_scratch NAME DEBDIR [ROOTFS] (below: a scratch ROOT of its own)
 #   ROOT: an empty directory to fill. ROOTFS: a minbase bookworm root, as a
 #   directory or a tarball (copied, never changed); default: the newest
 #   $KVSTAGE_CI_CACHE/base-*.tar (/var/cache/kvstage-ci,
@@ -46,4 +47,19 @@ deb_root() {
     printf 'deb %s bookworm main\ndeb %s bookworm-updates main\ndeb %s bookworm-security main\n' \
       "$mirror" "$mirror" "http://deb.debian.org/debian-security" > "$root/etc/apt/sources.list"
   fi
+}
+
+# deb_scratch NAME DEBDIR [ROOTFS]: deb_root in a new /tmp/kvstage-NAME.*
+# directory, removed at exit. Sets tmp, root (its root), debdir (absolute),
+# t0 (the start, in seconds) and debs.
+deb_scratch() {
+  # shellcheck disable=SC2034 # debdir and t0 are the caller's
+  debdir=$(cd "$2" && pwd)
+  tmp=$(mktemp -d "/tmp/kvstage-$1.XXXXXX")
+  trap 'rm -rf "$tmp"' EXIT
+  root=$tmp/root
+  mkdir "$root"
+  # shellcheck disable=SC2034 # the caller's
+  t0=$(date +%s)
+  deb_root "$root" "$debdir" "${3:-}"
 }
