@@ -13,9 +13,10 @@
 #      its metrics page;
 #   4. two pods, prefill and decode (deploy/k8s/prefill.yaml, decode.yaml),
 #      proxies over TCP between them: rooms byte-exact, aborts from each side;
-#      the decode pod silenced mid-transfer (paused), the prefill proxy losing
-#      it within --peer-timeout at its default, nothing lost, the pod deleted
-#      and made again, and its rooms complete.
+#      the decode pod lost mid-transfer, paused (silent) and deleted (kube
+#      down): each time the prefill proxy loses it within --peer-timeout at
+#      its default (and a tick), nothing is lost, and the pod made again
+#      completes its rooms.
 # Usage: tests/deploy/run.sh [--reuse] [OUTDIR]   (as root; default OUTDIR build/deploy)
 #   --reuse: keep OUTDIR's wheel, .debs and repositories from an earlier run
 #            (for working on the checks; CI builds them anew)
