@@ -233,10 +233,10 @@ def test_the_prefill_inbox_holds_senders_back_and_loses_nothing(engines):
         n = P.INBOX_MAX + 50
         for k in range(n):  # aborts for rooms this rank never had: each leaves a tombstone once taken
             c.send({"t": "abort", "room": 900000 + k})
+        # the barrier: the listener counted the frame it now waits to queue (the inbox full)
+        assert P._listener.wait_stats(lambda st: st["frames"] >= P.INBOX_MAX + 1, 30)
+        assert P._inbox.qsize() == P.INBOX_MAX and P._listener.stats()["frames"] == P.INBOX_MAX + 1
         end = time.monotonic() + 30
-        while P._inbox.qsize() < P.INBOX_MAX and time.monotonic() < end:
-            time.sleep(0.01)
-        assert P._inbox.qsize() == P.INBOX_MAX and P._listener.stats()["frames"] <= P.INBOX_MAX + 1
         while P._listener.stats()["frames"] < n and time.monotonic() < end:
             P.pump()
         P.pump()

@@ -583,9 +583,7 @@ def test_sglang_failed_handshake_fails_the_request_cleanly(engines):
     r = ks.KvstageKVReceiver(D, addr, 31)
     r.init(0)
     r.send_metadata([1, 2], 3, [[3]])  # queued: the handshake's refusal comes back to the scheduler's poll
-    end = time.monotonic() + T
-    while r.poll() != KVPoll.Failed and time.monotonic() < end:
-        time.sleep(0.01)
+    assert D.wait_until(lambda: r.poll() == KVPoll.Failed, T), r
     assert r.poll() == KVPoll.Failed and "side-channel handshake failed" in r._reason, r._reason
     r.clear()
     assert r.pages_released
