@@ -95,8 +95,10 @@ static void spawn(struct proxy *px, const char *bin, const char *const *args, bo
 		argv[n++] = w;
 	argv[n] = NULL;
 
-	pid_t pid = fork();
-	cr_assert_neq(pid, -1);
+	/* A PID namespace of its own: fork, with the new namespace's pid 1 for the child. */
+	fflush(NULL);
+	pid_t pid = px->pidns ? (pid_t)syscall(SYS_clone, CLONE_NEWPID | SIGCHLD, 0, 0, 0, 0) : fork();
+	cr_assert_neq(pid, -1, "fork: %s", strerror(errno));
 	if (pid == 0) {
 		/* Die with the test process; never hold its stdout. */
 		prctl(PR_SET_PDEATHSIG, SIGKILL);
@@ -147,10 +149,12 @@ static void spawn(struct proxy *px, const char *bin, const char *const *args, bo
 static void start(struct proxy *px, const char *bin, const char *const *args, bool failpoints)
 {
 	char netns[32];
-	snprintf(netns, sizeof(netns), "%s", px->netns); /* the one thing a caller may preset */
+	snprintf(netns, sizeof(netns), "%s", px->netns); /* the two things a caller may preset */
+	bool pidns = px->pidns;
 	memset(px, 0, sizeof(*px));
 	px->admin = -1;
 	memcpy(px->netns, netns, sizeof(netns));
+	px->pidns = pidns;
 	strcpy(px->dir, "/tmp/kvstage-test.XXXXXX");
 	cr_assert_not_null(mkdtemp(px->dir));
 	snprintf(px->sock, sizeof(px->sock), "%s/kvstaged.sock", px->dir);

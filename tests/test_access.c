@@ -238,43 +238,113 @@ static int connect_and_open_as(uid_t uid)
 	return v >= 100 ? -(1000 + v - 100) : -v;
 }
 
-/* No uid takes every client place, nor every room (--uid-share, at its
- * default 75 % of the default --max-clients 256 and --max-rooms 4096). */
-Test(access, one_uid_cannot_take_every_place_or_room)
+/* Another process holds places: n clients, rooms among them (at most 256
+ * each, --client-rooms); says "ok" or "no", then holds on until its pipe closes. */
+struct holding {
+	unsigned clients, rooms;
+};
+
+static int holder(int rd, int wr, void *arg)
+{
+	const struct holding *h = arg;
+	static kvs_client *c[256];
+	for (unsigned i = 0; i < h->clients; i++)
+		if (kvs_connect(px.sock, &c[i]) < 0)
+			return chan_put(wr, "no", 2), 1;
+	for (unsigned k = 0; k < h->rooms; k++) {
+		kvs_room *r;
+		struct kvs_room_desc d;
+		if (kvs_recv_open(c[k / 256], 4096, k, &r, &d) < 0)
+			return chan_put(wr, "no", 2), 1;
+	}
+	chan_put(wr, "ok", 2);
+	char b;
+	chan_get(rd, &b, 1); /* until the parent lets go */
+	return 0;
+}
+
+static void hold(struct child *ch, unsigned clients, unsigned rooms)
+{
+	struct holding h = { clients, rooms };
+	child_start(ch, holder, &h);
+	char said[3] = { 0 };
+	cr_assert_eq(chan_get(ch->from, said, 2), 0);
+	cr_assert_str_eq(said, "ok", "another process could not hold %u clients, %u rooms", clients,
+			 rooms);
+}
+
+static void let_go(struct child *ch)
+{
+	close(ch->to);
+	cr_assert_eq(child_wait(ch), 0);
+}
+
+/* --uid-share at its default 75 %: of the default --max-clients (256), a
+ * uid holds at most 192 places and one process at most 144 of those. */
+enum { UID_CLIENTS = 256 * 75 / 100, PROC_CLIENTS = UID_CLIENTS * 75 / 100 };
+enum { UID_ROOMS = 4096 * 75 / 100, PROC_ROOMS = UID_ROOMS * 75 / 100 };
+
+static void shared_proxy(void)
 {
 	need_root();
 	proxy_start_plain(&px,
 			  (const char *[]){ "--slots", "16", "--slot-size", "4K", "--socket-mode",
 					    "0666", "--allow-uid", "4250", NULL });
 	chmod(px.dir, 0755);
-	enum { SHARE_CLIENTS = 256 * 75 / 100, SHARE_ROOMS = 4096 * 75 / 100 };
-	static kvs_client *c[SHARE_CLIENTS];
-	for (int i = 0; i < SHARE_CLIENTS; i++) {
+}
+
+/* No process takes every client place of its uid, and no uid every place
+ * (issue 39, item 3). */
+Test(access, no_process_or_uid_takes_every_client_place)
+{
+	shared_proxy();
+	static kvs_client *c[PROC_CLIENTS];
+	for (int i = 0; i < PROC_CLIENTS; i++) {
 		int rc = kvs_connect(px.sock, &c[i]);
-		cr_assert_eq(rc, 0, "client %d of our share: %s", i, kvs_strerror(rc));
+		cr_assert_eq(rc, 0, "client %d of our process's share: %s", i, kvs_strerror(rc));
 	}
 	kvs_client *extra;
 	int rc = kvs_connect(px.sock, &extra);
-	cr_assert_eq(rc, -EUSERS, "past our uid's share of places: %s", kvs_strerror(rc));
+	cr_assert_eq(rc, -EUSERS, "past our process's share of places: %s", kvs_strerror(rc));
+	cr_assert_eq(connect_and_open_as(0), 0, "another process of our uid still gets a place");
+	struct child other;
+	hold(&other, UID_CLIENTS - PROC_CLIENTS, 0); /* the rest of our uid's share */
+	cr_assert_eq(connect_and_open_as(0), -EUSERS, "past our uid's share of places");
 	cr_assert_eq(connect_and_open_as(4250), 0, "another uid still gets a place and a room");
-	/* rooms: 256 a connection (--client-rooms), 3072 in all for this uid */
+	let_go(&other);
+	cr_assert_eq(connect_and_open_as(0), 0, "a place given back is taken again");
+	char log[65536];
+	proxy_log(&px, log, sizeof(log));
+	cr_assert(strstr(log, "holds its share of uid 0's client places"), "%s", log);
+	cr_assert(strstr(log, "uid 0 holds its share of the client places"), "%s", log);
+	for (int i = 0; i < PROC_CLIENTS; i++)
+		kvs_close(c[i]);
+}
+
+/* No process opens every room of its uid's share, and no uid every room
+ * (issue 39, item 2): 256 a connection (--client-rooms). */
+Test(access, no_process_or_uid_opens_every_room)
+{
+	shared_proxy();
+	static kvs_client *c[PROC_ROOMS / 256 + 1];
+	for (unsigned i = 0; i < PROC_ROOMS / 256 + 1; i++)
+		c[i] = connect_ok(&px);
 	struct kvs_room_desc d;
 	kvs_room *r;
-	int opened = 0;
-	for (int i = 0; opened < SHARE_ROOMS; i++)
-		for (int k = 0; k < 256 && opened < SHARE_ROOMS; k++, opened++) {
-			rc = kvs_recv_open(c[i], 4096, (uint64_t)opened, &r, &d);
-			cr_assert_eq(rc, 0, "room %d of our share: %s", opened, kvs_strerror(rc));
-		}
-	rc = kvs_recv_open(c[SHARE_ROOMS / 256], 4096, 1, &r, &d);
-	cr_assert_eq(rc, -ENFILE, "past our uid's share of rooms: %s", kvs_strerror(rc));
+	for (int k = 0; k < PROC_ROOMS; k++) {
+		int rc = kvs_recv_open(c[k / 256], 4096, (uint64_t)k, &r, &d);
+		cr_assert_eq(rc, 0, "room %d of our process's share: %s", k, kvs_strerror(rc));
+	}
+	int rc = kvs_recv_open(c[PROC_ROOMS / 256], 4096, 1, &r, &d);
+	cr_assert_eq(rc, -ENFILE, "past our process's share of rooms: %s", kvs_strerror(rc));
+	cr_assert_eq(connect_and_open_as(0), 0, "another process of our uid still opens a room");
+	struct child other;
+	hold(&other, 4, UID_ROOMS - PROC_ROOMS); /* the rest of our uid's share */
+	cr_assert_eq(connect_and_open_as(0), -(1000 + ENFILE), "past our uid's share of rooms");
 	cr_assert_eq(connect_and_open_as(4250), 0, "another uid still opens a room");
-	char log[65536] = { 0 };
-	int fd = open(px.log, O_RDONLY);
-	cr_assert_eq(read(fd, log, sizeof(log) - 1) > 0, 1);
-	close(fd);
-	cr_assert(strstr(log, "uid 0 holds its share of the client places"), "%s", log);
-	for (int i = 0; i < SHARE_CLIENTS; i++)
+	let_go(&other);
+	cr_assert_eq(connect_and_open_as(0), 0, "rooms given back are opened again");
+	for (unsigned i = 0; i < PROC_ROOMS / 256 + 1; i++)
 		kvs_close(c[i]);
 }
 

@@ -26,7 +26,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <grp.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -548,6 +550,237 @@ Test(hostile, one_client_cannot_make_its_proxy_dial_more_than_its_share)
 	kvs_close(rx);
 	kvs_close(tx);
 	kvs_close(other);
+}
+
+/* One process fills its proxy's peer table with dials that never finish
+ * (issue 39, item 1): eight connections (the cap of each), eight rooms
+ * each, to endpoints that accept and never answer. Its dials only take
+ * turns among themselves (design note 43): another process of the same
+ * uid (to B), another uid (to C), and C's room to A each reach through
+ * it, each by evicting one of those dials. The attack holds for as long as the
+ * attacker dials again; here the dials are checked to have been there all
+ * along (none reached its joining deadline), else the case runs again. */
+enum { FILL = 64, FILL_CONNS = 8, OTHER_UID = 4250 };
+
+struct filler {
+	kvs_client *tx[FILL_CONNS];
+	int lfd[FILL];
+	kvs_room *sr[FILL];
+};
+
+static void fill_with_dials(struct filler *f, struct proxy *px, const struct kvs_room_desc *d)
+{
+	for (unsigned k = 0; k < FILL_CONNS; k++)
+		f->tx[k] = connect_ok(px);
+	for (unsigned i = 0; i < FILL; i++) {
+		f->lfd[i] = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+		struct sockaddr_in a = { .sin_family = AF_INET,
+					 .sin_addr.s_addr = htonl(INADDR_LOOPBACK) };
+		cr_assert_eq(bind(f->lfd[i], (struct sockaddr *)&a, sizeof(a)), 0);
+		cr_assert_eq(listen(f->lfd[i], 64), 0); /* never accepted: connected, silent */
+		socklen_t l = sizeof(a);
+		getsockname(f->lfd[i], (struct sockaddr *)&a, &l);
+		char ep[32];
+		snprintf(ep, sizeof(ep), "127.0.0.1:%u", ntohs(a.sin_port));
+		struct kvs_room_desc r = respell(d, ep);
+		((struct kvs_desc_wire *)&r)->instance = htole64(rnd64() | 1);
+		int rc = kvs_send_open(f->tx[i / (FILL / FILL_CONNS)], &r, 0x900 + i, &f->sr[i]);
+		cr_assert_eq(rc, 0, "dial %u: %s", i, kvs_strerror(rc));
+	}
+}
+
+static void filler_close(struct filler *f)
+{
+	for (unsigned i = 0; i < FILL; i++) {
+		kvs_room_close(f->sr[i]);
+		close(f->lfd[i]);
+	}
+	for (unsigned k = 0; k < FILL_CONNS; k++)
+		kvs_close(f->tx[k]);
+}
+
+/* For a child process, without Criterion: one room of two slots from a
+ * client of tx_sock's proxy to a client of rx_sock's, every byte checked.
+ * Returns 0, or the step that failed. */
+static int room_plain(const char *rx_sock, const char *tx_sock)
+{
+	kvs_client *rx, *tx;
+	if (kvs_connect(rx_sock, &rx) < 0 || kvs_connect(tx_sock, &tx) < 0)
+		return 10;
+	kvs_room *rr, *sr;
+	struct kvs_room_desc d;
+	if (kvs_recv_open(rx, 2 * SLOT, 1, &rr, &d) < 0)
+		return 11;
+	int rc = kvs_send_open(tx, &d, 2, &sr);
+	if (rc < 0)
+		return rc == -ENOSR ? 12 : 13; /* 12: refused a place in the peer table */
+	for (unsigned k = 0; k < 2; k++) {
+		struct kvs_lease l;
+		if (kvs_acquire(tx, 1, &l) < 0)
+			return 14;
+		canary_fill(kvs_lease_ptr(tx, &l), 0x39, (uint64_t)k * SLOT, SLOT);
+		if (kvs_send(sr, &l, (uint64_t)k * SLOT, SLOT) < 0)
+			return 15;
+	}
+	struct kvs_event e;
+	if (kvs_wait(tx, &e, WAIT_MS) != 1 || e.type != KVS_EV_SEND_DONE)
+		return 16;
+	if (kvs_wait(rx, &e, WAIT_MS) != 1 || e.type != KVS_EV_RECV_DONE)
+		return 17;
+	for (unsigned k = 0; k < 2; k++) {
+		struct kvs_lease l;
+		if (kvs_room_lease(rr, k, &l) < 0 ||
+		    canary_check(kvs_lease_ptr(rx, &l), 0x39, (uint64_t)k * SLOT, SLOT) != SLOT)
+			return 18;
+	}
+	kvs_room_close(sr);
+	kvs_room_close(rr);
+	kvs_close(tx);
+	kvs_close(rx);
+	return 0;
+}
+
+/* room_plain in another process, of uid (0: ours). Returns its result. */
+static int room_from_another_process(const struct proxy *rxp, const struct proxy *txp, uid_t uid)
+{
+	fflush(NULL);
+	pid_t pid = fork();
+	cr_assert_neq(pid, -1);
+	if (pid == 0) {
+		if (uid && (setgroups(0, NULL) || setgid(uid) || setuid(uid)))
+			_exit(99);
+		_exit(room_plain(rxp->sock, txp->sock));
+	}
+	int st;
+	cr_assert_eq(reap(pid, &st), pid);
+	cr_assert(WIFEXITED(st) && WEXITSTATUS(st) != 99, "could not become uid %u", uid);
+	return WEXITSTATUS(st);
+}
+
+static void shared_listener(struct proxy *px)
+{
+	proxy_start(px, NULL,
+		    (const char *[]){ "--slots", "64", "--slot-size", "64K", "--listen",
+				      "127.0.0.1:0", "--socket-mode", "0666", "--allow-uid",
+				      "4250", NULL });
+	chmod(px->dir, 0755);
+}
+
+/* Live places (joining or up) in px's published peer table. */
+static unsigned places_held(const struct proxy *px)
+{
+	const struct kvs_peer *t = (const void *)((const char *)px->ctrl + px->ctrl->peers_off);
+	unsigned n = 0;
+	for (uint32_t i = 0; i < px->ctrl->peer_count; i++)
+		n += __atomic_load_n(&t[i].state, __ATOMIC_RELAXED) != KVS_PEER_FREE;
+	return n;
+}
+
+static void one_process_fills_the_peer_table(bool pod)
+{
+	if (geteuid() != 0)
+		cr_skip_test("needs root to take another uid, and a PID namespace");
+	for (unsigned attempt = 1;; attempt++) {
+		pa.pidns = pod; /* a pod's sidecar: every client's pid is 0 to it */
+		shared_listener(&pa);
+		shared_listener(&pb);
+		shared_listener(&pc);
+		kvs_client *rx = connect_ok(&pb);
+		kvs_room *rr;
+		struct kvs_room_desc d;
+		cr_assert_eq(kvs_recv_open(rx, SLOT, 0x81, &rr, &d), 0);
+		struct filler f;
+		fill_with_dials(&f, &pa, &d);
+		cr_assert_eq(joining(&pa), FILL, "the dials hold every place");
+		cr_assert_eq(stat_get(&pa, "peer_evicted"), 0);
+
+		int rc = room_from_another_process(&pb, &pa, 0);
+		cr_assert_eq(rc, 0, "another process of the same uid: step %d (12: no place)", rc);
+		rc = room_from_another_process(&pc, &pa, OTHER_UID); /* to C: a dial of its own */
+		cr_assert_eq(rc, 0, "another uid: step %d (12: no place)", rc);
+		kvs_client *arx = connect_ok(&pa), *ctx = connect_ok(&pc);
+		one_room(arx, ctx, 0x39); /* another proxy's session into A */
+		cr_assert_eq(places_held(&pa), FILL, "the table stayed full");
+		char log[1 << 16] = { 0 };
+		int lfd = open(pa.log, O_RDONLY);
+		cr_assert_gt(read(lfd, log, sizeof(log) - 1), 0);
+		close(lfd);
+		cr_assert_eq(strstr(log, "attached: pid 0 ") != NULL, pod, "pod %d: %s", pod, log);
+
+		bool held = stat_get(&pa, "peer_timeouts") == 0; /* no dial reached its deadline */
+		if (held)
+			cr_assert_eq(stat_get(&pa, "peer_evicted"), 3,
+				     "each newcomer took the place of one of the dials");
+		kvs_close(arx);
+		kvs_close(ctx);
+		filler_close(&f);
+		kvs_abort(rr);
+		kvs_room_close(rr);
+		kvs_close(rx);
+		proxy_stop(&pa);
+		proxy_stop(&pb);
+		proxy_stop(&pc);
+		if (held)
+			return;
+		cr_assert_lt(attempt, 3, "the dials reached their deadline before the newcomers "
+					 "came, %u times: this machine is too slow for the case",
+			     attempt);
+	}
+}
+
+Test(hostile, one_process_filling_the_peer_table_only_makes_its_own_dials_take_turns)
+{
+	one_process_fills_the_peer_table(false);
+}
+
+/* The same where every client's pid is 0 (the sidecar in a pod of its own
+ * PID namespace): each client connection is its own process. */
+Test(hostile, in_a_pod_one_process_filling_the_peer_table_only_makes_its_own_dials_take_turns)
+{
+	one_process_fills_the_peer_table(true);
+}
+
+/* A peer with the secret churns sessions from eight addresses (issue 39,
+ * item 5): every newcomer past the table's 64 places evicts one. An honest
+ * peer's session, held with one of its sixteen streams joined (where its
+ * real proxy spends longest), then up with nothing on it yet (before its
+ * first OPEN), is never the one: its address holds one place, the
+ * churner's eight addresses the rest (design note 43). */
+Test(hostile, a_churning_peer_never_evicts_another_peers_session)
+{
+	listener(&pb, NULL);
+	const char *ep = endpoint_of(&pb);
+	enum { STREAMS = 16, CHURN = 80 };
+	static struct hpeer honest[STREAMS], churn[2 * CHURN][2];
+	uint64_t inst = rnd64(), sid = rnd64();
+	hp_join(&honest[0], ep, "127.0.0.1", &good, inst, sid, 0, STREAMS);
+	/* Joining: churners join one stream of two, and stay joining. */
+	for (unsigned i = 0; i < CHURN; i++) {
+		char src[20];
+		snprintf(src, sizeof(src), "127.0.0.%u", 2 + i % 8);
+		hp_join(&churn[i][0], ep, src, &good, rnd64(), rnd64(), 0, 2);
+	}
+	stat_wait(&pb, "peer_evicted", 1, CHURN - 63); /* the table is full from the 64th */
+	for (unsigned k = 1; k < STREAMS; k++)
+		hp_join(&honest[k], ep, "127.0.0.1", &good, inst, sid, k, STREAMS);
+	hp_in_sync(&honest[0]); /* up, and still ours */
+	cr_assert_eq(stat_get(&pb, "peer_sessions"), 1, "the honest session is up");
+	/* Up, nothing on it: churners come up too, and sit idle. */
+	for (unsigned i = CHURN; i < 2 * CHURN; i++) {
+		char src[20];
+		snprintf(src, sizeof(src), "127.0.0.%u", 2 + i % 8);
+		uint64_t ci = rnd64(), cs = rnd64();
+		hp_join(&churn[i][0], ep, src, &good, ci, cs, 0, 2);
+		hp_join(&churn[i][1], ep, src, &good, ci, cs, 1, 2);
+	}
+	stat_wait(&pb, "peer_evicted", 1, 2 * CHURN - 63);
+	hp_in_sync(&honest[0]);
+	for (unsigned k = 0; k < STREAMS; k++)
+		close(honest[k].fd);
+	for (unsigned i = 0; i < 2 * CHURN; i++)
+		for (unsigned j = 0; j < 2; j++)
+			if (churn[i][j].fd > 0)
+				close(churn[i][j].fd);
 }
 
 /* ----------------------------------------- 6: answers a peer never gives */

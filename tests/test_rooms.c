@@ -61,11 +61,11 @@ static void fake_notify(struct kvsp_transport *t, uint32_t room, uint32_t gen, i
 	F.notes[F.nnotes++] = (struct note_rec){ room, gen, what, status };
 }
 
-static int fake_reach(struct kvsp_transport *t, const struct kvs_desc_wire *d, uint32_t cid,
-		      uint32_t *peer)
+static int fake_reach(struct kvsp_transport *t, const struct kvs_desc_wire *d,
+		      const struct kvsp_party *who, uint32_t *peer)
 {
 	(void)t;
-	(void)cid;
+	(void)who;
 	if (strncmp(d->endpoint, "fake:", 5))
 		return -EOPNOTSUPP;
 	*peer = (uint32_t)(d->endpoint[5] - '0');

@@ -132,13 +132,26 @@ struct kvsp_client *kvsp_client_new(struct kvsp *p, int sock, pid_t pid, uid_t u
 		errno = EUSERS;
 		return NULL;
 	}
-	uint16_t share = kvsp_share_of(&p->shares, uid);
+	uint16_t share = kvsp_share_of(&p->shares, uid, 0);
 	if (share == KVSP_NO_SHARE) {
 		errno = EUSERS;
 		return NULL;
 	}
-	if (p->shares.tab[share].clients >= p->shares.max_clients) {
+	if (!kvsp_share_takes_client(&p->shares, share)) {
 		errno = EDQUOT;
+		return NULL;
+	}
+	/* Held while the process's entry is found: a new entry holding
+	 * nothing is free, and must not be found again as the process's. */
+	p->shares.tab[share].clients++;
+	uint16_t pshare = pid ? kvsp_share_of(&p->shares, uid, pid) : KVSP_NO_SHARE;
+	p->shares.tab[share].clients--;
+	if (pid && pshare == KVSP_NO_SHARE) {
+		errno = EUSERS;
+		return NULL;
+	}
+	if (!kvsp_share_takes_client(&p->shares, pshare)) {
+		errno = ETOOMANYREFS;
 		return NULL;
 	}
 	struct kvsp_client *c = calloc(1, sizeof(*c));
@@ -162,7 +175,10 @@ struct kvsp_client *kvsp_client_new(struct kvsp *p, int sock, pid_t pid, uid_t u
 	c->pid = pid;
 	c->uid = uid;
 	c->share = share;
+	c->pshare = pshare;
 	p->shares.tab[share].clients++;
+	if (pshare != KVSP_NO_SHARE)
+		p->shares.tab[pshare].clients++;
 	c->pub = &kvsp_client_rows(p)[idx];
 	row_open(c, sock);
 	p->clients[idx] = c;
@@ -193,6 +209,8 @@ void kvsp_client_free(struct kvsp *p, struct kvsp_client *c)
 	kvsp_rl_flush(&c->rl[KVSP_RL_TOKEN], p->now_ns, KVSP_LOG_WARN, "wrong room tokens", 1);
 	p->clients[c->idx] = NULL;
 	p->shares.tab[c->share].clients--;
+	if (c->pshare != KVSP_NO_SHARE)
+		p->shares.tab[c->pshare].clients--;
 	while (p->clients_hi && !p->clients[p->clients_hi - 1])
 		p->clients_hi--;
 	/* Gone from the table before the count says so (the fence orders

@@ -57,6 +57,7 @@ struct kvsp_client {
 	pid_t pid;
 	uid_t uid;
 	uint16_t share;	       /* its uid's entry in p->shares */
+	uint16_t pshare;       /* its process's, or KVSP_NO_SHARE (pid 0) */
 	struct kvs_cshm *cshm; /* client-writable: copy before trusting */
 	size_t cmem_size;
 	struct kvs_lease *reply_leases;
@@ -91,7 +92,8 @@ void kvsp_client_sent(struct kvsp_client *c, uint64_t len);
 struct kvs_client_row *kvsp_client_rows(const struct kvsp *p);
 
 /* A new client of uid on sock. Returns it, or NULL with errno EUSERS
- * (--max-clients reached), EDQUOT (uid holds its share of them) or why. */
+ * (--max-clients reached), EDQUOT (uid holds its share of them),
+ * ETOOMANYREFS (its process holds its share of its uid's) or why. */
 struct kvsp_client *kvsp_client_new(struct kvsp *p, int sock, pid_t pid, uid_t uid);
 /* Frees c itself: its rooms and slots must be gone (kvsp_client_destroy, core/rooms.h). */
 void kvsp_client_free(struct kvsp *p, struct kvsp_client *c);

@@ -142,11 +142,13 @@ void kvsp_rooms_fini(struct kvsp *p)
 	p->bits_arena = NULL;
 }
 
-/* A free room for client c, within its uid's share (shares.h); NONE when
- * the table or that share is full (-ENFILE to the client either way). */
+/* A free room for client c, within its uid's share and its process's
+ * (shares.h); NONE when the table or a share is full (-ENFILE to the
+ * client either way). */
 static uint32_t room_alloc(struct kvsp *p, const struct kvsp_client *c)
 {
-	if (p->shares.tab[c->share].rooms >= p->shares.max_rooms)
+	if (!kvsp_share_takes_room(&p->shares, c->share) ||
+	    !kvsp_share_takes_room(&p->shares, c->pshare))
 		return NONE;
 	uint32_t i = p->room_free_head;
 	if (i == NONE) {
@@ -159,7 +161,10 @@ static uint32_t room_alloc(struct kvsp *p, const struct kvsp_client *c)
 	if (p->room_free_head == NONE)
 		p->room_free_tail = NONE;
 	p->rooms[i].share = c->share;
+	p->rooms[i].pshare = c->pshare;
 	p->shares.tab[c->share].rooms++;
+	if (c->pshare != KVSP_NO_SHARE)
+		p->shares.tab[c->pshare].rooms++;
 	KVS_STAT_ADD(p->stats->rooms_open, 1);
 	return i;
 }
@@ -172,6 +177,8 @@ static void room_free(struct kvsp *p, uint32_t i)
 	r->state = KVSP_ROOM_FREE;
 	r->gen++;
 	p->shares.tab[r->share].rooms--;
+	if (r->pshare != KVSP_NO_SHARE)
+		p->shares.tab[r->pshare].rooms--;
 	r->next_free = NONE;
 	if (p->room_free_tail != NONE)
 		p->rooms[p->room_free_tail].next_free = i;
@@ -448,11 +455,12 @@ static int open_send_far(struct kvsp *p, struct kvsp_client *c, uint16_t h,
 {
 	struct kvsp_transport *t = NULL;
 	uint32_t peer = 0;
+	const struct kvsp_party who = { (uint32_t)c->uid, (uint32_t)c->pid, c->id };
 	int rc = -EOPNOTSUPP;
 	for (unsigned k = 0; k < p->nxports && rc == -EOPNOTSUPP; k++)
 		if (p->xports[k]->ops->reach) {
 			t = p->xports[k];
-			rc = t->ops->reach(t, d, c->id, &peer);
+			rc = t->ops->reach(t, d, &who, &peer);
 		}
 	if (rc < 0)
 		return rc;

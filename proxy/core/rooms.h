@@ -50,7 +50,8 @@ enum kvsp_far { KVSP_FAR_NONE = 0, KVSP_FAR_RECV, KVSP_FAR_SEND };
 
 struct kvsp_room {
 	uint32_t gen;
-	uint16_t share; /* the uid whose client opened it (p->shares) */
+	uint16_t share;	 /* the uid whose client opened it (p->shares) */
+	uint16_t pshare; /* ... and its process, or KVSP_NO_SHARE */
 	uint8_t state;
 	uint8_t final_type; /* KVS_EV_* when ENDED */
 	uint8_t far;	    /* enum kvsp_far: the other half is on peer, through xport */

@@ -2,10 +2,13 @@
 /*
  * A uid's share of the tables every client of the proxy draws on: its
  * client places (--max-clients) and the rooms its clients opened
- * (--max-rooms). No uid may hold more than --uid-share percent of either,
- * so another uid always finds a place and a room (design note 42). The uid
- * is SO_PEERCRED's, which holds across PID namespaces (a pod's sidecar sees
- * pid 0 for every client, never the uid wrong).
+ * (--max-rooms), and a process's share of its uid's. No uid may hold more
+ * than --uid-share percent of either, and no process more than that
+ * percent of its uid's share, so another uid, and another process of the
+ * same uid, always find a place and a room (design note 42). uid and pid
+ * are SO_PEERCRED's; the uid holds across PID namespaces, the pid does not
+ * (0 for a client outside the proxy's, as in a pod): a client of pid 0 has
+ * no process share, only its uid's.
  */
 #ifndef KVSP_SHARES_H
 #define KVSP_SHARES_H
@@ -16,17 +19,20 @@
 
 #define KVSP_NO_SHARE UINT16_MAX
 
-/* One uid's places; an entry lives while it holds a client or a room. */
+/* One uid's places (pid 0), or one process's within them; an entry
+ * lives while it holds a client or a room. */
 struct kvsp_share {
 	uid_t uid;
+	pid_t pid;
 	uint32_t clients, rooms;
 };
 
 struct kvsp_shares {
 	struct kvsp_share *tab;
-	uint16_t n;	      /* entries: twice --max-clients, at most 65535 */
+	uint16_t n;	      /* entries: four times --max-clients, at most 65535 */
 	uint32_t max_clients; /* a uid's share of the client places */
 	uint32_t max_rooms;   /* ... and of the rooms */
+	uint32_t max_proc_clients, max_proc_rooms; /* a process's of its uid's */
 };
 
 /* Sizes the table for max_clients clients, and each uid's share of them and
@@ -34,8 +40,13 @@ struct kvsp_shares {
 int kvsp_shares_init(struct kvsp_shares *sh, uint32_t max_clients, uint32_t max_rooms,
 		     unsigned pct);
 void kvsp_shares_fini(struct kvsp_shares *sh);
-/* uid's entry, made if it has none (an entry holding no client and no room
- * is free). Returns its index, or KVSP_NO_SHARE when the table is full. */
-uint16_t kvsp_share_of(struct kvsp_shares *sh, uid_t uid);
+/* The entry of uid (pid 0), or of process pid of uid, made if it has none
+ * (an entry holding no client and no room is free). Returns its index, or
+ * KVSP_NO_SHARE when the table is full. */
+uint16_t kvsp_share_of(struct kvsp_shares *sh, uid_t uid, pid_t pid);
+/* Whether entry i (KVSP_NO_SHARE: none, always) may hold one more client,
+ * or one more room. */
+bool kvsp_share_takes_client(const struct kvsp_shares *sh, uint16_t i);
+bool kvsp_share_takes_room(const struct kvsp_shares *sh, uint16_t i);
 
 #endif

@@ -43,6 +43,14 @@ struct kvsp_room_name {
 	uint8_t token[16];
 };
 
+/* Who makes a transport reach another proxy: the sharing unit of what it
+ * holds for them (design note 43). uid and pid are SO_PEERCRED's; pid is 0
+ * for a client outside the proxy's PID namespace (a pod's other
+ * containers), and then its connection (cid) stands for its process. */
+struct kvsp_party {
+	uint32_t uid, pid, cid;
+};
+
 enum { KVSP_IDLE = 0, KVSP_BUSY = 1 };
 enum kvsp_xfer_dir { KVSP_XFER_SEND = 1, KVSP_XFER_RECV };
 
@@ -76,11 +84,11 @@ struct kvsp_transport_ops {
 	void (*cancel)(struct kvsp_transport *t, uint32_t room, uint32_t gen, int status);
 	/* Optional: what the peer must hear about a room (enum kvsp_note). */
 	void (*notify)(struct kvsp_transport *t, uint32_t room, uint32_t gen, int note, int status);
-	/* Optional: a descriptor names another proxy, for client cid's room.
+	/* Optional: a descriptor names another proxy, for a room of who's.
 	 * Returns 0 when this transport reaches it (peer set), -EOPNOTSUPP
 	 * when it does not, or -errno. */
-	int (*reach)(struct kvsp_transport *t, const struct kvs_desc_wire *d, uint32_t cid,
-		     uint32_t *peer);
+	int (*reach)(struct kvsp_transport *t, const struct kvs_desc_wire *d,
+		     const struct kvsp_party *who, uint32_t *peer);
 	/* Optional: a send half on this proxy now has room (room, gen) for the
 	 * far half desc names: tells that proxy. */
 	int (*attach)(struct kvsp_transport *t, uint32_t peer, uint32_t room, uint32_t gen,

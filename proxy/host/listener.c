@@ -488,13 +488,20 @@ static void welcome_client(struct kvsp *p, struct kvsp_pending *pd)
 				 "uid %u holds its share of the client places (%u of %u, "
 				 "--uid-share)",
 				 (unsigned)pd->uid, p->shares.max_clients, p->cfg.max_clients);
+		else if (err == ETOOMANYREFS)
+			snprintf(why, sizeof(why),
+				 "process %d holds its share of uid %u's client places (%u of %u, "
+				 "--uid-share)",
+				 (int)pd->pid, (unsigned)pd->uid, p->shares.max_proc_clients,
+				 p->shares.max_clients);
 		else
 			snprintf(why, sizeof(why), "cannot set up a client: %s", strerror(err));
 		kvsp_log_rl(&p->rl_full, p->now_ns, &p->stats->log_suppressed, KVSP_LOG_WARN,
 			    "refused pid %d (uid %u): %s", (int)pd->pid, (unsigned)pd->uid, why);
 		/* Out of descriptors is the proxy being full, as far as the
 		 * client can tell; -EMFILE would read as its own limit. */
-		bool full = err == EUSERS || err == EDQUOT || err == EMFILE || err == ENFILE;
+		bool full = err == EUSERS || err == EDQUOT || err == ETOOMANYREFS || err == EMFILE ||
+			    err == ENFILE;
 		kvsp_refuse(p, fd, full ? -EUSERS : -err, why);
 		return;
 	}

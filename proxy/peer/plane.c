@@ -441,8 +441,8 @@ static void peer_notify(struct kvsp_transport *t, uint32_t room, uint32_t gen, i
 	proom_notify(&peer_of(t)->rooms, room, gen, note, status);
 }
 
-static int peer_reach(struct kvsp_transport *t, const struct kvs_desc_wire *d, uint32_t cid,
-		      uint32_t *peer)
+static int peer_reach(struct kvsp_transport *t, const struct kvs_desc_wire *d,
+		      const struct kvsp_party *who, uint32_t *peer)
 {
 	struct peer *pr = peer_of(t);
 	if (strncmp(d->endpoint, "tcp:", 4))
@@ -466,7 +466,7 @@ static int peer_reach(struct kvsp_transport *t, const struct kvs_desc_wire *d, u
 	}
 	if (!s) {
 		int err = 0;
-		s = psess_dial(&pr->sessions, &ep, cid, now_of(pr), &err);
+		s = psess_dial(&pr->sessions, &ep, who, now_of(pr), &err);
 		if (!s)
 			return err;
 	}

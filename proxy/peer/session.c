@@ -22,11 +22,16 @@
  * READ posted flushed); only then does the core release exactly the pins
  * held for it (kvsp_peer_lost) and fail the rooms it carried.
  *
- * Room for a new session is never refused while an old one could give it:
- * when the table is full, an accepted session still joining (longest
- * silent first), else an up session that carries nothing (longest idle
- * first) is evicted. A client makes us dial at most PSESS_DIALS_PER_CLIENT
- * sessions at once; nothing else of ours is held for it.
+ * Room for a new session is never refused while an old one could give it,
+ * and it is taken from whoever holds the most (design note 43): when the
+ * table is full, a session still joining or an up one that carries nothing
+ * is evicted, from the party holding the most places (a dialed session is
+ * the local uid's whose room made us dial it, an accepted one its peer
+ * address's), within it from the process holding the most, and within that
+ * the joining one longest silent, else the up one longest idle. So a party
+ * that fills the table only makes its own sessions take turns: another's
+ * dial, or another peer's session, always finds a place. A client
+ * connection makes us dial at most PSESS_DIALS_PER_CLIENT sessions at once.
  *
  * A dialed stream the listener closes before it said a word was refused a
  * place (its admission makes way for newcomers: peer/conn.h), not proven
@@ -213,23 +218,63 @@ static unsigned rooms_on(struct psess_table *t, const struct psess *s)
 	return rides[s->idx];
 }
 
-/* The session to evict for a new one: an accepted one still joining, the
- * longest silent; else an up one with nothing on it, the longest idle. */
-static struct psess *victim(struct psess_table *t)
+/* Whether a and b (both live) are one party's: a dialed session is the
+ * local uid's whose room made us dial it, an accepted one its peer
+ * address's (whatever port: one host). */
+static bool same_party(const struct psess *a, const struct psess *b)
 {
-	unsigned rides[PSESS_MAX];
+	if (a->dialer != b->dialer)
+		return false;
+	return a->dialer ? a->party.uid == b->party.uid : kvsp_endpoint_same_host(&a->ep, &b->ep);
+}
+
+/* Within one party: one process's. A client outside our PID namespace
+ * (pid 0: a pod's other container) is its own connection; an address is
+ * one process. */
+static bool same_process(const struct psess *a, const struct psess *b)
+{
+	if (!a->dialer)
+		return true;
+	if (a->party.pid || b->party.pid)
+		return a->party.pid == b->party.pid;
+	return a->party.cid == b->party.cid;
+}
+
+/* The session to evict for a new one, of those it may be (joining, or up
+ * with nothing on it): of the party holding the most places, of its
+ * process holding the most, the joining one longest silent, else the up
+ * one longest idle. *held: how many its party holds. */
+static struct psess *victim(struct psess_table *t, unsigned *held)
+{
+	unsigned rides[PSESS_MAX], party[PSESS_MAX] = { 0 }, proc[PSESS_MAX] = { 0 };
 	t->rooms_on(t->rooms_arg, t, rides);
-	struct psess *joining = NULL, *idle = NULL;
+	for (unsigned i = 0; i < PSESS_MAX; i++)
+		for (unsigned j = 0; live(&t->s[i]) && j < PSESS_MAX; j++)
+			if (live(&t->s[j]) && same_party(&t->s[i], &t->s[j])) {
+				party[i]++;
+				proc[i] += same_process(&t->s[i], &t->s[j]);
+			}
+	struct psess *v = NULL;
+	unsigned vi = 0;
 	for (unsigned i = 0; i < PSESS_MAX; i++) {
 		struct psess *s = &t->s[i];
-		if (s->state == PSESS_JOINING && !s->dialer &&
-		    (!joining || s->since_ns < joining->since_ns))
-			joining = s;
-		else if (s->state == PSESS_UP && !rides[i] &&
-			 (!idle || s->last_tx_ns < idle->last_tx_ns))
-			idle = s;
+		bool joining = s->state == PSESS_JOINING;
+		if (!joining && !(s->state == PSESS_UP && !rides[i]))
+			continue;
+		uint64_t since = joining ? s->since_ns : s->last_tx_ns;
+		bool v_joining = v && v->state == PSESS_JOINING;
+		uint64_t v_since = v ? (v_joining ? v->since_ns : v->last_tx_ns) : 0;
+		if (!v || party[i] > party[vi] ||
+		    (party[i] == party[vi] &&
+		     (proc[i] > proc[vi] ||
+		      (proc[i] == proc[vi] &&
+		       (joining > v_joining || (joining == v_joining && since < v_since)))))) {
+			v = s;
+			vi = i;
+		}
 	}
-	return joining ? joining : idle;
+	*held = v ? party[vi] : 0;
+	return v;
 }
 
 static struct psess *sess_alloc(struct psess_table *t, uint64_t now)
@@ -239,11 +284,13 @@ static struct psess *sess_alloc(struct psess_table *t, uint64_t now)
 		if (t->s[i].state == PSESS_FREE)
 			s = &t->s[i];
 	if (!s) {
-		struct psess *v = victim(t);
+		unsigned held;
+		struct psess *v = victim(t, &held);
 		if (!v)
 			return NULL;
-		SLOG(t, KVSP_LOG_INFO, "peer %s (%s) evicted: peer sessions full", v->ep.text,
-		     who(v));
+		SLOG(t, KVSP_LOG_INFO,
+		     "peer %s (%s, %s) evicted: peer sessions full, its party holds %u of them",
+		     v->ep.text, who(v), v->state == PSESS_JOINING ? "joining" : "idle", held);
 		KVS_STAT_ADD(t->st->peer_evicted, 1);
 		sess_down(t, v, -ENOSR);
 		if (v->state != PSESS_FREE)
@@ -311,23 +358,24 @@ static int dial_stream(struct psess_table *t, struct psess *s, unsigned k, uint6
 	return 0;
 }
 
-struct psess *psess_dial(struct psess_table *t, const struct kvsp_endpoint *ep, uint32_t cid,
-			 uint64_t now, int *err)
+struct psess *psess_dial(struct psess_table *t, const struct kvsp_endpoint *ep,
+			 const struct kvsp_party *party, uint64_t now, int *err)
 {
 	unsigned mine = 0;
 	for (unsigned i = 0; i < PSESS_MAX; i++)
-		mine += t->s[i].state == PSESS_JOINING && t->s[i].dialer && t->s[i].dial_cid == cid;
+		mine += t->s[i].state == PSESS_JOINING && t->s[i].dialer &&
+			t->s[i].party.cid == party->cid;
 	struct psess *s = mine < PSESS_DIALS_PER_CLIENT ? sess_alloc(t, now) : NULL;
 	if (!s) {
-		SLOG(t, KVSP_LOG_WARN, "cannot dial %s for client %u: %s", ep->text, cid,
-		     mine < PSESS_DIALS_PER_CLIENT ? "peer sessions full, none idle"
+		SLOG(t, KVSP_LOG_WARN, "cannot dial %s for client %u: %s", ep->text, party->cid,
+		     mine < PSESS_DIALS_PER_CLIENT ? "peer sessions full, every one in use"
 						   : "it has as many dials under way as it may");
 		*err = -ENOSR;
 		return NULL;
 	}
 	s->dialer = true;
 	s->ep = *ep;
-	s->dial_cid = cid;
+	s->party = *party;
 	s->nstreams = t->streams;
 	randombytes_buf(&s->sid, sizeof(s->sid));
 	for (unsigned k = 0; k < s->nstreams; k++) {

@@ -13,6 +13,7 @@
 #include <stdbool.h>
 #include <stdint.h>
 
+#include "core/xport.h"
 #include "peer/endpoint.h"
 #include "peer/peer.h"
 
@@ -49,7 +50,7 @@ struct psess {
 	struct kvsp_endpoint ep; /* dialed: whom we dial; accepted: its first stream's source */
 	uint64_t instance;	 /* the peer's, once its first stream proved itself */
 	uint64_t sid;		 /* the dialer's name for the session */
-	uint32_t dial_cid;	 /* dialed: the client whose room made us dial it */
+	struct kvsp_party party; /* dialed: whose room made us dial it */
 	unsigned nstreams, njoined, rr;
 	unsigned redials; /* dialed: streams dialed again while joining */
 	struct pconn *conn[KVSP_PEER_MAX_STREAMS];
@@ -94,11 +95,12 @@ struct psess *psess_up(struct psess_table *t, uint32_t id);
  * retired, not closing), or NULL. */
 struct psess *psess_dialed(struct psess_table *t, const struct kvsp_endpoint *ep);
 
-/* Dials ep for client cid (--tcp-streams connections). Returns the new
- * session (JOINING), or NULL with *err: -ENOSR (peer sessions full, or cid
- * dials too many at once), or socket()'s, connect()'s -errno. */
-struct psess *psess_dial(struct psess_table *t, const struct kvsp_endpoint *ep, uint32_t cid,
-			 uint64_t now, int *err);
+/* Dials ep for a room of who's (--tcp-streams connections). Returns the
+ * new session (JOINING), or NULL with *err: -ENOSR (peer sessions full of
+ * sessions in use, or who's connection dials too many at once), or
+ * socket()'s, connect()'s -errno. */
+struct psess *psess_dial(struct psess_table *t, const struct kvsp_endpoint *ep,
+			 const struct kvsp_party *who, uint64_t now, int *err);
 /* Dialed session s's stream c failed with status while joining, before the
  * listener said a word on it (its admission closed it to make way: not a
  * refusal of us). Dials that stream again, within the joining deadline, at
