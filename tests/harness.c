@@ -97,7 +97,8 @@ static void spawn(struct proxy *px, const char *bin, const char *const *args, bo
 
 	/* A PID namespace of its own: fork, with the new namespace's pid 1 for the child. */
 	fflush(NULL);
-	pid_t pid = px->pidns ? (pid_t)syscall(SYS_clone, CLONE_NEWPID | SIGCHLD, 0, 0, 0, 0) : fork();
+	pid_t pid = px->pidns ? (pid_t)syscall(SYS_clone, CLONE_NEWPID | SIGCHLD, 0, 0, 0, 0)
+			      : fork();
 	cr_assert_neq(pid, -1, "fork: %s", strerror(errno));
 	if (pid == 0) {
 		/* Die with the test process; never hold its stdout. */

@@ -28,7 +28,7 @@ struct proxy {
 	char sock[128];
 	char log[128];
 	char netns[32]; /* "": the test's own network namespace */
-	bool pidns;	/* in a PID namespace of its own: every client's pid is 0 to it, as in a pod */
+	bool pidns; /* in a PID namespace of its own: every client's pid is 0 to it, as in a pod */
 };
 
 /* A proxy not yet started: its admin fd is -1, not 0, so stopping it closes

@@ -661,8 +661,8 @@ static void shared_listener(struct proxy *px)
 {
 	proxy_start(px, NULL,
 		    (const char *[]){ "--slots", "64", "--slot-size", "64K", "--listen",
-				      "127.0.0.1:0", "--socket-mode", "0666", "--allow-uid",
-				      "4250", NULL });
+				      "127.0.0.1:0", "--socket-mode", "0666", "--allow-uid", "4250",
+				      NULL });
 	chmod(px->dir, 0755);
 }
 
@@ -722,8 +722,9 @@ static void one_process_fills_the_peer_table(bool pod)
 		proxy_stop(&pc);
 		if (held)
 			return;
-		cr_assert_lt(attempt, 3, "the dials reached their deadline before the newcomers "
-					 "came, %u times: this machine is too slow for the case",
+		cr_assert_lt(attempt, 3,
+			     "the dials reached their deadline before the newcomers "
+			     "came, %u times: this machine is too slow for the case",
 			     attempt);
 	}
 }

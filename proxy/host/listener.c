@@ -500,8 +500,8 @@ static void welcome_client(struct kvsp *p, struct kvsp_pending *pd)
 			    "refused pid %d (uid %u): %s", (int)pd->pid, (unsigned)pd->uid, why);
 		/* Out of descriptors is the proxy being full, as far as the
 		 * client can tell; -EMFILE would read as its own limit. */
-		bool full = err == EUSERS || err == EDQUOT || err == ETOOMANYREFS || err == EMFILE ||
-			    err == ENFILE;
+		bool full = err == EUSERS || err == EDQUOT || err == ETOOMANYREFS ||
+			    err == EMFILE || err == ENFILE;
 		kvsp_refuse(p, fd, full ? -EUSERS : -err, why);
 		return;
 	}
