@@ -14,7 +14,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "daemon/log.h"
+#include "base/log.h"
 #include "core/proxy.h"
 #include "core/clients.h"
 #include "core/ops.h"

@@ -35,7 +35,7 @@
 
 #include <sodium.h>
 
-#include "daemon/log.h"
+#include "base/log.h"
 #include "harness.h"
 #include "hpeer.h"
 #include "xroom.h"

@@ -19,9 +19,10 @@
 
 #include <rte_atomic.h>
 
-#include "daemon/log.h"
+#include "base/log.h"
 #include "core/proxy.h"
 #include "core/clients.h"
+#include "core/pool.h"
 #include "ring.h"
 
 /* ------------------------------------------------------ published row */

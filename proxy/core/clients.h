@@ -10,7 +10,7 @@
 #include <sys/types.h>
 
 #include "layout.h"
-#include "daemon/log.h"
+#include "base/log.h"
 #include "ring.h"
 
 struct kvsp;
@@ -87,9 +87,6 @@ static inline int64_t kvsp_sq_waiting(const struct kvsp_client *c)
 
 /* Counts a chunk of len bytes c gave to an open room's transport. */
 void kvsp_client_sent(struct kvsp_client *c, uint64_t len);
-
-/* pool.c: the published clients table, one row per client index. */
-struct kvs_client_row *kvsp_client_rows(const struct kvsp *p);
 
 /* A new client of uid on sock. Returns it, or NULL with errno EUSERS
  * (--max-clients reached), EDQUOT (uid holds its share of them),

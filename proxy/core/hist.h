@@ -16,7 +16,7 @@ struct kvsp_hist {
 	uint64_t sum_ns;
 };
 
-/* Rooms: 100 us to 2 min. Chunks: 1 us to 10 s. */
+/* Rooms: 100 us to 2 min. Chunks: 1 us to 10 s (hist.c). */
 extern const uint64_t kvsp_hist_room_ns[KVSP_HIST_BUCKETS];
 extern const uint64_t kvsp_hist_chunk_ns[KVSP_HIST_BUCKETS];
 

@@ -16,14 +16,12 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "daemon/log.h"
+#include "base/log.h"
 #include "kvs_build.h"
 #include "parse.h"
+#include "core/pool.h"
 #include "core/proxy.h"
-#include "core/clients.h"
-#include "core/rooms.h"
 #include "ring.h"
-#include "host/loop.h"
 
 #ifndef F_SEAL_FUTURE_WRITE
 #define F_SEAL_FUTURE_WRITE 0x0010

@@ -13,14 +13,13 @@
 #include <stdint.h>
 #include <sys/types.h>
 
-#include <time.h>
-
+#include "base/clock.h"
+#include "base/log.h"
 #include "core/shares.h"
 #include "core/config.h"
 #include "core/failpoint.h"
 #include "core/hist.h"
 #include "core/slots.h"
-#include "daemon/log.h"
 #include "layout.h"
 
 struct kvsp_admin;
@@ -88,19 +87,5 @@ struct kvsp {
 	struct kvsp_hist room_hist, chunk_hist;
 	struct kvsp_metrics *metrics; /* NULL: no --metrics-listen */
 };
-
-/* CLOCK_MONOTONIC in nanoseconds (the loop reads it once a pass into now_ns). */
-static inline uint64_t kvsp_now_ns(void)
-{
-	struct timespec ts;
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
-}
-
-/* pool.c */
-/* Refuses a pool that cannot fit in the memory left (RAM or cgroup). Returns 0, or -ENOMEM (logged). */
-int kvsp_pool_fits(const struct kvsp_config *cfg);
-int kvsp_pool_create(struct kvsp *p);
-void kvsp_pool_destroy(struct kvsp *p);
 
 #endif

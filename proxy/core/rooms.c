@@ -16,7 +16,7 @@
 #include <string.h>
 #include <sys/random.h>
 
-#include "daemon/log.h"
+#include "base/log.h"
 #include "core/proxy.h"
 #include "core/clients.h"
 #include "core/rooms.h"

@@ -10,11 +10,11 @@
 #include <string.h>
 #include <sys/epoll.h>
 
-#include "daemon/log.h"
+#include "base/log.h"
+#include "base/loop_fd.h"
 #include "core/proxy.h"
 #include "core/rooms.h"
 #include "core/xport.h"
-#include "host/loop.h"
 
 #define NONE KVSP_NONE
 
@@ -525,7 +525,7 @@ void kvsp_xport_fp_holder(struct kvsp *p, unsigned id, struct kvsp_transport *t,
 int kvsp_xport_fd_add(struct kvsp *p, struct kvsp_transport *t, int fd, uint32_t events,
 		      uint32_t tag)
 {
-	return kvsp_ep_add(p, fd, events, kvsp_ep_tag(KVSP_EP_XPORT, t->idx, tag));
+	return kvsp_ep_add(p->epfd, fd, events, kvsp_ep_tag(KVSP_EP_XPORT, t->idx, tag));
 }
 
 int kvsp_xport_fd_mod(struct kvsp *p, struct kvsp_transport *t, int fd, uint32_t events,
@@ -538,5 +538,5 @@ int kvsp_xport_fd_mod(struct kvsp *p, struct kvsp_transport *t, int fd, uint32_t
 
 void kvsp_xport_fd_del(struct kvsp *p, int fd)
 {
-	epoll_ctl(p->epfd, EPOLL_CTL_DEL, fd, NULL);
+	kvsp_ep_del(p->epfd, fd);
 }

@@ -18,7 +18,7 @@
 #include <string.h>
 #include <sys/socket.h>
 
-#include "daemon/log.h"
+#include "base/log.h"
 #include "daemon/metrics.h"
 #include "parse.h"
 #include "core/proxy.h"

@@ -15,7 +15,7 @@
 #include <string.h>
 
 #include "core/xport.h"
-#include "daemon/log.h"
+#include "base/log.h"
 #include "datapath/datapath.h"
 #include "peer/conn.h"
 #include "peer/peer.h"

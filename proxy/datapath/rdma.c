@@ -35,7 +35,7 @@
 #include <string.h>
 
 #include "core/xport.h"
-#include "daemon/log.h"
+#include "base/log.h"
 #include "layout.h"
 #include "peer/conn.h"
 #include "peer/peer.h"

@@ -22,7 +22,7 @@
 #include <stdint.h>
 
 #include "core/xport.h"
-#include "daemon/log.h"
+#include "base/log.h"
 #include "datapath/datapath.h"
 #include "datapath/verbs.h"
 #include "peer/session.h"

@@ -27,7 +27,7 @@
 #include <string.h>
 
 #include "core/xport.h"
-#include "daemon/log.h"
+#include "base/log.h"
 #include "datapath/rdma.h"
 #include "layout.h"
 

@@ -24,7 +24,7 @@
 
 #include "core/failpoint.h"
 #include "core/xport.h"
-#include "daemon/log.h"
+#include "base/log.h"
 #include "datapath/datapath.h"
 #include "layout.h"
 #include "peer/conn.h"

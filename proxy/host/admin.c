@@ -12,7 +12,8 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
-#include "daemon/log.h"
+#include "base/log.h"
+#include "base/loop_fd.h"
 #include "core/proxy.h"
 #include "core/xport.h"
 #include "host/loop.h"
@@ -63,7 +64,7 @@ void kvsp_admin_welcome(struct kvsp *p, int fd)
 	struct kvs_welcome w = { .magic = KVS_MAGIC_HELLO,
 				 .abi = KVS_ABI,
 				 .instance = p->instance };
-	if (kvsp_ep_add(p, fd, EPOLLIN | EPOLLRDHUP, kvsp_ep_tag(KVSP_EP_ADMIN, i, 0)) < 0 ||
+	if (kvsp_ep_add(p->epfd, fd, EPOLLIN | EPOLLRDHUP, kvsp_ep_tag(KVSP_EP_ADMIN, i, 0)) < 0 ||
 	    kvs_sock_send(fd, &w, sizeof(w), NULL, 0) < 0) {
 		close(fd);
 		return;

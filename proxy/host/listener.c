@@ -26,7 +26,8 @@
 #include <sys/un.h>
 #include <unistd.h>
 
-#include "daemon/log.h"
+#include "base/log.h"
+#include "base/loop_fd.h"
 #include "core/proxy.h"
 #include "core/clients.h"
 #include "core/rooms.h"
@@ -269,7 +270,7 @@ int kvsp_listener_open(struct kvsp *p)
 	p->sock_dev = st.st_dev;
 	p->sock_ino = st.st_ino;
 	p->listen_fd = fd;
-	return kvsp_ep_add(p, fd, EPOLLIN, kvsp_ep_tag(KVSP_EP_LISTEN, 0, 0));
+	return kvsp_ep_add(p->epfd, fd, EPOLLIN, kvsp_ep_tag(KVSP_EP_LISTEN, 0, 0));
 }
 
 void kvsp_listener_close(struct kvsp *p)
@@ -461,7 +462,7 @@ void kvsp_on_accept(struct kvsp *p)
 			(struct kvsp_pending){ fd, cr.pid, cr.uid, ++p->pending_ids, p->now_ns };
 		if (hello_waiting(p, i)) {
 			kvsp_on_hello(p, i);
-		} else if (kvsp_ep_add(p, fd, EPOLLIN | EPOLLRDHUP,
+		} else if (kvsp_ep_add(p->epfd, fd, EPOLLIN | EPOLLRDHUP,
 				       kvsp_ep_tag(KVSP_EP_PENDING, i, p->pending[i].id)) < 0) {
 			close(fd);
 			p->pending[i].fd = -1;
@@ -513,8 +514,8 @@ static void welcome_client(struct kvsp *p, struct kvsp_pending *pd)
 				 .cmem_size = c->cmem_size };
 	int fds[KVS_WELCOME_NFDS] = { p->pool_fd, p->ctrl_fd, c->cmem_fd, p->wake_fd, c->efd };
 	if (kvs_sock_send(fd, &w, sizeof(w), fds, KVS_WELCOME_NFDS) < 0 ||
-	    kvsp_ep_add(p, fd, EPOLLIN | EPOLLRDHUP, kvsp_ep_tag(KVSP_EP_CLIENT, c->idx, c->id)) <
-		    0) {
+	    kvsp_ep_add(p->epfd, fd, EPOLLIN | EPOLLRDHUP,
+			kvsp_ep_tag(KVSP_EP_CLIENT, c->idx, c->id)) < 0) {
 		kvsp_client_destroy(p, c);
 		return;
 	}

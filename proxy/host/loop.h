@@ -50,23 +50,4 @@ void kvsp_admin_event(struct kvsp *p, unsigned i, uint32_t events);
 /* Answers the barriers that now hold. */
 void kvsp_admin_poll(struct kvsp *p);
 
-/* poller.c: the loop */
-/* What an fd in the loop's epoll is: the top byte of its data. */
-enum kvsp_ep {
-	KVSP_EP_LISTEN = 1,
-	KVSP_EP_WAKE,
-	KVSP_EP_PENDING,
-	KVSP_EP_CLIENT,
-	KVSP_EP_ADMIN,
-	KVSP_EP_XPORT /* idx: the transport, id: its tag */
-};
-
-static inline uint64_t kvsp_ep_tag(unsigned type, unsigned idx, uint32_t id)
-{
-	return (uint64_t)type << 56 | (uint64_t)(idx & 0xffffff) << 32 | id;
-}
-
-/* Adds fd to the loop's epoll. Returns 0, or -errno. */
-int kvsp_ep_add(struct kvsp *p, int fd, uint32_t events, uint64_t data);
-
 #endif

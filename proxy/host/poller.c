@@ -21,8 +21,9 @@
 #include <rte_atomic.h>
 #include <rte_pause.h>
 
-#include "daemon/log.h"
-#include "daemon/notify.h"
+#include "base/log.h"
+#include "base/loop_fd.h"
+#include "base/notify.h"
 #include "core/proxy.h"
 #include "core/clients.h"
 #include "core/ops.h"
@@ -140,12 +141,6 @@ static uint64_t lclock_sync(void)
 	}
 	lclock_anchor(ns);
 	return lclock.ns0;
-}
-
-int kvsp_ep_add(struct kvsp *p, int fd, uint32_t events, uint64_t data)
-{
-	struct epoll_event ev = { .events = events, .data.u64 = data };
-	return epoll_ctl(p->epfd, EPOLL_CTL_ADD, fd, &ev) < 0 ? -errno : 0;
 }
 
 static void on_signal(int sig)

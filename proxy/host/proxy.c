@@ -8,9 +8,11 @@
 #include <sys/eventfd.h>
 #include <unistd.h>
 
-#include "daemon/log.h"
+#include "base/log.h"
+#include "base/loop_fd.h"
 #include "core/proxy.h"
 #include "core/clients.h"
+#include "core/pool.h"
 #include "core/rooms.h"
 #include "core/xport.h"
 #include "host/loop.h"
@@ -95,7 +97,7 @@ int kvsp_init(struct kvsp *p, const struct kvsp_config *cfg)
 	p->wake_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
 	if (p->epfd < 0 || p->wake_fd < 0)
 		return -errno;
-	rc = kvsp_ep_add(p, p->wake_fd, EPOLLIN, kvsp_ep_tag(KVSP_EP_WAKE, 0, 0));
+	rc = kvsp_ep_add(p->epfd, p->wake_fd, EPOLLIN, kvsp_ep_tag(KVSP_EP_WAKE, 0, 0));
 	if (rc < 0)
 		return rc;
 	p->now_ns = kvsp_now_ns();

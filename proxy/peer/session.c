@@ -49,7 +49,7 @@
 #include <sodium.h>
 
 #include "core/xport.h"
-#include "daemon/log.h"
+#include "base/log.h"
 #include "datapath/datapath.h"
 #include "layout.h"
 #include "peer/conn.h"

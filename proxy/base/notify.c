@@ -6,7 +6,7 @@
  * systemd) nothing is formatted or sent. A build without libsystemd
  * (meson_options.txt) sends nothing, and says so once if one was asked for.
  */
-#include "daemon/notify.h"
+#include "base/notify.h"
 
 #include <stdarg.h>
 #include <stdbool.h>
@@ -19,7 +19,7 @@
 #include <systemd/sd-daemon.h>
 #endif
 
-#include "daemon/log.h"
+#include "base/log.h"
 
 void kvsp_notify(const char *fmt, ...)
 {

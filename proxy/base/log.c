@@ -1,5 +1,5 @@
 /* SPDX-License-Identifier: MIT */
-#include "daemon/log.h"
+#include "base/log.h"
 
 #include <stdarg.h>
 #include <stdbool.h>
