@@ -415,16 +415,18 @@ def test_a_misrouted_share_is_refused(kv_proxy, caplog):
     assert_pool_free(kv_proxy.socket)
 
 
-MLA_TP = [(2, 4), (1, 2), (2, 1), (2, 2), (3, 2)]
+MLA_TP = [(2, 4), (1, 2), (2, 1), (2, 2), (3, 2), (4, 2)]
 
 
 @pytest.mark.parametrize("p_tp,d_tp", MLA_TP, ids=[f"P{p}-D{d}" for p, d in MLA_TP])
 def test_mla_kv_is_read_once(kv_proxy, p_tp, d_tp):
-    """MLA (use_mla: every TP rank holds the same KV): prefill rank 0 stages it, no other prefill rank copies a byte;
-    decode rank 0 opens one room that every decode rank reads (the others join it): by the proxy's own counters each
-    request's bytes move once and in one room, whatever the decode TP size; every decode rank's blocks hold the
-    prefill's KV. Then aborts: one decode rank's copy-out held when the request is aborted, a prefill copy failing
-    (the load fails on every rank), an abort before the load; blocks given back untouched; the pool ends free."""
+    """MLA (use_mla: every TP rank holds the same KV): one prefill rank stages a request, the ranks in turn (12
+    requests: 12 / P each), no other prefill rank copies a byte of it; the decode rank paired with that prefill rank
+    (kv.mla_reader, NixlConnector's pairs) opens one room that every decode rank reads (the others join it): by the
+    proxy's own counters each request's bytes move once and in one room, whatever the TP sizes (P > D, P < D, P = D,
+    neither dividing the other); every decode rank's blocks hold the prefill's KV. Then aborts: one decode rank's
+    copy-out held when the request is aborted, a copy into slots failing (the load fails on every rank), an abort
+    before the load; blocks given back untouched; the pool ends free."""
     _mla_read_once(kv_proxy.socket, kv_proxy.socket, p_tp, d_tp)
     assert_pool_free(kv_proxy.socket)
 
@@ -453,12 +455,16 @@ def _mla_read_once(p_socket, d_socket, p_tp, d_tp, on_loaded=None):
         assert after["rooms"]["done"] - before["rooms"]["done"] == len(sizes)
         if on_loaded is not None:
             on_loaded(sum(nbytes.values()), p_before, p_after)
-        for rank in range(1, p_tp):
-            assert all("prefill rank 0 stages" in P.agents[rank].ended[f"p{k}"] for k in sizes)
+        # one prefill rank staged each request, the one its params name; the ranks took turns: 12 / P each
+        stager = {k: P.done[f"p{k}"][1]["kvstage"]["mla_rank"] for k in sizes}
+        for k, r in stager.items():
+            assert P.agents[r].ended[f"p{k}"] == "sent", (k, r, P.agents[r].ended[f"p{k}"])
+            assert all(f"prefill rank {r} stages" in P.agents[o].ended[f"p{k}"] for o in range(p_tp) if o != r)
+        assert collections.Counter(stager.values()) == {r: len(sizes) // p_tp for r in range(p_tp)}, stager
 
-        # aborts and failures
-        gate = E.GatedCopier(fail={("p21", "stage")})
-        P.agents[0].copier = gate
+        # aborts and failures: the copy into slots fails on whichever prefill rank stages p21
+        for a in P.agents:
+            a.copier = E.GatedCopier(fail={("p21", "stage")})
         if d_tp > 1:
             D.agents[-1].copier = E.GatedCopier(hold={("d20", "load")})
         results, quarantine = {}, []
@@ -489,7 +495,8 @@ def _mla_read_once(p_socket, d_socket, p_tp, d_tp, on_loaded=None):
         # the room ended for every reader, also one that came to join it after (its join refused: aborted, or gone
         # once the others closed it)
         assert all("aborted" in w or "ESTALE" in w for w in results["d21"][2]), results["d21"]
-        assert results["d22"][0] == "FINISHED_ABORTED" and "released" in P.agents[0].ended["p22"]
+        p22 = P.done["p22"][1]["kvstage"]["mla_rank"]
+        assert results["d22"][0] == "FINISHED_ABORTED" and "released" in P.agents[p22].ended["p22"]
         assert results["d23"][0] == "FINISHED_LENGTH_CAPPED" and D.loaded["d23"] is None
         assert all(D.marked(b, E.MARK) for b in quarantine)
         assert len(P.free) == P.num_blocks and len(D.free) + sum(map(len, quarantine)) == D.num_blocks
@@ -599,6 +606,26 @@ def test_rank_pairs_are_nixl_rank_pairs():
             (d, g) for d in range(d_tp) for g in range(d * hd, (d + 1) * hd)]
     with pytest.raises(ValueError, match="do not split"):
         kv.tp_shares(0, 1, 4, 2)  # 2 KV heads on 4 decode ranks: vLLM replicates them
+
+
+def test_mla_ranks_are_nixl_rank_pairs():
+    """MLA: the decode rank that opens a request's shared room and pulls it from the prefill rank that staged it
+    (kv.mla_reader) is one NixlConnector's TransferTopology pairs with it @ 003df2961dd8 (kv_connector/utils.py
+    target_remote_ranks): with D >= P the first decode rank NIXL maps to that prefill rank (decode rank r reads prefill
+    rank r * P / D), with P = k x D the decode rank whose k prefill ranks include it; every decode rank and every
+    prefill rank has a partner; the prefill ranks stage in turn (kv.mla_stager)."""
+    for p_tp, d_tp in ((1, 1), (1, 2), (2, 4), (1, 8), (4, 2), (8, 1), (2, 2), (4, 8), (8, 2)):
+        for p in range(p_tp):
+            d = kv.mla_reader(p, p_tp, d_tp)
+            assert 0 <= d < d_tp
+            ratio = d_tp // p_tp if d_tp >= p_tp else -(p_tp // d_tp)
+            nixl = [d // ratio] if ratio > 0 else [d * -ratio + i for i in range(-ratio)]
+            assert p in nixl, (p_tp, d_tp, p, d, nixl)
+            if ratio > 0:  # the first of the decode ranks NIXL reads prefill rank p with: r * P // D == p
+                assert d * p_tp // d_tp == p and (d == 0 or (d - 1) * p_tp // d_tp < p), (p_tp, d_tp, p, d)
+        assert [kv.mla_stager(n, p_tp) for n in range(2 * p_tp)] == list(range(p_tp)) * 2
+    # sizes of which neither divides the other (NIXL refuses them): still a decode rank for each prefill rank
+    assert [kv.mla_reader(p, 3, 2) for p in range(3)] == [0, 0, 1]
 
 
 def _through_room(extents_out, extents_in, nbytes):

@@ -93,11 +93,13 @@ one rank fails the request through the invalid block ids, which vLLM unites.
     count) differs. The request is loaded on a decode rank once every share has landed and been copied; one share
     failing fails the load (and the prefill stage: its other shares are given up); the blocks are reported once
     every room of the load has its final event.
-  * MLA (model_config.use_mla: every rank holds the same KV): prefill rank 0 stages it, the other prefill ranks
-    stage nothing; decode rank 0 opens one shared room (Client.recv_open(readers=decode TP size)), sends its
-    descriptor to the other decode ranks' side channels (an MLA decode rank listens on its instance's kvstage_port +
-    rank) and pulls from prefill rank 0; the others join the room (Client.join): the bytes cross and land once, each
-    rank copies them into its own blocks. Any TP sizes.
+  * MLA (model_config.use_mla: every rank holds the same KV): one prefill rank stages a request, the others
+    nothing; the prefill scheduler gives its hand-offs to its ranks in turn (config.mla_stager) and names the rank in
+    the params (kvstage.mla_rank). The decode rank paired with it (config.mla_reader: p*D//P, a rank pair of
+    NixlConnector's TransferTopology @ 003df2961dd8) opens one shared room (Client.recv_open(readers=decode TP size)),
+    sends its descriptor to the other decode ranks' side channels (an MLA decode rank listens on its instance's
+    kvstage_port + rank) and pulls from that prefill rank; the others join the room (Client.join): the bytes cross and
+    land once, each rank copies them into its own blocks. Any TP sizes.
 
 Block sizes: the prefill and decode block sizes may differ, one dividing the other (NixlConnector's
 block_size_ratio), with one full-attention KV cache group, equal TP sizes or MLA, and token-major blocks (vLLM's NHD
@@ -171,7 +173,7 @@ except ImportError as _e:
 
 
 from .agent import _Agent  # noqa: E402 - after the check above; tests subclass it
-from .config import LOAD_TIMEOUT_S, STAGE_TIMEOUT_S, tp_shares  # noqa: E402
+from .config import LOAD_TIMEOUT_S, STAGE_TIMEOUT_S, mla_reader, mla_stager, tp_shares  # noqa: E402
 from .connector import KvstageConnector  # noqa: E402
 from .layout import KVRegion, VllmLayout, _cdiv  # noqa: E402
 from .metadata import KvstageConnectorMetadata, RecvSpec, SaveSpec  # noqa: E402
@@ -179,5 +181,5 @@ from .stats import KvstageKVConnectorStats, KvstagePromMetrics  # noqa: E402
 
 __all__ = ["KvstageConnector", "KvstageConnectorMetadata", "SaveSpec", "RecvSpec", "VllmLayout", "KVRegion",
            "KVConnectorBase_V1", "KVConnectorMetadata", "KVConnectorRole", "KvstageKVConnectorStats",
-           "KvstagePromMetrics", "tp_shares",
+           "KvstagePromMetrics", "tp_shares", "mla_reader", "mla_stager",
            "STAGE_TIMEOUT_S", "LOAD_TIMEOUT_S"]

@@ -30,7 +30,7 @@ class _Agent(_StageSide, _LoadSide):
     IDLE_S, BUSY_S = 0.05, 0.002
     tp_size = 1  # the instance's TP size (the worker side sets it)
     block_size = 0  # the instance's block size (the worker side sets it)
-    mla = False  # replicated KV (the worker side sets it): prefill rank 0 stages, decode rank 0 opens a shared room
+    mla = False  # replicated KV (the worker side sets it): one prefill rank stages, one decode rank opens a shared room
     JOINS_MAX = 4096
 
     def __init__(self, socket_path, layout, copier, tp_rank, listen, stage_timeout, side_key=None):
@@ -223,7 +223,8 @@ class _Agent(_StageSide, _LoadSide):
             busy = busy or st.starved or (st.state == "staging" and bool(st.pieces))
         for ld in list(self._loads.values()):
             self._guarded(self._load_progress, ld, fail=self._load_fail)
-            joining = ld.spec.mla and self.tp_size > 1 and self.tp_rank != 0  # woken by rank 0's descriptor
+            # a joining MLA rank is woken by the leader's descriptor
+            joining = ld.spec.mla and self.tp_size > 1 and self.tp_rank != ld.spec.mla_leader
             busy = busy or (ld.state == "opening" and not joining) or any(sh.job is not None for sh in ld.shares)
         self._timeouts()
         return busy

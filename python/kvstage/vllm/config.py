@@ -69,6 +69,23 @@ def tp_shares(rank, tp, remote_tp, heads):
     return [(rank * k + i, i * per, (i + 1) * per) for i in range(k)]
 
 
+def mla_reader(prefill_rank, prefill_tp, decode_tp):
+    """MLA: the decode rank that opens a request's shared room and pulls it from prefill rank prefill_rank, the one
+    that staged it (the prefill side spreads its requests over its ranks: mla_stager). A rank pair of NixlConnector's
+    TransferTopology @ 003df2961dd8 (kv_connector/utils.py target_remote_ranks: decode rank r reads prefill rank
+    r // (D/P) when D >= P, ranks r*k .. r*k+k-1 when P = k x D): with D >= P the first of the decode ranks that read
+    prefill rank p there (p*D/P; NIXL maps decode rank r to prefill rank r*P/D), with P > D the decode rank whose ranks
+    include p (p // k; NIXL's MLA reads only the first of them, kvstage reads each in turn, request by request, so
+    every prefill rank copies). Sizes of which neither divides the other (NIXL refuses them): floor(p*D/P)."""
+    return int(prefill_rank) * int(decode_tp) // int(prefill_tp)
+
+
+def mla_stager(n, prefill_tp):
+    """MLA: the prefill rank that stages a prefill instance's n-th hand-off (0, 1, ...): its ranks in turn, so no one
+    GPU does every copy into slots."""
+    return int(n) % int(prefill_tp)
+
+
 def head_shares(layout, rank, tp, remote_tp):
     """tp_shares of this rank's KV heads (layout.kv_heads). Raises ValueError for a cache without KV heads to split,
     or heads that do not split."""
@@ -141,8 +158,9 @@ class _Settings:
         self.block_size = int(vllm_config.cache_config.block_size)
         pc = getattr(vllm_config, "parallel_config", None)
         self.tp_size = int(getattr(pc, "tensor_parallel_size", 1) or 1)
-        # MLA (vLLM's model_config.use_mla, NixlConnector's is_mla): every TP rank holds the same KV; prefill rank 0
-        # stages it once, the decode ranks read it from one room they share (Client.recv_open(readers=n), join)
+        # MLA (vLLM's model_config.use_mla, NixlConnector's is_mla): every TP rank holds the same KV; one prefill rank
+        # stages a request once (its ranks in turn: mla_stager), the decode ranks read it from one room they share
+        # (Client.recv_open(readers=n), join), opened by the decode rank paired with that prefill rank (mla_reader)
         self.mla = bool(getattr(getattr(vllm_config, "model_config", None), "use_mla", False))
         # the decode instances' TP size (a prefill instance stages each rank's KV in the head slices of the decode
         # ranks it serves, before any decode side asks); a request's kv_transfer_params may name its own. MLA: any

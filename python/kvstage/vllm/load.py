@@ -74,7 +74,8 @@ class _LoadSide:
                           for rank, h0, h1 in head_shares(self.layout, self.tp_rank, self.tp_size, spec.remote_tp)]
             except ValueError as e:
                 why = f"refused: prefill TP size {spec.remote_tp}, this side {self.tp_size}: {e}"
-        ld = _Load(spec, self.layout, self.tp_rank, shares, self.block_size)
+        # MLA: the one room comes from the prefill rank that staged it; else this rank's pair (equal TP sizes)
+        ld = _Load(spec, self.layout, spec.mla_rank if spec.mla else self.tp_rank, shares, self.block_size)
         self._loads[ld.req] = ld
         if spec.error or why:
             return self._refuse_load(ld, spec.error or why)
@@ -104,7 +105,8 @@ class _LoadSide:
         for it (they would hold it until the stage timeout)."""
         self._load_fail(ld, why)
         spec = ld.spec
-        self.cmd_drop(spec.remote_host, spec.remote_port, spec.remote_request_id, 0 if spec.mla else spec.remote_tp)
+        self.cmd_drop(spec.remote_host, spec.remote_port, spec.remote_request_id, 0 if spec.mla else spec.remote_tp,
+                      spec.mla_rank)
 
     def _load_open(self, ld):
         if ld.spec.mla and self.tp_size > 1:
@@ -150,8 +152,9 @@ class _LoadSide:
         msg["tokens"] = self.layout.token_fingerprint(self.block_size)
 
     def _load_open_shared(self, ld):
-        """MLA with several ranks: rank 0 opens one room for every rank (readers: the TP size), tells the others its
-        descriptor over their side channels and asks prefill rank 0 for the KV; rank r > 0 joins that room once the
+        """MLA with several ranks: the leader (the decode rank paired with the prefill rank that staged the request,
+        spec.mla_leader) opens one room for every rank (readers: the TP size), tells the others its descriptor over
+        their side channels and asks that prefill rank for the KV; every other rank joins that room once the
         descriptor came. The bytes land once; each rank copies them into its own blocks."""
         sh = ld.shares[0]
         if sh.room is not None or sh.final is not None:
@@ -159,8 +162,9 @@ class _LoadSide:
         uid = next(self._uids)
         self._by_uid[uid] = ld
         desc = None
+        leader = ld.spec.mla_leader
         try:
-            if self.tp_rank == 0:
+            if self.tp_rank == leader:
                 sh.room, desc = self._c().recv_open(sh.nbytes, user_data=uid, readers=self.tp_size)
             else:
                 joined = self._joins.pop(ld.req, None)
@@ -174,23 +178,24 @@ class _LoadSide:
             self._by_uid.pop(uid, None)
             if isinstance(e, KvstageError) and e.errno in (_errno.EMFILE, _errno.ENFILE, _errno.EAGAIN):
                 return  # no room handle free yet: the next step tries again
-            return self._load_fail(ld, f"could not {'open' if self.tp_rank == 0 else 'join'} the shared room: {e}")
+            return self._load_fail(ld, f"could not {'open' if self.tp_rank == leader else 'join'} the shared room: {e}")
         sh.uid = uid
         ld.uids[uid] = sh
         ld.state = "open"
-        if self.tp_rank != 0:
+        if self.tp_rank != leader:
             if sh.room.nbytes != sh.nbytes:
                 self._load_fail(ld, f"the shared room has {sh.room.nbytes} bytes, this rank expects {sh.nbytes}")
             return
         b64 = base64.b64encode(desc).decode()
         host, base = self._listen[0], self._listen[1] - self.tp_rank
         try:
-            for rank in range(1, self.tp_size):
-                self._send_msg((host, base + rank), {"t": "join", "req": ld.req, "desc": b64}, failing=ld)
+            for rank in range(self.tp_size):
+                if rank != leader:
+                    self._send_msg((host, base + rank), {"t": "join", "req": ld.req, "desc": b64}, failing=ld)
         except OSError as e:
             return self._load_fail(ld, f"could not tell decode rank {rank} the shared room (at {host}:{base + rank}): "
                                        f"{e}")
-        msg = {"t": "pull", "req": ld.spec.remote_request_id, "desc": b64, "nbytes": sh.nbytes, "tp_rank": 0,
+        msg = {"t": "pull", "req": ld.spec.remote_request_id, "desc": b64, "nbytes": sh.nbytes, "tp_rank": leader,
                "tp_size": self.tp_size, "layout": self.layout.fingerprint()}
         if ld.spec.remote_block_size:
             self._token_msg(msg)
@@ -210,11 +215,12 @@ class _LoadSide:
         ld.why = ld.why or "aborted"
         self._load_report(ld)
 
-    def cmd_drop(self, host, port, remote_req, remote_tp=0):
-        """Tells the prefill rank(s) holding this rank's heads of remote_req to release its slots."""
+    def cmd_drop(self, host, port, remote_req, remote_tp=0, mla_rank=0):
+        """Tells the prefill rank(s) holding this rank's heads of remote_req to release its slots (MLA: the one that
+        staged it, mla_rank)."""
         tp, remote_tp = self.tp_size, remote_tp or self.tp_size
-        if self.mla:  # prefill rank 0 staged it; decode rank 0 speaks for this instance
-            ranks = [0] if self.tp_rank == 0 else []
+        if self.mla:  # one prefill rank staged it; decode rank 0 speaks for this instance
+            ranks = [mla_rank] if self.tp_rank == 0 else []
         elif tp >= remote_tp:
             ranks = [self.tp_rank // (tp // remote_tp)]
         else:

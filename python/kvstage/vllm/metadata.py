@@ -15,6 +15,7 @@ class SaveSpec:
     num_tokens: int
     stage_timeout: float
     decode_tp: int = 0  # the decode side's TP size it is staged for (0: this side's): its shares' head slices
+    mla_rank: int = 0  # MLA: the one prefill rank that stages it (config.mla_stager); the others copy nothing
 
 
 @dataclasses.dataclass
@@ -30,8 +31,10 @@ class RecvSpec:
     load_timeout: float
     error: Optional[str] = None  # set: fail the load at once (the scheduler found it unusable)
     remote_tp: int = 0  # the prefill side's TP size (0: this side's): which prefill ranks hold this rank's heads
-    mla: bool = False  # replicated KV (MLA): rank 0 opens one room all this instance's ranks read (join)
+    mla: bool = False  # replicated KV (MLA): one rank opens one room all this instance's ranks read (join)
     remote_block_size: int = 0  # the prefill side's block size (0: this side's): the room is its blocks' tokens
+    mla_rank: int = 0  # MLA: the prefill rank that staged it, which the room is pulled from
+    mla_leader: int = 0  # MLA: the decode rank that opens the shared room and pulls (config.mla_reader)
 
 
 @dataclasses.dataclass
@@ -42,5 +45,6 @@ class KvstageConnectorMetadata(KVConnectorMetadata):
     reqs_to_recv: dict = dataclasses.field(default_factory=dict)     # D: req_id -> RecvSpec
     reqs_to_abort: set = dataclasses.field(default_factory=set)      # D: loads the scheduler gave up on
     reqs_to_drop: list = dataclasses.field(default_factory=list)     # D: (host, port, remote_request_id[, remote
-    #                                                                    TP size where it differs]) never loaded
+    #                                                                    TP size where it differs, or for MLA 0 and
+    #                                                                    the prefill rank that staged it]) never loaded
     abort_times: dict = dataclasses.field(default_factory=dict)      # P, D: req_id -> time.time() of its abort

@@ -4,7 +4,7 @@ from __future__ import annotations
 import logging
 import time
 
-from .config import _float, _tp_pair, _Settings
+from .config import _float, _tp_pair, _Settings, mla_reader, mla_stager
 from .layout import _cdiv
 from .metadata import SaveSpec, RecvSpec, KvstageConnectorMetadata
 
@@ -48,10 +48,11 @@ def _unhashed(blocks):
 
 
 class _PReq:
-    __slots__ = ("request", "blocks", "saved")
+    __slots__ = ("request", "blocks", "saved", "mla_rank")
 
     def __init__(self, request, blocks):
         self.request, self.blocks, self.saved = request, list(blocks or []), False
+        self.mla_rank = None  # MLA: the prefill rank that stages it, chosen at its first stage (kept at a restage)
 
 
 class _SchedulerSide:
@@ -61,6 +62,7 @@ class _SchedulerSide:
         self._p_delayed = {}      # prefill requests whose blocks wait for finished_sending: req_id -> handoff
         self._d_loading = set()   # decode requests whose load the worker has not reported yet
         self._warned = set()
+        self._mla_handoffs = 0    # MLA: stages chosen so far (the next one's rank: mla_stager)
         self._reset()
 
     def _reset(self):
@@ -102,6 +104,9 @@ class _SchedulerSide:
         if bool(kv.get("mla", False)) != self.s.mla:
             return None, f"the prefill side's model {'is' if kv.get('mla') else 'is not'} MLA, this side's " + (
                 "is" if self.s.mla else "is not")
+        if self.s.mla and self._mla_rank(kv, remote_tp) is None:
+            return None, (f"the prefill side (TP size {remote_tp}) names prefill rank {kv.get('mla_rank')!r} as the "
+                          "one that staged it")
         staged_for = int(kv.get("decode_tp_size", remote_tp))
         if staged_for != self.s.tp_size and not self.s.mla:
             return None, (f"the prefill side (TP size {remote_tp}) staged its KV for decode TP size {staged_for}, this "
@@ -116,6 +121,15 @@ class _SchedulerSide:
         if kv.get("groups") != want:
             return None, f"the prefill side staged KV cache groups {kv.get('groups')}, this side has {want}"
         return kv, None
+
+    @staticmethod
+    def _mla_rank(kv, remote_tp):
+        """MLA: the prefill rank that staged a request, as its params name it (kvstage.mla_rank; absent: 0, as a
+        prefill instance before the ranks took turns staged on rank 0), or None when that is no rank of remote_tp."""
+        v = kv.get("mla_rank", 0) if isinstance(kv, dict) else 0
+        if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < int(remote_tp):
+            return None
+        return v
 
     def _staged(self, request):
         """Decode side: the prompt tokens the prefill side staged for this request (settings.staged_tokens)."""
@@ -151,6 +165,9 @@ class _SchedulerSide:
         if isinstance(p.get("kvstage"), dict) and p.get("remote_request_id") and p.get("remote_host"):
             drop = (str(p["remote_host"]), int(p["remote_port"]), str(p["remote_request_id"]))
             remote_tp = int(p.get("tp_size", self.s.tp_size) or self.s.tp_size)
+            if self.s.mla:  # the prefill rank that staged it (an unusable name: rank 0, as before the turns)
+                self._drops.append(drop + (0, self._mla_rank(p["kvstage"], remote_tp) or 0))
+                return
             self._drops.append(drop if remote_tp == self.s.tp_size else drop + (remote_tp,))
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens):
@@ -192,10 +209,12 @@ class _SchedulerSide:
                 err = None if 0 <= skip else f"{len(local)} blocks to fill, the prefill side staged {kv['num_blocks']}"
                 skip = max(skip, 0)
             remote_tp = int(p.get("tp_size", self.s.tp_size))
+            mla_rank = self._mla_rank(kv, remote_tp) if self.s.mla else 0  # _remote checked it
             self._recv[rid] = RecvSpec(rid, str(p["remote_request_id"]), str(p["remote_host"]), int(p["remote_port"]),
                                        count, local, skip, timeout, err,
                                        remote_tp if remote_tp != self.s.tp_size and not self.s.mla else 0,
-                                       self.s.mla, remote_bs if remote_bs != self.s.block_size else 0)
+                                       self.s.mla, remote_bs if remote_bs != self.s.block_size else 0,
+                                       mla_rank, mla_reader(mla_rank, remote_tp, self.s.tp_size) if self.s.mla else 0)
             self._d_loading.add(rid)
 
     def _ids(self, ids):
@@ -253,8 +272,12 @@ class _SchedulerSide:
         decode_tp = self._decode_tp(st.request)
         if decode_tp == self.s.tp_size or self.s.mla:
             decode_tp = 0  # the plain layout
+        if self.s.mla and st.mla_rank is None:  # one rank stages it; the ranks take turns
+            st.mla_rank = mla_stager(self._mla_handoffs, self.s.tp_size)
+            self._mla_handoffs += 1
         st.saved = True
-        self._saves[st.request.request_id] = SaveSpec(st.request.request_id, ids, n, timeout, decode_tp)
+        self._saves[st.request.request_id] = SaveSpec(st.request.request_id, ids, n, timeout, decode_tp,
+                                                      st.mla_rank or 0)
 
     def _decode_tp(self, request):
         """The decode TP size a prefill request is staged for: its kv_transfer_params' kvstage_decode_tp_size (a
@@ -342,8 +365,8 @@ class _SchedulerSide:
         nb = _cdiv(n, self.s.block_size)
         kvs = dict(version=1, num_blocks=nb, num_tokens=n, block_size=self.s.block_size)
         decode_tp = self._decode_tp(request)
-        if self.s.mla:  # staged once, by rank 0, for any decode TP size
-            kvs["mla"] = True
+        if self.s.mla:  # staged once, by one rank (mla_rank), for any decode TP size
+            kvs["mla"], kvs["mla_rank"] = True, st.mla_rank or 0
         elif decode_tp != self.s.tp_size:  # the head slices its ranks' KV is staged in
             kvs["decode_tp_size"] = decode_tp
         if self.s.grouped:  # each group's staged positions [first, end); remote_block_ids: those blocks, as NIXL's

@@ -11,7 +11,7 @@ from .. import sidechannel as _sidechannel
 from ..client import EventType
 from ..errors import Again, KvstageError, NotConnected, PoolExhausted, Timeout
 from ..plan import needs_view, plan
-from .config import head_shares
+from .config import head_shares, mla_reader
 from .layout import _cdiv
 
 logger = logging.getLogger("kvstage.vllm")  # one logger for the whole connector
@@ -88,8 +88,9 @@ class _StageSide:
         except KvstageError as e:  # no proxy: nothing is staged (the blocks are freed when the request ends)
             logger.error("kvstage connector: cannot stage %s: %s", spec.req_id, e)
             return self._end(spec.req_id, f"no connection to kvstaged: {e}")
-        if self.mla and self.tp_rank != 0:
-            return self._end(spec.req_id, "MLA: prefill rank 0 stages the KV every rank holds")
+        if self.mla and self.tp_rank != spec.mla_rank:
+            return self._end(spec.req_id, f"MLA: prefill rank {spec.mla_rank} stages this request (every rank holds "
+                                          "its KV; the ranks take turns)")
         shares, why = None, None
         if spec.decode_tp and spec.decode_tp != self.tp_size:
             try:
@@ -307,7 +308,7 @@ class _StageSide:
     def _share_of(self, st, rank):
         """The index of the share of stage st that decode rank `rank` loads, or None (it loads none of this rank's)."""
         if self.mla:
-            return 0  # the one stage every decode rank reads (through decode rank 0's shared room)
+            return 0  # the one stage every decode rank reads (the shared room of the decode rank paired with this one)
         if st.shares is None:
             return 0 if rank == self.tp_rank else None
         return next((j for j, (d, _, _) in enumerate(st.shares) if d == rank), None)
@@ -316,7 +317,7 @@ class _StageSide:
         if msg["t"] == "drop":
             st = self._stages.get(msg["req"])
             j = self._share_of(st, msg.get("tp_rank", self.tp_rank)) if st is not None else 0
-            if j is None or (st is None and msg.get("tp_rank", self.tp_rank) != self.tp_rank
+            if j is None or (st is None and not self.mla and msg.get("tp_rank", self.tp_rank) != self.tp_rank
                              and msg.get("tp_size", self.tp_size) == self.tp_size):
                 logger.warning("kvstage connector: a release of %s for TP rank %s reached rank %s: ignored",
                                msg["req"], msg.get("tp_rank"), self.tp_rank)
@@ -342,10 +343,11 @@ class _StageSide:
 
     def _pull(self, msg):
         d, dtp = msg.get("tp_rank"), msg.get("tp_size", self.tp_size)
-        if self.mla:
-            if d != 0 or self.tp_rank != 0:
-                return self._reject(msg, f"MLA: decode rank 0 loads from prefill rank 0 alone, not decode rank {d} "
-                                         f"from prefill rank {self.tp_rank} (remote_port misconfigured?)")
+        if self.mla:  # the decode rank paired with this one opens the shared room of what this rank staged
+            want = mla_reader(self.tp_rank, self.tp_size, dtp) if isinstance(dtp, int) and dtp > 0 else None
+            if d != want:
+                return self._reject(msg, f"MLA: prefill rank {self.tp_rank} serves decode rank {want} of TP size "
+                                         f"{dtp}, not decode rank {d} (remote_port misconfigured?)")
         elif dtp == self.tp_size and d != self.tp_rank:  # each rank holds its own shard: another's would load silently
             return self._reject(msg, f"a load for TP rank {d} reached rank {self.tp_rank} "
                                      "(kvstage_port or remote_port misconfigured?)")
