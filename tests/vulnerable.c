@@ -139,6 +139,7 @@ static const struct kvsp_xport_kind vuln_kind = { "vulnerable (test only)", vuln
 #include "datapath/datapath.h"
 #include "peer/conn.h"
 #include "peer/peer.h"
+#include "peer/plane.h"
 
 static struct kvsp_dp_ops vuln_stream_ops, vuln_rdma_ops;
 static struct kvsp_xfer nothing; /* what the late read ends on: no record, no effect */

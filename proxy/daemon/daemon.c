@@ -18,12 +18,14 @@
 #include "daemon/daemon.h"
 #include "base/log.h"
 #include "daemon/metrics.h"
+#include "datapath/datapath.h"
 #include "base/notify.h"
 #include "kvs_build.h"
 #include "kvstage.h"
 #include "parse.h"
 #include "peer/endpoint.h"
 #include "peer/peer.h"
+#include "peer/plane.h"
 #include "peer/auth.h"
 
 static void usage(FILE *f)
@@ -299,7 +301,8 @@ int kvsp_daemon_main(int argc, char **argv, const struct kvsp_daemon_hooks *hook
 	};
 	static struct kvsp_peer_opts peer = { .streams = 2,
 					      .peer_timeout_ns = 10000ull * 1000000,
-					      .rdma_gid_index = -1 };
+					      .rdma_gid_index = -1,
+					      .datapaths = kvsp_datapaths };
 	const char *secret_path = NULL, *conf_path, *metrics_listen = NULL;
 	int ready_fd = -1, opt;
 	uint64_t v;

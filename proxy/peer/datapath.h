@@ -1,10 +1,14 @@
 /* SPDX-License-Identifier: MIT */
 /*
  * Data paths: how a chunk's bytes travel between two proxies once the peer
- * plane has agreed on its room (the receiver acknowledged the OPEN). One
- * file per data path behind this table, listed in datapath.c; the peer
- * plane asks them in that order which one carries a session's chunks
- * (RDMA READ first; the stream last, which carries every session).
+ * plane has agreed on its room (the receiver acknowledged the OPEN). This
+ * is the interface the peer plane calls them through; it lives with its
+ * caller, and the data paths (datapath/, a folder above peer/) implement
+ * it. One file per data path behind this table, listed in
+ * datapath/datapath.c, which the daemon gives the plane (struct
+ * kvsp_peer_opts's datapaths); the peer plane asks them in that order
+ * which one carries a session's chunks (RDMA READ first; the stream last,
+ * which carries every session).
  *
  * A data path speaks its own frame types on the session's connections
  * (stream: CHUNK and its payload; RDMA: RDMA_HELLO, CHUNK_READ, CHUNK_ACK),
@@ -16,10 +20,11 @@
  * pair moved to error), and only once it says nothing of it can touch our
  * memory does the core release the session's pins.
  *
- * A new data path (UCX, EFA) is one file here and a line in datapath.c.
+ * A new data path (UCX, EFA) is one file in datapath/ and a line in
+ * datapath/datapath.c.
  */
-#ifndef KVSP_DATAPATH_H
-#define KVSP_DATAPATH_H
+#ifndef KVSP_PEER_DATAPATH_H
+#define KVSP_PEER_DATAPATH_H
 
 #include <stdbool.h>
 #include <stddef.h>
@@ -116,22 +121,5 @@ struct kvsp_dp_ops {
 	int (*loop_fd)(const struct kvsp_dp *dp);
 	void (*on_fd)(struct kvsp_dp *dp);
 };
-
-/* The data paths, in the order they are asked; NULL-terminated. */
-extern const struct kvsp_dp_ops *const kvsp_datapaths[];
-
-/* Gives chunk x to the first data path that carries s (dps: the plane's).
- * Returns what its send returns. */
-int kvsp_dp_carry(struct kvsp_dp *const *dps, unsigned n, struct psess *s, struct kvsp_xfer *x,
-		  const struct kvs_wire_room *room);
-
-/* CHUNK_READs an RDMA sender keeps unacknowledged on one session: bounds
- * the receiver's READs in flight and the acks it may owe at once. */
-#define KVSP_RDMA_WINDOW 128
-
-/* datapath/rdma.c; in a build without libibverbs, datapath/no_rdma.c, which
- * answers peers' RDMA frames as a proxy without a device does. */
-extern const struct kvsp_dp_ops kvsp_dp_rdma;
-extern const struct kvsp_dp_ops kvsp_dp_stream; /* datapath/stream.c */
 
 #endif

@@ -1,7 +1,8 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * The peer plane as the daemon sees it: its options and its transport kind
- * (core/xport.h). Everything else of it is its own (peer/, datapath/).
+ * The peer plane's options, as the daemon sets them and the data paths read
+ * them; its transport kind is plane.h's. Everything else of it is its own
+ * (peer/, datapath/).
  */
 #ifndef KVSP_PEER_H
 #define KVSP_PEER_H
@@ -9,8 +10,8 @@
 #include <stdbool.h>
 #include <stdint.h>
 
+struct kvsp_dp_ops;
 struct kvsp_secret;
-struct kvsp_xport_kind;
 
 #define KVSP_PEER_MAX_STREAMS 16
 
@@ -43,15 +44,9 @@ struct kvsp_peer_opts {
 	int rdma_gid_index;	 /* -1: the device's first RoCE v2 GID, IPv4-mapped first */
 	enum kvsp_keys rdma_keys;
 	const struct kvsp_secret *secret;
+	/* The data paths, in the order they are asked (datapath/datapath.h's
+	 * kvsp_datapaths; peer/datapath.h is their interface); NULL-terminated. */
+	const struct kvsp_dp_ops *const *datapaths;
 };
-
-/* Proxies on other hosts: sessions over TCP, chunks by a data path. opts: struct kvsp_peer_opts. */
-extern const struct kvsp_xport_kind kvsp_peer_kind;
-
-struct kvsp_dp;
-struct kvsp_transport;
-/* The data paths the peer plane t (made by kvsp_peer_kind) opened, in the
- * order it asks them; *n says how many. */
-struct kvsp_dp *const *kvsp_peer_datapaths(struct kvsp_transport *t, unsigned *n);
 
 #endif

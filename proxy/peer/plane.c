@@ -33,10 +33,11 @@
 #include "core/failpoint.h"
 #include "core/xport.h"
 #include "base/log.h"
-#include "datapath/datapath.h"
 #include "layout.h"
 #include "peer/conn.h"
+#include "peer/datapath.h"
 #include "peer/peer.h"
+#include "peer/plane.h"
 #include "peer/room.h"
 #include "peer/session.h"
 
@@ -663,8 +664,8 @@ static int open_datapaths(struct peer *pr, const struct kvsp_peer_opts *o, char 
 				.st = pr->st,
 				.dps = pr->dps,
 				.ndps = &pr->ndps };
-	for (unsigned k = 0; kvsp_datapaths[k] && pr->ndps < MAX_DPS; k++) {
-		base.ops = kvsp_datapaths[k];
+	for (unsigned k = 0; o->datapaths[k] && pr->ndps < MAX_DPS; k++) {
+		base.ops = o->datapaths[k];
 		int err = 0;
 		struct kvsp_dp *dp = base.ops->create(&base, o, why, len, &err);
 		if (!dp) {

@@ -15,8 +15,8 @@
 #include <sodium.h>
 
 #include "core/xport.h"
-#include "datapath/datapath.h"
 #include "layout.h"
+#include "peer/datapath.h"
 #include "peer/frame.h"
 
 #define NONE UINT32_MAX
@@ -105,9 +105,14 @@ int proom_attach(struct proom_table *t, uint32_t sess, uint32_t i, uint32_t gen,
 	return 0;
 }
 
+/* Gives chunk x to the first data path that carries s. Returns what its
+ * send returns. */
 static int carry(struct proom_table *t, struct psess *s, struct kvsp_xfer *x, const struct proom *r)
 {
-	return kvsp_dp_carry(t->dps, *t->ndps, s, x, &r->name);
+	for (unsigned k = 0; k < *t->ndps; k++)
+		if (t->dps[k]->ops->carries(t->dps[k], s))
+			return t->dps[k]->ops->send(t->dps[k], s, x, &r->name);
+	return -EOPNOTSUPP;
 }
 
 int proom_submit(struct proom_table *t, struct kvsp_xfer *x)

@@ -50,9 +50,9 @@
 
 #include "core/xport.h"
 #include "base/log.h"
-#include "datapath/datapath.h"
 #include "layout.h"
 #include "peer/conn.h"
+#include "peer/datapath.h"
 
 /* A published field, written by the loop, read by kvstage-stat. */
 #define PUB(f, v) __atomic_store_n(&(f), (v), __ATOMIC_RELAXED)
