@@ -317,7 +317,7 @@ Test(hostile, five_thousand_failed_handshakes_write_a_handful_of_lines)
 	}
 	stat_wait(&pb, "peer_auth_failed", 1, failed + 5000);
 	clock_gettime(CLOCK_MONOTONIC, &t1);
-	/* The limit is a burst per window (daemon/log.h): a slow machine (the
+	/* The limit is a burst per window (base/log.h): a slow machine (the
 	 * guest under ASan takes over 20 s) spans more windows, each its
 	 * burst, and no more. */
 	uint64_t ns = (uint64_t)(t1.tv_sec - t0.tv_sec) * 1000000000u + (uint64_t)t1.tv_nsec -
