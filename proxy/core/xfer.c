@@ -340,9 +340,8 @@ bool kvsp_chunk_unpost(struct kvsp *p, struct kvsp_xfer *x)
 	return true;
 }
 
-void kvsp_chunk_sunk(struct kvsp *p, uint64_t bytes)
+void kvsp_chunk_sunk(struct kvsp *p)
 {
-	(void)bytes;
 	KVS_STAT_ADD(p->stats->chunks_discarded, 1);
 }
 
@@ -526,14 +525,6 @@ int kvsp_xport_fd_add(struct kvsp *p, struct kvsp_transport *t, int fd, uint32_t
 		      uint32_t tag)
 {
 	return kvsp_ep_add(p->epfd, fd, events, kvsp_ep_tag(KVSP_EP_XPORT, t->idx, tag));
-}
-
-int kvsp_xport_fd_mod(struct kvsp *p, struct kvsp_transport *t, int fd, uint32_t events,
-		      uint32_t tag)
-{
-	struct epoll_event ev = { .events = events,
-				  .data.u64 = kvsp_ep_tag(KVSP_EP_XPORT, t->idx, tag) };
-	return epoll_ctl(p->epfd, EPOLL_CTL_MOD, fd, &ev) < 0 ? -errno : 0;
 }
 
 void kvsp_xport_fd_del(struct kvsp *p, int fd)

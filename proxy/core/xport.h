@@ -63,7 +63,6 @@ struct kvsp_xfer {
 	uint8_t dir;	  /* enum kvsp_xfer_dir; 0: no transfer */
 	uint8_t xport;	  /* the transport's index in the registry */
 	uint32_t peer;	  /* the transport's name for the far proxy; 0: none */
-	uint64_t tref;	  /* the transport's own reference, for it alone */
 	uint64_t sent_ns; /* the loop pass that took it: for the chunk latency histogram */
 };
 
@@ -178,7 +177,7 @@ void kvsp_chunk_discard(struct kvsp *p, struct kvsp_xfer *x, int status);
  * (the chunk is discarded, counted). */
 bool kvsp_chunk_unpost(struct kvsp *p, struct kvsp_xfer *x);
 /* Counts a chunk read into a discard sink without a posted slot. */
-void kvsp_chunk_sunk(struct kvsp *p, uint64_t bytes);
+void kvsp_chunk_sunk(struct kvsp *p);
 
 /* The peer aborted room (index, gen). Returns 0, or -ESTALE (another
  * generation, or not carried by t to that peer: nothing changes, counted). */
@@ -235,9 +234,6 @@ void kvsp_xport_fp_holder(struct kvsp *p, unsigned id, struct kvsp_transport *t,
 
 /* Watches fd in the loop; events come to t->ops->on_fd with tag. Returns 0, or -errno. */
 int kvsp_xport_fd_add(struct kvsp *p, struct kvsp_transport *t, int fd, uint32_t events,
-		      uint32_t tag);
-/* Changes what fd is watched for. Returns 0, or -errno. */
-int kvsp_xport_fd_mod(struct kvsp *p, struct kvsp_transport *t, int fd, uint32_t events,
 		      uint32_t tag);
 /* Stops watching fd (before closing it). */
 void kvsp_xport_fd_del(struct kvsp *p, int fd);

@@ -185,7 +185,6 @@ static const uint16_t rdma_types[] = { KVS_WIRE_RDMA_HELLO, KVS_WIRE_CHUNK_READ,
 
 const struct kvsp_dp_ops kvsp_dp_rdma = {
 	.name = "rdma",
-	.peer_flag = 0,
 	.types = rdma_types,
 	.create = no_rdma_create,
 	.destroy = no_rdma_destroy,

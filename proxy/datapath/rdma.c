@@ -589,7 +589,6 @@ static const uint16_t rdma_types[] = { KVS_WIRE_RDMA_HELLO, KVS_WIRE_CHUNK_READ,
 
 const struct kvsp_dp_ops kvsp_dp_rdma = {
 	.name = "rdma",
-	.peer_flag = KVS_PEER_RDMA,
 	.types = rdma_types,
 	.create = rdma_create,
 	.destroy = rdma_destroy,

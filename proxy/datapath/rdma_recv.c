@@ -95,7 +95,7 @@ int rrecv_on_read(struct rdma *r, struct psess *s, const struct kvs_wire_chunk_r
 	if (rc >= 0)
 		rc = kvsp_chunk_post(dp->p, dp->t, s->id, n.room, n.gen, chunk, len, &x, &dst);
 	if (rc < 0) {
-		kvsp_chunk_sunk(dp->p, 0); /* refused: counted, nothing read */
+		kvsp_chunk_sunk(dp->p); /* refused: counted, nothing read */
 		nack(rs, &b->room, chunk, ref, rc);
 		return 0;
 	}

@@ -176,7 +176,7 @@ static int stream_on_frame(struct kvsp_dp *dp, struct psess *s, struct pconn *c,
 		LOG_DEBUG("peer %s: chunk %u of room %u into the sink: %s", s->ep.text,
 			  le32toh(b->chunk), n.room, strerror(-rc));
 	if (!f->plen)
-		kvsp_chunk_sunk(dp->p, 0); /* a chunk is never empty: nothing to read, counted */
+		kvsp_chunk_sunk(dp->p); /* a chunk is never empty: nothing to read, counted */
 	return 0;
 }
 
@@ -187,7 +187,7 @@ static void stream_payload_end(struct kvsp_dp *dp, struct psess *s, struct pconn
 	if (c->rx_ended)
 		return; /* its room aborted mid-payload: discarded (and counted) then */
 	if (!x || !c->rx_dst) {
-		kvsp_chunk_sunk(dp->p, c->rx_off);
+		kvsp_chunk_sunk(dp->p);
 		KVS_STAT_ADD(s->pub->chunks_sunk, 1);
 	} else if (c->rx_has_crc && c->rx_crc != c->rx_want_crc) {
 		KVS_STAT_ADD(dp->st->peer_crc_errors, 1);

@@ -66,7 +66,6 @@ struct kvsp_dp_frame {
 
 struct kvsp_dp_ops {
 	const char *name;
-	uint32_t peer_flag;    /* KVS_PEER_* shown for a session it carries; 0: none */
 	const uint16_t *types; /* the frame types it reads, 0-terminated */
 	/* Makes this proxy's instance (a struct embedding *base first).
 	 * Returns it; or NULL with *err 0 when this proxy has none (why says
