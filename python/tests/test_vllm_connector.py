@@ -27,7 +27,8 @@ try:
 except ImportError:  # pragma: no cover
     torch = None
 
-# KVConnectorBase_V1's methods as vllm/distributed/kv_transfer/kv_connector/v1/base.py @ 9aaf83ef502f has them
+# KVConnectorBase_V1's methods as vllm/distributed/kv_transfer/kv_connector/v1/base.py @ 9aaf83ef502f has them, and
+# those @ 003df2961dd8 added (the connector has them whatever the base: test_vllm_hooks.py)
 VLLM_SIGNATURES = {
     "__init__": ["self", "vllm_config", "role", "kv_cache_config"],
     "register_kv_caches": ["self", "kv_caches"],
@@ -45,7 +46,10 @@ VLLM_SIGNATURES = {
     "build_connector_meta": ["self", "scheduler_output"],
     "update_connector_output": ["self", "connector_output"],
     "request_finished": ["self", "request", "block_ids"],
-    "has_pending_push_work": ["self"],  # not in vLLM's base at 9aaf83ef502f: harmless
+    "has_pending_push_work": ["self"],  # in vLLM's base @ 003df2961dd8, not @ 9aaf83ef502f
+    "set_xfer_handshake_metadata": ["self", "metadata"],
+    "set_xfer_handshake_metadata_pp_aware": ["self", "metadata"],  # @ 003df2961dd8
+    "set_eagle_prefix_cache_hashing": ["self", "enabled"],  # @ 003df2961dd8
     "get_required_kvcache_layout": ["vllm_config"],  # classmethods
     "build_kv_connector_stats": ["data"],
     "build_prom_metrics": ["vllm_config", "metric_types", "labelnames", "per_engine_labelvalues"],
@@ -61,6 +65,9 @@ def test_interface_matches_vllm():
         assert list(inspect.signature(getattr(C, name)).parameters) == params, name
         if hasattr(base.KVConnectorBase_V1, name):  # the same as the base's (the stand-in's where vllm is absent)
             assert list(inspect.signature(getattr(base.KVConnectorBase_V1, name)).parameters) == params, name
+    for name in ("requires_kv_delivery", "supports_eagle_prefix_cache_hashing"):  # properties @ 003df2961dd8
+        assert isinstance(getattr(C, name), property), name
+        assert isinstance(getattr(base.KVConnectorBase_V1, name, property()), property), name
     # kv_cache_config is required, as vLLM's base has it (factory.py refuses a 2-argument constructor)
     assert inspect.signature(C.__init__).parameters["kv_cache_config"].default is inspect.Parameter.empty
     assert issubclass(kv.KvstageConnectorMetadata, base.KVConnectorMetadata)

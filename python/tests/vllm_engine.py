@@ -1,10 +1,12 @@
 """Test helpers for the vLLM connector: a small stand-in of a vLLM engine that drives kvstage.vllm.KvstageConnector
 the way vLLM v1 does (vllm/v1/core/sched/scheduler.py and the model runner's KV-connector context, at the commits
-named in kvstage/vllm/__init__.py). One Engine is one vLLM instance: a scheduler-role connector and, per tensor-parallel
-rank, a worker-role connector with that rank's own KV cache shard (tp=1: one worker, as vLLM's UniProcExecutor runs
-it; tp>1: the ranks' outputs aggregated as vLLM's KVOutputAggregator does for MultiprocExecutor, each rank's
-metadata a pickled copy), real torch CPU KV caches in vLLM's paged layout (per layer (2, num_blocks, block_size,
-heads, head_dim): K and V), a block pool that hands a freed block out again first, chunked prefill, async loads
+named in kvstage/vllm/__init__.py; Engine(vllm=...) picks what differs between 9aaf83ef502f and 003df2961dd8, the
+default: the handshake-metadata call at start, requires_kv_delivery at a preemption, the EAGLE prefix-cache choice).
+One Engine is one vLLM instance: a scheduler-role connector and, per tensor-parallel rank, a worker-role connector
+with that rank's own KV cache shard (tp=1: one worker, as vLLM's UniProcExecutor runs it; tp>1: the ranks' outputs
+aggregated as vLLM's KVOutputAggregator does for MultiprocExecutor, each rank's metadata a pickled copy), real
+torch CPU KV caches in vLLM's paged layout (per layer (2, num_blocks, block_size, heads, head_dim): K and V), a block
+pool that hands a freed block out again first, chunked prefill, async loads
 (WAITING_FOR_REMOTE_KVS), delayed frees, kv_load_failure_policy "fail".
 
 A step is what EngineCore.step does: schedule (get_num_new_matched_tokens, allocate, update_state_after_alloc,
@@ -12,7 +14,12 @@ build_connector_meta), execute (bind_connector_metadata, start_load_kv, per laye
 layer writes its KV -> save_kv_layer, wait_for_save, get_finished(finished_req_ids),
 get_block_ids_with_load_errors, clear_connector_metadata; on every rank), update_from_output (invalid blocks fail
 the async loads they belong to; finish requests: request_finished and free or delay; update_connector_output;
-finished_sending frees; finished_recving readies a waiting request or frees a finished one). The "model" writes,
+finished_sending frees; finished_recving readies a waiting request or frees a finished one). With
+async_scheduling=True the step is vLLM's batch queue of two (EngineCore.step_with_batch_queue): schedule and execute a
+step, then update from the one before, so a step's output arrives after the next schedule, which may have preempted
+its request (preempt(): the next schedule preempts it first, as vLLM's does when its policy picks it; its blocks freed,
+its in-flight output dropped with drop_stale_output = the connector's requires_kv_delivery @ 003df2961dd8, else
+delivered). The "model" writes,
 at every position, bytes that depend only on (request seed, TP rank, layer, K/V, position), so a decode engine can
 check what each rank received. Importable by spawned children."""
 import copy
@@ -32,6 +39,7 @@ from kvstage import vllm as kv
 from kvstage.plan import CopyHandle, CpuCopier
 
 LAYERS, BLOCK_SIZE, HEADS, HEAD_DIM = 3, 4, 2, 16
+NEW, OLD = "003df2961dd8", "9aaf83ef502f"  # the vLLM commits the stand-in engine can be
 LAYER_NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
 MAX_POS = 256  # positions of the model's content (a fixed shape: the same seed gives the same bytes everywhere)
 
@@ -41,6 +49,7 @@ class RequestStatus(enum.IntEnum):
     WAITING = 1
     WAITING_FOR_REMOTE_KVS = 2
     RUNNING = 3
+    PREEMPTED = 4
     FINISHED_STOPPED = 10
     FINISHED_LENGTH_CAPPED = 11
     FINISHED_ABORTED = 12
@@ -67,6 +76,11 @@ class Request:
         self.output = []
         self.blocks = []
         self.load_done = False
+        # async scheduling (vllm/v1/request.py's names): tokens scheduled whose output has not come, outputs to come,
+        # the in-flight tokens of before a preemption (their output is stale) and whether it is dropped
+        self.num_in_flight_tokens = self.num_output_placeholders = self.num_stale_output_tokens = 0
+        self.drop_stale_output = False
+        self.num_preemptions = 0
 
     @property
     def num_tokens(self):
@@ -121,8 +135,9 @@ class KVConnectorOutput:
     invalid_block_ids: set
 
 
-def vllm_config(socket_path, port, role="kv_both", tp=1, extra=None, mla=False, block_size=BLOCK_SIZE):
-    """A stand-in of VllmConfig with the fields the connector reads (KVTransferConfig's names)."""
+def vllm_config(socket_path, port, role="kv_both", tp=1, extra=None, mla=False, block_size=BLOCK_SIZE, eagle=False):
+    """A stand-in of VllmConfig with the fields the connector reads (KVTransferConfig's names); eagle: an EAGLE
+    speculative config, prefix caching on."""
     ex = {"kvstage_socket": socket_path, "kvstage_host": "127.0.0.1", "kvstage_port": port}
     ex.update(extra or {})
     kt = types.SimpleNamespace(
@@ -135,7 +150,19 @@ def vllm_config(socket_path, port, role="kv_both", tp=1, extra=None, mla=False, 
         kv_transfer_config=kt, cache_config=types.SimpleNamespace(block_size=block_size),
         parallel_config=types.SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=1, data_parallel_rank=0),
         scheduler_config=types.SimpleNamespace(disable_hybrid_kv_cache_manager=True),
-        model_config=types.SimpleNamespace(use_mla=mla))
+        model_config=types.SimpleNamespace(use_mla=mla),
+        speculative_config=types.SimpleNamespace(use_eagle=lambda: True) if eagle else None)
+
+
+def is_eagle_prefix_cache_hashing_enabled(vllm_config, kv_connector=None):
+    """vllm/distributed/kv_transfer/kv_connector/v1/prefix_cache.py @ 003df2961dd8, which the scheduler calls at
+    start: successor-aware EAGLE prefix-cache keys only with EAGLE, and with a KV connector only if it supports them."""
+    spec = getattr(vllm_config, "speculative_config", None)
+    if spec is None or not spec.use_eagle():
+        return False
+    if vllm_config.kv_transfer_config is not None:
+        return bool(kv_connector is not None and kv_connector.supports_eagle_prefix_cache_hashing)
+    return vllm_config.cache_config.enable_prefix_caching
 
 
 def kv_cache_config(num_blocks, block_size=BLOCK_SIZE):
@@ -266,7 +293,7 @@ class Engine:
 
     def __init__(self, socket_path, port, num_blocks, role="kv_both", connector_cls=kv.KvstageConnector,
                  chunk=8, budget=48, extra=None, max_running=64, head_dim=HEAD_DIM, kv_layout="kv-first", tp=1,
-                 kv_heads=None, mla=False, block_size=BLOCK_SIZE):
+                 kv_heads=None, mla=False, block_size=BLOCK_SIZE, vllm=NEW, async_scheduling=False, eagle=False):
         self.head_dim, self.tp, self.mla, self.block_size = head_dim, tp, mla, block_size
         self.flashinfer = kv_layout == "flashinfer"
         # the model's KV heads (HEADS per rank unless given), each rank holding its tp-th of them as vLLM shards them
@@ -274,10 +301,16 @@ class Engine:
         self.heads = 1 if mla else None
         assert mla or self.kv_heads % tp == 0, (self.kv_heads, tp)
         self.heads = self.heads or self.kv_heads // tp
-        self.cfg = vllm_config(socket_path, port, role, tp=tp, extra=extra, mla=mla, block_size=block_size)
+        self.cfg = vllm_config(socket_path, port, role, tp=tp, extra=extra, mla=mla, block_size=block_size, eagle=eagle)
         self.num_blocks = num_blocks
         kvcc = kv_cache_config(num_blocks, block_size)
+        self.vllm, self.async_scheduling = vllm, async_scheduling
         self.sched = connector_cls(self.cfg, kv.KVConnectorRole.SCHEDULER, kvcc)
+        # Scheduler.__init__ @ 003df2961dd8: whether a preempted request's in-flight output is dropped, and the
+        # prefix-cache hash protocol (older vLLM: neither asked)
+        self.requires_kv_delivery = bool(self.sched.requires_kv_delivery) if vllm == NEW else False
+        self.use_eagle_prefix_cache_hashing = (is_eagle_prefix_cache_hashing_enabled(self.cfg, self.sched)
+                                               if vllm == NEW else False)
         self.workers, self.kvs, self.agents = [], [], []
         for rank in range(tp):  # each worker process: its connector, then its shard of the KV cache registered
             self.workers.append(connector_cls(self.cfg if tp == 1 else rank_config(self.cfg, rank),
@@ -289,6 +322,12 @@ class Engine:
             self.workers[-1].register_kv_caches(self.kvs[-1])
             self.agents.append(self.workers[-1].connector_worker.agent)
         self.worker, self.kv, self.agent = self.workers[0], self.kvs[0], self.agents[0]
+        self._handshake()
+        if self.use_eagle_prefix_cache_hashing:
+            # the engine-wide protocol, to every connector (the base's set_eagle_prefix_cache_hashing @ 003df2961dd8;
+            # its caller is not among the files read: the stand-in tells each connector at start)
+            for c in [self.sched] + self.workers:
+                c.set_eagle_prefix_cache_hashing(True)
         self.aggregator = KVOutputAggregator(tp) if tp > 1 else None
         self.reports = []
         self.free = list(range(num_blocks - 1, -1, -1))  # pop() takes the end: a freed block is handed out first
@@ -305,6 +344,28 @@ class Engine:
         self.step_no = 0
         self.log = []
         self._content = {}
+        self.inflight = None          # async scheduling: (scheduler output, its output) whose update is still to come
+        self.preempt_next = []        # requests the next schedule preempts first (preempt())
+        self.preempted_req_ids = set()
+
+    def _handshake(self):
+        """EngineCore @ 003df2961dd8, once the workers registered their KV caches: each worker's
+        get_kv_connector_handshake_metadata ({(pp_rank, tp_rank): metadata}, or None for a connector without any),
+        merged and handed to the scheduler's connector by set_xfer_handshake_metadata_pp_aware; @ 9aaf83ef502f keyed by
+        tp_rank and handed over by set_xfer_handshake_metadata."""
+        per_worker = []
+        for rank, w in enumerate(self.workers):
+            md = w.get_handshake_metadata()
+            per_worker.append(None if md is None else {((0, rank) if self.vllm == NEW else rank): md})
+        if per_worker:  # a list of the workers' answers, each None here: vLLM still calls it (with nothing)
+            content = {}
+            for d in per_worker:
+                content.update(d or {})
+            self.handshake = content
+            if self.vllm == NEW:
+                self.sched.set_xfer_handshake_metadata_pp_aware(content)
+            else:
+                self.sched.set_xfer_handshake_metadata(content)
 
     # -- the model -------------------------------------------------------------------------------
     def content(self, r, rank=0):
@@ -417,11 +478,43 @@ class Engine:
             self.free.extend(reversed(r.blocks))
 
     # -- one step ----------------------------------------------------------------------------------
+    def preempt(self, req_id):
+        """The next schedule preempts req_id (running) before it schedules anything, as vLLM's does when blocks run out
+        and its policy picks that request."""
+        self.preempt_next.append(req_id)
+
+    def _preempt(self, r):
+        """Scheduler._preempt_request @ 003df2961dd8 (drop_stale_output=self.requires_kv_delivery): its blocks freed at
+        once, back to waiting (first) with nothing computed; an output in flight is stale: dropped, or delivered."""
+        assert r.status == RequestStatus.RUNNING, r.status
+        self.running.remove(r)
+        self.free.extend(reversed(r.blocks))
+        r.blocks = []
+        r.status = RequestStatus.PREEMPTED
+        r.num_computed_tokens = 0
+        r.drop_stale_output = self.requires_kv_delivery or (r.drop_stale_output and r.num_stale_output_tokens > 0)
+        r.num_stale_output_tokens = r.num_in_flight_tokens
+        r.num_output_placeholders = 0
+        r.num_preemptions += 1
+        self.waiting.insert(0, r)
+        self.preempted_req_ids.add(r.request_id)
+        self.log.append((self.step_no, "preempted", r.request_id))
+
     def schedule(self):
         so = SchedulerOutput()
         budget = self.budget
         self.scheduled = []
+        preempted = []
+        for rid in self.preempt_next:
+            r = self.requests.get(rid)
+            if r is not None and r.status == RequestStatus.RUNNING:
+                self._preempt(r)
+                preempted.append(r)
+        self.preempt_next = []
         for r in list(self.running):
+            if (self.async_scheduling and r.num_output_placeholders > 0
+                    and r.num_computed_tokens + 2 - r.num_output_placeholders >= r.num_prompt_tokens + r.max_tokens):
+                continue  # its last token is in flight already (async scheduling)
             prefill = r.num_computed_tokens < r.num_prompt_tokens
             n = min(self.chunk, r.num_prompt_tokens - r.num_computed_tokens) if prefill else 1
             if n > budget:
@@ -436,9 +529,11 @@ class Engine:
             cr.new_block_ids.append((new,) if new else None)
             cr.num_computed_tokens.append(r.num_computed_tokens)
             so.num_scheduled_tokens[r.request_id] = n
-            self.scheduled.append((r, n))
+            self.scheduled.append((r, n, r.num_computed_tokens))
             budget -= n
-        for r in list(self.waiting):
+        for r in ([] if preempted else list(self.waiting)):  # vLLM admits none in a step that preempted
+            if r.num_stale_output_tokens > 0 and not r.drop_stale_output:
+                continue  # its stale output, to be delivered, is still in flight
             if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
                 if r.request_id not in self.finished_recving_kv:
                     continue
@@ -470,16 +565,33 @@ class Engine:
             r.blocks += new
             self.sched.update_state_after_alloc(r, KVCacheBlocks(r.blocks, new), 0)
             r.num_computed_tokens = local
+            resumed = r.status == RequestStatus.PREEMPTED
             r.status = RequestStatus.RUNNING
             self.waiting.remove(r)
             self.running.append(r)
-            so.scheduled_new_reqs.append(NewRequestData(r.request_id, r.prompt_token_ids, (list(r.blocks),), local))
+            if resumed:  # the v1 model runner's path: a cached request, resumed, with all its blocks
+                cr = so.scheduled_cached_reqs
+                cr.req_ids.append(r.request_id)
+                cr.resumed_req_ids.add(r.request_id)
+                cr.new_block_ids.append((list(r.blocks),))
+                cr.num_computed_tokens.append(local)
+            else:
+                so.scheduled_new_reqs.append(NewRequestData(r.request_id, r.prompt_token_ids, (list(r.blocks),),
+                                                            local))
             so.num_scheduled_tokens[r.request_id] = n
-            self.scheduled.append((r, n))
+            self.scheduled.append((r, n, local))
             budget -= n
         so.total_num_scheduled_tokens = sum(so.num_scheduled_tokens.values())
         so.finished_req_ids, self.finished_req_ids = self.finished_req_ids, set()
+        so.preempted_req_ids, self.preempted_req_ids = self.preempted_req_ids, set()
         so.kv_connector_metadata = self.sched.build_connector_meta(so)
+        so.scheduled = list(self.scheduled)  # (request, tokens, first position): what execute and update take
+        if self.async_scheduling:  # _update_after_schedule: computed at once; an output to come for a sampling step
+            for r, n, _ in so.scheduled:
+                r.num_computed_tokens += n
+                r.num_in_flight_tokens += n
+                if r.num_computed_tokens >= r.num_tokens + r.num_output_placeholders:
+                    r.num_output_placeholders += 1
         return so
 
     def execute(self, so):
@@ -491,11 +603,11 @@ class Engine:
             w.handle_preemptions(meta)  # gpu_model_runner / gpu/kv_connector.py pre_forward: before binding it
             w.bind_connector_metadata(meta)
             w.start_load_kv(None)
-            if self.scheduled:
+            if so.scheduled:
                 for li, name in enumerate(LAYER_NAMES):
                     w.wait_for_layer_load(name)
-                    for r, n in self.scheduled:  # this layer's attention writes the new tokens' KV
-                        self.write(r, li, r.num_computed_tokens, n, rank=rank)
+                    for r, n, c0 in so.scheduled:  # this layer's attention writes the new tokens' KV
+                        self.write(r, li, c0, n, rank=rank)
                     w.save_kv_layer(name, self.kvs[rank][name], None)
             w.wait_for_save()
             fs, fr = w.get_finished(so.finished_req_ids)
@@ -511,12 +623,33 @@ class Engine:
         if out.invalid_block_ids:  # _handle_invalid_blocks: the async loads these blocks belong to failed
             failed = [r for r in self.waiting if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS
                       and set(r.blocks) & out.invalid_block_ids]
-        for r, n in self.scheduled:
-            r.num_computed_tokens += n
-            if r.num_computed_tokens >= r.num_tokens:
-                r.output.append(len(r.output))
-                if len(r.output) >= r.max_tokens:
-                    self._finish(r, RequestStatus.FINISHED_LENGTH_CAPPED)
+        for r, n, c0 in so.scheduled:
+            if not self.async_scheduling:
+                r.num_computed_tokens += n
+                if r.num_computed_tokens >= r.num_tokens:
+                    r.output.append(len(r.output))
+                    if len(r.output) >= r.max_tokens:
+                        self._finish(r, RequestStatus.FINISHED_LENGTH_CAPPED)
+                continue
+            # update_from_output @ 003df2961dd8 under async scheduling: the step's share of a stale output drains
+            r.num_in_flight_tokens -= n
+            stale = r.num_stale_output_tokens > 0
+            if stale:
+                r.num_stale_output_tokens -= n
+            if self.requests.get(r.request_id) is not r or r.is_finished():
+                continue  # finished (aborted) while the step ran
+            if stale and r.drop_stale_output:
+                self.log.append((self.step_no, "stale output dropped", r.request_id))
+                continue  # its positions are computed again: the request is recomputed
+            if c0 + n < r.num_prompt_tokens:
+                continue  # a prefill chunk: no token sampled
+            if not stale:
+                r.num_output_placeholders = max(0, r.num_output_placeholders - 1)
+            else:
+                self.log.append((self.step_no, "stale output delivered", r.request_id))
+            r.output.append(len(r.output))
+            if len(r.output) >= r.max_tokens:  # a preempted (waiting) request too: vLLM stops it there
+                self._finish(r, RequestStatus.FINISHED_LENGTH_CAPPED)
         for r in failed:  # kv_load_failure_policy "fail": finish_requests(FINISHED_ERROR), freed once reported
             self.loaded[r.request_id] = "load failed"
             self._finish(r, RequestStatus.FINISHED_ERROR)
@@ -540,8 +673,18 @@ class Engine:
         return out
 
     def step(self):
+        if not self.async_scheduling:
+            so = self.schedule()
+            out = self.update(so, self.execute(so))
+            self.step_no += 1
+            return so, out
+        # EngineCore.step_with_batch_queue with two batches: this step is scheduled and runs before the one before
+        # it is updated from (so the next schedule sees neither its tokens nor its output yet)
         so = self.schedule()
-        out = self.update(so, self.execute(so))
+        out = self.execute(so)
+        prev, self.inflight = self.inflight, (so, out)
+        if prev is not None:
+            self.update(*prev)
         self.step_no += 1
         return so, out
 

@@ -35,6 +35,22 @@ Needs vLLM (importing this package without it raises ImportError); built against
       handle_preemptions(metadata) before binding it and before the forward; finish_requests delays the blocks of a
       WAITING_FOR_REMOTE_KVS request until finished_recving names it; _update_from_kv_xfer_finished frees on
       finished_sending, and on finished_recving of a finished request
+Read @ 003df2961dd8 (what it added; the connector defines each hook itself, so an older base works the same):
+  vllm/distributed/kv_transfer/kv_connector/v1/base.py
+      requires_kv_delivery (default: kv_transfer_config.is_kv_producer), supports_eagle_prefix_cache_hashing (default
+      False), set_eagle_prefix_cache_hashing, set_xfer_handshake_metadata_pp_aware (keyed (pp_rank, tp_rank); the
+      default refuses pp_rank > 0), has_pending_push_work, KVConnectorWorkerMetadata
+  vllm/v1/core/sched/scheduler.py
+      requires_kv_delivery read once at start; _preempt_request(..., drop_stale_output=self.requires_kv_delivery)
+      frees the blocks and marks the in-flight output stale; update_from_output drops a stale output so marked (the
+      request is recomputed), else delivers it (it may finish the preempted request); no waiting request admitted in
+      a step that preempted; _connector_finished hands over the blocks of the computed tokens
+  vllm/distributed/kv_transfer/kv_connector/v1/prefix_cache.py
+      is_eagle_prefix_cache_hashing_enabled: with a connector, EAGLE's successor-aware keys only if it supports them
+  EngineCore and the GPU worker (stored copies, not pinned to that commit): each worker's handshake metadata as
+      {(pp_rank, tp_rank): metadata} or None, merged and handed to set_xfer_handshake_metadata_pp_aware
+  NixlConnector's TransferTopology (kv_connector/utils.py target_remote_ranks, tp_ratio) and its worker's MLA read
+      of the first remote rank when P > D (stored copies of recent vLLM: the index holds none at 003df2961dd8)
 
 How a request moves (python/VLLM.md has the picture):
   prefill  The router sends the request with kv_transfer_params {"do_remote_decode": True}. In the forward
@@ -121,7 +137,10 @@ the side channel needs; without it the worker connector refuses to start, kvstag
 per request, kv_transfer_params may carry kvstage_stage_timeout (prefill) and kvstage_load_timeout (decode).
 
 Preemption: vLLM frees a preempted request's blocks at once; handle_preemptions voids its stage and returns only
-once no copy of those blocks into slots can run (queued copies cancelled, a running one finished).
+once no copy of those blocks into slots can run (queued copies cancelled, a running one finished). requires_kv_delivery
+is True for a producer: vLLM @ 003df2961dd8 then drops the token of a prefill step in flight at the preemption and
+recomputes the request, which is staged again; a vLLM that delivers that token finishes the request with its stage
+void, and request_finished hands nothing off (the decode side computes the prompt).
 
 Metrics: get_kv_connector_stats -> KvstageKVConnectorStats per worker (aggregated by vLLM); build_prom_metrics ->
 vllm:kvstage_{transfers,bytes}_{sent,received}, vllm:kvstage_num_failed_transfers, vllm:kvstage_num_stale_rejections

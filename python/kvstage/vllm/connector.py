@@ -144,10 +144,51 @@ class KvstageConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config, role, kv_cache_config):
         super().__init__(vllm_config, role, kv_cache_config)
         self._settings = _Settings(vllm_config, kv_cache_config)
+        if not hasattr(self, "use_eagle_prefix_cache_hashing"):  # a base before 003df2961dd8 does not set it
+            self.use_eagle_prefix_cache_hashing = False
         if _is_scheduler(role):
             self.connector_scheduler, self.connector_worker = _SchedulerSide(self._settings), None
         else:
             self.connector_scheduler, self.connector_worker = None, _WorkerSide(self._settings, self.agent_class)
+
+    # ============================== what the engine asks of it ==============================
+    # These exist in vLLM's base from 003df2961dd8 on; defined here (never through super()), so that an older base
+    # without them works the same, and a vLLM that does not ask them is not affected.
+    @property
+    def requires_kv_delivery(self):
+        """True for a producer (kv_producer, kv_both), as the base's default: a prefill's hand-off must be delivered.
+        vLLM @ 003df2961dd8 then preempts with drop_stale_output: a request preempted while its last prefill step is in
+        flight does not finish with that step's token (its blocks were freed at the preemption), it is recomputed, and
+        staged again from its new blocks. What the connector does at the preemption is the same with any vLLM: the
+        stage is void (the scheduler side's _restage), handle_preemptions stops every copy of the freed blocks; a vLLM
+        that delivers the stale token instead finishes the request with no hand-off (request_finished: no stage, no
+        params), so the decode side computes the prompt itself."""
+        return self._settings.producer
+
+    @property
+    def supports_eagle_prefix_cache_hashing(self):
+        """True: kvstage moves a request's blocks by position between two engines and never stores or looks up KV by
+        block hash, so each engine may use the successor-aware EAGLE prefix-cache keys (vLLM's choice when a
+        connector says so: prefix_cache.py is_eagle_prefix_cache_hashing_enabled); nothing here depends on them."""
+        return True
+
+    def set_eagle_prefix_cache_hashing(self, enabled):
+        """The engine's prefix-cache hash protocol; kept (as the base does), used by nothing here."""
+        self.use_eagle_prefix_cache_hashing = bool(enabled)
+
+    def set_xfer_handshake_metadata(self, metadata):
+        """Nothing to hand shake (get_handshake_metadata is None): the side channel's address travels in the params."""
+        return None
+
+    def set_xfer_handshake_metadata_pp_aware(self, metadata):
+        """vLLM @ 003df2961dd8 hands the scheduler connector its workers' handshake metadata keyed (pp_rank, tp_rank).
+        kvstage has none to hand out (its workers return None) and takes none; pipeline parallelism is refused at start
+        (_Settings), so metadata of a pipeline stage past the first is refused here too, saying so."""
+        later = sorted({k[0] if isinstance(k, tuple) else 0 for k in (metadata or {})} - {0})
+        if later:
+            raise ValueError(f"kvstage connector: handshake metadata of pipeline-parallel rank(s) {later}: kvstage "
+                             "does not support pipeline parallelism (pipeline_parallel_size must be 1)")
+        return None
 
     # ============================== worker side ==============================
     def register_kv_caches(self, kv_caches):

@@ -1,8 +1,18 @@
-"""Stand-in (tests only): vllm/distributed/kv_transfer/kv_connector/v1/base.py @ 9aaf83ef502f - the names, signatures,
-abstract methods and defaults of SupportsHMA, supports_hma, KVConnectorRole, KVConnectorMetadata and
-KVConnectorBase_V1 (docstrings and type annotations left out)."""
+"""Stand-in (tests only): vllm/distributed/kv_transfer/kv_connector/v1/base.py @ 003df2961dd8 - the names, signatures,
+abstract methods and defaults of SupportsHMA, supports_hma, KVConnectorRole, KVConnectorMetadata,
+KVConnectorWorkerMetadata and KVConnectorBase_V1 (docstrings and type annotations left out).
+
+The members NEWER lists are not in the base @ 9aaf83ef502f, the commit the connector was first built against; with
+KVSTAGE_TEST_VLLM_BASE=9aaf83ef502f in the environment (a test's subprocess) this module leaves them out, so the older
+base can be imported too."""
 import enum
+import os
 from abc import ABC, abstractmethod
+
+# KVConnectorBase_V1's members @ 003df2961dd8 that the base @ 9aaf83ef502f lacks
+NEWER = ("supports_eagle_prefix_cache_hashing", "requires_kv_delivery", "set_eagle_prefix_cache_hashing",
+         "has_pending_push_work", "set_xfer_handshake_metadata_pp_aware")
+OLD = os.environ.get("KVSTAGE_TEST_VLLM_BASE") == "9aaf83ef502f"
 
 
 class SupportsHMA(ABC):
@@ -30,10 +40,24 @@ class KVConnectorMetadata(ABC):  # noqa: B024
     pass
 
 
+class KVConnectorWorkerMetadata(ABC):
+    @abstractmethod
+    def aggregate(self, other):
+        pass
+
+
 class KVConnectorBase_V1(ABC):
     @property
     def prefer_cross_layer_blocks(self):
         return False
+
+    @property
+    def supports_eagle_prefix_cache_hashing(self):
+        return False
+
+    @property
+    def requires_kv_delivery(self):
+        return self._kv_transfer_config.is_kv_producer
 
     def __init__(self, vllm_config, role, kv_cache_config):
         self._connector_metadata = None
@@ -44,6 +68,11 @@ class KVConnectorBase_V1(ABC):
             raise ValueError("kv_transfer_config must be set for KVConnectorBase_V1")
         self._kv_cache_config = kv_cache_config
         self._role = role
+        if not OLD:
+            self.use_eagle_prefix_cache_hashing = False
+
+    def set_eagle_prefix_cache_hashing(self, enabled):
+        self.use_eagle_prefix_cache_hashing = enabled
 
     @property
     def role(self):
@@ -140,6 +169,9 @@ class KVConnectorBase_V1(ABC):
     def take_events(self):
         return ()
 
+    def has_pending_push_work(self):
+        return False
+
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config):
         return None
@@ -158,9 +190,20 @@ class KVConnectorBase_V1(ABC):
     def set_xfer_handshake_metadata(self, metadata):
         return None
 
+    def set_xfer_handshake_metadata_pp_aware(self, metadata):
+        if any(pp_rank != 0 for pp_rank, _ in metadata):
+            raise ValueError(f"{type(self).__name__} received pp_rank > 0 handshake metadata but does not support "
+                             "PP-disaggregated KV transfer.")
+        self.set_xfer_handshake_metadata({tp_rank: meta for (_, tp_rank), meta in metadata.items()})
+
     @classmethod
     def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
         return None
 
     def reset_cache(self):
         return None
+
+
+if OLD:  # the base @ 9aaf83ef502f
+    for _name in NEWER:
+        delattr(KVConnectorBase_V1, _name)
