@@ -505,6 +505,36 @@ def _mla_read_once(p_socket, d_socket, p_tp, d_tp, on_loaded=None):
         pair.close()
 
 
+def test_mla_pull_from_another_decode_rank_is_refused(kv_proxy, caplog, monkeypatch):
+    """MLA, prefill TP 2 -> decode TP 4: a decode instance that pairs every prefill rank with decode rank 0 (not
+    mla_reader's p*D//P) gets the requests prefill rank 0 staged, exact; prefill rank 1 refuses the pulls for its own
+    (it serves decode rank 2) with the reason, the loads fail on every decode rank (vLLM recomputes or fails them), the
+    refused stages expire at the stage timeout and the pool ends free."""
+    import vllm_engine as E
+    caplog.set_level(logging.INFO, logger="kvstage.vllm")
+    monkeypatch.setattr("kvstage.vllm.scheduler.mla_reader", lambda p, p_tp, d_tp: 0)  # the decode side's pairing
+    pair = E.PD(kv_proxy.socket, p_kw=dict(tp=2, mla=True, extra={"kvstage_stage_timeout": 1.0}),
+                d_kw=dict(tp=4, mla=True))
+    P, D = pair.P, pair.D
+    try:
+        for k in range(4):
+            pair.add(k, 9 + k)
+        pair.run(lambda: {f"d{k}" for k in range(4)} <= set(D.freed), what="every load ended")
+        stager = {k: P.done[f"p{k}"][1]["kvstage"]["mla_rank"] for k in range(4)}
+        assert sorted(stager.values()) == [0, 0, 1, 1], stager
+        for k, r in stager.items():
+            if r == 0:
+                assert D.done[f"d{k}"][0] == "FINISHED_LENGTH_CAPPED" and D.loaded[f"d{k}"] is None
+            else:
+                assert D.done[f"d{k}"][0] == "FINISHED_ERROR", (k, D.done[f"d{k}"])
+        assert "MLA: prefill rank 1 serves decode rank 2 of TP size 4, not decode rank 0" in caplog.text
+        E.wait_for(lambda: all("expired" in str(P.agents[1].ended.get(f"p{k}")) for k, r in stager.items() if r),
+                   what="the refused stages expired")
+    finally:
+        pair.close()
+    assert_pool_free(kv_proxy.socket)
+
+
 # Prefill and decode of different block sizes (NixlConnector's block_size_ratio: one divides the other)
 BS = [(4, 8, 1, 1, "kv-first"), (8, 4, 1, 1, "kv-first"), (4, 16, 2, 2, "block-first"), (8, 4, 2, 4, "mla")]
 
