@@ -176,7 +176,7 @@ static void vulnerable_wrap(struct kvsp_transport **xports, unsigned n)
 	vuln_rdma_ops = kvsp_dp_rdma;
 	vuln_rdma_ops.cancel = vuln_rdma_cancel;
 	for (unsigned k = 0; k < n; k++) {
-		if (strcmp(xports[k]->ops->name, "tcp"))
+		if (strcmp(xports[k]->ops->name, "peer"))
 			continue;
 		unsigned ndps;
 		struct kvsp_dp *const *dps = kvsp_peer_datapaths(xports[k], &ndps);

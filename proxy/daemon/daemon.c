@@ -474,7 +474,7 @@ int kvsp_daemon_main(int argc, char **argv, const struct kvsp_daemon_hooks *hook
 			if (!strcmp(optarg, "auto"))
 				peer.data = KVSP_DATA_AUTO;
 			else if (!strcmp(optarg, "tcp"))
-				peer.data = KVSP_DATA_TCP;
+				peer.data = KVSP_DATA_STREAM;
 			else if (!strcmp(optarg, "verbs") && !KVS_HAVE_VERBS)
 				return NO_RDMA("--transport verbs");
 			else if (!strcmp(optarg, "verbs"))
@@ -574,7 +574,8 @@ int kvsp_daemon_main(int argc, char **argv, const struct kvsp_daemon_hooks *hook
 				"--help'.\n");
 		return 2;
 	}
-	if (peer.data == KVSP_DATA_TCP && (peer.rdma_device || peer.rdma_keys != KVSP_KEYS_AUTO)) {
+	if (peer.data == KVSP_DATA_STREAM &&
+	    (peer.rdma_device || peer.rdma_keys != KVSP_KEYS_AUTO)) {
 		fprintf(stderr,
 			"kvstaged: --transport tcp never uses RDMA: drop %s, or "
 			"say --transport verbs or auto\nTry 'kvstaged --help'.\n",

@@ -54,8 +54,8 @@ static struct kvsp_dp *no_rdma_create(const struct kvsp_dp *base, const struct k
 		return NULL;
 	}
 	n->dp = *base;
-	/* kvstaged refused every RDMA option: only auto and tcp come here. */
-	if (o->data == KVSP_DATA_TCP)
+	/* kvstaged refused every RDMA option: only auto and tcp (the stream) come here. */
+	if (o->data == KVSP_DATA_STREAM)
 		LOG_INFO("peers: chunks by TCP (--transport tcp)");
 	else
 		LOG_INFO("peers: chunks by TCP (this build has no RDMA: libibverbs-dev missing at "

@@ -18,7 +18,7 @@
  *     ours on it is in, we decide what it meant: the peer read what it
  *     holds no key for, and its session is lost; or a key an abort revoked
  *     may have been in flight, or a work request of ours failed, and the
- *     session goes on with its chunks by TCP (the link is lost, not the
+ *     session goes on with its chunks by the stream (the link is lost, not the
  *     session; its rooms keep every chunk).
  *   - A lost session: its queue pair to the error state, and it is
  *     quiesced once every work request it posted has completed (flushed)
@@ -102,7 +102,7 @@ static struct kvsp_dp *rdma_create(const struct kvsp_dp *base, const struct kvsp
 		return NULL;
 	}
 	r->dp = *base;
-	if (o->data == KVSP_DATA_TCP) {
+	if (o->data == KVSP_DATA_STREAM) {
 		LOG_INFO("peers: chunks by TCP (--transport tcp)");
 		return &r->dp;
 	}
@@ -166,7 +166,7 @@ static struct kvsp_dp *rdma_create(const struct kvsp_dp *base, const struct kvsp
 }
 
 /* rs's queue pair for s: made, its sentinel posted, its HELLO owed.
- * Returns 0, or -errno (the session's chunks go by TCP). */
+ * Returns 0, or -errno (the session's chunks go by the stream). */
 static int link_make(struct rdma *r, struct rsess *rs, struct psess *s)
 {
 	rs->qp = kvsp_verbs_qp_new(&r->verbs, SQ_DEPTH, &rs->local);
@@ -333,7 +333,7 @@ static bool rdma_next_frame(struct kvsp_dp *dp, struct psess *s, struct pconn *c
 /* ------------------------------------------------- a failed queue pair */
 
 /* rs's failed queue pair is gone, the session lives: a new one, and a
- * HELLO for it; chunks go by TCP until both ends are connected again. */
+ * HELLO for it; chunks go by the stream until both ends are connected again. */
 static void relink(struct rdma *r, struct rsess *rs, struct psess *s)
 {
 	if (rs->relinks == RELINKS_MAX)

@@ -203,7 +203,7 @@ void rrecv_read_done(struct rdma *r, struct rsess *rs, uint32_t slot, const stru
 /* Held READs go once the rdma.read failpoint lets go. */
 int rrecv_release_held(struct rdma *r);
 /* Held READs of rs end without being posted: unposted when the link is
- * lost (their chunks come again by TCP), discarded when the session is. */
+ * lost (their chunks come again by the stream), discarded when the session is. */
 void rrecv_drop_held(struct rdma *r, struct rsess *rs, bool session_lost);
 
 #endif

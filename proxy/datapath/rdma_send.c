@@ -390,7 +390,7 @@ void rsend_on_ack(struct rdma *r, struct psess *s, const struct kvs_wire_chunk_a
 	revoke(r, rs, slot);
 	if (status == -EOPNOTSUPP && now && rs_usable(rs)) {
 		/* The peer cannot READ (from) us after all: ours goes to the
-		 * error state too, every key dies, and its chunks go by TCP. */
+		 * error state too, every key dies, and its chunks go by the stream. */
 		rs_break(r, rs, RS_PEER_GAVE_UP);
 	}
 }

@@ -275,7 +275,7 @@ static int stream_poll(struct kvsp_dp *dp)
 static const uint16_t stream_types[] = { KVS_WIRE_CHUNK, 0 };
 
 const struct kvsp_dp_ops kvsp_dp_stream = {
-	.name = "tcp",
+	.name = "stream",
 	.types = stream_types,
 	.create = stream_create,
 	.destroy = stream_destroy,

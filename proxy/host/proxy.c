@@ -43,9 +43,11 @@ static int transports_create(struct kvsp *p)
 			p->local = t;
 		if (!p->endpoint[0] && t->ops->endpoint) {
 			snprintf(p->endpoint, sizeof(p->endpoint), "%s", t->ops->endpoint(t));
+			/* Said by the endpoint's scheme ("tcp: listening, ..."): the
+			 * line operators and dist/check-under-systemd.sh look for. */
 			if (p->endpoint[0])
-				LOG_INFO("%s: listening, descriptors name %s", t->ops->name,
-					 p->endpoint);
+				LOG_INFO("%.*s: listening, descriptors name %s",
+					 (int)strcspn(p->endpoint, ":"), p->endpoint, p->endpoint);
 		}
 	}
 	return 0;

@@ -17,10 +17,10 @@ struct kvsp_secret;
 
 /* --transport: how chunks go to peer proxies. */
 enum kvsp_peer_data {
-	KVSP_DATA_AUTO =
-		0,	 /* RDMA READ on --rdma-device, else on the first device found, else TCP */
-	KVSP_DATA_TCP,	 /* TCP only; no device is opened */
-	KVSP_DATA_VERBS, /* RDMA READ: a device must open, or the start fails */
+	/* auto: RDMA READ on --rdma-device, else on the first device found, else the stream */
+	KVSP_DATA_AUTO = 0,
+	KVSP_DATA_STREAM, /* tcp: the stream only; no device is opened */
+	KVSP_DATA_VERBS,  /* verbs: RDMA READ: a device must open, or the start fails */
 };
 
 /* --rdma-keys: how the key a peer reads each chunk with is made

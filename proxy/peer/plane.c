@@ -586,7 +586,7 @@ static void peer_destroy(struct kvsp_transport *t)
 }
 
 static const struct kvsp_transport_ops peer_ops = {
-	.name = "tcp",
+	.name = "peer",
 	.submit = peer_submit,
 	.cancel = peer_cancel,
 	.notify = peer_notify,
@@ -778,7 +778,7 @@ static struct kvsp_transport *peer_create(struct kvsp *p, const void *opts, char
 	return &pr->t;
 }
 
-const struct kvsp_xport_kind kvsp_peer_kind = { "tcp", peer_create };
+const struct kvsp_xport_kind kvsp_peer_kind = { "peer", peer_create };
 
 struct kvsp_dp *const *kvsp_peer_datapaths(struct kvsp_transport *t, unsigned *n)
 {

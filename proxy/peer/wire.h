@@ -36,10 +36,10 @@
  *    counts a wrong token (invariant 4).
  *  - The receiving proxy posts slots (RECV_POSTED) for a remote sender and
  *    fences every CHUNK: it lands only if that slot is still that room's,
- *    at that epoch; otherwise its bytes go to a discard sink (tcp) or the
+ *    at that epoch; otherwise its bytes go to a discard sink (stream) or the
  *    slot stays a tombstone until the sender reports QUIESCED (verbs,
  *    where the NIC may still write) (invariant 5).
- *  - Quiescence on the sending proxy: tcp, once the payload left the slot
+ *  - Quiescence on the sending proxy: stream, once the payload left the slot
  *    (copied into the socket); verbs, once the write's work completion
  *    (success or flush) arrived.
  *
