@@ -61,6 +61,39 @@ void log_line(const char *fmt, ...)
 	fprintf(stderr, "kvstage nixl: %s\n", buf);
 }
 
+// At most one line a second for each kind; the next one says how many were left out.
+struct RateLog {
+	std::mutex mu;
+	std::map<std::string, std::pair<Clock::time_point, unsigned>> last;
+};
+RateLog g_ratelog;
+
+void log_rl(const char *kind, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+void log_rl(const char *kind, const char *fmt, ...)
+{
+	auto now = Clock::now();
+	unsigned left_out = 0;
+	{
+		std::lock_guard<std::mutex> lk(g_ratelog.mu);
+		auto &e = g_ratelog.last[kind];
+		if (e.first != Clock::time_point{} && now - e.first < std::chrono::seconds(1)) {
+			e.second++;
+			return;
+		}
+		left_out = e.second;
+		e = {now, 0};
+	}
+	char buf[1024];
+	va_list ap;
+	va_start(ap, fmt);
+	vsnprintf(buf, sizeof(buf), fmt, ap);
+	va_end(ap);
+	if (left_out)
+		fprintf(stderr, "kvstage nixl: %s (%u more like it left out)\n", buf, left_out);
+	else
+		fprintf(stderr, "kvstage nixl: %s\n", buf);
+}
+
 bool split_hostport(const std::string &s, std::string &host, std::string &port)
 {
 	size_t c = s.rfind(':');
@@ -208,6 +241,7 @@ struct Conn {
 	std::set<uint64_t> serves;
 	bool killed = false; // kill_conn said so: the loop closes it
 	std::string why;     // what to log then ("": nothing)
+	bool alarm = false;  // the peer broke the protocol: logged even with nothing in flight
 };
 
 struct Endpoint {
@@ -243,10 +277,12 @@ struct Cmd {
 	X(served_write)                                                                            \
 	X(serves_failed)                                                                           \
 	X(serves_stopped)                                                                          \
+	X(serves_ended)                                                                            \
 	X(posted)                                                                                  \
 	X(completed)                                                                               \
 	X(failed)                                                                                  \
 	X(released_in_flight)                                                                      \
+	X(xfers_ended)                                                                             \
 	X(steps_refused)                                                                           \
 	X(chunks_gathered)                                                                         \
 	X(chunks_scattered)                                                                        \
@@ -338,11 +374,13 @@ struct Core::Impl {
 	}
 
 	// ---------------------------------------------------------------- stats
-	void count(uint64_t &c, bool urgent = false)
+	// Counts an event; the stats file is rewritten at once (the byte and chunk
+	// counters, which change at every step, wait for the next event or 50 ms).
+	void count(uint64_t &c)
 	{
 		c++;
 		stats_dirty = true;
-		stats_urgent |= urgent;
+		stats_urgent = true;
 	}
 	void write_stats(bool force);
 
@@ -374,11 +412,12 @@ struct Core::Impl {
 		return it == conns.end() || it->second->killed ? nullptr : it->second.get();
 	}
 	// Marks c for closing; the loop closes it (close_conn) when nothing uses it.
-	void kill_conn(Conn *c, const char *why)
+	void kill_conn(Conn *c, const char *why, bool alarm = false)
 	{
 		if (!c->killed) {
 			c->killed = true;
 			c->why = why ? why : "";
+			c->alarm = alarm;
 		}
 	}
 	void reap_conns();
@@ -711,10 +750,10 @@ void Core::Impl::accept_all()
 		if (accepted >= kMaxAccepted) {
 			if (!oldest) {
 				close(fd);
-				count(st.evicted, true);
+				count(st.evicted);
 				continue;
 			}
-			count(st.evicted, true);
+			count(st.evicted);
 			kill_conn(oldest, nullptr);
 		}
 		int one = 1;
@@ -810,10 +849,11 @@ void Core::Impl::reap_conns()
 void Core::Impl::close_conn(Conn *c)
 {
 	uint64_t id = c->id;
-	// A connection closed with nothing in flight over it is no news.
-	if (!c->why.empty() && (!c->xfers.empty() || !c->serves.empty() || c->st != C_UP))
-		log_line("%s: control connection %s %s: %s", cfg.agent.c_str(),
-			 c->dialer ? "to" : "from", c->peer.c_str(), c->why.c_str());
+	// A connection closed with nothing in flight over it is no news, unless the
+	// peer broke the protocol (logged at most once a second, the rest counted).
+	if (!c->why.empty() && (c->alarm || !c->xfers.empty() || !c->serves.empty()))
+		log_rl("conn", "%s: control connection %s %s: %s", cfg.agent.c_str(),
+		       c->dialer ? "to" : "from", c->peer.c_str(), c->why.c_str());
 	if (c->fd >= 0)
 		close(c->fd);
 	c->fd = -1;
@@ -888,8 +928,8 @@ void Core::Impl::conn_read(Conn *c)
 			if (c->st == C_LHELLO) {
 				size_t m = std::min<size_t>(have, 8);
 				if (memcmp(p, kMagic, m) != 0) {
-					count(st.bad_magic, true);
-					kill_conn(c, "not a kvstage nixl control channel");
+					count(st.bad_magic);
+					kill_conn(c, "not a kvstage nixl control channel", true);
 					return;
 				}
 				if (have < 8 + kNonce)
@@ -914,9 +954,10 @@ void Core::Impl::conn_read(Conn *c)
 				uint8_t want[kMac];
 				dialer_proof(key, c->cn, c->sn, want);
 				if (!mac_equal(want, p)) {
-					count(st.bad_proof, true);
-					kill_conn(c, "the dialer did not prove it holds the peer "
-						      "secret");
+					count(st.bad_proof);
+					kill_conn(c,
+						  "the dialer did not prove it holds the peer secret",
+						  true);
 					return;
 				}
 				c->rx_off += kMac;
@@ -932,9 +973,11 @@ void Core::Impl::conn_read(Conn *c)
 				memcpy(c->sn, p, kNonce);
 				listener_proof(key, c->cn, c->sn, want);
 				if (!mac_equal(want, p + kNonce)) {
-					count(st.bad_proof, true);
-					kill_conn(c, "the listener did not prove it holds the peer "
-						      "secret (another KVSTAGE_PEER_SECRET?)");
+					count(st.bad_proof);
+					kill_conn(c,
+						  "the listener did not prove it holds the peer secret "
+						  "(another KVSTAGE_PEER_SECRET?)",
+						  true);
 					return;
 				}
 				c->rx_off += kNonce + kMac;
@@ -953,8 +996,8 @@ void Core::Impl::conn_read(Conn *c)
 			uint32_t n = (uint32_t)p[0] << 24 | (uint32_t)p[1] << 16 |
 				     (uint32_t)p[2] << 8 | p[3];
 			if (n == 0 || n > kMaxBody) {
-				count(st.bad_length, true);
-				kill_conn(c, "a frame of a bad length");
+				count(st.bad_length);
+				kill_conn(c, "a frame of a bad length", true);
 				return;
 			}
 			if (have < 4 + (size_t)n + kMac)
@@ -963,17 +1006,19 @@ void Core::Impl::conn_read(Conn *c)
 			frame_mac(key, c->dialer ? 'l' : 'd', c->cn, c->sn, c->rx_seq, p, 4 + n,
 				  want);
 			if (!mac_equal(want, p + 4 + n)) {
-				count(st.bad_mac, true);
-				kill_conn(c, "a frame with a bad MAC (another secret, tampered, "
-					      "replayed or out of order)");
+				count(st.bad_mac);
+				kill_conn(c,
+					  "a frame with a bad MAC (another secret, tampered, replayed or "
+					  "out of order)",
+					  true);
 				return;
 			}
 			c->rx_seq++;
 			c->rx_off += 4 + (size_t)n + kMac;
 			if (!on_frame(c, p + 4, n)) {
 				if (conn_of(id)) {
-					count(st.malformed, true);
-					kill_conn(c, "a malformed message");
+					count(st.malformed);
+					kill_conn(c, "a malformed message", true);
 				}
 				return;
 			}
@@ -1189,6 +1234,7 @@ void Core::Impl::fail_xfer(const std::shared_ptr<Xfer> &x, int err)
 	if (x->finished)
 		return;
 	x->finished = true;
+	count(st.xfers_ended);
 	for (uint64_t ud : x->jobs)
 		close_job(ud);
 	x->jobs.clear();
@@ -1221,6 +1267,7 @@ void Core::Impl::complete_xfer(const std::shared_ptr<Xfer> &x)
 	if (x->finished)
 		return;
 	x->finished = true;
+	count(st.xfers_ended);
 	for (uint64_t ud : x->jobs)
 		close_job(ud);
 	x->jobs.clear();
@@ -1328,7 +1375,7 @@ bool Core::Impl::on_req(Conn *c, Reader &r)
 	if (serves.count({c->id, s->xid}))
 		return false;
 	if (c->serves.size() >= kMaxServesPerConn) {
-		count(st.refused_other, true);
+		count(st.refused_other);
 		Writer w;
 		w.u8(MSG_DONE).u64(s->xid).u32((uint32_t)-EBUSY);
 		send_msg(c, std::move(w.b));
@@ -1345,7 +1392,7 @@ bool Core::Impl::on_req(Conn *c, Reader &r)
 	serves[{c->id, s->xid}] = s;
 	c->serves.insert(s->xid);
 	if (s->cancelled) {
-		count(st.refused_forgotten, true);
+		count(st.refused_forgotten);
 		end_serve(s, -ESTALE);
 		return true;
 	}
@@ -1422,9 +1469,9 @@ void Core::Impl::validate(const std::shared_ptr<Serve> &s)
 	s->raw.clear();
 	s->raw.shrink_to_fit();
 	if (!ok || sum != s->total) {
-		count(st.refused_descs, true);
-		log_line("%s: refused a %s from %s (%s): a descriptor outside this engine's "
-			 "registered memory, or bytes that do not add up",
+		count(st.refused_descs);
+		log_rl("refused", "%s: refused a %s from %s (%s): a descriptor outside this engine's "
+		       "registered memory, or bytes that do not add up",
 			 cfg.agent.c_str(), s->op == OP_READ ? "READ" : "WRITE", s->agent.c_str(),
 			 conn_of(s->conn) ? conn_of(s->conn)->peer.c_str() : "?");
 		s->stream = Stream();
@@ -1435,7 +1482,7 @@ void Core::Impl::validate(const std::shared_ptr<Serve> &s)
 	s->validated = true;
 	if (s->op == OP_WRITE) {
 		if (s->total > max_room) {
-			count(st.refused_other, true);
+			count(st.refused_other);
 			log_line("%s: refused a WRITE of %llu bytes from %s: more than a room holds "
 				 "here (%llu; max_room_bytes)",
 				 cfg.agent.c_str(), (unsigned long long)s->total, s->agent.c_str(),
@@ -1541,6 +1588,7 @@ void Core::Impl::end_serve(const std::shared_ptr<Serve> &s, int status, bool tel
 	if (s->ended)
 		return;
 	s->ended = true;
+	count(st.serves_ended);
 	for (uint64_t ud : s->jobs)
 		close_job(ud);
 	s->jobs.clear();
@@ -1862,11 +1910,9 @@ void Core::Impl::run_cmds()
 			count(st.posted);
 			post(c.x);
 			break;
-		case CMD_CANCEL:
-			if (!c.x->finished) {
-				count(st.released_in_flight);
-				fail_xfer(c.x, -ECANCELED);
-			}
+		case CMD_CANCEL: // queued by a release while the transfer was in flight
+			count(st.released_in_flight);
+			fail_xfer(c.x, -ECANCELED);
 			break;
 		case CMD_NOTIF: {
 			Endpoint e;
@@ -1973,8 +2019,8 @@ void Core::Impl::sweep(Clock::time_point now)
 		if (!kv.second->killed && kv.second->st != C_UP && now > kv.second->deadline)
 			late.push_back(kv.second.get());
 	for (Conn *c : late) {
-		count(st.handshake_timeouts, true);
-		kill_conn(c, "no handshake within 5 s");
+		count(st.handshake_timeouts);
+		kill_conn(c, "no handshake within 5 s", true);
 	}
 	if (cfg.peer_timeout_ms) {
 		std::vector<std::shared_ptr<Xfer>> xs;

