@@ -118,6 +118,20 @@ class Engine:
 
 
 @pytest.fixture
+def both_plugins(tmp_path):
+    """A NIXL_PLUGIN_DIR holding libplugin_KVSTAGE.so and the test-only libplugin_KVSZCOPY.so
+    ($KVSTAGE_NIXL_ZCOPY, tests/nixl/run.sh sets it)."""
+    d = tmp_path / "plugins"
+    d.mkdir()
+    zc = os.environ.get("KVSTAGE_NIXL_ZCOPY")
+    if not zc or not os.path.exists(zc):
+        pytest.fail(f"no test-only zero-copy plugin at {zc!r} (tests/nixl/run.sh builds it)")
+    os.symlink(zc, d / "libplugin_KVSZCOPY.so")
+    os.symlink(os.path.join(os.environ["NIXL_PLUGIN_DIR"], "libplugin_KVSTAGE.so"), d / "libplugin_KVSTAGE.so")
+    return str(d)
+
+
+@pytest.fixture
 def secret_file(tmp_path):
     p = tmp_path / "peer.secret"
     p.write_bytes(os.urandom(32).hex().encode())

@@ -16,6 +16,7 @@ class _Engine:
     def __init__(self):
         self.agent = None
         self.name = None
+        self.backend = "KVSTAGE"
         self.regions = []  # numpy arrays
         self.reg_descs = None
         self.blocks = self.block_len = 0
@@ -25,18 +26,19 @@ class _Engine:
         self._notifs = []  # (agent, bytes)
 
     # -- set-up -----------------------------------------------------------------------------------
-    def init(self, name, params=None, backends=("KVSTAGE",)):
+    def init(self, name, params=None, backend="KVSTAGE"):
+        """A nixl_agent with one backend (KVSTAGE, or the test-only KVSZCOPY): params None creates it as vLLM
+        does (nixl_agent_config(backends=[...]), no parameters), else create_backend(backend, params)."""
         from nixl._api import nixl_agent, nixl_agent_config
         if params is None:
-            # vLLM's way: the agent creates its backends itself, with no parameters.
-            self.agent = nixl_agent(name, nixl_agent_config(backends=list(backends)))
+            self.agent = nixl_agent(name, nixl_agent_config(backends=[backend]))
         else:
             self.agent = nixl_agent(name, nixl_agent_config(backends=[]))
-            self.agent.create_backend("KVSTAGE", params)
-        if "KVSTAGE" not in self.agent.backends:
-            raise RuntimeError("no KVSTAGE backend: " + repr(self.agent.backends))
-        self.name = name
-        return {"name": name, "params": self.agent.get_backend_params("KVSTAGE")}
+            self.agent.create_backend(backend, params)
+        if backend not in self.agent.backends:
+            raise RuntimeError(f"no {backend} backend: " + repr(self.agent.backends))
+        self.name, self.backend = name, backend
+        return {"name": name, "params": self.agent.get_backend_params(backend)}
 
     def alloc(self, regions, blocks, block_len, seed=None):
         import numpy as np
@@ -47,11 +49,11 @@ class _Engine:
             for r in self.regions:  # never 0xEE: the tests' canary
                 r[:] = rng.integers(0, 0xEE, r.size, dtype=np.uint8)
         caches = [(r.ctypes.data, r.nbytes, 0, "") for r in self.regions]
-        self.reg_descs = self.agent.register_memory(caches, "DRAM", backends=["KVSTAGE"])
+        self.reg_descs = self.agent.register_memory(caches, "DRAM", backends=[self.backend])
         return [r.ctypes.data for r in self.regions]
 
     def dereg(self):
-        self.agent.deregister_memory(self.reg_descs, backends=["KVSTAGE"])
+        self.agent.deregister_memory(self.reg_descs, backends=[self.backend])
         self.reg_descs = None
         return True
 
@@ -68,7 +70,7 @@ class _Engine:
     def prep_local(self):
         descs = self.agent.get_xfer_descs(
             self._blocks_data([r.ctypes.data for r in self.regions], self.blocks, self.block_len), "DRAM")
-        h = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", descs, backends=["KVSTAGE"])
+        h = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", descs, backends=[self.backend])
         i = self.next_id
         self.next_id += 1
         self.dlists[i] = h
@@ -76,7 +78,7 @@ class _Engine:
 
     def prep_remote(self, agent, bases, blocks, block_len):
         descs = self.agent.get_xfer_descs(self._blocks_data(bases, blocks, block_len), "DRAM")
-        h = self.agent.prep_xfer_dlist(agent, descs, backends=["KVSTAGE"])
+        h = self.agent.prep_xfer_dlist(agent, descs, backends=[self.backend])
         i = self.next_id
         self.next_id += 1
         self.dlists[i] = h
@@ -92,7 +94,7 @@ class _Engine:
         import numpy as np
         h = self.agent.make_prepped_xfer(kind, self.dlists[local], np.asarray(local_ids, dtype=np.int32),
                                          self.dlists[remote], np.asarray(remote_ids, dtype=np.int32),
-                                         notif_msg=notif, backends=["KVSTAGE"])
+                                         notif_msg=notif, backends=[self.backend])
         state = self.agent.transfer(h)
         i = self.next_id
         self.next_id += 1

@@ -40,11 +40,13 @@ if [ ! -f "$bd/build.ninja" ]; then
 else
 	meson configure "$bd" -Dnixl=enabled -Dnixl_path="$NIXL_PREFIX" >/dev/null
 fi
-ninja -C "$bd" proxy/kvstaged nixl/libplugin_KVSTAGE.so shm/libkvstage.so.0.1.0 >/dev/null
+ninja -C "$bd" proxy/kvstaged nixl/libplugin_KVSTAGE.so tests/nixl/libplugin_KVSZCOPY.so \
+	shm/libkvstage.so.0.1.0 >/dev/null
 
 export KVSTAGED=$bd/proxy/kvstaged
 export KVSTAGE_LIB=$bd/shm/libkvstage.so.0
 export NIXL_PLUGIN_DIR=$bd/nixl
+export KVSTAGE_NIXL_ZCOPY=$bd/tests/nixl/libplugin_KVSZCOPY.so # test-only (tests/nixl/zcopy_backend.cpp)
 export PYTHONPATH=$root/python:$here${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONDONTWRITEBYTECODE=1
 

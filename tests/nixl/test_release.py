@@ -234,3 +234,45 @@ def test_many_releases_in_flight(make_engine, two_proxies):
                     notif=b"after:1")
     assert decode.call("wait", xid=x["id"]) == "DONE"
     assert decode.call("read_blocks", block_ids=DST) == prefill.call("read_blocks", block_ids=SRC)
+
+
+@pytest.mark.parametrize("backend", ["KVSTAGE", "KVSZCOPY"])
+def test_release_against_a_zero_copy_backend(make_engine, two_proxies, tmp_path, both_plugins, backend):
+    """The same transfer through KVSTAGE and through a test-only backend that writes straight into the registered
+    pages (KVSZCOPY, as a NIC's DMA would; tests/nixl/zcopy_backend.cpp), held by the same gate before the 3rd
+    64 KiB step that writes into the initiator's pages, then released: both releases return SUCCESS at once; the
+    zero-copy backend's posted transfer goes on and writes into pages its engine was told were released (the
+    gate reports the held step copied, and more than the two chunks from before the release changed); KVSTAGE
+    skips the step and exactly two chunks changed. (A loopback READ in one agent: region 0's blocks 0..15 into
+    its blocks 16..31, and region 1's likewise; 64 KiB blocks, 32 steps.)"""
+    a, _ = two_proxies
+    gate = Gate(tmp_path, "scatter", 3)
+    eng = make_engine(f"solo-{backend}", a, KVSTAGE_NIXL_TEST_GATE=gate.spec, NIXL_PLUGIN_DIR=both_plugins)
+    eng.call("init", name="solo-0", backend=backend)
+    blocks, blen = 32, 65536
+    bases = eng.call("alloc", regions=2, blocks=blocks, block_len=blen, seed=9)
+    dst, src = list(range(16, 32)), list(range(16))
+    eng.call("fill", block_ids=dst, value=CANARY)
+    lh = eng.call("prep_local")
+    sh = eng.call("prep_remote", agent="solo-0", bases=bases, blocks=blocks, block_len=blen)
+
+    def ids(bl):
+        return [r * blocks + b for r in range(2) for b in bl]
+
+    x = eng.call("xfer", kind="READ", local=lh, local_ids=ids(dst), remote=sh, remote_ids=ids(src))
+    assert gate.reached() == "reached scatter 3"
+    r = eng.call("release", xid=x["id"])
+    assert r["before"] == "PROC" and r["seconds"] < 0.5, r
+    gate.open()
+    if backend == "KVSZCOPY":
+        assert gate.passed() == "passed copied"  # the held step ran after the release
+        data = eng.call("read_blocks", block_ids=dst)
+        changed = len(data) - data.count(bytes([CANARY]))
+        assert changed >= 3 * 65536, changed
+    else:
+        assert gate.passed() == "passed skipped"
+        st = eng.wait_stats(lambda s: s["released_in_flight"] == 1 and s["xfers_ended"] == 1 and s["serves_ended"] == 1)
+        assert st["xfers"] == 0 and st["serves"] == 0 and st["rooms"] == 0
+        data = eng.call("read_blocks", block_ids=dst)
+        assert len(data) - data.count(bytes([CANARY])) == 2 * 65536
+    gate.close()
