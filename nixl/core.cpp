@@ -311,6 +311,13 @@ struct Core::Impl {
 	bool proxy_gone = false; // kvstaged went away: every room failed, nothing more is posted
 	size_t slot = 0;
 	uint64_t max_room = 0;
+	// Receiving rooms open at once hold at most recv_budget bytes (half the pool): a
+	// room waits for slots only while others drain, never for rooms that cannot finish.
+	uint64_t recv_budget = 0, recv_open_bytes = 0;
+	bool recv_over_budget(uint64_t len) const
+	{
+		return recv_open_bytes && recv_open_bytes + len > recv_budget;
+	}
 	int lfd = -1;
 	uint16_t port = 0;
 	std::string adv_host;
@@ -506,6 +513,7 @@ bool Core::Impl::start(std::string &err)
 	max_room = std::min<uint64_t>(max_room, pool) / slot * slot;
 	if (max_room < slot)
 		max_room = slot;
+	recv_budget = std::max(max_room, pool / 2);
 
 	std::string host, portstr;
 	if (!split_hostport(cfg.listen, host, portstr)) {
@@ -1202,7 +1210,7 @@ void Core::Impl::open_segments(Xfer &x)
 		uint64_t ud = next_ud++;
 		kvs_room *room = nullptr;
 		kvs_room_desc d;
-		int rc = kvs_recv_open(kc, len, ud, &room, &d);
+		int rc = recv_over_budget(len) ? -ENOBUFS : kvs_recv_open(kc, len, ud, &room, &d);
 		if (rc == -EMFILE || rc == -ENFILE || rc == -ENOBUFS || rc == -EAGAIN) {
 			x.want_room = true;
 			x.retry_at = Clock::now() + ms(2);
@@ -1517,7 +1525,7 @@ void Core::Impl::serve_open_write_room(const std::shared_ptr<Serve> &s)
 	uint64_t ud = next_ud++;
 	kvs_room *room = nullptr;
 	kvs_room_desc d;
-	int rc = kvs_recv_open(kc, s->total, ud, &room, &d);
+	int rc = recv_over_budget(s->total) ? -ENOBUFS : kvs_recv_open(kc, s->total, ud, &room, &d);
 	if (rc == -EMFILE || rc == -ENFILE || rc == -ENOBUFS || rc == -EAGAIN) {
 		s->want_room = true;
 		s->retry_at = Clock::now() + ms(2);
@@ -1619,6 +1627,8 @@ Job *Core::Impl::new_job(kvs_room *room, bool recv, uint64_t ud, uint64_t off, u
 	j->off = off;
 	j->len = len;
 	j->chunks = (unsigned)((len + slot - 1) / slot);
+	if (recv)
+		recv_open_bytes += len;
 	Job *raw = j.get();
 	jobs[ud] = std::move(j);
 	return raw;
@@ -1636,6 +1646,10 @@ void Core::Impl::close_job(uint64_t ud)
 		kvs_release(kc, &j.pl);
 	if (j.room)
 		kvs_room_close(j.room);
+	if (j.recv) {
+		recv_open_bytes -= j.len;
+		next_retry = Clock::now(); // a room waiting for the budget may open now
+	}
 	active.erase(ud);
 	jobs.erase(it);
 }

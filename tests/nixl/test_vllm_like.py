@@ -67,6 +67,26 @@ def test_many_reads_in_flight(make_engine, two_proxies):
     assert sorted(got) == sorted(("decode-0", f"req-{k}:1".encode()) for k in range(8))
 
 
+def test_more_in_flight_than_the_pools_hold(make_engine, two_proxies):
+    """Four READs of 2 MiB each posted at once against 4 MiB pools (eight rooms of 1 MiB): receiving rooms are
+    opened only while half the pool covers them, so every request completes, byte-exact, none waiting on a room
+    that cannot fill."""
+    prefill, decode, pbases, dbases = _pair(make_engine, two_proxies)
+    remote = decode.call("add_remote", md=prefill.call("md"))
+    local_h = decode.call("prep_local")
+    remote_h = decode.call("prep_remote", agent=remote, bases=pbases, blocks=BLOCKS, block_len=BLOCK_LEN)
+    xs = []
+    for k in range(4):
+        src, dst = [(5 * k + 3 * i) % BLOCKS for i in range(16)], list(range(16 * k, 16 * k + 16))
+        x = decode.call("xfer", kind="READ", local=local_h, local_ids=_ids(dst), remote=remote_h,
+                        remote_ids=_ids(src), notif=f"big-{k}:1".encode())
+        xs.append((x["id"], src, dst))
+    for xid, src, dst in xs:
+        assert decode.call("wait", xid=xid) == "DONE"
+        assert decode.call("read_blocks", block_ids=dst) == prefill.call("read_blocks", block_ids=src)
+    assert sorted(m for _, m in prefill.call("notifs", want=4)) == [f"big-{k}:1".encode() for k in range(4)]
+
+
 def test_write_push_across_two_proxies(make_engine, two_proxies):
     """A push: prefill WRITEs 8 blocks of every region (1 MiB: one room) into decode's pages; DONE means the bytes
     are in decode's pages; decode gets the notification; blocks outside the request stay as they were."""
