@@ -1,5 +1,5 @@
 #!/bin/bash
-# The NIXL backend's tests: tests/nixl/run.sh [NIXL_PREFIX] [-- PYTEST_ARGS...]
+# The NIXL backend's tests: tests/nixl/run.sh [NIXL_PREFIX] [-- PYTEST_ARGS... | -- --bench BENCH_ARGS...]
 #
 # NIXL_PREFIX is a NIXL install made by tools/nixl/build.sh (default: the one its --print-prefix
 # names; its kvstage-nixl.env is sourced). Builds kvstaged, libkvstage and libplugin_KVSTAGE.so
@@ -10,6 +10,7 @@
 #   2. pytest tests/nixl: NIXL's Python agent API as vLLM's NixlConnector drives it, in two processes
 #      on two kvstaged proxies over TCP (READ and WRITE, byte-exact, notifications), releases in
 #      flight held by the backend's test gate, hostile control-channel input.
+# With -- --bench: instead of 2., the throughput point of tests/nixl/bench.py (after 1.).
 # Exit status: 0 when all passed. CI runs it (tools/run-tests.sh).
 set -euo pipefail
 export PATH=/usr/sbin:/usr/bin:/sbin:/bin${PATH:+:$PATH}
@@ -78,6 +79,14 @@ echo "nixl_example KVSTAGE: Transfer verified, Test done"
 kill "$pid"
 wait "$pid" 2>/dev/null || true
 pid=
+
+if [ "${1:-}" = --bench ]; then
+	shift
+	ninja -C "$bd" tools/bench/kvstage-bench >/dev/null
+	export KVSTAGE_BENCH=$bd/tools/bench/kvstage-bench
+	echo "== the backend's throughput beside kvstage-bench's (tests/nixl/bench.py)"
+	exec /usr/bin/python3 "$here/bench.py" "$@"
+fi
 
 echo "== pytest tests/nixl (two engine processes, two kvstaged over TCP)"
 py=/usr/bin/python3

@@ -276,3 +276,50 @@ def test_release_against_a_zero_copy_backend(make_engine, two_proxies, tmp_path,
         data = eng.call("read_blocks", block_ids=dst)
         assert len(data) - data.count(bytes([CANARY])) == 2 * 65536
     gate.close()
+
+
+def test_notif_on_abort_tells_the_target_its_pages_are_free(make_engine, two_proxies, tmp_path):
+    """With notif_on_abort (KVSTAGE_NIXL_NOTIF_ON_ABORT=1) a READ target is notified also when its copy-out stopped
+    short: decode releases the READ while prefill is held before its 2nd gather step; once prefill has stopped,
+    its engine gets the request's notification (vLLM would free the blocks then, instead of at its timeout)."""
+    gate = Gate(tmp_path, "gather", 2)
+    prefill, decode, lh, rh = _setup(make_engine, two_proxies, prefill_env={
+        "KVSTAGE_NIXL_TEST_GATE": gate.spec, "KVSTAGE_NIXL_NOTIF_ON_ABORT": "1"})
+    x = decode.call("xfer", kind="READ", local=lh, local_ids=_ids(DST), remote=rh, remote_ids=_ids(SRC),
+                    notif=b"req-8:1")
+    assert gate.reached() == "reached gather 2"
+    decode.call("release", xid=x["id"])
+    decode.wait_stats(lambda s: s["xfers_ended"] == 1)
+    gate.open()
+    gate.passed()
+    st = prefill.wait_stats(lambda s: s["serves_ended"] == 1)
+    assert st["served_read"] == 0
+    assert prefill.call("notifs", want=1) == [("decode-0", b"req-8:1")]
+    assert _changed(decode, list(range(BLOCKS))) == 0  # no room completed: nothing was scattered
+    gate.close()
+
+
+def test_serve_deadline_stops_a_late_copy_out(make_engine, two_proxies, tmp_path):
+    """serve_deadline_ms (KVSTAGE_NIXL_SERVE_DEADLINE_MS=1000): a target does not copy out of its pages for a
+    request that came longer ago than that. prefill is held before its 2nd gather step until the deadline has
+    passed on the test's clock (the deadline's own clock, not a race); the step is then skipped, the READ fails,
+    and a request within its deadline is served."""
+    gate = Gate(tmp_path, "gather", 2)
+    prefill, decode, lh, rh = _setup(make_engine, two_proxies, prefill_env={
+        "KVSTAGE_NIXL_TEST_GATE": gate.spec, "KVSTAGE_NIXL_SERVE_DEADLINE_MS": "1000"})
+    t = time.monotonic()
+    x = decode.call("xfer", kind="READ", local=lh, local_ids=_ids(DST), remote=rh, remote_ids=_ids(SRC),
+                    notif=b"req-9:1")
+    assert gate.reached() == "reached gather 2"
+    while time.monotonic() - t < 1.2:
+        time.sleep(0.05)
+    gate.open()
+    assert gate.passed() == "passed skipped"
+    assert decode.call("wait", xid=x["id"]) == "ERR"
+    st = prefill.wait_stats(lambda s: s["serves_ended"] == 1)
+    assert st["chunks_gathered"] == 1 and st["serves_stopped"] == 1
+    assert prefill.call("notifs", want=1, timeout=0) == []
+    x = decode.call("xfer", kind="READ", local=lh, local_ids=_ids([20]), remote=rh, remote_ids=_ids([20]),
+                    notif=b"req-10:1")
+    assert decode.call("wait", xid=x["id"]) == "DONE"
+    gate.close()
