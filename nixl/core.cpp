@@ -11,6 +11,7 @@
 #include <cstdio>
 #include <cstring>
 #include <deque>
+#include <future>
 #include <map>
 #include <mutex>
 #include <set>
@@ -363,6 +364,7 @@ struct Core::Impl {
 
 	// ---------------------------------------------------------------- set-up
 	bool start(std::string &err);
+	bool connect_proxy(std::string &err);
 	void run();
 	void shutdown();
 	void kick()
@@ -494,27 +496,6 @@ bool Core::Impl::start(std::string &err)
 		}
 	}
 
-	int rc = kvs_connect(cfg.socket.empty() ? nullptr : cfg.socket.c_str(), &kc);
-	if (rc < 0) {
-		err = std::string("kvstaged at ") +
-		      (cfg.socket.empty() ? "the default socket" : cfg.socket) + ": " +
-		      kvs_strerror(rc);
-		kc = nullptr;
-		return false;
-	}
-	kfd = kvs_event_fd(kc);
-	if (kfd < 0) {
-		err = std::string("kvs_event_fd: ") + kvs_strerror(kfd);
-		return false;
-	}
-	slot = kvs_slot_size(kc);
-	uint64_t pool = (uint64_t)slot * kvs_slot_count(kc);
-	max_room = cfg.max_room_bytes ? cfg.max_room_bytes : pool / 4;
-	max_room = std::min<uint64_t>(max_room, pool) / slot * slot;
-	if (max_room < slot)
-		max_room = slot;
-	recv_budget = std::max(max_room, pool / 2);
-
 	std::string host, portstr;
 	if (!split_hostport(cfg.listen, host, portstr)) {
 		err = "listen " + cfg.listen + ": not HOST:PORT";
@@ -555,7 +536,49 @@ bool Core::Impl::start(std::string &err)
 		err = std::string("eventfd: ") + strerror(errno);
 		return false;
 	}
-	thr = std::thread([this] { run(); });
+	// Every libkvstage call is the progress thread's, the connection included:
+	// the thread connects and says how it went before start() returns.
+	std::promise<std::string> connected;
+	auto result = connected.get_future();
+	thr = std::thread([this, &connected] {
+		std::string e;
+		bool ok = connect_proxy(e);
+		connected.set_value(ok ? std::string() : e);
+		if (ok)
+			run();
+	});
+	err = result.get();
+	if (!err.empty()) {
+		thr.join();
+		return false;
+	}
+	return true;
+}
+
+bool Core::Impl::connect_proxy(std::string &err)
+{
+	int rc = kvs_connect(cfg.socket.empty() ? nullptr : cfg.socket.c_str(), &kc);
+	if (rc < 0) {
+		err = std::string("kvstaged at ") +
+		      (cfg.socket.empty() ? "the default socket" : cfg.socket) + ": " +
+		      kvs_strerror(rc);
+		kc = nullptr;
+		return false;
+	}
+	kfd = kvs_event_fd(kc);
+	if (kfd < 0) {
+		err = std::string("kvs_event_fd: ") + kvs_strerror(kfd);
+		kvs_close(kc);
+		kc = nullptr;
+		return false;
+	}
+	slot = kvs_slot_size(kc);
+	uint64_t pool = (uint64_t)slot * kvs_slot_count(kc);
+	max_room = cfg.max_room_bytes ? cfg.max_room_bytes : pool / 4;
+	max_room = std::min<uint64_t>(max_room, pool) / slot * slot;
+	if (max_room < slot)
+		max_room = slot;
+	recv_budget = std::max(max_room, pool / 2);
 	return true;
 }
 
@@ -566,17 +589,10 @@ void Core::Impl::shutdown()
 		kick();
 		thr.join();
 	}
-	for (auto &kv : jobs)
-		if (kv.second->room)
-			kvs_room_close(kv.second->room);
-	jobs.clear();
 	for (auto &kv : conns)
 		if (kv.second->fd >= 0)
 			close(kv.second->fd);
 	conns.clear();
-	if (kc)
-		kvs_close(kc);
-	kc = nullptr;
 	if (lfd >= 0)
 		close(lfd);
 	if (efd >= 0)
@@ -1262,9 +1278,9 @@ void Core::Impl::fail_xfer(const std::shared_ptr<Xfer> &x, int err)
 	}
 	if (!released) {
 		count(st.failed);
-		log_line("%s: a %s of %llu bytes %s %s failed: %s", cfg.agent.c_str(),
-			 x->op == XFER_READ ? "READ" : "WRITE", (unsigned long long)x->local.total,
-			 x->op == XFER_READ ? "from" : "to", x->agent.c_str(), strerror(-err));
+		log_rl("failed", "%s: a %s of %llu bytes %s %s failed: %s", cfg.agent.c_str(),
+		       x->op == XFER_READ ? "READ" : "WRITE", (unsigned long long)x->local.total,
+		       x->op == XFER_READ ? "from" : "to", x->agent.c_str(), strerror(-err));
 	}
 	x->status.store(err, std::memory_order_release);
 	xfers.erase(x->id);
@@ -1491,10 +1507,10 @@ void Core::Impl::validate(const std::shared_ptr<Serve> &s)
 	if (s->op == OP_WRITE) {
 		if (s->total > max_room) {
 			count(st.refused_other);
-			log_line("%s: refused a WRITE of %llu bytes from %s: more than a room holds "
-				 "here (%llu; max_room_bytes)",
-				 cfg.agent.c_str(), (unsigned long long)s->total, s->agent.c_str(),
-				 (unsigned long long)max_room);
+			log_rl("too-big", "%s: refused a WRITE of %llu bytes from %s: more than a room "
+			       "holds here (%llu; max_room_bytes)",
+			       cfg.agent.c_str(), (unsigned long long)s->total, s->agent.c_str(),
+			       (unsigned long long)max_room);
 			end_serve(s, -EMSGSIZE);
 			return;
 		}
@@ -1946,8 +1962,8 @@ void Core::Impl::run_cmds()
 			int rc = 0;
 			Conn *cn = found ? dial(e, rc) : nullptr;
 			if (!cn) {
-				log_line("%s: a notification to %s: no way to it", cfg.agent.c_str(),
-					 c.agent.c_str());
+				log_rl("notif", "%s: a notification to %s: no way to it",
+				       cfg.agent.c_str(), c.agent.c_str());
 				break;
 			}
 			Writer w;
@@ -2139,6 +2155,16 @@ void Core::Impl::run()
 		}
 		reap_conns();
 	}
+	// Stopping: every room closed (an unfinished one aborted) and the connection
+	// to kvstaged closed, here, on the thread that made them.
+	for (auto &kv : jobs)
+		if (kv.second->room)
+			kvs_room_close(kv.second->room);
+	jobs.clear();
+	active.clear();
+	if (kc)
+		kvs_close(kc);
+	kc = nullptr;
 }
 
 // ==================================================================== the API

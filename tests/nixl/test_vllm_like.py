@@ -181,3 +181,13 @@ def test_loopback_in_one_agent(make_engine, two_proxies, kind):
     assert eng.call("wait", xid=x["id"]) == "DONE"
     assert eng.call("read_blocks", block_ids=dst) == eng.call("read_blocks", block_ids=src)
     assert eng.call("notifs", want=1) == [("solo-0", b"self")]
+
+
+def test_no_kvstaged_no_backend(make_engine, two_proxies, tmp_path, capfd):
+    """Without a kvstaged at its socket the backend is not created, and its log line names the socket."""
+    a, _ = two_proxies
+    eng = make_engine("orphan", a, KVSTAGE_SOCKET=str(tmp_path / "none.sock"))
+    with pytest.raises(RuntimeError):
+        eng.call("init", name="orphan-0")
+    eng.close()
+    assert f"kvstaged at {tmp_path / 'none.sock'}" in capfd.readouterr().err
