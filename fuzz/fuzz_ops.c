@@ -62,7 +62,7 @@ static void setup(void)
 static struct kvsp_client *client(unsigned i)
 {
 	if (!cl[i])
-		cl[i] = kvsp_client_new(&P, -1, 1000 + (pid_t)i, 0);
+		cl[i] = kvsp_client_new(&P, -1, 1000 + (pid_t)i, 0, 1000 + (uint64_t)i);
 	if (!cl[i])
 		abort();
 	return cl[i];

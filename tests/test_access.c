@@ -19,6 +19,7 @@
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
+#include <sys/vfs.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -284,9 +285,33 @@ static void let_go(struct child *ch)
 enum { UID_CLIENTS = 256 * 75 / 100, PROC_CLIENTS = UID_CLIENTS * 75 / 100 };
 enum { UID_ROOMS = 4096 * 75 / 100, PROC_ROOMS = UID_ROOMS * 75 / 100 };
 
-static void shared_proxy(void)
+/* The kernel names a process across PID namespaces (SO_PEERPIDFD, pidfs). */
+static bool pidfs_names_processes(void)
+{
+	int sv[2];
+	if (socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) < 0)
+		return false;
+	int pidfd = -1;
+	socklen_t len = sizeof(pidfd);
+	struct statfs fs;
+	bool ok = getsockopt(sv[0], SOL_SOCKET, 77 /* SO_PEERPIDFD */, &pidfd, &len) == 0 &&
+		  fstatfs(pidfd, &fs) == 0 && fs.f_type == 0x50494446 /* PIDFS_MAGIC */;
+	if (pidfd >= 0)
+		close(pidfd);
+	close(sv[0]);
+	close(sv[1]);
+	return ok;
+}
+
+/* pod: the proxy in a PID namespace of its own, where every client's pid
+ * is 0 (a pod's sidecar); the kernel's pidfs still names each process. */
+static void shared_proxy(bool pod)
 {
 	need_root();
+	if (pod && !pidfs_names_processes())
+		cr_skip_test("this kernel has no SO_PEERPIDFD with pidfs (Linux 6.9): a pod's "
+			     "clients of one uid share their uid's places, as design note 42 says");
+	px.pidns = pod;
 	proxy_start_plain(&px,
 			  (const char *[]){ "--slots", "16", "--slot-size", "4K", "--socket-mode",
 					    "0666", "--allow-uid", "4250", NULL });
@@ -295,9 +320,9 @@ static void shared_proxy(void)
 
 /* No process takes every client place of its uid, and no uid every place
  * (issue 39, item 3). */
-Test(access, no_process_or_uid_takes_every_client_place)
+static void no_process_or_uid_takes_every_client_place(bool pod)
 {
-	shared_proxy();
+	shared_proxy(pod);
 	static kvs_client *c[PROC_CLIENTS];
 	for (int i = 0; i < PROC_CLIENTS; i++) {
 		int rc = kvs_connect(px.sock, &c[i]);
@@ -317,15 +342,26 @@ Test(access, no_process_or_uid_takes_every_client_place)
 	proxy_log(&px, log, sizeof(log));
 	cr_assert(strstr(log, "holds its share of uid 0's client places"), "%s", log);
 	cr_assert(strstr(log, "uid 0 holds its share of the client places"), "%s", log);
+	cr_assert_eq(strstr(log, "attached: pid 0 ") != NULL, pod, "pod %d: %s", pod, log);
 	for (int i = 0; i < PROC_CLIENTS; i++)
 		kvs_close(c[i]);
 }
 
+Test(access, no_process_or_uid_takes_every_client_place)
+{
+	no_process_or_uid_takes_every_client_place(false);
+}
+
+Test(access, in_a_pod_no_process_or_uid_takes_every_client_place)
+{
+	no_process_or_uid_takes_every_client_place(true);
+}
+
 /* No process opens every room of its uid's share, and no uid every room
  * (issue 39, item 2): 256 a connection (--client-rooms). */
-Test(access, no_process_or_uid_opens_every_room)
+static void no_process_or_uid_opens_every_room(bool pod)
 {
-	shared_proxy();
+	shared_proxy(pod);
 	static kvs_client *c[PROC_ROOMS / 256 + 1];
 	for (unsigned i = 0; i < PROC_ROOMS / 256 + 1; i++)
 		c[i] = connect_ok(&px);
@@ -346,6 +382,16 @@ Test(access, no_process_or_uid_opens_every_room)
 	cr_assert_eq(connect_and_open_as(0), 0, "rooms given back are opened again");
 	for (unsigned i = 0; i < PROC_ROOMS / 256 + 1; i++)
 		kvs_close(c[i]);
+}
+
+Test(access, no_process_or_uid_opens_every_room)
+{
+	no_process_or_uid_opens_every_room(false);
+}
+
+Test(access, in_a_pod_no_process_or_uid_opens_every_room)
+{
+	no_process_or_uid_opens_every_room(true);
 }
 
 /* Silent connections (no hello) must not keep a client that talks out. */

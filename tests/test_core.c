@@ -44,7 +44,7 @@ TestSuite(core, .init = setup, .fini = teardown, .timeout = 30);
  * hello takes A's index, then B's first reply is due a kick. */
 Test(core, a_dying_client_is_sent_nothing_and_kicks_never_overflow)
 {
-	struct kvsp_client *a = kvsp_client_new(&P, -1, 100, 0);
+	struct kvsp_client *a = kvsp_client_new(&P, -1, 100, 0, 100);
 	cr_assert_not_null(a);
 	struct kvs_desc_wire d;
 	cr_assert_eq(kvsp_room_open_recv(&P, a, 0, 4096, 1, 7, &d), 0);
@@ -55,7 +55,7 @@ Test(core, a_dying_client_is_sent_nothing_and_kicks_never_overflow)
 	cr_assert_eq(P.stats->events, events, "a dying client was posted its own room's final");
 	cr_assert_eq(P.nkicks, 0, "a dead client left its kick entry behind");
 
-	struct kvsp_client *b = kvsp_client_new(&P, -1, 101, 0);
+	struct kvsp_client *b = kvsp_client_new(&P, -1, 101, 0, 101);
 	cr_assert_not_null(b);
 	cr_assert_eq(b->idx, 0, "B takes A's index");
 	kvsp_client_reply(&P, b, 1, 0);
@@ -70,7 +70,7 @@ Test(core, a_dying_client_is_sent_nothing_and_kicks_never_overflow)
  * library can tell whether the room at that index is still that one. */
 Test(core, a_rejection_echoes_the_ops_handle_and_generation)
 {
-	struct kvsp_client *c = kvsp_client_new(&P, -1, 102, 0);
+	struct kvsp_client *c = kvsp_client_new(&P, -1, 102, 0, 102);
 	cr_assert_not_null(c);
 	struct kvs_desc_wire d;
 	cr_assert_eq(kvsp_room_open_recv(&P, c, 2, 4096, 1, 9, &d), 0);

@@ -152,7 +152,7 @@ TestSuite(rooms, .init = setup, .fini = teardown, .timeout = 30);
 
 static struct kvsp_client *client(pid_t pid)
 {
-	struct kvsp_client *c = kvsp_client_new(&P, -1, pid, 0);
+	struct kvsp_client *c = kvsp_client_new(&P, -1, pid, 0, (uint64_t)pid);
 	cr_assert_not_null(c);
 	return c;
 }

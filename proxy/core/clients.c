@@ -123,7 +123,7 @@ static void client_free(struct kvsp_client *c)
 	free(c);
 }
 
-struct kvsp_client *kvsp_client_new(struct kvsp *p, int sock, pid_t pid, uid_t uid)
+struct kvsp_client *kvsp_client_new(struct kvsp *p, int sock, pid_t pid, uid_t uid, uint64_t proc)
 {
 	unsigned idx;
 	for (idx = 0; idx < p->cfg.max_clients; idx++)
@@ -145,9 +145,9 @@ struct kvsp_client *kvsp_client_new(struct kvsp *p, int sock, pid_t pid, uid_t u
 	/* Held while the process's entry is found: a new entry holding
 	 * nothing is free, and must not be found again as the process's. */
 	p->shares.tab[share].clients++;
-	uint16_t pshare = pid ? kvsp_share_of(&p->shares, uid, pid) : KVSP_NO_SHARE;
+	uint16_t pshare = proc ? kvsp_share_of(&p->shares, uid, proc) : KVSP_NO_SHARE;
 	p->shares.tab[share].clients--;
-	if (pid && pshare == KVSP_NO_SHARE) {
+	if (proc && pshare == KVSP_NO_SHARE) {
 		errno = EUSERS;
 		return NULL;
 	}
@@ -175,6 +175,7 @@ struct kvsp_client *kvsp_client_new(struct kvsp *p, int sock, pid_t pid, uid_t u
 	c->idx = (uint16_t)idx;
 	c->pid = pid;
 	c->uid = uid;
+	c->proc = proc;
 	c->share = share;
 	c->pshare = pshare;
 	p->shares.tab[share].clients++;

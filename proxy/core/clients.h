@@ -57,7 +57,8 @@ struct kvsp_client {
 	pid_t pid;
 	uid_t uid;
 	uint16_t share;	       /* its uid's entry in p->shares */
-	uint16_t pshare;       /* its process's, or KVSP_NO_SHARE (pid 0) */
+	uint16_t pshare;       /* its process's, or KVSP_NO_SHARE (not known) */
+	uint64_t proc;	       /* its process (kvsp_client_new) */
 	struct kvs_cshm *cshm; /* client-writable: copy before trusting */
 	size_t cmem_size;
 	struct kvs_lease *reply_leases;
@@ -88,10 +89,11 @@ static inline int64_t kvsp_sq_waiting(const struct kvsp_client *c)
 /* Counts a chunk of len bytes c gave to an open room's transport. */
 void kvsp_client_sent(struct kvsp_client *c, uint64_t len);
 
-/* A new client of uid on sock. Returns it, or NULL with errno EUSERS
+/* A new client of uid on sock, of process proc (0: unknown; core/shares.h:
+ * its pidfs inode, else its pid). Returns it, or NULL with errno EUSERS
  * (--max-clients reached), EDQUOT (uid holds its share of them),
  * ETOOMANYREFS (its process holds its share of its uid's) or why. */
-struct kvsp_client *kvsp_client_new(struct kvsp *p, int sock, pid_t pid, uid_t uid);
+struct kvsp_client *kvsp_client_new(struct kvsp *p, int sock, pid_t pid, uid_t uid, uint64_t proc);
 /* Frees c itself: its rooms and slots must be gone (kvsp_client_destroy, core/rooms.h). */
 void kvsp_client_free(struct kvsp *p, struct kvsp_client *c);
 struct kvsp_client *kvsp_client_get(struct kvsp *p, uint16_t cidx, uint32_t cid);

@@ -455,7 +455,7 @@ static int open_send_far(struct kvsp *p, struct kvsp_client *c, uint16_t h,
 {
 	struct kvsp_transport *t = NULL;
 	uint32_t peer = 0;
-	const struct kvsp_party who = { (uint32_t)c->uid, (uint32_t)c->pid, c->id };
+	const struct kvsp_party who = { (uint32_t)c->uid, c->id, c->proc };
 	int rc = -EOPNOTSUPP;
 	for (unsigned k = 0; k < p->nxports && rc == -EOPNOTSUPP; k++)
 		if (p->xports[k]->ops->reach) {

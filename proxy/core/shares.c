@@ -37,19 +37,19 @@ void kvsp_shares_fini(struct kvsp_shares *sh)
 }
 
 /* Linear: called at a client's start only (a room carries its index). */
-uint16_t kvsp_share_of(struct kvsp_shares *sh, uid_t uid, pid_t pid)
+uint16_t kvsp_share_of(struct kvsp_shares *sh, uid_t uid, uint64_t proc)
 {
 	uint16_t free_one = KVSP_NO_SHARE;
 	for (uint16_t i = 0; i < sh->n; i++) {
 		const struct kvsp_share *e = &sh->tab[i];
 		bool used = e->clients || e->rooms;
-		if (used && e->uid == uid && e->pid == pid)
+		if (used && e->uid == uid && e->proc == proc)
 			return i;
 		if (!used && free_one == KVSP_NO_SHARE)
 			free_one = i;
 	}
 	if (free_one != KVSP_NO_SHARE)
-		sh->tab[free_one] = (struct kvsp_share){ .uid = uid, .pid = pid };
+		sh->tab[free_one] = (struct kvsp_share){ .uid = uid, .proc = proc };
 	return free_one;
 }
 
@@ -58,7 +58,7 @@ bool kvsp_share_takes_client(const struct kvsp_shares *sh, uint16_t i)
 	if (i == KVSP_NO_SHARE)
 		return true;
 	const struct kvsp_share *e = &sh->tab[i];
-	return e->clients < (e->pid ? sh->max_proc_clients : sh->max_clients);
+	return e->clients < (e->proc ? sh->max_proc_clients : sh->max_clients);
 }
 
 bool kvsp_share_takes_room(const struct kvsp_shares *sh, uint16_t i)
@@ -66,5 +66,5 @@ bool kvsp_share_takes_room(const struct kvsp_shares *sh, uint16_t i)
 	if (i == KVSP_NO_SHARE)
 		return true;
 	const struct kvsp_share *e = &sh->tab[i];
-	return e->rooms < (e->pid ? sh->max_proc_rooms : sh->max_rooms);
+	return e->rooms < (e->proc ? sh->max_proc_rooms : sh->max_rooms);
 }

@@ -44,11 +44,11 @@ struct kvsp_room_name {
 };
 
 /* Who makes a transport reach another proxy: the sharing unit of what it
- * holds for them (design note 43). uid and pid are SO_PEERCRED's; pid is 0
- * for a client outside the proxy's PID namespace (a pod's other
- * containers), and then its connection (cid) stands for its process. */
+ * holds for them (design note 43): a uid (SO_PEERCRED's), and its process
+ * (core/shares.h), or where that is not known (0) its connection (cid). */
 struct kvsp_party {
-	uint32_t uid, pid, cid;
+	uint32_t uid, cid;
+	uint64_t proc;
 };
 
 enum { KVSP_IDLE = 0, KVSP_BUSY = 1 };

@@ -24,6 +24,7 @@
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
+#include <sys/vfs.h>
 #include <unistd.h>
 
 #include "base/log.h"
@@ -49,6 +50,7 @@ struct kvsp_pending {
 	int fd;
 	pid_t pid;
 	uid_t uid;
+	uint64_t proc; /* the process, for its share (process_of) */
 	uint32_t id; /* in its epoll tag: an event for an earlier holder of the place is not its */
 	uint64_t since_ns;
 };
@@ -366,6 +368,28 @@ static void refuse_peer(struct kvsp *p, int fd, const struct ucred *cr, int stat
 	kvsp_refuse(p, fd, status, why);
 }
 
+#ifndef SO_PEERPIDFD
+#define SO_PEERPIDFD 77 /* Linux 6.5 */
+#endif
+#define PIDFS_MAGIC 0x50494446 /* Linux 6.9: a pidfd's inode names its process for the boot */
+
+/* The process that connected fd, as the shares know it (core/shares.h): its
+ * pidfs inode where the kernel has pidfs, which names it across PID
+ * namespaces (a pod's other containers, whose SO_PEERCRED pid is 0); else
+ * its pid, 0 when that is not ours to see. */
+static uint64_t process_of(int fd, pid_t pid)
+{
+	int pidfd = -1;
+	socklen_t len = sizeof(pidfd);
+	if (getsockopt(fd, SOL_SOCKET, SO_PEERPIDFD, &pidfd, &len) < 0 || pidfd < 0)
+		return (uint64_t)pid;
+	struct statfs fs;
+	struct stat st;
+	bool pidfs = fstatfs(pidfd, &fs) == 0 && fs.f_type == PIDFS_MAGIC && fstat(pidfd, &st) == 0;
+	close(pidfd);
+	return pidfs ? (uint64_t)st.st_ino | 1ull << 63 : (uint64_t)pid; /* never a pid */
+}
+
 /* True if the hello of the connection in place i has arrived. */
 static bool hello_waiting(const struct kvsp *p, unsigned i)
 {
@@ -458,8 +482,9 @@ void kvsp_on_accept(struct kvsp *p)
 		/* The hello is usually here already; otherwise it comes as an
 		 * event. The reply is the client's, not the kernel's, so it
 		 * can carry a reason. */
-		p->pending[i] =
-			(struct kvsp_pending){ fd, cr.pid, cr.uid, ++p->pending_ids, p->now_ns };
+		p->pending[i] = (struct kvsp_pending){
+			fd, cr.pid, cr.uid, process_of(fd, cr.pid), ++p->pending_ids, p->now_ns
+		};
 		if (hello_waiting(p, i)) {
 			kvsp_on_hello(p, i);
 		} else if (kvsp_ep_add(p->epfd, fd, EPOLLIN | EPOLLRDHUP,
@@ -477,7 +502,7 @@ static void welcome_client(struct kvsp *p, struct kvsp_pending *pd)
 		kvsp_refuse(p, fd, -ESHUTDOWN, "proxy is shutting down");
 		return;
 	}
-	struct kvsp_client *c = kvsp_client_new(p, fd, pd->pid, pd->uid);
+	struct kvsp_client *c = kvsp_client_new(p, fd, pd->pid, pd->uid, pd->proc);
 	if (!c) {
 		int err = errno;
 		char why[96];

@@ -228,15 +228,15 @@ static bool same_party(const struct psess *a, const struct psess *b)
 	return a->dialer ? a->party.uid == b->party.uid : kvsp_endpoint_same_host(&a->ep, &b->ep);
 }
 
-/* Within one party: one process's. A client outside our PID namespace
- * (pid 0: a pod's other container) is its own connection; an address is
- * one process. */
+/* Within one party: one process's (core/shares.h names it); a client
+ * whose process is not known is its own connection; an address is one
+ * process. */
 static bool same_process(const struct psess *a, const struct psess *b)
 {
 	if (!a->dialer)
 		return true;
-	if (a->party.pid || b->party.pid)
-		return a->party.pid == b->party.pid;
+	if (a->party.proc || b->party.proc)
+		return a->party.proc == b->party.proc;
 	return a->party.cid == b->party.cid;
 }
 
