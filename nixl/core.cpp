@@ -434,6 +434,7 @@ struct Core::Impl {
 	// ---------------------------------------------------------------- initiator
 	void post(std::shared_ptr<Xfer> x);
 	void open_segments(Xfer &x);
+	bool end_xfer(const std::shared_ptr<Xfer> &x, Conn *&c);
 	void fail_xfer(const std::shared_ptr<Xfer> &x, int err);
 	void complete_xfer(const std::shared_ptr<Xfer> &x);
 	void maybe_complete(const std::shared_ptr<Xfer> &x);
@@ -1253,18 +1254,29 @@ void Core::Impl::open_segments(Xfer &x)
 	}
 }
 
-void Core::Impl::fail_xfer(const std::shared_ptr<Xfer> &x, int err)
+// x's end, once: its rooms closed, its connection (c: nullptr if gone) no
+// longer naming it. Returns false when x had ended already.
+bool Core::Impl::end_xfer(const std::shared_ptr<Xfer> &x, Conn *&c)
 {
 	if (x->finished)
-		return;
+		return false;
 	x->finished = true;
 	count(st.xfers_ended);
 	for (uint64_t ud : x->jobs)
 		close_job(ud);
 	x->jobs.clear();
-	Conn *c = conn_of(x->conn);
-	if (c) {
+	c = conn_of(x->conn);
+	if (c)
 		c->xfers.erase(x->id);
+	return true;
+}
+
+void Core::Impl::fail_xfer(const std::shared_ptr<Xfer> &x, int err)
+{
+	Conn *c;
+	if (!end_xfer(x, c))
+		return;
+	if (c) {
 		if (c->st == C_UP || !c->early.empty()) {
 			Writer w;
 			w.u8(MSG_CANCEL).u64(x->id);
@@ -1288,16 +1300,9 @@ void Core::Impl::fail_xfer(const std::shared_ptr<Xfer> &x, int err)
 
 void Core::Impl::complete_xfer(const std::shared_ptr<Xfer> &x)
 {
-	if (x->finished)
+	Conn *c;
+	if (!end_xfer(x, c))
 		return;
-	x->finished = true;
-	count(st.xfers_ended);
-	for (uint64_t ud : x->jobs)
-		close_job(ud);
-	x->jobs.clear();
-	Conn *c = conn_of(x->conn);
-	if (c)
-		c->xfers.erase(x->id);
 	count(st.completed);
 	x->status.store(0, std::memory_order_release);
 	xfers.erase(x->id);

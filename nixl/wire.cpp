@@ -242,42 +242,31 @@ uint8_t Reader::u8()
 	n--;
 	return *p++;
 }
-uint16_t Reader::u16()
+// n little-endian bytes as an integer; short input clears ok and reads 0.
+static uint64_t take_le(Reader &r, size_t n)
 {
-	if (n < 2) {
-		ok = false;
-		return 0;
-	}
-	uint16_t v = (uint16_t)(p[0] | p[1] << 8);
-	p += 2;
-	n -= 2;
-	return v;
-}
-uint32_t Reader::u32()
-{
-	if (n < 4) {
-		ok = false;
-		return 0;
-	}
-	uint32_t v = 0;
-	for (int i = 3; i >= 0; i--)
-		v = v << 8 | p[i];
-	p += 4;
-	n -= 4;
-	return v;
-}
-uint64_t Reader::u64()
-{
-	if (n < 8) {
-		ok = false;
+	if (r.n < n) {
+		r.ok = false;
 		return 0;
 	}
 	uint64_t v = 0;
-	for (int i = 7; i >= 0; i--)
-		v = v << 8 | p[i];
-	p += 8;
-	n -= 8;
+	for (size_t i = n; i-- > 0;)
+		v = v << 8 | r.p[i];
+	r.p += n;
+	r.n -= n;
 	return v;
+}
+uint16_t Reader::u16()
+{
+	return (uint16_t)take_le(*this, 2);
+}
+uint32_t Reader::u32()
+{
+	return (uint32_t)take_le(*this, 4);
+}
+uint64_t Reader::u64()
+{
+	return take_le(*this, 8);
 }
 bool Reader::bytes(void *out, size_t len)
 {
