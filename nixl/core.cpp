@@ -31,6 +31,12 @@
 extern "C" {
 #include <kvstage.h>
 }
+#ifdef KVS_NIXL_VRAM
+#include <cuda_runtime_api.h>
+extern "C" {
+#include <kvstage_cuda.h>
+}
+#endif
 
 namespace kvsnixl {
 
@@ -112,6 +118,7 @@ struct Stream {
 	std::vector<uint64_t> start;
 	std::vector<std::shared_ptr<Region>> regions;
 	uint64_t total = 0;
+	bool vram = false; // its regions are GPU memory (one kind a stream: a NIXL list's)
 
 	void index()
 	{
@@ -308,6 +315,9 @@ struct Core::Impl {
 	Core *self = nullptr;
 	uint8_t key[kKey];
 	kvs_client *kc = nullptr;
+#ifdef KVS_NIXL_VRAM
+	cudaStream_t cstream = nullptr; // GPU copies: a non-blocking stream of our own
+#endif
 	int kfd = -1;
 	bool proxy_gone = false; // kvstaged went away: every room failed, nothing more is posted
 	size_t slot = 0;
@@ -435,6 +445,7 @@ struct Core::Impl {
 	void post(std::shared_ptr<Xfer> x);
 	void open_segments(Xfer &x);
 	bool end_xfer(const std::shared_ptr<Xfer> &x, Conn *&c);
+	int copy_vram(const Stream &s, uint64_t off, uint32_t n, const kvs_lease &l, bool to_slot);
 	void fail_xfer(const std::shared_ptr<Xfer> &x, int err);
 	void complete_xfer(const std::shared_ptr<Xfer> &x);
 	void maybe_complete(const std::shared_ptr<Xfer> &x);
@@ -580,7 +591,62 @@ bool Core::Impl::connect_proxy(std::string &err)
 	if (max_room < slot)
 		max_room = slot;
 	recv_budget = std::max(max_room, pool / 2);
+	if (cfg.vram) {
+#ifdef KVS_NIXL_VRAM
+		rc = kvs_cuda_register(kc);
+		cudaError_t e = rc < 0 ? cudaSuccess
+				       : cudaStreamCreateWithFlags(&cstream, cudaStreamNonBlocking);
+		if (rc < 0 || e != cudaSuccess) {
+			err = std::string("vram=1: ") +
+			      (rc < 0 ? std::string("kvs_cuda_register: ") + kvs_strerror(rc) + " (" +
+						kvs_cuda_last_error() + ")"
+				      : std::string("cudaStreamCreate: ") + cudaGetErrorString(e));
+			kvs_close(kc);
+			kc = nullptr;
+			return false;
+		}
+#else
+		err = "vram=1: this libplugin_KVSTAGE.so was built without CUDA (libkvstage_cuda): "
+		      "build it where meson finds the CUDA toolkit (docs/nixl.md)";
+		kvs_close(kc);
+		kc = nullptr;
+		return false;
+#endif
+	}
 	return true;
+}
+
+// n bytes of s from off between GPU memory and slot l, on our stream, waited
+// for before returning: the copy step (and so the fence) spans the DMA.
+// Returns 0, or -errno.
+int Core::Impl::copy_vram(const Stream &s, uint64_t off, uint32_t n, const kvs_lease &l,
+			  bool to_slot)
+{
+#ifdef KVS_NIXL_VRAM
+	int rc = 0;
+	uint64_t at = 0;
+	s.walk(off, n, [&](const uint8_t *p, uint64_t k) {
+		if (!rc)
+			rc = to_slot ? kvs_cuda_copy_to_slot(kc, &l, at, p, k, cstream, nullptr)
+				     : kvs_cuda_copy_from_slot(kc, &l, at, (void *)p, k, cstream,
+							       nullptr);
+		at += k;
+	});
+	cudaError_t e = cudaStreamSynchronize(cstream); // also after a failed queue: nothing left running
+	if (!rc && e != cudaSuccess)
+		rc = -EIO;
+	if (rc < 0)
+		log_rl("cuda", "%s: a GPU copy failed: %s (%s)", cfg.agent.c_str(), kvs_strerror(rc),
+		       rc == -EIO && e != cudaSuccess ? cudaGetErrorString(e) : kvs_cuda_last_error());
+	return rc;
+#else
+	(void)s;
+	(void)off;
+	(void)n;
+	(void)l;
+	(void)to_slot;
+	return -ENOTSUP; // no VRAM region is taken in such a build
+#endif
 }
 
 void Core::Impl::shutdown()
@@ -1487,6 +1553,12 @@ void Core::Impl::validate(const std::shared_ptr<Serve> &s)
 				ok = false;
 				break;
 			}
+			if (s->stream.spans.empty()) {
+				s->stream.vram = (*hit)->vram;
+			} else if ((*hit)->vram != s->stream.vram) {
+				ok = false; // GPU and host memory in one request: NIXL never posts it
+				break;
+			}
 			if (!seen.count(hit->get())) {
 				seen[hit->get()] = s->stream.regions.size();
 				s->stream.regions.push_back(*hit);
@@ -1830,12 +1902,21 @@ void Core::Impl::step_send(Job &j, Clock::time_point now)
 		job_failed(j, -ECANCELED);
 		return;
 	}
-	src.walk(j.off + at, n, [&](const uint8_t *p, uint64_t k) {
-		memcpy(dst, p, k);
-		dst += k;
-	});
+	int crc = 0;
+	if (src.vram)
+		crc = copy_vram(src, j.off + at, n, l, true);
+	else
+		src.walk(j.off + at, n, [&](const uint8_t *p, uint64_t k) {
+			memcpy(dst, p, k);
+			dst += k;
+		});
 	end_step();
-	gate_after(0, true);
+	gate_after(0, crc == 0);
+	if (crc < 0) {
+		kvs_release(kc, &l);
+		job_failed(j, crc);
+		return;
+	}
 	st.chunks_gathered++;
 	st.bytes_gathered += n;
 	stats_dirty = true;
@@ -1890,12 +1971,20 @@ void Core::Impl::step_recv(Job &j, Clock::time_point now)
 		job_failed(j, -ECANCELED);
 		return;
 	}
-	dst.walk(j.off + at, n, [&](uint8_t *p, uint64_t k) {
-		memcpy(p, src, k);
-		src += k;
-	});
+	int crc = 0;
+	if (dst.vram)
+		crc = copy_vram(dst, j.off + at, n, l, false);
+	else
+		dst.walk(j.off + at, n, [&](uint8_t *p, uint64_t k) {
+			memcpy(p, src, k);
+			src += k;
+		});
 	end_step();
-	gate_after(1, true);
+	gate_after(1, crc == 0);
+	if (crc < 0) {
+		job_failed(j, crc);
+		return;
+	}
 	st.chunks_scattered++;
 	st.bytes_scattered += n;
 	stats_dirty = true;
@@ -2167,8 +2256,13 @@ void Core::Impl::run()
 			kvs_room_close(kv.second->room);
 	jobs.clear();
 	active.clear();
+#ifdef KVS_NIXL_VRAM
+	if (cstream)
+		cudaStreamDestroy(cstream);
+	cstream = nullptr;
+#endif
 	if (kc)
-		kvs_close(kc);
+		kvs_close(kc); // undoes kvs_cuda_register too
 	kc = nullptr;
 }
 
@@ -2251,12 +2345,22 @@ void Core::forget_remote(const std::string &agent)
 	impl_->agents.erase(agent);
 }
 
-std::shared_ptr<Region> Core::add_region(uintptr_t addr, uint64_t len, uint64_t dev)
+bool Core::built_with_cuda()
+{
+#ifdef KVS_NIXL_VRAM
+	return true;
+#else
+	return false;
+#endif
+}
+
+std::shared_ptr<Region> Core::add_region(uintptr_t addr, uint64_t len, uint64_t dev, bool vram)
 {
 	auto r = std::make_shared<Region>();
 	r->addr = addr;
 	r->len = len;
 	r->dev = dev;
+	r->vram = vram;
 	std::lock_guard<std::mutex> lk(impl_->regions_mu);
 	impl_->regions.emplace(addr, r);
 	return r;
@@ -2293,6 +2397,12 @@ std::shared_ptr<Xfer> Core::post(uint8_t op, std::vector<Span> local,
 	x->local.spans = std::move(local);
 	x->local.regions = std::move(local_regions);
 	x->local.index();
+	for (auto &r : x->local.regions)
+		if (r->vram != x->local.regions.front()->vram) {
+			rc = -EINVAL; // GPU and host memory in one list
+			return nullptr;
+		}
+	x->local.vram = !x->local.regions.empty() && x->local.regions.front()->vram;
 	x->remote = std::move(remote);
 	x->has_notif = has_notif;
 	x->notif = std::move(notif);

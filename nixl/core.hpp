@@ -23,6 +23,7 @@ struct Region {
 	uintptr_t addr = 0;
 	uint64_t len = 0;
 	uint64_t dev = 0;
+	bool vram = false; // GPU memory (VRAM_SEG): copied by libkvstage_cuda
 	std::atomic<bool> dead{false};
 };
 
@@ -45,6 +46,7 @@ struct Config {
 	unsigned serve_deadline_ms = 0;	  // target: a request not done this long after it came is dropped (0: none)
 	unsigned forget_ttl_ms = 600000;  // how long a forgotten notification prefix is remembered
 	bool notif_on_abort = false;	  // READ target: notify also when its copy-out stopped short
+	bool vram = false;		  // take VRAM_SEG too (opt-in: no GPU has run it; docs/nixl.md)
 	std::string stats_file;		  // counters as JSON, rewritten as they change
 	std::string gate;		  // test only: "DIR:PHASE:N" (docs/nixl.md, "Tests")
 };
@@ -68,7 +70,9 @@ class Core {
 	int load_remote(const std::string &agent, const std::string &info);
 	void forget_remote(const std::string &agent);
 
-	std::shared_ptr<Region> add_region(uintptr_t addr, uint64_t len, uint64_t dev);
+	std::shared_ptr<Region> add_region(uintptr_t addr, uint64_t len, uint64_t dev, bool vram);
+	// Whether this build can copy GPU memory (libkvstage_cuda linked in).
+	static bool built_with_cuda();
 	// The fence of a region: returns once no copy step touches it any more, and
 	// none ever will; requests touching it fail.
 	void remove_region(const std::shared_ptr<Region> &r);

@@ -127,6 +127,9 @@ class nixlKvstageEngine : public nixlBackendEngine {
 		}
 		std::string noa = param(p, "notif_on_abort", "KVSTAGE_NIXL_NOTIF_ON_ABORT", "0");
 		cfg.notif_on_abort = noa == "1" || noa == "true" || noa == "yes";
+		std::string vram = param(p, "vram", "KVSTAGE_NIXL_VRAM", "0");
+		cfg.vram = vram == "1" || vram == "true" || vram == "yes";
+		vram_ = cfg.vram;
 		std::string err;
 		core_.reset(Core::create(cfg, err));
 		if (!core_) {
@@ -149,17 +152,24 @@ class nixlKvstageEngine : public nixlBackendEngine {
 	}
 	nixl_mem_list_t getSupportedMems() const override
 	{
+		if (vram_)
+			return {DRAM_SEG, VRAM_SEG};
 		return {DRAM_SEG};
+	}
+	bool takes(nixl_mem_t m) const
+	{
+		return m == DRAM_SEG || (vram_ && m == VRAM_SEG);
 	}
 
 	nixl_status_t registerMem(const nixlBlobDesc &mem, const nixl_mem_t &nixl_mem,
 				  nixlBackendMD *&out) override
 	{
-		if (nixl_mem != DRAM_SEG)
+		if (!takes(nixl_mem))
 			return NIXL_ERR_NOT_SUPPORTED;
 		if (!mem.len || mem.addr + mem.len < mem.addr)
 			return NIXL_ERR_INVALID_PARAM;
-		out = new RegionMD(core_->add_region(mem.addr, mem.len, mem.devId));
+		out = new RegionMD(
+			core_->add_region(mem.addr, mem.len, mem.devId, nixl_mem == VRAM_SEG));
 		return NIXL_SUCCESS;
 	}
 
@@ -214,7 +224,7 @@ class nixlKvstageEngine : public nixlBackendEngine {
 	nixl_status_t loadRemoteMD(const nixlBlobDesc &, const nixl_mem_t &nixl_mem,
 				   const std::string &remote_agent, nixlBackendMD *&output) override
 	{
-		if (nixl_mem != DRAM_SEG)
+		if (!takes(nixl_mem))
 			return NIXL_ERR_NOT_SUPPORTED;
 		output = new RemoteMD(remote_agent);
 		return NIXL_SUCCESS;
@@ -230,7 +240,7 @@ class nixlKvstageEngine : public nixlBackendEngine {
 			       nixlBackendReqH *&handle, const nixl_opt_b_args_t *) const override
 	{
 		if ((op != NIXL_READ && op != NIXL_WRITE) || local.descCount() != remote.descCount() ||
-		    local.getType() != DRAM_SEG || remote.getType() != DRAM_SEG)
+		    !takes(local.getType()) || !takes(remote.getType()))
 			return NIXL_ERR_INVALID_PARAM;
 		handle = new ReqH();
 		return NIXL_SUCCESS;
@@ -315,6 +325,7 @@ class nixlKvstageEngine : public nixlBackendEngine {
 
       private:
 	std::unique_ptr<Core> core_;
+	bool vram_ = false;
 };
 
 nixl_b_params_t kvstage_options()
@@ -333,6 +344,7 @@ nixl_b_params_t kvstage_options()
 		{"forget_ttl_ms", ""},	   // 600000
 		{"notif_on_abort", ""},	   // 0
 		{"stats_file", ""},	   // none
+		{"vram", ""},		   // 0: VRAM_SEG refused (opt-in; needs a CUDA build)
 	};
 }
 
@@ -343,7 +355,10 @@ using kvstage_plugin_t = nixlBackendPluginCreator<nixlKvstageEngine>;
 extern "C" NIXL_PLUGIN_EXPORT nixlBackendPlugin *nixl_plugin_init()
 {
 	return kvstage_plugin_t::create(NIXL_PLUGIN_API_VERSION, "KVSTAGE", "0.1.0",
-					kvstage_options(), {DRAM_SEG});
+					kvstage_options(),
+					kvsnixl::Core::built_with_cuda()
+						? nixl_mem_list_t{DRAM_SEG, VRAM_SEG}
+						: nixl_mem_list_t{DRAM_SEG});
 }
 
 extern "C" NIXL_PLUGIN_EXPORT void nixl_plugin_fini()

@@ -17,7 +17,8 @@ class _Engine:
         self.agent = None
         self.name = None
         self.backend = "KVSTAGE"
-        self.regions = []  # numpy arrays
+        self.regions = []  # numpy arrays, or gpu.Buffer (mem "VRAM")
+        self.mem = "DRAM"
         self.reg_descs = None
         self.blocks = self.block_len = 0
         self.dlists = {}  # id -> prepped dlist handle
@@ -40,17 +41,42 @@ class _Engine:
         self.name, self.backend = name, backend
         return {"name": name, "params": self.agent.get_backend_params(backend)}
 
-    def alloc(self, regions, blocks, block_len, seed=None):
+    def alloc(self, regions, blocks, block_len, seed=None, mem="DRAM"):
+        """regions of blocks x block_len bytes, registered as mem: DRAM (numpy) or VRAM (gpu.Buffer, device 0)."""
         import numpy as np
-        self.blocks, self.block_len = blocks, block_len
-        self.regions = [np.zeros(blocks * block_len, dtype=np.uint8) for _ in range(regions)]
+        self.blocks, self.block_len, self.mem = blocks, block_len, mem
+        host = [np.zeros(blocks * block_len, dtype=np.uint8) for _ in range(regions)]
         if seed is not None:
             rng = np.random.default_rng(seed)
-            for r in self.regions:  # never 0xEE: the tests' canary
+            for r in host:  # never 0xEE: the tests' canary
                 r[:] = rng.integers(0, 0xEE, r.size, dtype=np.uint8)
-        caches = [(r.ctypes.data, r.nbytes, 0, "") for r in self.regions]
-        self.reg_descs = self.agent.register_memory(caches, "DRAM", backends=[self.backend])
-        return [r.ctypes.data for r in self.regions]
+        if mem == "VRAM":
+            import gpu
+            self.regions = []
+            for r in host:
+                b = gpu.Buffer(r.nbytes)
+                b.write(r.tobytes())
+                self.regions.append(b)
+        else:
+            self.regions = host
+        caches = [(self._base(r), self.blocks * self.block_len, 0, "") for r in self.regions]
+        self.reg_descs = self.agent.register_memory(caches, mem, backends=[self.backend])
+        return [self._base(r) for r in self.regions]
+
+    def _base(self, r):
+        return r.ptr if self.mem == "VRAM" else r.ctypes.data
+
+    def try_register(self, mem, length=4096):
+        """Registers a host buffer of length bytes as mem with the backend; "ok" (deregistered again), or what
+        NIXL raised. The backend refuses a kind it does not take before it touches the memory."""
+        import numpy as np
+        buf = np.zeros(length, dtype=np.uint8)
+        try:
+            d = self.agent.register_memory([(buf.ctypes.data, length, 0, "")], mem, backends=[self.backend])
+        except Exception as e:  # the bindings raise nixlNotSupportedError and kin
+            return f"{type(e).__name__}: {e}"
+        self.agent.deregister_memory(d, backends=[self.backend])
+        return "ok"
 
     def dereg(self):
         self.agent.deregister_memory(self.reg_descs, backends=[self.backend])
@@ -69,15 +95,15 @@ class _Engine:
 
     def prep_local(self):
         descs = self.agent.get_xfer_descs(
-            self._blocks_data([r.ctypes.data for r in self.regions], self.blocks, self.block_len), "DRAM")
+            self._blocks_data([self._base(r) for r in self.regions], self.blocks, self.block_len), self.mem)
         h = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", descs, backends=[self.backend])
         i = self.next_id
         self.next_id += 1
         self.dlists[i] = h
         return i
 
-    def prep_remote(self, agent, bases, blocks, block_len):
-        descs = self.agent.get_xfer_descs(self._blocks_data(bases, blocks, block_len), "DRAM")
+    def prep_remote(self, agent, bases, blocks, block_len, mem="DRAM"):
+        descs = self.agent.get_xfer_descs(self._blocks_data(bases, blocks, block_len), mem)
         h = self.agent.prep_xfer_dlist(agent, descs, backends=[self.backend])
         i = self.next_id
         self.next_id += 1
@@ -159,7 +185,10 @@ class _Engine:
         out = bytearray()
         for r in self.regions:
             for b in block_ids:
-                out += r[b * self.block_len:(b + 1) * self.block_len].tobytes()
+                if self.mem == "VRAM":
+                    out += r.read(b * self.block_len, self.block_len)
+                else:
+                    out += r[b * self.block_len:(b + 1) * self.block_len].tobytes()
         return bytes(out)
 
     def digest(self, block_ids):
