@@ -20,6 +20,14 @@ echo "== the Python binding (python/, pytest against build/), and its style (pyt
 python/lint.sh
 python/run-tests.sh build
 
+echo "== the NIXL backend: NIXL 8770b655a6b1 built offline from subprojects/, then tests/nixl (vLLM-like READs, releases in flight, hostile control channel, NIXL's own nixl_example KVSTAGE), also under ASan+UBSan"
+# build.sh prints its progress on stderr and the prefix (/var/cache/kvstage-ci/nixl-<hash of its
+# inputs>) on stdout; it builds nothing when that prefix already holds the same install. run.sh
+# --asan runs the plain pass (build-nixl/), then the same under ASan+UBSan (build-nixl-asan/).
+nixl_prefix=$(tools/nixl/build.sh)
+tools/nixl/check.sh "$nixl_prefix"
+tests/nixl/run.sh --asan "$nixl_prefix"
+
 echo "== installed and deployed as users do, each on a clean system (tests/deploy/run.sh): the wheel in a venv, the .debs with apt, the sidecar image, Kubernetes pods under podman kube play"
 tests/deploy/run.sh build/deploy
 

@@ -14,7 +14,9 @@ PKGS=(gcc pkg-config meson ninja-build libdpdk-dev libcriterion-dev libibverbs-d
       python3 python3-pytest python3-numpy python3-torch python3-aiohttp pycodestyle clang-format scdoc man-db groff-base perftest prometheus
       # the wheel (tools/wheel), the Debian package (debian/, tools/deb), the images and pods (tests/deploy)
       python3-venv python3-mesonpy python3-build patchelf debhelper dh-python dpkg-dev lintian systemd-container
-      podman runc catatonit containernetworking-plugins golang-github-containernetworking-plugin-dnsname debootstrap)
+      podman runc catatonit containernetworking-plugins golang-github-containernetworking-plugin-dnsname debootstrap
+      # NIXL built offline (tools/nixl/build.sh) and the NIXL backend against it (tests/nixl); never libabsl-dev
+      g++ python3-dev pybind11-dev libasio-dev xz-utils)
 [ -n "${KVSTAGE_EXTRA_PKGS:-}" ] && PKGS+=(${KVSTAGE_EXTRA_PKGS})
 
 missing=()
