@@ -124,3 +124,29 @@ def sender_done(s):
     """Polls the prefill side only until SEND_DONE: the room is complete at the proxy, RECV_DONE waits unread."""
     from kvstage.sglang import KVPoll
     assert s.kv_mgr.wait_until(lambda: s.poll() == KVPoll.Success, 10), s
+
+
+@pytest.fixture
+def two_proxies():
+    """Proxies A and B with one peer secret, B listening on 127.0.0.1, both with the default --peer-timeout."""
+    import os
+    import tempfile
+    d = tempfile.mkdtemp(prefix="kvs-secret-")
+    secret = os.path.join(d, "peer.secret")
+    with open(secret, "wb") as f:
+        f.write(os.urandom(32))
+    os.chmod(secret, 0o600)
+    args = ["--slots", str(SLOTS), "--slot-size", str(SLOT_SIZE), "--peer-secret-file", secret]
+    pa = pb = None
+    rcs = []
+    try:
+        pa = Proxy(args)
+        pb = Proxy(args + ["--listen", "127.0.0.1:0"])
+        yield pa, pb
+    finally:
+        for px in (pa, pb):
+            if px is not None:
+                rcs.append(px.stop())
+                shutil.rmtree(px.dir, ignore_errors=True)
+        shutil.rmtree(d, ignore_errors=True)
+    assert rcs == [0, 0], f"kvstaged exited with status {rcs} at SIGTERM"

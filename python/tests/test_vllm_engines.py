@@ -46,6 +46,12 @@ def _recv(conn, name, timeout=60):
 
 
 def test_engines_with_aborts_and_timeouts(kv_proxy):
+    check(drive(kv_proxy.socket, kv_proxy.socket))
+
+
+def drive(p_socket, d_socket, extra=None):
+    """Runs the N requests with their PLANS, the prefill engine on p_socket's kvstaged and the decode engine on
+    d_socket's (extra: more kv_connector_extra_config for both); returns what check() checks."""
     import vllm_engine as E
     rng = random.Random(20250114)
     plans = {k: (PLANS[k] if k < len(PLANS) else None) for k in range(N)}
@@ -56,8 +62,8 @@ def test_engines_with_aborts_and_timeouts(kv_proxy):
     port = _free_port()
     pconn, pchild = ctx.Pipe()
     dconn, dchild = ctx.Pipe()
-    pre = ctx.Process(target=E.prefill_main, args=(pchild, kv_proxy.socket, port, plans, flags, acks))
-    dec = ctx.Process(target=E.decode_main, args=(dchild, kv_proxy.socket, _free_port(), plans, flags, acks))
+    pre = ctx.Process(target=E.prefill_main, args=(pchild, p_socket, port, plans, flags, acks, extra))
+    dec = ctx.Process(target=E.decode_main, args=(dchild, d_socket, _free_port(), plans, flags, acks, extra))
     pre.start()
     dec.start()
     try:
@@ -102,6 +108,14 @@ def test_engines_with_aborts_and_timeouts(kv_proxy):
                 p.kill()
                 p.join()
     assert (pre.exitcode, dec.exitcode) == (0, 0)
+    return dict(plans=plans, prefill_done=prefill_done, results=results, expired=expired, psum=psum, dsum=dsum,
+                sockets=(p_socket, d_socket))
+
+
+def check(run):
+    """The outcome of every request as its plan wants it, and every normal one's blocks exact."""
+    plans, prefill_done, results, expired = run["plans"], run["prefill_done"], run["results"], run["expired"]
+    psum, dsum = run["psum"], run["dsum"]
 
     problems = []
     for k in range(N):
@@ -148,5 +162,6 @@ def test_engines_with_aborts_and_timeouts(kv_proxy):
     assert dsum["n_marked"] >= 3 and dsum["bad_markers"] == [], dsum
     assert psum["double"] == [] and dsum["double"] == [], (psum["double"], dsum["double"])
     assert psum["free_blocks"] == psum["num_blocks"] and dsum["free_blocks"] == dsum["num_blocks"]
-    s = assert_pool_free(kv_proxy.socket)
+    assert_pool_free(run["sockets"][0])
+    s = assert_pool_free(run["sockets"][1])  # the decode side's: its rooms
     assert s["rooms"]["done"] >= len(normal)

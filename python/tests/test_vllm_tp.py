@@ -16,7 +16,7 @@ import pytest
 
 import vllm_stubs  # noqa: F401 - vLLM's stand-ins where vllm is not importable, before kvstage.vllm
 from kvstage import vllm as kv
-from sglang_common import NEED_TORCH, assert_pool_free, kv_proxy  # noqa: F401 (fixture)
+from sglang_common import NEED_TORCH, assert_pool_free, kv_proxy, two_proxies  # noqa: F401 (fixtures)
 
 try:
     import torch
@@ -768,35 +768,6 @@ def test_a_share_never_loaded_expires_and_frees_its_slots(kv_proxy):
 
 # Prefill on proxy A, decode on proxy B (it listens on tcp): the rooms the decode ranks open name B, A dials it and
 # every share crosses the wire (as test_sglang_backend.py's test_across_two_proxies_over_tcp, for the vLLM engines)
-@pytest.fixture
-def two_proxies():
-    """Proxies A and B with one peer secret, B listening on 127.0.0.1, both with the default --peer-timeout."""
-    import os
-    import shutil
-    import tempfile
-    from conftest import Proxy
-    from sglang_common import SLOT_SIZE, SLOTS
-    d = tempfile.mkdtemp(prefix="kvs-secret-")
-    secret = os.path.join(d, "peer.secret")
-    with open(secret, "wb") as f:
-        f.write(os.urandom(32))
-    os.chmod(secret, 0o600)
-    args = ["--slots", str(SLOTS), "--slot-size", str(SLOT_SIZE), "--peer-secret-file", secret]
-    pa = pb = None
-    rcs = []
-    try:
-        pa = Proxy(args)
-        pb = Proxy(args + ["--listen", "127.0.0.1:0"])
-        yield pa, pb
-    finally:
-        for px in (pa, pb):
-            if px is not None:
-                rcs.append(px.stop())
-                shutil.rmtree(px.dir, ignore_errors=True)
-        shutil.rmtree(d, ignore_errors=True)
-    assert rcs == [0, 0], f"kvstaged exited with status {rcs} at SIGTERM"
-
-
 TCP_TP = [(2, 4), (4, 2)]
 
 

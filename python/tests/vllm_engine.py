@@ -812,8 +812,8 @@ def prefill_params(extra=None):
 MARK = 0x5A5A  # int16 pattern an aborted decode request's blocks get once given back
 
 
-def _prefill(conn, socket_path, port, plans, flags, acks):
-    eng = Engine(socket_path, port, num_blocks=192, role="kv_producer")
+def _prefill(conn, socket_path, port, plans, flags, acks, extra=None):
+    eng = Engine(socket_path, port, num_blocks=192, role="kv_producer", extra=extra)
     agent = eng.agent
     pid = {}  # request id -> k
     gate = GatedCopier(hold={(f"p{k}", "stage") for k, plan in plans.items() if plan == "p-abort-staging"})
@@ -875,8 +875,8 @@ def _prefill(conn, socket_path, port, plans, flags, acks):
     conn.send(("summary", summary))
 
 
-def _decode(conn, socket_path, port, plans, flags, acks):
-    eng = Engine(socket_path, port, num_blocks=256, role="kv_consumer")
+def _decode(conn, socket_path, port, plans, flags, acks, extra=None):
+    eng = Engine(socket_path, port, num_blocks=256, role="kv_consumer", extra=extra)
     agent = eng.agent
     did, quarantine, results = {}, [], {}
 
@@ -950,9 +950,9 @@ def _serve(fn, conn, *args):
         conn.close()
 
 
-def prefill_main(conn, socket_path, port, plans, flags, acks):
-    _serve(_prefill, conn, socket_path, port, plans, flags, acks)
+def prefill_main(conn, socket_path, port, plans, flags, acks, extra=None):
+    _serve(_prefill, conn, socket_path, port, plans, flags, acks, extra)
 
 
-def decode_main(conn, socket_path, port, plans, flags, acks):
-    _serve(_decode, conn, socket_path, port, plans, flags, acks)
+def decode_main(conn, socket_path, port, plans, flags, acks, extra=None):
+    _serve(_decode, conn, socket_path, port, plans, flags, acks, extra)

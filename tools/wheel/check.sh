@@ -152,7 +152,7 @@ passed=$((passed + $(grep -c '^ok: ' "$tmp/package.log")))
 
 # Each console script runs.
 bin=$venv/bin
-for s in kvstaged kvstage-stat kvstage-ctl kvstage-bench kvstage-demo; do
+for s in kvstaged kvstage-stat kvstage-ctl kvstage-bench kvstage-demo kvstage-trace; do
 	if out=$("$bin/$s" --help 2>&1); then
 		ok "$s --help"
 	else

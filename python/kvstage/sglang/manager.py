@@ -12,6 +12,7 @@ import socket
 import time
 from typing import TYPE_CHECKING, Dict, Optional
 
+from .. import lifecycle as _lc
 from .. import sidechannel as _sidechannel
 from ..client import Client
 from ..errors import KvstageError, NotConnected, Timeout
@@ -141,6 +142,9 @@ class KvstageKVManager(BaseKVManager):
             # delivered), applied by pump()
             self._recompute_failed = queue.SimpleQueue()
         self.client()  # connect now: a missing proxy is a start-up error, not a per-request one
+        # lifecycle events ($KVSTAGE_TRACE_SAMPLE_RATE above 0; where: $KVSTAGE_TRACE), keyed by bootstrap_room,
+        # which both sides of a request know
+        self.trace = _lc.create(connector="KvstageKVManager", transfer_mode="push", component="worker")
 
     @staticmethod
     def _kv_on_device(server_args):
@@ -232,12 +236,25 @@ class KvstageKVManager(BaseKVManager):
                 pass
             self._client = None
         self.closed = True
+        self.trace.close()
         if self.mode == "prefill":
             self._listener.close()
         else:
             if self._recompute_pool is not None:
                 self._recompute_pool.shutdown(wait=False, cancel_futures=True)
             self._peers.close(timeout=1.0)  # its threads are daemons: one stuck in a connect ends with it
+
+    def trace_event(self, event, bootstrap_room, role, **fields):
+        """Emits a lifecycle event of the request bootstrap_room (never blocks)."""
+        self.trace.emit(event, str(bootstrap_room), role=role, tp_rank=self.attn_tp_rank, **fields)
+
+    @staticmethod
+    def phase_name(status):
+        """A KVPoll state's name in a lifecycle event ("transferring", ...)."""
+        for name in ("Bootstrapping", "WaitingForInput", "Transferring", "Success", "Failed"):
+            if getattr(KVPoll, name, object()) == status:
+                return name.lower()
+        return str(status)
 
     # -- prefill side ---------------------------------------------------------------------
     def register_to_bootstrap(self):

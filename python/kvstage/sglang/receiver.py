@@ -11,6 +11,7 @@ from typing import List, Optional
 
 import numpy as np
 
+from .. import lifecycle as _lc
 from .._lib import KVS_MAX_READERS, KVS_ROOM_DESC_SIZE
 from ..client import EventType
 from ..errors import KvstageError
@@ -40,6 +41,7 @@ class _RecvShare:
         self.landed = False               # its bytes are in the decode pages (or it had none)
         self.readers, self.join = 1, False  # MLA read once: a shared room's reader count; join: not its opener
         self.reply_room = self.reply_uid = self.reply_final = None  # a joiner's room for the shared room's descriptor
+        self.key = None                   # the room's key (lifecycle events)
 
     def _on_event(self, ev):
         self.receiver._on_share_event(self, ev)
@@ -85,6 +87,7 @@ class KvstageKVReceiver(BaseKVReceiver):
         self._aborted = False
         self._shares: List[_RecvShare] = []
         self._cleared = False
+        self._abort_ns = None  # monotonic_ns of the engine's abort (lifecycle events)
 
     # what tests and older callers read: the first share's
     _room, _final, _uid, _layout, _endpoint = (_first_share(n)
@@ -206,7 +209,13 @@ class KvstageKVReceiver(BaseKVReceiver):
         raise KVTransferError(self.bootstrap_room, self._reason or "unknown failure")
 
     def abort(self):
+        if self._status != KVPoll.Failed:
+            self._abort_ns = time.monotonic_ns()
+            self._trace(_lc.ABORT, phase=self.kv_mgr.phase_name(self._status))
         self._fail("Aborted by AbortReq.")
+
+    def _trace(self, event, **fields):
+        self.kv_mgr.trace_event(event, self.bootstrap_room, "consumer", **fields)
 
     @property
     def pages_released(self):
@@ -225,6 +234,8 @@ class KvstageKVReceiver(BaseKVReceiver):
             logger.error("kvstage backend: bootstrap_room %s: the room's final event did not come within %.1fs; "
                          "it stays tracked, its pages are not released", self.bootstrap_room, self.clear_timeout)
             return
+        if self._abort_ns is not None:
+            self._trace(_lc.ABORT_TO_REUSABLE, elapsed_ns=time.monotonic_ns() - self._abort_ns)
         self._close_room()
 
     # inner workings -------------------------------------------------------------------------
@@ -243,6 +254,8 @@ class KvstageKVReceiver(BaseKVReceiver):
                 else:
                     sh.uid = mgr._register_obj(sh)
                     sh.room, desc = c.recv_open(sh.layout.nbytes, user_data=sh.uid, readers=sh.readers)
+                    sh.key = _lc.room_key(desc)
+                    self._trace(_lc.ROOM_OPEN, room=sh.key, bytes=sh.layout.nbytes)
             except KvstageError as e:
                 mgr._objs.pop(sh.uid, None)
                 mgr._objs.pop(sh.reply_uid, None)
@@ -255,6 +268,7 @@ class KvstageKVReceiver(BaseKVReceiver):
         try:
             mgr.send_to(sh.endpoint, msg, failing=self)
             sh.sent = True
+            self._trace(_lc.TRANSFER_STARTED, room=sh.key, block_count=int(sh.meta.get("npages", 0)))
         except OSError as e:
             self._fail(f"could not reach the prefill rank at {sh.endpoint}: {e}")
 
@@ -277,11 +291,13 @@ class KvstageKVReceiver(BaseKVReceiver):
                 self._fail(f"copying the room into the decode pages failed: {j.error!r}")
             elif j.state == "done" and self._status != KVPoll.Failed:
                 sh.landed = True
+                self._trace(_lc.COPY_OUT_DONE, room=sh.key, bytes=sh.layout.nbytes)
             self._close_share(sh)
         if (self._status == KVPoll.Transferring and self._shares
                 and all(sh.landed and not sh.pending_open for sh in self._shares)):
             self._status = KVPoll.Success  # every share landed: only now are the pages the request's KV
             self.conclude_state = KVPoll.Success
+            self._trace(_lc.TRANSFER_COMPLETED, bytes=sum(sh.layout.nbytes for sh in self._shares if sh.layout))
 
     def _on_reply_event(self, sh, ev):
         """A joining rank's descriptor room ended: on RECV_DONE it joins the shared room the descriptor names."""
@@ -296,6 +312,8 @@ class KvstageKVReceiver(BaseKVReceiver):
                 del view
                 sh.uid = mgr._register_obj(sh)
                 sh.room = mgr.client().join(desc, user_data=sh.uid)
+                sh.key = _lc.room_key(desc)
+                self._trace(_lc.ROOM_OPEN, room=sh.key, bytes=sh.room.nbytes)
             except KvstageError as e:
                 mgr._objs.pop(sh.uid, None)
                 sh.uid = None
@@ -319,6 +337,9 @@ class KvstageKVReceiver(BaseKVReceiver):
         if ev.type == EventType.REJECTED:
             return
         sh.final = ev
+        self._trace(_lc.ROOM_FINAL, room=sh.key, final=_lc.final_name(ev.type), status=ev.status)
+        if self._abort_ns is not None and all(s.final is not None or s.uid is None for s in self._shares):
+            self._trace(_lc.ABORT_TO_FINAL, elapsed_ns=time.monotonic_ns() - self._abort_ns)
         if ev.type == EventType.RECV_DONE and not self._aborted:
             sh.job = self.kv_mgr.copier.submit(self._copy_out_job(sh))
             return self._check_jobs()
@@ -336,6 +357,8 @@ class KvstageKVReceiver(BaseKVReceiver):
         if self._status == KVPoll.Failed:
             return
         logger.debug("kvstage backend: decode bootstrap_room %s failed: %s", self.bootstrap_room, reason)
+        if self._abort_ns is None:
+            self._trace(_lc.TRANSFER_FAILED, phase=self.kv_mgr.phase_name(self._status))
         self._status, self._reason, self.conclude_state = KVPoll.Failed, reason, KVPoll.Failed
         self._aborted = True
         for sh in self._shares:

@@ -10,6 +10,7 @@ from typing import List, Optional
 
 import numpy as np
 
+from .. import lifecycle as _lc
 from .._lib import KVS_ROOM_DESC_SIZE
 from ..client import EventType
 from ..errors import KvstageError, NotConnected, PoolExhausted, Timeout
@@ -50,6 +51,7 @@ class _SendShare:
         self.join = bool(tp.get("join"))  # MLA read once: a reader of the shared room; its room takes the descriptor
         self.readers = int(tp.get("readers", 1))
         self.relayed = False
+        self.key = None                   # the room's key (lifecycle events)
 
     def _on_event(self, ev):
         self.sender._on_share_event(self, ev)
@@ -82,6 +84,7 @@ class KvstageKVSender(BaseKVSender):
         self._chunks = []                 # (pages, first_pos, last, state_indices), every share takes each
         self._last_queued = False
         self._t_first = self._t_done = None
+        self._abort_ns = None  # monotonic_ns of the engine's abort (lifecycle events)
         if bootstrap_room in mgr.senders:
             self._fail(f"a second sender for bootstrap_room {bootstrap_room} on this rank")
             return
@@ -154,6 +157,7 @@ class KvstageKVSender(BaseKVSender):
             return self._fail(f"{self.curr_idx} pages sent, init() said {self.num_kv_indices}")
         if self._t_first is None:
             self._t_first = time.monotonic()
+            self._trace(_lc.TRANSFER_STARTED, block_count=self.num_kv_indices)
         self._last_queued = last
         self._chunks.append((pages, first, last, state_indices))
         if self._status == KVPoll.WaitingForInput:
@@ -178,7 +182,13 @@ class KvstageKVSender(BaseKVSender):
         return KVTransferMetric(transfer_latency_s=lat, transfer_total_bytes=nbytes if self._shares else None)
 
     def abort(self):
+        if self._status != KVPoll.Failed:
+            self._abort_ns = time.monotonic_ns()
+            self._trace(_lc.ABORT, phase=self.kv_mgr.phase_name(self._status))
         self._fail("Aborted by AbortReq.")
+
+    def _trace(self, event, **fields):
+        self.kv_mgr.trace_event(event, self.bootstrap_room, "producer", **fields)
 
     def clear(self):
         """Forgets the request (its pages are the engine's again); an unfinished room is aborted."""
@@ -221,6 +231,8 @@ class KvstageKVSender(BaseKVSender):
                 mgr._objs.pop(sh.uid, None)  # no room: no final event will come for it
                 sh.uid = None
                 return self._fail(f"could not open the decode side's room: {e}")
+            sh.key = _lc.room_key(desc_bytes(meta["desc"]))
+            self._trace(_lc.ROOM_OPEN, room=sh.key, bytes=sh.room.nbytes)
             want = KVS_ROOM_DESC_SIZE if sh.join else int(meta["nbytes"])
             if sh.room.nbytes != want:
                 return self._fail(f"the room has {sh.room.nbytes} bytes, the request {want}")
@@ -272,6 +284,7 @@ class KvstageKVSender(BaseKVSender):
                 and all(sh.done for sh in self._shares)):
             self._status, self._t_done = KVPoll.Success, time.monotonic()
             self.conclude_state = KVPoll.Success
+            self._trace(_lc.TRANSFER_COMPLETED, bytes=sum(sh.layout.nbytes for sh in self._shares if sh.layout))
 
     def _relay_shared_desc(self, sh):
         """MLA read once: writes the shared room's descriptor (the opening decode rank's) into the small room a joining
@@ -385,6 +398,9 @@ class KvstageKVSender(BaseKVSender):
             return self._fail(f"the proxy refused a chunk: {ev.error}")
         sh.final = ev
         sh.in_flight.clear()
+        self._trace(_lc.ROOM_FINAL, room=sh.key, final=_lc.final_name(ev.type), status=ev.status)
+        if self._abort_ns is not None and all(s.final is not None for s in self._shares):
+            self._trace(_lc.ABORT_TO_FINAL, elapsed_ns=time.monotonic_ns() - self._abort_ns)
         if ev.type == EventType.SEND_DONE:
             sh.done = True
             self._check_done()
@@ -401,6 +417,8 @@ class KvstageKVSender(BaseKVSender):
         if self._status == KVPoll.Failed:
             return
         logger.debug("kvstage backend: prefill bootstrap_room %s failed: %s", self.bootstrap_room, reason)
+        if self._abort_ns is None:
+            self._trace(_lc.TRANSFER_FAILED, phase=self.kv_mgr.phase_name(self._status))
         self._status, self._reason, self.conclude_state = KVPoll.Failed, reason, KVPoll.Failed
         self._chunks.clear()
         c = self.kv_mgr._client

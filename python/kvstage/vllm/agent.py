@@ -11,6 +11,7 @@ import select
 import threading
 import time
 
+from .. import lifecycle as _lc
 from .. import sidechannel as _sidechannel
 from ..client import Client
 from ..errors import KvstageError, NotConnected, Timeout
@@ -32,6 +33,7 @@ class _Agent(_StageSide, _LoadSide):
     block_size = 0  # the instance's block size (the worker side sets it)
     mla = False  # replicated KV (the worker side sets it): one prefill rank stages, one decode rank opens a shared room
     JOINS_MAX = 4096
+    trace = _lc.NOOP  # the lifecycle events' sink (the worker side sets it)
 
     def __init__(self, socket_path, layout, copier, tp_rank, listen, stage_timeout, side_key=None):
         self.socket_path, self.layout, self.copier, self.tp_rank = socket_path, layout, copier, tp_rank
@@ -148,6 +150,7 @@ class _Agent(_StageSide, _LoadSide):
             logger.error("kvstage connector: the agent thread did not stop within %ss", timeout)
             return
         self._close_fds()
+        self.trace.close()
 
     def _close_fds(self):
         if self._listener is not None:

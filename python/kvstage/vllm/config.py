@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import typing
 
+from .. import lifecycle as _lc
 from .layout import _cdiv
 
 STAGE_TIMEOUT_S = 120.0
@@ -183,6 +184,11 @@ class _Settings:
         self.stage_timeout = _float(extra.get("kvstage_stage_timeout", STAGE_TIMEOUT_S), "kvstage_stage_timeout")
         self.load_timeout = _float(extra.get("kvstage_load_timeout", LOAD_TIMEOUT_S), "kvstage_load_timeout")
         self.num_blocks = getattr(kv_cache_config, "num_blocks", None)
+        # lifecycle events (kvstage.lifecycle): on with vLLM's own key above 0; where they go: kvstage_trace
+        self.trace_rate = _lc.sample_rate_of(extra.get(_lc.SAMPLE_RATE_KEY,
+                                                       os.environ.get("KVSTAGE_TRACE_SAMPLE_RATE", 0.0)))
+        self.trace_sink = extra.get("kvstage_trace") or None
+        self.trace_buffer = extra.get("kvstage_trace_buffer")
         self.groups = _groups(kv_cache_config, self.block_size)
         # grouped: block ids per group everywhere (several groups, or one sliding-window group); else plain lists
         self.grouped = len(self.groups) > 1 or self.groups[0].kind != "full"
@@ -191,6 +197,11 @@ class _Settings:
         # side loads those and computes the last token itself (vLLM recomputes the last token of a full prompt hit,
         # which would advance a state already past it)
         self.state = any(g.kind == "mamba" for g in self.groups)
+
+    def lifecycle_sink(self, component):
+        """A new lifecycle sink for this side (NOOP when tracing is off); raises ValueError for a bad setting."""
+        return _lc.create(connector="KvstageConnector", transfer_mode="pull", component=component,
+                          sample_rate=self.trace_rate, sink=self.trace_sink, capacity=self.trace_buffer)
 
     def staged_tokens(self, n):
         """Tokens of a prompt of n tokens the prefill side stages: n, or n - 1 with a state group (none of a

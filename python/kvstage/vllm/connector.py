@@ -47,6 +47,7 @@ class _WorkerSide:
         self.agent = self.agent_class(self.s.socket_path, self.layout, copier, self.tp_rank, listen,
                                       self.s.stage_timeout, side_key=self.side_key)
         self.agent.tp_size, self.agent.mla, self.agent.block_size = self.s.tp_size, self.s.mla, self.s.block_size
+        self.agent.trace = self.s.lifecycle_sink("worker")
 
     def _event(self):
         if not self.layout.device:
@@ -254,6 +255,8 @@ class KvstageConnector(KVConnectorBase_V1, SupportsHMA):
     def shutdown(self):
         if self.connector_worker is not None:
             self.connector_worker.shutdown()
+        if self.connector_scheduler is not None:
+            self.connector_scheduler.trace.close()
 
     # ============================== scheduler side ==============================
     def get_num_new_matched_tokens(self, request, num_computed_tokens):

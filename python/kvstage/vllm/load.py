@@ -7,6 +7,7 @@ import errno as _errno
 import logging
 import time
 
+from .. import lifecycle as _lc
 from .. import sidechannel as _sidechannel
 from ..client import EventType
 from ..errors import KvstageError, NotConnected, Timeout
@@ -20,7 +21,7 @@ logger = logging.getLogger("kvstage.vllm")  # one logger for the whole connector
 class _Share:
     """One room of a load: what one prefill rank sends this rank. plain: the request's whole KV in the plain layout
     (equal TP sizes); else heads [h0, h1) of this rank's blocks in the share layout."""
-    __slots__ = ("rank", "h0", "h1", "plain", "endpoint", "nbytes", "room", "uid", "final", "job", "copied")
+    __slots__ = ("rank", "h0", "h1", "plain", "endpoint", "nbytes", "room", "uid", "final", "job", "copied", "key")
 
     def __init__(self, spec, layout, rank, h0=0, h1=0, plain=True, block_size=0):
         self.rank, self.h0, self.h1, self.plain = rank, h0, h1, plain
@@ -31,7 +32,7 @@ class _Share:
             self.nbytes = layout.nbytes(spec.num_blocks)
         else:
             self.nbytes = layout.share_nbytes(spec.num_blocks, h0, h1)
-        self.room = self.uid = self.final = self.job = None
+        self.room = self.uid = self.final = self.job = self.key = None
         self.copied = False
 
 
@@ -51,6 +52,7 @@ class _Load:
         self.state = "opening"  # opening -> open -> copying -> done; or failed
         self.aborted = self.failed = self.reported = False
         self.why = None
+        self.abort_ns = None  # monotonic_ns of the abort (lifecycle events)
 
     @property
     def room(self):
@@ -98,7 +100,16 @@ class _LoadSide:
         if not fits:
             return self._refuse_load(ld, f"{len(_flat(spec.local_block_ids))} blocks after {spec.skip} cached, the "
                                          f"room has {spec.num_blocks}")
+        self._trace(_lc.TRANSFER_STAGED, ld, block_count=len(_flat(spec.local_block_ids)), bytes=ld.nbytes)
         self._load_open(ld)
+
+    def _trace(self, event, ld, **fields):
+        self.trace.emit(event, ld.req, role="consumer", remote_request_id=ld.spec.remote_request_id,
+                        tp_rank=self.tp_rank, **fields)
+
+    def _trace_open(self, ld, sh, desc):
+        sh.key = _lc.room_key(desc)
+        self._trace(_lc.ROOM_OPEN, ld, room=sh.key, bytes=sh.nbytes)
 
     def _refuse_load(self, ld, why):
         """Fails a load refused before any room opened, and tells the prefill rank(s) to release what they staged
@@ -127,6 +138,7 @@ class _LoadSide:
                 return self._load_fail(ld, f"could not open a room: {e}")
             sh.uid = uid
             ld.uids[uid] = sh
+            self._trace_open(ld, sh, desc)
             msg = {"t": "pull", "req": ld.spec.remote_request_id, "desc": base64.b64encode(desc).decode(),
                    "nbytes": sh.nbytes, "tp_rank": self.tp_rank, "tp_size": self.tp_size}
             if ld.spec.remote_block_size:
@@ -142,6 +154,7 @@ class _LoadSide:
             except OSError as e:
                 return self._load_fail(ld, f"could not reach the prefill worker at {sh.endpoint[0]}:{sh.endpoint[1]}: "
                                            f"{e}")
+            self._trace(_lc.TRANSFER_STARTED, ld, room=sh.key)
         ld.state = "open"
 
     def _token_msg(self, msg):
@@ -182,6 +195,7 @@ class _LoadSide:
         sh.uid = uid
         ld.uids[uid] = sh
         ld.state = "open"
+        self._trace_open(ld, sh, desc if desc is not None else _sidechannel.desc_bytes(joined))
         if self.tp_rank != leader:
             if sh.room.nbytes != sh.nbytes:
                 self._load_fail(ld, f"the shared room has {sh.room.nbytes} bytes, this rank expects {sh.nbytes}")
@@ -202,15 +216,20 @@ class _LoadSide:
         try:
             self._send_msg(sh.endpoint, msg, failing=ld)
         except OSError as e:
-            self._load_fail(ld, f"could not reach the prefill worker at {sh.endpoint[0]}:{sh.endpoint[1]}: {e}")
+            return self._load_fail(ld, f"could not reach the prefill worker at {sh.endpoint[0]}:{sh.endpoint[1]}: {e}")
+        self._trace(_lc.TRANSFER_STARTED, ld, room=sh.key)
 
     def cmd_abort(self, req):
         ld = self._loads.get(req)
         if ld is None or ld.reported:
             self._abort_t.pop(req, None)
             return  # never had it, or already reported: the scheduler has its blocks already
+        ld.abort_ns = time.monotonic_ns()
+        self._trace(_lc.ABORT, ld, phase=ld.state)
         ld.aborted = True
         self._stop_load(ld)
+        if all(sh.final is not None for sh in ld.shares):  # no room was open: nothing to wait for
+            self._trace(_lc.ABORT_TO_FINAL, ld, elapsed_ns=time.monotonic_ns() - ld.abort_ns)
         ld.state = ld.state if ld.state == "done" else "failed"
         ld.why = ld.why or "aborted"
         self._load_report(ld)
@@ -241,6 +260,9 @@ class _LoadSide:
         if sh is None:
             return
         sh.final = ev
+        self._trace(_lc.ROOM_FINAL, ld, room=sh.key, final=_lc.final_name(ev.type), status=ev.status)
+        if ld.abort_ns is not None and all(s.final is not None for s in ld.shares):
+            self._trace(_lc.ABORT_TO_FINAL, ld, elapsed_ns=time.monotonic_ns() - ld.abort_ns)
         if ev.type == EventType.RECV_DONE and not ld.aborted and not ld.failed:
             ld.state = "copying"
             sh.job = self.copier.submit(self._copy_out_job(ld, sh))
@@ -292,11 +314,13 @@ class _LoadSide:
                 self._load_fail(ld, f"copying the room into the blocks failed: {j.error!r}")
             elif j.state == "done":
                 sh.copied = True
+                self._trace(_lc.COPY_OUT_DONE, ld, room=sh.key, bytes=sh.nbytes)
         if (ended and not ld.aborted and not ld.failed and ld.state != "done"
                 and all(sh.copied for sh in ld.shares)):
             ld.state = "done"
             self._end(ld.req, "loaded")
             self._record("bytes_received", ld.nbytes)
+            self._trace(_lc.TRANSFER_COMPLETED, ld, bytes=ld.nbytes)
         if ended:
             self._load_report(ld)
 
@@ -305,6 +329,7 @@ class _LoadSide:
             return
         logger.info("kvstage connector: load of %s failed: %s", ld.req, why)
         self._record("num_failed_transfers")
+        self._trace(_lc.TRANSFER_FAILED, ld, phase=ld.state)
         ld.failed, ld.state, ld.why = True, "failed", why
         self._stop_load(ld)
         self._load_report(ld)
@@ -319,6 +344,8 @@ class _LoadSide:
         ld.reported = True
         self._end(ld.req, ld.why or ld.state)
         self._freed(ld.req)
+        if ld.abort_ns is not None:
+            self._trace(_lc.ABORT_TO_REUSABLE, ld, elapsed_ns=time.monotonic_ns() - ld.abort_ns)
         with self._lock:
             self._finished_recving.add(ld.req)
             if ld.failed and not ld.aborted:

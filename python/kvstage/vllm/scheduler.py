@@ -4,8 +4,9 @@ from __future__ import annotations
 import logging
 import time
 
+from .. import lifecycle as _lc
 from .config import _float, _tp_pair, _Settings, mla_reader, mla_stager
-from .layout import _cdiv
+from .layout import _cdiv, _flat
 from .metadata import SaveSpec, RecvSpec, KvstageConnectorMetadata
 
 logger = logging.getLogger("kvstage.vllm")  # one logger for the whole connector
@@ -63,6 +64,7 @@ class _SchedulerSide:
         self._d_loading = set()   # decode requests whose load the worker has not reported yet
         self._warned = set()
         self._mla_handoffs = 0    # MLA: stages chosen so far (the next one's rank: mla_stager)
+        self.trace = s.lifecycle_sink("scheduler")
         self._reset()
 
     def _reset(self):
@@ -216,6 +218,8 @@ class _SchedulerSide:
                                        self.s.mla, remote_bs if remote_bs != self.s.block_size else 0,
                                        mla_rank, mla_reader(mla_rank, remote_tp, self.s.tp_size) if self.s.mla else 0)
             self._d_loading.add(rid)
+            self.trace.emit(_lc.BLOCKS_MATCHED, rid, role="consumer", remote_request_id=str(p["remote_request_id"]),
+                            block_count=len(_flat(local)))
 
     def _ids(self, ids):
         """vLLM block ids (a tuple of per-group lists, or a flat list; None: none) as kept here: one list per group
@@ -347,6 +351,8 @@ class _SchedulerSide:
             self._d_loading.discard(rid)
             self._aborts.add(rid)
             self._abort_times[rid] = time.time()
+            self.trace.emit(_lc.ABORT, rid, role="consumer", phase="loading",
+                            remote_request_id=p.get("remote_request_id"))
             return True, None
         if p.get("do_remote_prefill"):  # aborted before it was ever scheduled
             p["do_remote_prefill"] = False
@@ -354,12 +360,15 @@ class _SchedulerSide:
             return False, None
         st = self._p.pop(rid, None)
         if not p.get("do_remote_decode") or st is None or not st.saved:
+            if p.get("do_remote_decode") and _status(request.status) not in _HANDOFF:
+                self.trace.emit(_lc.ABORT, rid, role="producer", phase="prefill")
             return False, None  # nothing of ours reads its blocks
         handoff = _status(request.status) in _HANDOFF
         self._finished[rid] = (handoff, True)
         self._p_delayed[rid] = handoff
         if not handoff:
             self._abort_times[rid] = time.time()
+            self.trace.emit(_lc.ABORT, rid, role="producer", phase="staging")
             return True, None  # aborted while its copy may run: free once it cannot read the blocks any more
         n = self._num_prompt(request)
         nb = _cdiv(n, self.s.block_size)
@@ -380,6 +389,7 @@ class _SchedulerSide:
         # vLLM's disaggregated-serving proxies pass them on unchanged; the decode side reads kvstage's own part.
         # remote_block_ids: the prefill's blocks per KV cache group (informational here: the bytes travel through
         # kvstage slots, not by block id); remote_num_tokens: the request's computed tokens at its finish.
+        self.trace.emit(_lc.TRANSFER_STAGED, rid, role="producer", block_count=sum(len(g) for g in remote))
         return True, dict(do_remote_prefill=True, do_remote_decode=False,
                           remote_block_ids=remote,
                           remote_engine_id=self.s.engine_id, remote_request_id=rid, remote_host=self.s.host,

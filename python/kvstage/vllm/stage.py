@@ -7,6 +7,7 @@ import errno as _errno
 import logging
 import time
 
+from .. import lifecycle as _lc
 from .. import sidechannel as _sidechannel
 from ..client import EventType
 from ..errors import Again, KvstageError, NotConnected, PoolExhausted, Timeout
@@ -50,6 +51,8 @@ class _Stage:
         self.handoff, self.delayed, self.finish_known, self.reported = None, False, False, False
         self.state, self.why = "staging", None  # staging -> ready -> sending -> done; or failed
         self.starved = False
+        self.keys = [None] * self.nparts  # each room's key (lifecycle events)
+        self.abort_ns = None  # monotonic_ns of an abort (lifecycle events: abort_to_final)
 
     def chunk_len(self, s):
         return min(self.ss, self.part_nbytes - (s % self.part_chunks) * self.ss)
@@ -114,6 +117,8 @@ class _StageSide:
             self._stage_fail(st, "preempted: its blocks were freed", failure=False)
             self._end(req, "preempted")
         self._freed(req)  # no copy reads its blocks any more (_stage_fail cancelled or waited for them)
+        if st is not None and not st.reported:
+            self._stage_reusable(st)
 
     def _post_layer(self, st, li):
         if li in st.posted:
@@ -168,6 +173,8 @@ class _StageSide:
             except PoolExhausted:
                 st.starved = True
                 return
+            self.trace.emit(_lc.SLOTS_LEASED, st.req, role="producer", chunks=st.chunks, bytes=st.nbytes,
+                            tp_rank=self.tp_rank)
         if st.pieces:
             batch = []
             while st.pieces:
@@ -187,7 +194,7 @@ class _StageSide:
             self._stage_send(st)
         self._stage_report(st)  # before the state says so: whoever sees "ready" knows the report is out
         if st.state == "staging" and st.copied:
-            st.state = "ready"
+            self._stage_copied(st)
         if st.state == "ready" and len(st.sent) == st.chunks:
             st.state = "sending"
 
@@ -226,15 +233,25 @@ class _StageSide:
                 return self._stage_fail(st, f"sending a chunk failed: {e}")
             st.sent.add(s)
 
+    def _stage_copied(self, st):
+        st.state = "ready"
+        self.trace.emit(_lc.COPY_IN_DONE, st.req, role="producer", bytes=st.nbytes, tp_rank=self.tp_rank)
+
+    def _stage_reusable(self, st):
+        if st.abort_ns is not None:
+            self.trace.emit(_lc.ABORT_TO_REUSABLE, st.req, role="producer",
+                            elapsed_ns=time.monotonic_ns() - st.abort_ns, tp_rank=self.tp_rank)
+
     def _stage_report(self, st):
         """finished_sending once the request's blocks cannot be read by a copy any more."""
         if st.finish_known and st.delayed and not st.reported and not st.jobs and (st.copied or st.terminal):
             st.reported = True
             with self._lock:  # one step for a reader: the report is out only once the state says so
                 if st.state == "staging" and st.copied:
-                    st.state = "ready"
+                    self._stage_copied(st)
                 self._finished_sending.add(st.req)
             self._freed(st.req)
+            self._stage_reusable(st)
         if (st.terminal and st.all_final and (st.reported or (st.finish_known and not st.delayed))
                 and self._stages.get(st.req) is st):
             del self._stages[st.req]
@@ -245,6 +262,10 @@ class _StageSide:
             return
         if failure:
             self._record("num_failed_transfers")
+            self.trace.emit(_lc.TRANSFER_FAILED, st.req, role="producer", phase=st.state, tp_rank=self.tp_rank)
+        else:  # preempted, released by the decode side, ended without a hand-off, staged again
+            st.abort_ns = time.monotonic_ns()
+            self.trace.emit(_lc.ABORT, st.req, role="producer", phase=st.state, tp_rank=self.tp_rank)
         logger.debug("kvstage connector: stage of %s failed: %s", st.req, why)
         st.state, st.why = "failed", why
         self._end(st.req, why)
@@ -270,6 +291,9 @@ class _StageSide:
                 room.abort_quietly()  # its final event closes it
             if room is None:
                 st.finals[j] = st.finals[j] or "no room"
+        if st.all_final and st.abort_ns is not None:  # no room was open: nothing to wait for
+            self.trace.emit(_lc.ABORT_TO_FINAL, st.req, role="producer", elapsed_ns=time.monotonic_ns() - st.abort_ns,
+                            tp_rank=self.tp_rank)
         self._stage_report(st)
 
     def _stage_event(self, st, ev):
@@ -282,12 +306,17 @@ class _StageSide:
         j = st.uids.pop(ev.user_data, None)
         if j is None:
             return
+        aborted = st.abort_ns is not None  # before this final (an abort it causes traces its own)
         st.finals[j] = ev
+        self.trace.emit(_lc.ROOM_FINAL, st.req, role="producer", room=st.keys[j], final=_lc.final_name(ev.type),
+                        status=ev.status, tp_rank=self.tp_rank)
         if ev.type == EventType.SEND_DONE and not st.terminal:
             if all(f is not None and getattr(f, "type", None) == EventType.SEND_DONE for f in st.finals):
                 st.state = "done"
                 self._end(st.req, "sent")
                 self._record("bytes_sent", st.nbytes)
+                self.trace.emit(_lc.TRANSFER_COMPLETED, st.req, role="producer", bytes=st.nbytes,
+                                tp_rank=self.tp_rank)
         elif not st.terminal:
             # one share lost fails the request on its decode rank, and so on every rank (vLLM unites the invalid
             # blocks): the other shares are given up too
@@ -303,6 +332,9 @@ class _StageSide:
         self._by_uid.pop(ev.user_data, None)
         if st.all_final:
             st.leases = None  # every slot sent is its room's, every other one released
+            if aborted:
+                self.trace.emit(_lc.ABORT_TO_FINAL, st.req, role="producer",
+                                elapsed_ns=time.monotonic_ns() - st.abort_ns, tp_rank=self.tp_rank)
         self._stage_report(st)
 
     def _share_of(self, st, rank):
@@ -412,3 +444,7 @@ class _StageSide:
         st.rooms[j] = room
         st.uids[uid] = j
         self._by_uid[uid] = st
+        st.keys[j] = _lc.room_key(desc)
+        self.trace.emit(_lc.ROOM_OPEN, st.req, role="producer", room=st.keys[j], bytes=st.part_nbytes,
+                        tp_rank=self.tp_rank)
+        self.trace.emit(_lc.TRANSFER_STARTED, st.req, role="producer", room=st.keys[j], tp_rank=self.tp_rank)
