@@ -161,6 +161,17 @@ int kvs_ext_attach(kvs_client *c, const void *key, void *state,
 /* The state attached under key, or NULL. */
 void *kvs_ext_get(const kvs_client *c, const void *key);
 
+/*
+ * End-to-end checksums an engine computes as it copies into slots and its peer checks before it
+ * copies out: CRC32C (Castagnoli), chainable (crc 0 to start).
+ */
+/* Returns the CRC32C of n bytes at p, continuing crc. */
+uint32_t kvs_crc32c(const void *p, size_t n, uint32_t crc);
+/* Copies n bytes from src to dst (apart) in one pass over memory; returns their CRC32C, continuing crc. */
+uint32_t kvs_copy_crc32c(void *dst, const void *src, size_t n, uint32_t crc);
+/* Returns the CRC32C of A then B, from A's CRC, B's CRC and B's length. */
+uint32_t kvs_crc32c_combine(uint32_t crc_a, uint32_t crc_b, size_t len_b);
+
 /* A static string explaining a (negative) kvstage error code. */
 const char *kvs_strerror(int err);
 /* The library's version, KVS_VERSION_STRING at build time. */

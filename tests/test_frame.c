@@ -22,7 +22,9 @@
 
 #include <sodium.h>
 
+#include "crc.h"
 #include "kvs_build.h"
+#include "kvstage.h"
 #include "peer/frame.h"
 #include "peer/auth.h"
 
@@ -1333,4 +1335,32 @@ Test(frame, crc32c_any_length_offset_and_chain)
 		cr_assert_eq(kvsp_crc32c(b + off + cut, n - cut, kvsp_crc32c(b + off, cut, 0)),
 			     want, "chained at %zu of %zu", cut, n);
 	}
+}
+
+/* libkvstage's CRC32C (shm/crc.c, what engines compute end to end) is the proxy's (DPDK's), on both
+ * of its paths: the crc32 instruction and the tables. */
+Test(frame, library_crc32c_is_the_proxys)
+{
+	static uint8_t b[3 * 4096 + 16], d[sizeof(b)];
+	for (size_t i = 0; i < sizeof(b); i++)
+		b[i] = (uint8_t)xorshift();
+	cr_assert_eq(kvs_crc32c("123456789", 9, 0), 0xe3069283u);
+	cr_assert_eq(~kvsc_crc32c_sw(~0u, "123456789", 9), 0xe3069283u);
+	for (int i = 0; i < 2000; i++) {
+		size_t off = xorshift() % 16, n = xorshift() % (sizeof(b) - 16 + 1);
+		if (i < 64)
+			n = (size_t)i;
+		uint32_t want = kvsp_crc32c(b + off, n, 0);
+		cr_assert_eq(kvs_crc32c(b + off, n, 0), want, "off %zu n %zu", off, n);
+		cr_assert_eq(~kvsc_crc32c_sw(~0u, b + off, n), want, "tables: off %zu n %zu", off, n);
+		size_t cut = n ? xorshift() % n : 0;
+		uint32_t a = kvs_crc32c(b + off, cut, 0), z = kvs_crc32c(b + off + cut, n - cut, 0);
+		cr_assert_eq(kvs_crc32c(b + off + cut, n - cut, a), want, "chained at %zu of %zu", cut, n);
+		cr_assert_eq(kvs_crc32c_combine(a, z, n - cut), want, "combined at %zu of %zu", cut, n);
+		size_t doff = xorshift() % 16;
+		memset(d, 0, sizeof(d));
+		cr_assert_eq(kvs_copy_crc32c(d + doff, b + off, n, 0), want, "copied: off %zu n %zu", off, n);
+		cr_assert(memcmp(d + doff, b + off, n) == 0 && (n + doff == sizeof(d) || d[doff + n] == 0));
+	}
+	cr_assert_eq(kvs_crc32c_combine(0x12345678u, 0, 0), 0x12345678u);
 }

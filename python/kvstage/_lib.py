@@ -98,6 +98,9 @@ _PROTOS = {
     "kvs_event_fd": (c_int, [_P]),
     "kvs_pool_map": (c_void_p, [_P, POINTER(c_size_t)]),
     "kvs_lease_check": (c_int, [_P, _L]),
+    "kvs_crc32c": (c_uint32, [c_void_p, c_size_t, c_uint32]),
+    "kvs_copy_crc32c": (c_uint32, [c_void_p, c_void_p, c_size_t, c_uint32]),
+    "kvs_crc32c_combine": (c_uint32, [c_uint32, c_uint32, c_size_t]),
     "kvs_strerror": (c_char_p, [c_int]),
     "kvs_version": (c_char_p, []),
 }

@@ -120,6 +120,16 @@ class Lease:
         self._client._views.setdefault(self.key, []).append((mv, ref))
         return mv
 
+    @property
+    def address(self):
+        """The slot's address, with view()'s checks; for a C call that reads or writes it at once (a checksum), never
+        to keep: a view is invalidated when the lease ends, an address is not."""
+        self._client._held_check(self)
+        ptr = lib.kvs_lease_ptr(self._client._h, ctypes.byref(self._l))
+        if not ptr:
+            raise error(-_errno.ESTALE, "kvs_lease_ptr")
+        return ptr
+
     def __eq__(self, other):
         return isinstance(other, Lease) and other._client is self._client and other.key == self.key
 

@@ -203,6 +203,12 @@ class CpuCopier:
     def copy_in(self, lease, view, p):
         view[p.off:p.off + p.nbytes] = host_bytes(p.addr, p.nbytes)
 
+    def copy_in_crc(self, lease, view, p):
+        """copy_in, returning the piece's CRC32C computed as it copies (kvs_copy_crc32c: one pass over memory); None
+        for a piece whose bytes land later (a device copy: its CRC is taken from the slot after sync())."""
+        from .checksum import copy_crc32c
+        return copy_crc32c(lease.address + p.off, p.addr, p.nbytes)
+
     def copy_out(self, lease, view, p):
         host_bytes(p.addr, p.nbytes)[:] = view[p.off:p.off + p.nbytes]
 
@@ -248,6 +254,12 @@ class CudaCopier(CpuCopier):
         else:
             api.gather(lease, [p.base + i * p.stride for i in p.idx], p.item, slot_off=p.off, stream=stream)
         self._queued = True
+
+    def copy_in_crc(self, lease, view, p):
+        if not p.device:
+            return super().copy_in_crc(lease, view, p)
+        self.copy_in(lease, view, p)
+        return None
 
     def copy_out(self, lease, view, p):
         if not p.device:

@@ -11,6 +11,7 @@ from typing import List, Optional
 
 import numpy as np
 
+from .. import checksum as _crc
 from .. import lifecycle as _lc
 from .._lib import KVS_MAX_READERS, KVS_ROOM_DESC_SIZE
 from ..client import EventType
@@ -42,6 +43,7 @@ class _RecvShare:
         self.readers, self.join = 1, False  # MLA read once: a shared room's reader count; join: not its opener
         self.reply_room = self.reply_uid = self.reply_final = None  # a joiner's room for the shared room's descriptor
         self.key = None                   # the room's key (lifecycle events)
+        self.room_nbytes = 0              # the room's size: the layout's bytes, and the checksums' trailer if any
 
     def _on_event(self, ev):
         self.receiver._on_share_event(self, ev)
@@ -177,8 +179,12 @@ class KvstageKVReceiver(BaseKVReceiver):
                                   + sh.layout.state_extents(list(state_indices or [])))
             except ValueError as e:
                 return self._fail(f"bad indices: {e}")
+            sh.room_nbytes = sh.layout.nbytes
+            if mgr.checksum and sh.layout.nbytes:
+                sh.room_nbytes += _crc.trailer_size(sh.layout.nbytes, mgr.client().slot_size)
             sh.meta = {"t": "meta", "room": int(self.bootstrap_room), "npages": int(pages.size),
-                       "aux": sh.layout.has_aux, "state_counts": sh.layout.state_counts, "nbytes": sh.layout.nbytes,
+                       "aux": sh.layout.has_aux, "state_counts": sh.layout.state_counts, "nbytes": sh.room_nbytes,
+                       "crc": mgr.checksum,
                        "prefix_len": int(decode_prefix_len or 0), "layout": fingerprint,
                        "kv_cache_dtype": getattr(mgr.server_args, "kv_cache_dtype", None),
                        "from": f"{socket.gethostname()}:{os.getpid()}"}
@@ -253,7 +259,7 @@ class KvstageKVReceiver(BaseKVReceiver):
                     sh.reply_room, desc = c.recv_open(KVS_ROOM_DESC_SIZE, user_data=sh.reply_uid)
                 else:
                     sh.uid = mgr._register_obj(sh)
-                    sh.room, desc = c.recv_open(sh.layout.nbytes, user_data=sh.uid, readers=sh.readers)
+                    sh.room, desc = c.recv_open(sh.room_nbytes, user_data=sh.uid, readers=sh.readers)
                     sh.key = _lc.room_key(desc)
                     self._trace(_lc.ROOM_OPEN, room=sh.key, bytes=sh.layout.nbytes)
             except KvstageError as e:
@@ -275,8 +281,11 @@ class KvstageKVReceiver(BaseKVReceiver):
     def _copy_out_job(self, sh):
         room, extents, copier = sh.room, sh.extents, self.kv_mgr.copier
         ss = self.kv_mgr.client().slot_size
+        payload = sh.layout.nbytes if sh.room_nbytes != sh.layout.nbytes else None
 
         def job():
+            if payload is not None:  # every chunk as the sending engine copied it, or nothing is copied out
+                _crc.verify(room, 0, payload, ss)
             copy_room_out(room, plan(extents, ss), copier)
         job.bootstrap_room = self.bootstrap_room
         return job
@@ -287,7 +296,10 @@ class KvstageKVReceiver(BaseKVReceiver):
             if j is None or not j.done():
                 continue
             sh.job = None
-            if j.error is not None:
+            if isinstance(j.error, _crc.ChecksumMismatch):
+                self.kv_mgr.checksum_failures += 1
+                self._fail(f"end-to-end checksum mismatch, nothing copied out: {j.error}", phase="checksum")
+            elif j.error is not None:
                 self._fail(f"copying the room into the decode pages failed: {j.error!r}")
             elif j.state == "done" and self._status != KVPoll.Failed:
                 sh.landed = True
@@ -351,14 +363,14 @@ class KvstageKVReceiver(BaseKVReceiver):
         if sh.job is None:
             self._close_share(sh)
 
-    def _fail(self, reason):
+    def _fail(self, reason, phase=None):
         """Fails the request on this rank: queued copy-outs are cancelled, every open room is aborted and every
         prefill rank whose share has not ended is told (so every rank of the request ends)."""
         if self._status == KVPoll.Failed:
             return
         logger.debug("kvstage backend: decode bootstrap_room %s failed: %s", self.bootstrap_room, reason)
         if self._abort_ns is None:
-            self._trace(_lc.TRANSFER_FAILED, phase=self.kv_mgr.phase_name(self._status))
+            self._trace(_lc.TRANSFER_FAILED, phase=phase or self.kv_mgr.phase_name(self._status))
         self._status, self._reason, self.conclude_state = KVPoll.Failed, reason, KVPoll.Failed
         self._aborted = True
         for sh in self._shares:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import collections
+import ctypes
 import errno as _errno
 import logging
 import os
@@ -10,6 +11,7 @@ from typing import List, Optional
 
 import numpy as np
 
+from .. import checksum as _crc
 from .. import lifecycle as _lc
 from .._lib import KVS_ROOM_DESC_SIZE
 from ..client import EventType
@@ -52,6 +54,9 @@ class _SendShare:
         self.readers = int(tp.get("readers", 1))
         self.relayed = False
         self.key = None                   # the room's key (lifecycle events)
+        self.crc = bool(meta.get("crc"))  # end-to-end checksums: the room ends with its chunks' CRCs
+        self.piece_crcs = collections.defaultdict(list)  # slot -> [(off, nbytes, CRC or None)] of payload pieces
+        self.trailer = None               # the trailer's bytes once built (kept for its copy)
 
     def _on_event(self, ev):
         self.sender._on_share_event(self, ev)
@@ -213,6 +218,10 @@ class KvstageKVSender(BaseKVSender):
             return mgr._reject(meta, "a second transfer request for a room in use")
         sh = _SendShare(self, meta)
         self._shares.append(sh)
+        if sh.crc != mgr.checksum and not sh.join and not (meta.get("tp") or {}).get("dummy"):
+            on = {True: "on", False: "off"}
+            return self._fail(f"end-to-end checksums: {on[sh.crc]} on the decode side, {on[mgr.checksum]} here "
+                              "(KVSTAGE_CHECKSUM must be the same on both)", reject=True)
         try:
             sh.slices, required = mgr.share_for(meta)
         except ValueError as e:
@@ -261,8 +270,10 @@ class KvstageKVSender(BaseKVSender):
                                    int(getattr(self.kv_mgr.kv_args, "page_size", 1) or 1))
         except ValueError as e:
             return self._fail(str(e))
-        if sh.layout.nbytes != int(m["nbytes"]):
-            return self._fail(f"layout of {sh.layout.nbytes} bytes, the decode side made {m['nbytes']}")
+        want = sh.layout.nbytes + (_crc.trailer_size(sh.layout.nbytes, self.kv_mgr.client().slot_size)
+                                   if sh.crc and sh.layout.nbytes else 0)
+        if want != int(m["nbytes"]):
+            return self._fail(f"a room of {want} bytes here, the decode side made {m['nbytes']}")
 
     def _progress(self):
         """Copies queued chunks into slots and hands full slots to the rooms, as far as the pool allows."""
@@ -343,6 +354,13 @@ class KvstageKVSender(BaseKVSender):
         try:
             while sh.extents:
                 head = sh.extents[0]
+                if head is None and sh.crc and sh.trailer is None:  # every payload piece copied: the trailer next
+                    if copied:
+                        cp.sync()
+                        copied = False
+                        self._fill_crcs(sh)
+                    self._queue_trailer(sh, ss)
+                    continue
                 if head is None:
                     sh.extents.popleft()
                     break
@@ -361,7 +379,10 @@ class KvstageKVSender(BaseKVSender):
                 view = sh.views.get(s)
                 if view is None and needs_view(head):
                     view = sh.views[s] = lease.view()
-                cp.copy_in(lease, view, head)
+                if sh.crc and sh.trailer is None:
+                    sh.piece_crcs[s].append((head.off, head.nbytes, cp.copy_in_crc(lease, view, head)))
+                else:
+                    cp.copy_in(lease, view, head)
                 copied = True
                 sh.extents.popleft()
                 sh.written[s] += head.nbytes
@@ -369,6 +390,7 @@ class KvstageKVSender(BaseKVSender):
                     sh.unsent.append(s)
             if copied:
                 cp.sync()
+                self._fill_crcs(sh)
             while sh.unsent:
                 s = sh.unsent[0]
                 sh.views.pop(s, None)
@@ -386,6 +408,26 @@ class KvstageKVSender(BaseKVSender):
             self._fail(f"sending a chunk failed: {e}")
         except (BufferError, RuntimeError, ValueError) as e:
             self._fail(f"copying pages failed: {e}")
+
+    def _fill_crcs(self, sh):
+        """The CRCs of device pieces, from their slots, once copied (before a slot of theirs is sent)."""
+        if not sh.crc:
+            return
+        for s, pieces in sh.piece_crcs.items():
+            for k, (off, n, c) in enumerate(pieces):
+                if c is None:
+                    pieces[k] = (off, n, _crc.crc32c(sh.leases[s].address + off, n))
+
+    def _queue_trailer(self, sh, ss):
+        """Every payload piece is in its slot: the trailer (its chunks' CRCs) becomes the next pieces to copy, before
+        the end marker."""
+        payload = sh.layout.nbytes
+        crcs = [_crc.combine(sh.piece_crcs.pop(i, ()), min(ss, payload - i * ss))
+                for i in range(_crc.chunks(payload, ss))]
+        t = _crc.trailer(crcs)
+        sh.trailer = (ctypes.c_ubyte * len(t)).from_buffer_copy(t)
+        sh.extents.extendleft(reversed(plan([Extent(payload, ctypes.addressof(sh.trailer), len(t), len(t), (0,),
+                                                    False)], ss)))
 
     def _on_share_event(self, sh, ev):
         if ev.type == EventType.REJECTED:

@@ -34,6 +34,7 @@ class _Agent(_StageSide, _LoadSide):
     mla = False  # replicated KV (the worker side sets it): one prefill rank stages, one decode rank opens a shared room
     JOINS_MAX = 4096
     trace = _lc.NOOP  # the lifecycle events' sink (the worker side sets it)
+    checksum = False  # end-to-end checksums in every room (kvstage.checksum; the worker side sets it)
 
     def __init__(self, socket_path, layout, copier, tp_rank, listen, stage_timeout, side_key=None):
         self.socket_path, self.layout, self.copier, self.tp_rank = socket_path, layout, copier, tp_rank

@@ -48,6 +48,7 @@ class _WorkerSide:
                                       self.s.stage_timeout, side_key=self.side_key)
         self.agent.tp_size, self.agent.mla, self.agent.block_size = self.s.tp_size, self.s.mla, self.s.block_size
         self.agent.trace = self.s.lifecycle_sink("worker")
+        self.agent.checksum = self.s.checksum
 
     def _event(self):
         if not self.layout.device:

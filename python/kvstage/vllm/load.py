@@ -7,6 +7,7 @@ import errno as _errno
 import logging
 import time
 
+from .. import checksum as _crc
 from .. import lifecycle as _lc
 from .. import sidechannel as _sidechannel
 from ..client import EventType
@@ -21,9 +22,10 @@ logger = logging.getLogger("kvstage.vllm")  # one logger for the whole connector
 class _Share:
     """One room of a load: what one prefill rank sends this rank. plain: the request's whole KV in the plain layout
     (equal TP sizes); else heads [h0, h1) of this rank's blocks in the share layout."""
-    __slots__ = ("rank", "h0", "h1", "plain", "endpoint", "nbytes", "room", "uid", "final", "job", "copied", "key")
+    __slots__ = ("rank", "h0", "h1", "plain", "endpoint", "nbytes", "room", "uid", "final", "job", "copied", "key",
+                 "payload")
 
-    def __init__(self, spec, layout, rank, h0=0, h1=0, plain=True, block_size=0):
+    def __init__(self, spec, layout, rank, h0=0, h1=0, plain=True, block_size=0, crc_slot_size=0):
         self.rank, self.h0, self.h1, self.plain = rank, h0, h1, plain
         self.endpoint = (spec.remote_host, spec.remote_port + rank)
         if spec.remote_block_size:  # the prefill's blocks, token-major: its plain layout
@@ -32,6 +34,9 @@ class _Share:
             self.nbytes = layout.nbytes(spec.num_blocks)
         else:
             self.nbytes = layout.share_nbytes(spec.num_blocks, h0, h1)
+        self.payload = self.nbytes  # with checksums (crc_slot_size: the chunk size) the room has a trailer too
+        if crc_slot_size:
+            self.nbytes += _crc.trailer_size(self.payload, crc_slot_size)
         self.room = self.uid = self.final = self.job = self.key = None
         self.copied = False
 
@@ -41,10 +46,10 @@ class _Load:
     then each one's copy-out into its heads of the request's blocks. Done once every share is copied; one share
     failing fails the load."""
 
-    def __init__(self, spec, layout, tp_rank, shares=None, block_size=0):
+    def __init__(self, spec, layout, tp_rank, shares=None, block_size=0, crc_slot_size=0):
         self.spec = spec
         self.req = spec.req_id
-        self.shares = shares or [_Share(spec, layout, tp_rank, block_size=block_size)]
+        self.shares = shares or [_Share(spec, layout, tp_rank, block_size=block_size, crc_slot_size=crc_slot_size)]
         self.nbytes = sum(sh.nbytes for sh in self.shares)
         self.endpoint = self.shares[0].endpoint
         self.deadline = time.monotonic() + spec.load_timeout
@@ -70,14 +75,15 @@ class _LoadSide:
         if spec.req_id in self._loads:
             return
         shares, why = None, None
+        crc_ss = self._c().slot_size if self.checksum else 0
         if spec.remote_tp and spec.remote_tp != self.tp_size:
             try:
-                shares = [_Share(spec, self.layout, rank, h0, h1, plain=False)
+                shares = [_Share(spec, self.layout, rank, h0, h1, plain=False, crc_slot_size=crc_ss)
                           for rank, h0, h1 in head_shares(self.layout, self.tp_rank, self.tp_size, spec.remote_tp)]
             except ValueError as e:
                 why = f"refused: prefill TP size {spec.remote_tp}, this side {self.tp_size}: {e}"
         # MLA: the one room comes from the prefill rank that staged it; else this rank's pair (equal TP sizes)
-        ld = _Load(spec, self.layout, spec.mla_rank if spec.mla else self.tp_rank, shares, self.block_size)
+        ld = _Load(spec, self.layout, spec.mla_rank if spec.mla else self.tp_rank, shares, self.block_size, crc_ss)
         self._loads[ld.req] = ld
         if spec.error or why:
             return self._refuse_load(ld, spec.error or why)
@@ -140,7 +146,7 @@ class _LoadSide:
             ld.uids[uid] = sh
             self._trace_open(ld, sh, desc)
             msg = {"t": "pull", "req": ld.spec.remote_request_id, "desc": base64.b64encode(desc).decode(),
-                   "nbytes": sh.nbytes, "tp_rank": self.tp_rank, "tp_size": self.tp_size}
+                   "nbytes": sh.nbytes, "tp_rank": self.tp_rank, "tp_size": self.tp_size, "crc": self.checksum}
             if ld.spec.remote_block_size:
                 self._token_msg(msg)
             elif sh.plain:
@@ -210,7 +216,7 @@ class _LoadSide:
             return self._load_fail(ld, f"could not tell decode rank {rank} the shared room (at {host}:{base + rank}): "
                                        f"{e}")
         msg = {"t": "pull", "req": ld.spec.remote_request_id, "desc": b64, "nbytes": sh.nbytes, "tp_rank": leader,
-               "tp_size": self.tp_size, "layout": self.layout.fingerprint()}
+               "tp_size": self.tp_size, "layout": self.layout.fingerprint(), "crc": self.checksum}
         if ld.spec.remote_block_size:
             self._token_msg(msg)
         try:
@@ -296,7 +302,11 @@ class _LoadSide:
             pieces = plan(self.layout.share_extents(spec.num_blocks, spec.local_block_ids, spec.skip, sh.h0, sh.h1),
                           ss)
 
+        crc = sh.payload != sh.nbytes
+
         def job():
+            if crc:  # every chunk as the sending engine copied it, or nothing is copied out
+                _crc.verify(room, 0, sh.payload, ss)
             copy_room_out(room, pieces, copier)
         job.req_id, job.kind = ld.req, "load"
         return job
@@ -310,7 +320,10 @@ class _LoadSide:
             if j is None or not j.done():
                 continue
             sh.job, ended = None, True
-            if j.error is not None:
+            if isinstance(j.error, _crc.ChecksumMismatch):
+                self._record("num_checksum_failures")
+                self._load_fail(ld, f"end-to-end checksum mismatch, nothing copied out: {j.error}", phase="checksum")
+            elif j.error is not None:
                 self._load_fail(ld, f"copying the room into the blocks failed: {j.error!r}")
             elif j.state == "done":
                 sh.copied = True
@@ -324,12 +337,12 @@ class _LoadSide:
         if ended:
             self._load_report(ld)
 
-    def _load_fail(self, ld, why):
+    def _load_fail(self, ld, why, phase=None):
         if ld.failed or ld.aborted or ld.reported:
             return
         logger.info("kvstage connector: load of %s failed: %s", ld.req, why)
         self._record("num_failed_transfers")
-        self._trace(_lc.TRANSFER_FAILED, ld, phase=ld.state)
+        self._trace(_lc.TRANSFER_FAILED, ld, phase=phase or ld.state)
         ld.failed, ld.state, ld.why = True, "failed", why
         self._stop_load(ld)
         self._load_report(ld)

@@ -3,15 +3,17 @@ pulls the decode side sends over the side channel, each given a room's sending h
 from __future__ import annotations
 
 import collections
+import ctypes
 import errno as _errno
 import logging
 import time
 
+from .. import checksum as _crc
 from .. import lifecycle as _lc
 from .. import sidechannel as _sidechannel
 from ..client import EventType
 from ..errors import Again, KvstageError, NotConnected, PoolExhausted, Timeout
-from ..plan import needs_view, plan
+from ..plan import Extent, needs_view, plan
 from .config import head_shares, mla_reader
 from .layout import _cdiv
 
@@ -26,7 +28,7 @@ class _Stage:
     share layout (VllmLayout.share_extents); share j's bytes are slots [j * part_chunks, (j + 1) * part_chunks) of the
     stage, its room's chunk i slot j * part_chunks + i."""
 
-    def __init__(self, spec, layout, ss, shares=None):
+    def __init__(self, spec, layout, ss, shares=None, crc=False):
         self.req = spec.req_id
         grouped = bool(spec.block_ids) and isinstance(spec.block_ids[0], (list, tuple))
         self.blocks = [list(g) for g in spec.block_ids] if grouped else list(spec.block_ids)
@@ -37,6 +39,12 @@ class _Stage:
             self.part_nbytes = layout.nbytes(self.nblocks)
         else:  # every share has as many heads (tp_shares): as many bytes
             self.part_nbytes = layout.share_nbytes(self.nblocks, shares[0][1], shares[0][2])
+        # checksums (kvstage.checksum): each part's room is its payload, then the CRCs of the payload's chunks
+        self.crc, self.payload = crc, self.part_nbytes
+        if crc:
+            self.part_nbytes += _crc.trailer_size(self.payload, ss)
+        self.piece_crcs = collections.defaultdict(list)  # slot -> [(off, nbytes, CRC or None)] of payload pieces
+        self.trailers = None  # each part's trailer, once every payload chunk's CRC is known (kept for the copy)
         self.nparts = 1 if shares is None else len(shares)
         self.part_chunks = _cdiv(self.part_nbytes, ss)
         self.nbytes = self.part_nbytes * self.nparts
@@ -100,7 +108,7 @@ class _StageSide:
                 shares = head_shares(self.layout, self.tp_rank, self.tp_size, spec.decode_tp)
             except ValueError as e:
                 why = f"refused: decode TP size {spec.decode_tp}, this side {self.tp_size}: {e}"
-        st = _Stage(spec, self.layout, c.slot_size, shares)
+        st = _Stage(spec, self.layout, c.slot_size, shares, crc=self.checksum)
         self._stages[st.req] = st
         if why is not None:
             return self._stage_fail(st, why)
@@ -164,6 +172,7 @@ class _StageSide:
 
     def _stage_progress(self, st):
         if st.terminal:
+            self._stage_reap(st)  # a copy that ended after the stage did: its report waits for none
             return self._stage_report(st)
         c = self._c()
         st.starved = False
@@ -175,21 +184,17 @@ class _StageSide:
                 return
             self.trace.emit(_lc.SLOTS_LEASED, st.req, role="producer", chunks=st.chunks, bytes=st.nbytes,
                             tp_rank=self.tp_rank)
-        if st.pieces:
-            batch = []
-            while st.pieces:
-                p = st.pieces.popleft()
-                s = p.slot
-                view = st.views.get(s)
-                if view is None and needs_view(p):
-                    view = st.views[s] = st.leases[s].view()
-                batch.append((st.leases[s], view, p))
-            st.jobs.append(self.copier.submit(self._stage_job(st, batch)))
-        for h in list(st.jobs):
-            if h.done():
-                st.jobs.remove(h)
-                if h.error is not None:
-                    return self._stage_fail(st, f"copying blocks into slots failed: {h.error!r}")
+        self._stage_copy(st)
+        if not self._stage_reap(st):
+            return
+        if st.crc and st.trailers is None and st.sealed and not st.pieces and not st.jobs and st.leases is not None:
+            try:
+                self._post_trailers(st)
+            except ValueError as e:
+                return self._stage_fail(st, f"internal error: the checksums of the copy into slots: {e}")
+            self._stage_copy(st)
+            if not self._stage_reap(st):
+                return
         if any(r is not None and f is None for r, f in zip(st.rooms, st.finals)):
             self._stage_send(st)
         self._stage_report(st)  # before the state says so: whoever sees "ready" knows the report is out
@@ -198,13 +203,62 @@ class _StageSide:
         if st.state == "ready" and len(st.sent) == st.chunks:
             st.state = "sending"
 
+    def _stage_reap(self, st):
+        """Forgets the stage's copy jobs that ran; fails the stage and returns False if one failed."""
+        for h in list(st.jobs):
+            if h.done():
+                st.jobs.remove(h)
+                if h.error is not None:
+                    self._stage_fail(st, f"copying blocks into slots failed: {h.error!r}")
+                    return False
+        return True
+
+    def _stage_copy(self, st):
+        """Hands the stage's pieces waiting to be copied to the copier, as one job."""
+        if not st.pieces:
+            return
+        batch = []
+        while st.pieces:
+            p = st.pieces.popleft()
+            s = p.slot
+            view = st.views.get(s)
+            if view is None and needs_view(p):
+                view = st.views[s] = st.leases[s].view()
+            batch.append((st.leases[s], view, p))
+        st.jobs.append(self.copier.submit(self._stage_job(st, batch)))
+
+    def _post_trailers(self, st):
+        """Every payload piece is in its slot: each part's trailer (its chunks' CRCs, combined from its pieces')
+        becomes the pieces still to copy. Raises ValueError when a chunk's pieces do not tile it."""
+        ss, pchunks = st.ss, _crc.chunks(st.payload, st.ss)
+        st.trailers = []
+        for j in range(st.nparts):
+            crcs = []
+            for i in range(pchunks):
+                crcs.append(_crc.combine(st.piece_crcs.pop(j * st.part_chunks + i, ()),
+                                         min(ss, st.payload - i * ss)))
+            t = _crc.trailer(crcs)
+            buf = (ctypes.c_ubyte * len(t)).from_buffer_copy(t)
+            st.trailers.append(buf)
+            st.pieces.extend(plan([Extent(j * st.part_chunks * ss + st.payload, ctypes.addressof(buf), len(t),
+                                          len(t), (0,), False)], ss))
+
     def _stage_job(self, st, batch):
         copier = self.copier
+        crcs = st.crc and st.trailers is None  # payload pieces: their CRCs go into the trailers
 
         def job():
+            got = []
             for lease, view, p in batch:
-                copier.copy_in(lease, view, p)
+                if crcs:
+                    got.append(copier.copy_in_crc(lease, view, p))
+                else:
+                    copier.copy_in(lease, view, p)
             copier.sync()  # before any slot counts as full (and so can be sent)
+            for (lease, _, p), c in zip(batch, got):
+                if c is None:  # a device piece: its bytes are in the slot now
+                    c = _crc.crc32c(lease.address + p.off, p.nbytes)
+                st.piece_crcs[p.slot].append((p.off, p.nbytes, c))
             for _, _, p in batch:
                 s = p.slot
                 st.written[s] += p.nbytes
@@ -419,6 +473,10 @@ class _StageSide:
             mine = self.layout.share_fingerprint(h0, h1)
             if msg.get("share") != mine:
                 return self._reject(msg, f"share layouts differ: decode {msg.get('share')}, prefill {mine}")
+        if bool(msg.get("crc")) != st.crc:
+            on = {True: "on", False: "off"}
+            return self._reject(msg, f"end-to-end checksums: {on[bool(msg.get('crc'))]} on the decode side, "
+                                     f"{on[st.crc]} here (kvstage_checksum must be the same on both)")
         if msg.get("nbytes") != st.part_nbytes:
             return self._reject(msg, f"the decode side expects {msg.get('nbytes')} bytes, {st.part_nbytes} staged")
         try:

@@ -8,7 +8,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (  # type: igno
     KVConnectorPromMetrics, KVConnectorStats)
 
 
-_STAT_KEYS = ("bytes_sent", "bytes_received", "num_failed_transfers", "num_stale_rejections", "abort_to_free_seconds")
+_STAT_KEYS = ("bytes_sent", "bytes_received", "num_failed_transfers", "num_stale_rejections", "abort_to_free_seconds",
+              "num_checksum_failures")
 
 
 @dataclasses.dataclass
@@ -18,7 +19,8 @@ class KvstageKVConnectorStats(KVConnectorStats):
     the decode side received), bytes_received (per load copied into its blocks), num_failed_transfers (1 per stage or
     load that failed: refused, expired, timed out, lost), num_stale_rejections (1 per chunk the proxy refused as stale
     or not ours), abort_to_free_seconds (per aborted or preempted request: from the scheduler's request_finished, or
-    the preemption, to the worker reporting its blocks free)."""
+    the preemption, to the worker reporting its blocks free), num_checksum_failures (1 per load whose room differed
+    from its end-to-end checksums: kvstage_checksum; it counts in num_failed_transfers too)."""
 
     def __post_init__(self):
         if not self.data:
@@ -51,6 +53,7 @@ class KvstageKVConnectorStats(KVConnectorStats):
             "MB received": round(sum(d["bytes_received"]) / 2 ** 20, 3),
             "Num failed transfers": len(d["num_failed_transfers"]),
             "Num stale rejections": len(d["num_stale_rejections"]),
+            "Num checksum failures": len(d["num_checksum_failures"]),
             "Num aborts freed": len(waits),
             "Max abort-to-free (ms)": round(max(waits) * 1e3, 3) if waits else 0,
         }
@@ -71,6 +74,8 @@ class KvstagePromMetrics(KVConnectorPromMetrics):
         ("vllm:kvstage_num_failed_transfers", "kvstage stages or loads that failed.", "num_failed_transfers", 1),
         ("vllm:kvstage_num_stale_rejections", "Chunks the kvstage proxy refused (stale lease or epoch).",
          "num_stale_rejections", 1),
+        ("vllm:kvstage_num_checksum_failures", "kvstage loads whose bytes failed their end-to-end checksum.",
+         "num_checksum_failures", 1),
     )
     ABORT_BUCKETS = [0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0]
 

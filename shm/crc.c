@@ -1,0 +1,150 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * libkvstage: CRC32C (Castagnoli, reflected polynomial 0x82F63B78), the
+ * checksum an engine's copy into slots computes and its peer checks before it
+ * copies out. The same function as the proxy's chunk CRC (DPDK's
+ * rte_hash_crc: SSE4.2's crc32 instruction, 8 bytes a step), written here
+ * against the instruction itself: DPDK's header needs librte_eal (its CPU
+ * flag query), which a client library does not link.
+ *
+ * Standard form: start from ~0, end inverted, so kvs_crc32c(b, m,
+ * kvs_crc32c(a, n, 0)) is the CRC of a then b.
+ */
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "crc.h"
+#include "kvstage.h"
+
+#define POLY 0x82F63B78u
+
+static uint32_t table[8][256]; /* slicing by 8, when the CPU has no crc32 */
+static bool have_sse42;
+
+__attribute__((constructor)) static void crc_init(void)
+{
+#if defined(__x86_64__)
+	have_sse42 = __builtin_cpu_supports("sse4.2");
+#endif
+	for (uint32_t i = 0; i < 256; i++) {
+		uint32_t c = i;
+		for (int k = 0; k < 8; k++)
+			c = c & 1 ? (c >> 1) ^ POLY : c >> 1;
+		table[0][i] = c;
+	}
+	for (uint32_t i = 0; i < 256; i++)
+		for (int t = 1; t < 8; t++)
+			table[t][i] = (table[t - 1][i] >> 8) ^ table[0][table[t - 1][i] & 0xff];
+}
+
+uint32_t kvsc_crc32c_sw(uint32_t crc, const void *p, size_t n)
+{
+	const uint8_t *b = p;
+
+	for (; n >= 8; n -= 8, b += 8) {
+		uint64_t w;
+		memcpy(&w, b, 8); /* any alignment: UBSan-clean */
+		w ^= crc;
+		crc = table[7][w & 0xff] ^ table[6][(w >> 8) & 0xff] ^ table[5][(w >> 16) & 0xff] ^
+		      table[4][(w >> 24) & 0xff] ^ table[3][(w >> 32) & 0xff] ^ table[2][(w >> 40) & 0xff] ^
+		      table[1][(w >> 48) & 0xff] ^ table[0][w >> 56];
+	}
+	while (n--)
+		crc = (crc >> 8) ^ table[0][(crc ^ *b++) & 0xff];
+	return crc;
+}
+
+#if defined(__x86_64__)
+__attribute__((target("sse4.2"))) static uint32_t crc_hw(uint32_t crc, const uint8_t *b, size_t n)
+{
+	uint64_t c = crc;
+	for (; n >= 8; n -= 8, b += 8) {
+		uint64_t w;
+		memcpy(&w, b, 8);
+		c = __builtin_ia32_crc32di(c, w);
+	}
+	crc = (uint32_t)c;
+	while (n--)
+		crc = __builtin_ia32_crc32qi(crc, *b++);
+	return crc;
+}
+#endif
+
+static uint32_t crc_raw(uint32_t crc, const void *p, size_t n)
+{
+#if defined(__x86_64__)
+	if (have_sse42)
+		return crc_hw(crc, p, n);
+#endif
+	return kvsc_crc32c_sw(crc, p, n);
+}
+
+uint32_t kvs_crc32c(const void *p, size_t n, uint32_t crc)
+{
+	return ~crc_raw(~crc, p, n);
+}
+
+/* Blocks small enough to be in L1 when they are read back: the copy reads
+ * memory once, the CRC reads what the copy just wrote. */
+#define COPY_BLOCK 4096
+
+uint32_t kvs_copy_crc32c(void *dst, const void *src, size_t n, uint32_t crc)
+{
+	uint8_t *d = dst;
+	const uint8_t *s = src;
+
+	crc = ~crc;
+	while (n) {
+		size_t m = n < COPY_BLOCK ? n : COPY_BLOCK;
+		memcpy(d, s, m);
+		crc = crc_raw(crc, d, m);
+		d += m, s += m, n -= m;
+	}
+	return ~crc;
+}
+
+/* GF(2) matrices of 32 x 32 bits, as zlib's crc32_combine: mat is 32 columns. */
+static uint32_t gf2_times(const uint32_t *mat, uint32_t vec)
+{
+	uint32_t sum = 0;
+	for (; vec; vec >>= 1, mat++)
+		if (vec & 1)
+			sum ^= *mat;
+	return sum;
+}
+
+static void gf2_square(uint32_t *sq, const uint32_t *mat)
+{
+	for (int i = 0; i < 32; i++)
+		sq[i] = gf2_times(mat, mat[i]);
+}
+
+uint32_t kvs_crc32c_combine(uint32_t crc_a, uint32_t crc_b, size_t len_b)
+{
+	uint32_t even[32], odd[32];
+
+	if (len_b == 0)
+		return crc_a;
+	/* odd: the operator for one zero bit; then square to 2, 4 bits, ... */
+	odd[0] = POLY;
+	for (int i = 1; i < 32; i++)
+		odd[i] = 1u << (i - 1);
+	gf2_square(even, odd); /* 2 zero bits */
+	gf2_square(odd, even); /* 4 zero bits */
+	do {
+		/* Apply len_b zero bytes to crc_a, one bit of len_b at a time. */
+		gf2_square(even, odd);
+		if (len_b & 1)
+			crc_a = gf2_times(even, crc_a);
+		len_b >>= 1;
+		if (!len_b)
+			break;
+		gf2_square(odd, even);
+		if (len_b & 1)
+			crc_a = gf2_times(odd, crc_a);
+		len_b >>= 1;
+	} while (len_b);
+	return crc_a ^ crc_b;
+}
