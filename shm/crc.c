@@ -48,8 +48,8 @@ uint32_t kvsc_crc32c_sw(uint32_t crc, const void *p, size_t n)
 		memcpy(&w, b, 8); /* any alignment: UBSan-clean */
 		w ^= crc;
 		crc = table[7][w & 0xff] ^ table[6][(w >> 8) & 0xff] ^ table[5][(w >> 16) & 0xff] ^
-		      table[4][(w >> 24) & 0xff] ^ table[3][(w >> 32) & 0xff] ^ table[2][(w >> 40) & 0xff] ^
-		      table[1][(w >> 48) & 0xff] ^ table[0][w >> 56];
+		      table[4][(w >> 24) & 0xff] ^ table[3][(w >> 32) & 0xff] ^
+		      table[2][(w >> 40) & 0xff] ^ table[1][(w >> 48) & 0xff] ^ table[0][w >> 56];
 	}
 	while (n--)
 		crc = (crc >> 8) ^ table[0][(crc ^ *b++) & 0xff];

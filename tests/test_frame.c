@@ -1352,15 +1352,20 @@ Test(frame, library_crc32c_is_the_proxys)
 			n = (size_t)i;
 		uint32_t want = kvsp_crc32c(b + off, n, 0);
 		cr_assert_eq(kvs_crc32c(b + off, n, 0), want, "off %zu n %zu", off, n);
-		cr_assert_eq(~kvsc_crc32c_sw(~0u, b + off, n), want, "tables: off %zu n %zu", off, n);
+		cr_assert_eq(~kvsc_crc32c_sw(~0u, b + off, n), want, "tables: off %zu n %zu", off,
+			     n);
 		size_t cut = n ? xorshift() % n : 0;
 		uint32_t a = kvs_crc32c(b + off, cut, 0), z = kvs_crc32c(b + off + cut, n - cut, 0);
-		cr_assert_eq(kvs_crc32c(b + off + cut, n - cut, a), want, "chained at %zu of %zu", cut, n);
-		cr_assert_eq(kvs_crc32c_combine(a, z, n - cut), want, "combined at %zu of %zu", cut, n);
+		cr_assert_eq(kvs_crc32c(b + off + cut, n - cut, a), want, "chained at %zu of %zu",
+			     cut, n);
+		cr_assert_eq(kvs_crc32c_combine(a, z, n - cut), want, "combined at %zu of %zu", cut,
+			     n);
 		size_t doff = xorshift() % 16;
 		memset(d, 0, sizeof(d));
-		cr_assert_eq(kvs_copy_crc32c(d + doff, b + off, n, 0), want, "copied: off %zu n %zu", off, n);
-		cr_assert(memcmp(d + doff, b + off, n) == 0 && (n + doff == sizeof(d) || d[doff + n] == 0));
+		cr_assert_eq(kvs_copy_crc32c(d + doff, b + off, n, 0), want,
+			     "copied: off %zu n %zu", off, n);
+		cr_assert(memcmp(d + doff, b + off, n) == 0 &&
+			  (n + doff == sizeof(d) || d[doff + n] == 0));
 	}
 	cr_assert_eq(kvs_crc32c_combine(0x12345678u, 0, 0), 0x12345678u);
 }
