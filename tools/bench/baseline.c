@@ -3,7 +3,10 @@
  * The baselines: what the hardware and kernel give without kvstage.
  *  - memcpy: one thread copying chunk-sized buffers around a ring larger
  *    than the last-level cache, so the figure is memory bandwidth, not
- *    cache bandwidth.
+ *    cache bandwidth. Beside it, the same copies with end-to-end checksums
+ *    as the engines make them: a sender's copy into a slot computing its
+ *    CRC32C (kvs_copy_crc32c), a receiver's check of the slot before it
+ *    copies out (kvs_crc32c, then memcpy).
  *  - rte_ring: the same SPSC ring kvstage uses, between two processes in a
  *    MAP_SHARED mapping, with nothing else: the floor for a hand-off.
  *  - TCP (rawtcp.c): raw streams, for the tcp transport to be held to.
@@ -39,7 +42,30 @@ void baseline_fini(void)
 	m_len = 0;
 }
 
+static uint32_t crc_sink;
+
+static void copy_chunk(enum copy_kind how, uint8_t *dst, const uint8_t *src, size_t n)
+{
+	switch (how) {
+	case COPY_PLAIN:
+		memcpy(dst, src, n);
+		break;
+	case COPY_CRC:
+		crc_sink ^= kvs_copy_crc32c(dst, src, n, 0);
+		break;
+	case CHECK_COPY:
+		crc_sink ^= kvs_crc32c(src, n, 0);
+		memcpy(dst, src, n);
+		break;
+	}
+}
+
 double baseline_memcpy(uint64_t chunk, uint64_t wset, double sec)
+{
+	return baseline_copy(chunk, wset, sec, COPY_PLAIN);
+}
+
+double baseline_copy(uint64_t chunk, uint64_t wset, double sec, enum copy_kind how)
 {
 	size_t n = wset / chunk < 2 ? 2 : wset / chunk;
 	size_t len = n * chunk;
@@ -59,7 +85,7 @@ double baseline_memcpy(uint64_t chunk, uint64_t wset, double sec)
 	size_t i = 0;
 	do {
 		for (size_t k = 0; k < batch; k++) {
-			memcpy(m_dst + i * chunk, m_src + i * chunk, chunk);
+			copy_chunk(how, m_dst + i * chunk, m_src + i * chunk, chunk);
 			if (++i == n)
 				i = 0;
 		}
@@ -67,7 +93,7 @@ double baseline_memcpy(uint64_t chunk, uint64_t wset, double sec)
 		t = now_ns();
 	} while (t < end);
 	/* Keep the copies observable so nothing can be elided. */
-	__asm__ volatile("" : : "r"(m_dst) : "memory");
+	__asm__ volatile("" : : "r"(m_dst), "r"(crc_sink) : "memory");
 	return (double)bytes / (double)(t - t0);
 }
 
@@ -399,19 +425,31 @@ static int report_baseline(const struct bench_opts *o, const struct baseline_poi
 	    o->baseline_sec);
 	doc_head(d, o, NULL, NULL, true, ring);
 	put(&d->top, "points", U_POINTS);
-	d->csv = "mode,chunk_bytes,memcpy_gbps,tcp_gbps,ring_rt_per_s,ring_rtt_p50_us,"
-		 "ring_rtt_p99_us,ring_rtt_p999_us,ring_batched_records_per_s";
+	d->csv = "mode,chunk_bytes,memcpy_gbps,copy_crc_gbps,copy_crc_vs_memcpy,check_copy_gbps,"
+		 "check_copy_vs_memcpy,tcp_gbps,ring_rt_per_s,ring_rtt_p50_us,ring_rtt_p99_us,"
+		 "ring_rtt_p999_us,ring_batched_records_per_s";
 	d->col0 = "chunk";
 	d->pt = pts;
 	d->npt = n;
 	CAT(d->tail,
 	    "\nmemcpy: one thread, chunk-sized buffers around a %s ring each way.\n"
+	    "copy+CRC: the same copies computing each chunk's CRC32C as they go (kvs_copy_crc32c:\n"
+	    "a sender's copy into a slot with end-to-end checksums); check+copy: the CRC32C of "
+	    "the\n"
+	    "source, then memcpy (a receiver's check before it copies out). x: of memcpy's rate.\n"
 	    "TCP: one connection on 127.0.0.1, writes of the chunk size, two processes.\n",
 	    bench_size_str(o->wset, a, sizeof(a)));
 	for (unsigned i = 0; i < n; i++) {
 		bench_size_str(pt[i].chunk, pts[i].name, sizeof(pts[i].name));
 		put_int(&pts[i], "chunk_bytes", pt[i].chunk);
 		fig(&pts[i], NULL, "memcpy GB/s", U_NUM, pt[i].memcpy_gbps, "memcpy_gbps");
+		fig(&pts[i], NULL, "copy+CRC GB/s", U_NUM, pt[i].copy_crc_gbps, "copy_crc_gbps");
+		fig(&pts[i], NULL, "x", U_NUM, pt[i].copy_crc_gbps / pt[i].memcpy_gbps,
+		    "copy_crc_vs_memcpy");
+		fig(&pts[i], NULL, "check+copy GB/s", U_NUM, pt[i].check_copy_gbps,
+		    "check_copy_gbps");
+		fig(&pts[i], NULL, "x", U_NUM, pt[i].check_copy_gbps / pt[i].memcpy_gbps,
+		    "check_copy_vs_memcpy");
 		fig(&pts[i], NULL, "TCP GB/s", U_NUM, pt[i].tcp_gbps, "tcp_gbps");
 	}
 	report(d);
@@ -447,9 +485,13 @@ int run_baseline(const struct bench_opts *o)
 		pts[i].chunk = o->chunks[i];
 		bench_size_str(o->chunks[i], cs, sizeof(cs));
 		if (prog)
-			progress_line("baseline %s: memcpy, then TCP (%u of %u)", cs, i + 1,
-				      o->nchunks);
+			progress_line("baseline %s: memcpy, with checksums, then TCP (%u of %u)",
+				      cs, i + 1, o->nchunks);
 		pts[i].memcpy_gbps = baseline_memcpy(o->chunks[i], o->wset, o->baseline_sec);
+		pts[i].copy_crc_gbps =
+			baseline_copy(o->chunks[i], o->wset, o->baseline_sec, COPY_CRC);
+		pts[i].check_copy_gbps =
+			baseline_copy(o->chunks[i], o->wset, o->baseline_sec, CHECK_COPY);
 		baseline_fini();
 		pts[i].tcp_gbps = baseline_tcp(o->chunks[i], o->baseline_sec);
 		if (pts[i].memcpy_gbps <= 0 || pts[i].tcp_gbps <= 0) {

@@ -219,6 +219,11 @@ struct ring_base {
 
 /* Single-thread memcpy GB/s (1e9) at chunk size, over a wset-byte ring of buffers each way. */
 double baseline_memcpy(uint64_t chunk, uint64_t wset, double sec);
+/* How baseline_copy copies a chunk: memcpy; with its CRC32C computed as it goes
+ * (kvs_copy_crc32c); its CRC32C, then memcpy. */
+enum copy_kind { COPY_PLAIN, COPY_CRC, CHECK_COPY };
+/* baseline_memcpy's figure (GB/s) for copies of kind how. */
+double baseline_copy(uint64_t chunk, uint64_t wset, double sec, enum copy_kind how);
 /* Raw SPSC rte_ring ping-pong and batched round trips between two processes. Returns 0, or -1. */
 int baseline_ring(double sec, struct ring_base *out);
 /* One TCP connection on 127.0.0.1, writes of chunk bytes: GB/s, or < 0 on failure. */
@@ -322,7 +327,7 @@ struct idle_result {
 
 struct baseline_point {
 	uint64_t chunk;
-	double memcpy_gbps, tcp_gbps;
+	double memcpy_gbps, copy_crc_gbps, check_copy_gbps, tcp_gbps;
 };
 
 /* Runs the local mode over every chunk size. Returns the exit code. */

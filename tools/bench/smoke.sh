@@ -160,8 +160,10 @@ positive "$tmp/idle.json" window_s
 
 run 0 baseline.json -q --wset 32M --chunk 4K,64K --baseline-sec 0.05 --json baseline
 valid_json "$tmp/baseline.json"
-has_keys "$tmp/baseline.json" points memcpy_gbps tcp_gbps ring
+has_keys "$tmp/baseline.json" points memcpy_gbps copy_crc_gbps copy_crc_vs_memcpy check_copy_gbps tcp_gbps ring
 positive "$tmp/baseline.json" memcpy_gbps
+positive "$tmp/baseline.json" copy_crc_gbps
+positive "$tmp/baseline.json" check_copy_gbps
 positive "$tmp/baseline.json" tcp_gbps
 
 if command -v gnuplot >/dev/null; then
