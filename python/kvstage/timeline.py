@@ -165,7 +165,7 @@ def _detail(r):
         v = r.get(k)
         if v is None:
             continue
-        parts.append(f"{k}={_ms(v).strip()}" if k == "elapsed_ns" else f"{k}={v}")
+        parts.append(f"elapsed={_ms(v).strip()}" if k == "elapsed_ns" else f"{k}={v}")
     return " ".join(parts)
 
 
