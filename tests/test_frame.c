@@ -1354,6 +1354,11 @@ Test(frame, library_crc32c_is_the_proxys)
 		cr_assert_eq(kvs_crc32c(b + off, n, 0), want, "off %zu n %zu", off, n);
 		cr_assert_eq(~kvsc_crc32c_sw(~0u, b + off, n), want, "tables: off %zu n %zu", off,
 			     n);
+#if defined(__x86_64__)
+		if (__builtin_cpu_supports("sse4.2")) /* three lanes a 4 KiB block, joined */
+			cr_assert_eq(~kvsc_crc32c_hw(~0u, b + off, n), want, "crc32: off %zu n %zu",
+				     off, n);
+#endif
 		size_t cut = n ? xorshift() % n : 0;
 		uint32_t a = kvs_crc32c(b + off, cut, 0), z = kvs_crc32c(b + off + cut, n - cut, 0);
 		cr_assert_eq(kvs_crc32c(b + off + cut, n - cut, a), want, "chained at %zu of %zu",
