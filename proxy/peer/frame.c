@@ -3,12 +3,12 @@
 
 #include <endian.h>
 #include <errno.h>
-#include <pthread.h>
 #include <stddef.h>
 #include <string.h>
 
-#include <rte_hash_crc.h>
 #include <sodium.h>
+
+#include "kvstage.h"
 
 #define HDR ((uint32_t)sizeof(struct kvs_wire_frame_hdr))
 #define MACED ((uint32_t)offsetof(struct kvs_wire_frame_hdr, mac)) /* header bytes before the MAC */
@@ -276,63 +276,9 @@ int kvsp_frame_rx_payload(struct kvsp_frame_rx *rx, size_t n)
 
 /* ------------------------------------------------------------------ CRC32C */
 
-/*
- * DPDK's CRC32C (rte_hash_crc.h, inline): the SSE4.2 crc32 instruction,
- * 8 bytes at a time, or its table fallback. What it needs to link is
- * rte_cpu_get_flag_enabled (and rte_log at -O0), from librte_eal, which
- * the proxy loads already (librte_ring needs it). Neither needs EAL to be
- * initialised: the flag query is a cpuid, and the log call is on paths we
- * never take.
- *
- * Two things the header gets wrong for us, worked around here:
- *  - Its constructor picks the SSE4.2 instructions on every x86-64 without
- *    asking the CPU (DPDK's build baseline assumes them). A CPU without
- *    SSE4.2, such as QEMU's default qemu64 model, would die of SIGILL, so
- *    the first call asks and falls back to the tables.
- *  - rte_hash_crc() loads words through casts, unaligned and across types,
- *    which UBSan rightly flags on a payload at any offset. The loop below
- *    loads with memcpy and feeds DPDK's word primitives instead.
- */
-#if __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
-#error "kvsp_crc32c feeds words as loaded little-endian, as the bytes come"
-#endif
-
-static pthread_once_t crc_once = PTHREAD_ONCE_INIT;
-
-static void crc_pick(void)
-{
-#if defined(RTE_ARCH_X86)
-	if (rte_cpu_get_flag_enabled(RTE_CPUFLAG_SSE4_2) <= 0)
-		rte_hash_crc_set_alg(CRC32_SW);
-#endif
-}
-
+/* libkvstage's (shm/crc.c): the engines' end-to-end checksum is the same
+ * function, three crc32 chains a 4 KiB block. */
 uint32_t kvsp_crc32c(const void *p, size_t n, uint32_t crc)
 {
-	const uint8_t *b = p;
-
-	pthread_once(&crc_once, crc_pick);
-	/* DPDK's functions are the raw register update; the standard CRC32C
-	 * starts from ~0 and ends inverted, which also makes it chainable. */
-	crc = ~crc;
-	for (; n >= 8; n -= 8, b += 8) {
-		uint64_t w;
-		memcpy(&w, b, 8);
-		crc = rte_hash_crc_8byte(w, crc);
-	}
-	if (n & 4) {
-		uint32_t w;
-		memcpy(&w, b, 4);
-		crc = rte_hash_crc_4byte(w, crc);
-		b += 4;
-	}
-	if (n & 2) {
-		uint16_t w;
-		memcpy(&w, b, 2);
-		crc = rte_hash_crc_2byte(w, crc);
-		b += 2;
-	}
-	if (n & 1)
-		crc = rte_hash_crc_1byte(*b, crc);
-	return ~crc;
+	return kvs_crc32c(p, n, crc);
 }
