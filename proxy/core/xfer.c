@@ -76,6 +76,8 @@ static void land(struct kvsp *p, uint32_t i, uint32_t slot, uint32_t chunk, uint
 	kvsp_slot_handoff(&p->slots, slot, p->rooms[i].recv.client.cid);
 	kvsp_hist_add(&p->chunk_hist, p->now_ns - sent_ns);
 	placed(p, i, slot, chunk, len);
+	if (p->trace)
+		kvsp_rtrace_handed(p, i, chunk);
 }
 
 /* ------------------------------------------------------- sending side */
@@ -102,6 +104,8 @@ void kvsp_xfer_send(struct kvsp *p, uint32_t owner, uint32_t i, const struct kvs
 {
 	struct kvsp_room *r = &p->rooms[i];
 	struct kvsp_transport *t = r->xport;
+	if (p->trace)
+		kvsp_rtrace_queued(p, i, chunk);
 	if (t->lands_at_submit && r->recv.client.cid) {
 		land_at_submit(p, owner, i, l, chunk);
 		return;
@@ -149,7 +153,7 @@ void kvsp_xfer_quiesced(struct kvsp *p, struct kvsp_xfer *x, int status)
 {
 	if (x->dir != KVSP_XFER_SEND)
 		return;
-	uint32_t i = x->room, slot = x->slot, len = x->len;
+	uint32_t i = x->room, slot = x->slot, len = x->len, x_chunk = x->chunk;
 	uint64_t sent_ns = x->sent_ns;
 	struct kvsp_room *r = &p->rooms[i];
 	if (send_quiesce(p, x) == KVS_SLOT_INFLIGHT)
@@ -157,10 +161,14 @@ void kvsp_xfer_quiesced(struct kvsp *p, struct kvsp_xfer *x, int status)
 		 * will; either way the slot is done with. */
 		kvsp_slot_kill(&p->slots, slot);
 	if (status) {
+		if (p->trace)
+			kvsp_rtrace_flight(p, i);
 		kvsp_room_abort(p, i, status, KVS_EV_FAILED, false);
 	} else if (r->state == KVSP_ROOM_OPEN && r->far) { /* local rooms count their landings */
 		count_moved(p, len);
 		kvsp_hist_add(&p->chunk_hist, p->now_ns - sent_ns);
+		if (p->trace)
+			kvsp_rtrace_sent(p, i, x_chunk);
 	}
 }
 
@@ -183,6 +191,8 @@ void kvsp_xfer_handoff(struct kvsp *p, struct kvsp_xfer *x, int status)
 	} else if (st == KVS_SLOT_INFLIGHT) {
 		/* Not tombstoned, yet not landing: the transport failed it. */
 		kvsp_slot_kill(&p->slots, slot);
+		if (p->trace)
+			kvsp_rtrace_flight(p, i);
 		kvsp_room_abort(p, i, status ? status : -EIO, KVS_EV_FAILED, false);
 	} else {
 		KVS_STAT_ADD(p->stats->chunks_discarded, 1); /* a tombstone, reaped */
@@ -305,6 +315,8 @@ int kvsp_chunk_land(struct kvsp *p, struct kvsp_xfer *x)
 	    r->state == KVSP_ROOM_OPEN) {
 		kvsp_slot_fill(&p->slots, slot);
 		placed(p, i, slot, chunk, len);
+		if (p->trace)
+			kvsp_rtrace_landed(p, i, chunk);
 		return 0;
 	}
 	if (st == KVS_SLOT_RECV_POSTED)
@@ -321,6 +333,8 @@ void kvsp_chunk_discard(struct kvsp *p, struct kvsp_xfer *x, int status)
 	if (recv_quiesce(p, x) == KVS_SLOT_RECV_POSTED)
 		kvsp_slot_kill(&p->slots, slot);
 	KVS_STAT_ADD(p->stats->chunks_discarded, 1);
+	if (p->trace)
+		kvsp_rtrace_flight(p, i);
 	kvsp_room_abort(p, i, status ? status : -EIO, KVS_EV_FAILED, false);
 }
 
