@@ -257,6 +257,16 @@ static void writer_sleep(struct kvsp_trace *t, bool held)
 	__atomic_store_n(&t->sleeping, 0, __ATOMIC_RELAXED);
 }
 
+/* Under --failpoints the loop answers admin barriers (kvstage-ctl, tests)
+ * when it passes; one waiting on our counters or our hold must not wait
+ * for something else to wake it. Without, nothing waits on us. */
+static void wake_loop(struct kvsp_trace *t)
+{
+	uint64_t one = 1;
+	if (t->conf.wake_fd >= 0 && write(t->conf.wake_fd, &one, sizeof(one)) < 0)
+		LOG_DEBUG("trace: waking the loop: %s", strerror(errno));
+}
+
 static bool held(struct kvsp_trace *t)
 {
 	if (!t->conf.hold || __atomic_load_n(t->conf.hold, __ATOMIC_ACQUIRE) != 1 ||
@@ -265,9 +275,7 @@ static bool held(struct kvsp_trace *t)
 	if (!t->parked) {
 		t->parked = true;
 		__atomic_fetch_add(t->conf.hits, 1, __ATOMIC_RELEASE);
-		uint64_t one = 1; /* the loop answers an admin barrier on its next pass */
-		if (t->conf.wake_fd >= 0 && write(t->conf.wake_fd, &one, sizeof(one)) < 0)
-			LOG_DEBUG("trace: waking the loop: %s", strerror(errno));
+		wake_loop(t);
 	}
 	return true;
 }
@@ -292,6 +300,7 @@ static void *writer(void *arg)
 				ends[k] = len;
 			}
 			sink_write(t, ends, n);
+			wake_loop(t);
 			continue;
 		}
 		if (__atomic_load_n(&t->stop, __ATOMIC_ACQUIRE))

@@ -59,9 +59,10 @@ struct kvsp_trace_conf {
 	uint64_t instance; /* the proxy writing the lines */
 	uint64_t *written; /* published counters: lines written (the writer's alone), */
 	uint64_t *dropped; /* ... records dropped (ring full, or the sink failed) */
-	/* Test-only hold (--failpoints): while *hold is 1 (KVS_FP_PAUSE) the
-	 * writer takes nothing from the ring; when it first stops there it adds
-	 * one to *hits and writes wake_fd, so the loop answers an admin barrier. */
+	/* Test-only (--failpoints): while *hold is 1 (KVS_FP_PAUSE) the writer
+	 * takes nothing from the ring; when it first stops there it adds one to
+	 * *hits. It writes wake_fd then and after each batch written, so the
+	 * loop answers an admin barrier on the hold or the counters. */
 	const uint8_t *hold;
 	uint64_t *hits;
 	int wake_fd;
