@@ -138,6 +138,8 @@ void kvsp_rooms_fini(struct kvsp *p)
 {
 	free(p->rooms);
 	free(p->bits_arena);
+	free(p->rtrace);
+	p->rtrace = NULL;
 	p->rooms = NULL;
 	p->bits_arena = NULL;
 }
@@ -402,9 +404,6 @@ static struct kvsp_room *room_start(struct kvsp *p, uint32_t i, uint64_t bytes,
 	r->send = (struct kvsp_send_half){ .inflight_head = NONE };
 	r->xport = t;
 	r->opened_ns = p->now_ns;
-	r->tr_queued = r->tr_sent = 0;
-	r->tr_sides = 0;
-	r->tr_flight = false;
 	return r;
 }
 

@@ -47,6 +47,17 @@ struct kvsp_send_half {
 	uint32_t inflight, inflight_head; /* slots pinned for the transport */
 };
 
+/* What the trace keeps of a room (core/roomtrace.c), beside it in p->rtrace,
+ * allocated only while tracing: the room itself stays as the chunk path
+ * had it. */
+struct kvsp_room_trace {
+	uint64_t instance;     /* the room's key: the receiving proxy's instance, */
+	uint32_t room, gen;    /* ... its room index and generation there */
+	uint32_t queued, sent; /* chunks given to the transport, and done with by it */
+	uint8_t sides;	       /* 1 << KVSP_TR_RECV, _SEND: the halves that said room_opened */
+	bool flight;	       /* a chunk failed in flight: the abort fences it */
+};
+
 /* Where the half this proxy does not hold lives. */
 enum kvsp_far { KVSP_FAR_NONE = 0, KVSP_FAR_RECV, KVSP_FAR_SEND };
 
@@ -75,14 +86,6 @@ struct kvsp_room {
 	uint32_t mark_next; /* on the marked list while marked */
 	bool marked;
 	struct kvsp_transport *xport;
-	/* The trace's (core/roomtrace.c), written only while tracing: the
-	 * room's key (the receiving proxy's instance, index, generation) and
-	 * what decides which of its events get a line. */
-	uint64_t key_instance;
-	uint32_t key_room, key_gen;
-	uint32_t tr_queued, tr_sent; /* chunks given to the transport, and done with by it */
-	uint8_t tr_sides; /* 1 << KVSP_TR_RECV, _SEND: the halves that said room_opened */
-	bool tr_flight;	  /* a chunk failed in flight: the abort fences it */
 };
 
 /* rooms.c */
@@ -200,6 +203,8 @@ bool kvsp_token_eq(const uint8_t a[16], const uint8_t b[16]);
  */
 /* A half of room i is here (side: KVSP_TR_RECV or _SEND); d: the
  * descriptor a far send half was opened with (its key), else NULL. */
+/* Traces rooms into t from now (p->trace). Returns 0, or -ENOMEM. */
+int kvsp_rtrace_attach(struct kvsp *p, struct kvsp_trace *t);
 void kvsp_rtrace_opened(struct kvsp *p, uint32_t i, uint8_t side, const struct kvs_desc_wire *d);
 /* The sending half gave chunk to a transport (its first and last get a line). */
 void kvsp_rtrace_queued(struct kvsp *p, uint32_t i, uint32_t chunk);
@@ -209,6 +214,8 @@ void kvsp_rtrace_sent(struct kvsp *p, uint32_t i, uint32_t chunk);
 void kvsp_rtrace_landed(struct kvsp *p, uint32_t i, uint32_t chunk);
 /* Both at once: a local hand-off. */
 void kvsp_rtrace_handed(struct kvsp *p, uint32_t i, uint32_t chunk);
+/* Queued, sent and landed at once: a chunk landed at its submit (the local hand-off). */
+void kvsp_rtrace_submitted(struct kvsp *p, uint32_t i, uint32_t chunk);
 /* A chunk of room i failed in flight: the abort that follows fences it. */
 void kvsp_rtrace_flight(struct kvsp *p, uint32_t i);
 /* Room i leaves OPEN (abort, failure, lost peer): fenced if anything was in flight here. */

@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include "core/proxy.h"
+#include "core/rooms.h"
 #include "host/loop.h"
 #include "core/xport.h"
 #include "daemon/config_file.h"
@@ -670,9 +671,9 @@ int kvsp_daemon_main(int argc, char **argv, const struct kvsp_daemon_hooks *hook
 			tc.hits = &p.fp[KVSP_FP_TRACE_WRITE].hits;
 			tc.wake_fd = p.wake_fd;
 		}
-		rc = kvsp_trace_start(trace, &tc);
+		rc = kvsp_rtrace_attach(&p, trace);
 		if (rc == 0)
-			p.trace = trace;
+			rc = kvsp_trace_start(trace, &tc);
 	}
 	if (rc == 0 && metrics_listen)
 		rc = kvsp_metrics_start(&p, metrics_listen); /* last: it reads everything above */
