@@ -15,6 +15,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/un.h>
 #include <unistd.h>
 
@@ -214,7 +215,8 @@ Test(trace, one_room_is_followed_across_both_proxies_by_its_key)
 	cr_assert(!strncmp(key, inst, 17), "key %s, receiver %s", key, inst);
 	cr_assert_eq(la[1].chunk, 0, "the first chunk queued");
 	cr_assert_eq(la[2].chunk, 2, "the last chunk queued");
-	cr_assert_eq(la[3].chunk, 2, "the last chunk sent");
+	/* Sent: the last the transport was done with, whichever (two streams). */
+	cr_assert(la[3].chunk >= 0 && la[3].chunk <= 2, "the last chunk sent: %lld", la[3].chunk);
 	cr_assert(lb[1].chunk >= 0 && lb[2].chunk >= 0 && lb[1].chunk != lb[2].chunk);
 	cr_assert_str_eq(la[4].final, "send_done");
 	cr_assert_eq(la[4].status, 0);
@@ -406,15 +408,18 @@ Test(trace, an_unwritable_sink_or_a_bad_buffer_is_refused_at_start)
 {
 	static char out[4096], err[4096];
 	const char *bin = build_path("proxy/kvstaged");
-	char isdir[96], nosock[96];
+	char isdir[96], nosock[96], fifo[96];
 	snprintf(isdir, sizeof(isdir), "%s", dir);
 	snprintf(nosock, sizeof(nosock), "unix:%s/nobody-listens", dir);
+	snprintf(fifo, sizeof(fifo), "%s/fifo", dir);
+	cr_assert_eq(mkfifo(fifo, 0600), 0, "%s", strerror(errno));
 	struct {
 		const char *where, *says;
 	} sinks[] = {
 		{ "/nonexistent-kvstage-dir/trace.jsonl", "No such file or directory" },
 		{ isdir, "Is a directory" },
 		{ nosock, "No such file or directory" },
+		{ fifo, "No such device or address" }, /* no reader: refused, not waited for */
 	};
 	for (unsigned i = 0; i < sizeof(sinks) / sizeof(sinks[0]); i++) {
 		int rc = run_cmd((const char *[]){ bin, "--socket", "/tmp/kvstage-trace-never.sock",
@@ -428,6 +433,7 @@ Test(trace, an_unwritable_sink_or_a_bad_buffer_is_refused_at_start)
 		cr_assert(strstr(err, want), "%s said: %s", sinks[i].where, err);
 		cr_assert(!strstr(err, "serving"), "it served: %s", err);
 	}
+	unlink(fifo);
 	const char *bufs[] = { "0", "15", "16777217", "lots", "-16", "" };
 	for (unsigned i = 0; i < sizeof(bufs) / sizeof(bufs[0]); i++) {
 		int rc = run_cmd((const char *[]){ bin, "--socket", "/tmp/kvstage-trace-never.sock",

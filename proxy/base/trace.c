@@ -11,6 +11,7 @@
 #include <linux/futex.h>
 #include <pthread.h>
 #include <signal.h>
+#include <stdarg.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -30,6 +31,7 @@
 #define BURST 64	       /* records the writer takes and writes at once */
 #define TRACE_LINE_MAX 320     /* the longest line kvsp_trace_format makes, with room to spare */
 #define RETRY_NS 1000000000ull /* a failed socket is dialed again at most this often */
+#define SEND_TIMEOUT_S 1       /* a socket that takes nothing this long has failed */
 
 struct kvsp_trace {
 	struct rte_ring *ring; /* SP/SC, exactly `records` records */
@@ -68,25 +70,37 @@ static const char *final_name(unsigned type)
 	}
 }
 
+/* Appends to buf[*k..n): never past n, whatever snprintf would have made. */
+static void add(char *buf, size_t n, size_t *k, const char *fmt, ...)
+	__attribute__((format(printf, 4, 5)));
+static void add(char *buf, size_t n, size_t *k, const char *fmt, ...)
+{
+	va_list ap;
+	va_start(ap, fmt);
+	int m = *k < n ? vsnprintf(buf + *k, n - *k, fmt, ap) : 0;
+	va_end(ap);
+	*k = m > 0 && *k + (size_t)m < n ? *k + (size_t)m : n - 1;
+}
+
 size_t kvsp_trace_format(const struct kvsp_trace_rec *r, uint64_t instance, char *buf, size_t n)
 {
-	int k = snprintf(buf, n,
-			 "{\"schema\":\"kvstage-proxy-v1\",\"event\":\"%s\",\"wall_ns\":%" PRIu64
-			 ",\"monotonic_ns\":%" PRIu64 ",\"room\":\"%016" PRIx64
-			 ".%u.%u\",\"side\":\"%s\",\"instance\":\"%016" PRIx64 "\"",
-			 r->event < KVSP_TR_NEVENTS ? event_names[r->event] : "unknown", r->wall_ns,
-			 r->mono_ns, r->instance, r->room, r->gen,
-			 r->side == KVSP_TR_SEND ? "send" : "recv", instance);
+	size_t k = 0; /* the longest line is 304 bytes (every number at its widest) */
+	add(buf, n, &k,
+	    "{\"schema\":\"kvstage-proxy-v1\",\"event\":\"%s\",\"wall_ns\":%" PRIu64
+	    ",\"monotonic_ns\":%" PRIu64 ",\"room\":\"%016" PRIx64
+	    ".%u.%u\",\"side\":\"%s\",\"instance\":\"%016" PRIx64 "\"",
+	    r->event < KVSP_TR_NEVENTS ? event_names[r->event] : "unknown", r->wall_ns, r->mono_ns,
+	    r->instance, r->room, r->gen, r->side == KVSP_TR_SEND ? "send" : "recv", instance);
 	if (r->has & KVSP_TR_BYTES)
-		k += snprintf(buf + k, n - (size_t)k, ",\"bytes\":%" PRIu64, r->bytes);
+		add(buf, n, &k, ",\"bytes\":%" PRIu64, r->bytes);
 	if (r->has & KVSP_TR_CHUNK)
-		k += snprintf(buf + k, n - (size_t)k, ",\"chunk\":%u", r->chunk);
+		add(buf, n, &k, ",\"chunk\":%u", r->chunk);
 	if (r->has & KVSP_TR_FINAL)
-		k += snprintf(buf + k, n - (size_t)k, ",\"final\":\"%s\"", final_name(r->final));
+		add(buf, n, &k, ",\"final\":\"%s\"", final_name(r->final));
 	if (r->has & KVSP_TR_STATUS)
-		k += snprintf(buf + k, n - (size_t)k, ",\"status\":%d", r->status);
-	k += snprintf(buf + k, n - (size_t)k, "}\n");
-	return (size_t)k;
+		add(buf, n, &k, ",\"status\":%d", r->status);
+	add(buf, n, &k, "}\n");
+	return k;
 }
 
 /* ---------------------------------------------------------------- sink */
@@ -102,6 +116,11 @@ static int sock_dial(struct kvsp_trace *t)
 		if (fd < 0)
 			return -errno;
 		if (connect(fd, (struct sockaddr *)&sa, sizeof(sa)) == 0) {
+			/* A reader that stops reading fails the socket (and its
+			 * lines are dropped) rather than hold the writer for ever:
+			 * the daemon joins it at exit. */
+			struct timeval tv = { .tv_sec = SEND_TIMEOUT_S };
+			setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
 			t->fd = fd;
 			t->type = types[k];
 			return 0;
@@ -132,7 +151,11 @@ struct kvsp_trace *kvsp_trace_open(const char *where, uint32_t records, char *wh
 	int rc = 0;
 	if (t->sock)
 		rc = sock_dial(t);
-	else if ((t->fd = open(path, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0640)) < 0)
+	/* O_NONBLOCK for the open alone: a FIFO without a reader is refused
+	 * (ENXIO) instead of holding the start. */
+	else if ((t->fd = open(path, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC | O_NONBLOCK,
+			       0640)) < 0 ||
+		 fcntl(t->fd, F_SETFL, O_WRONLY | O_APPEND) < 0)
 		rc = -errno;
 	if (rc < 0) {
 		snprintf(why, n, "%s", strerror(-rc));
@@ -292,6 +315,12 @@ static void *writer(void *arg)
 		}
 		unsigned n =
 			rte_ring_sc_dequeue_burst_elem(t->ring, recs, sizeof(recs[0]), BURST, NULL);
+		if (n && t->failing && __atomic_load_n(&t->stop, __ATOMIC_ACQUIRE)) {
+			/* Exiting, and the sink failed: what is left is dropped,
+			 * not tried a batch at a time (a socket's timeout each). */
+			__atomic_fetch_add(t->conf.dropped, n, __ATOMIC_RELAXED);
+			continue;
+		}
 		if (n) {
 			size_t len = 0;
 			for (unsigned k = 0; k < n; k++) {
