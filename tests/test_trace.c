@@ -340,6 +340,26 @@ Test(trace, a_held_writer_drops_exactly_the_excess_and_blocks_nothing)
 	kvs_close(c);
 }
 
+/* A sink that fails every write (/dev/full: ENOSPC): its lines are
+ * dropped and counted, said once in the log, and the rooms go on. */
+Test(trace, a_failing_sink_drops_and_counts_and_blocks_nothing)
+{
+	proxy_start(&pa, NULL,
+		    (const char *[]){ "--slots", "16", "--slot-size", "64K", "--trace-file",
+				      "/dev/full", NULL });
+	kvs_client *c = connect_ok(&pa);
+	local_room(c, 0x400);
+	local_room(c, 0x401);
+	sync_barrier(c);
+	stat_wait(&pa, "trace_dropped", 1, 2 * LOCAL_LINES);
+	cr_assert_eq(stat_get(&pa, "trace_dropped"), 2 * LOCAL_LINES);
+	cr_assert_eq(stat_get(&pa, "trace_written"), 0);
+	cr_assert_eq(stat_get(&pa, "rooms_done"), 2);
+	cr_assert_eq(proxy_log_count(&pa, "--trace-file /dev/full: No space left on device"), 1,
+		     "said once, however many lines it drops");
+	kvs_close(c);
+}
+
 /* ------------------------------------------------------ socket sinks */
 
 /* unix:PATH: a datagram socket gets a line a datagram, a stream one the
