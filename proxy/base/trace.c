@@ -244,7 +244,9 @@ static void sink_write(struct kvsp_trace *t, const size_t *ends, unsigned n)
 	if (rc < 0 && !t->failing)
 		LOG_WARN("--trace-file %s%s: %s; lines are dropped (trace_dropped) until it works "
 			 "again",
-			 t->sock ? "unix:" : "", t->path, strerror(-rc));
+			 t->sock ? "unix:" : "", t->path,
+			 rc == -EAGAIN && t->sock ? "its reader took nothing for 1 s"
+						  : strerror(-rc));
 	else if (rc == 0 && t->failing)
 		LOG_INFO("--trace-file %s%s: writing again", t->sock ? "unix:" : "", t->path);
 	t->failing = rc < 0;
