@@ -35,7 +35,8 @@ enum kvs_fp_action {
 	X(TCP_ZC_NOTIFY, "tcp.zc_notify") /* tcp: leave the kernel's zerocopy answers unread */  \
 	X(RDMA_READ, "rdma.read")	  /* rdma, receiving side: hold a READ into its slot */  \
 	X(PEER_ACCEPT,                                                                           \
-	  "peer.accept") /* close an accepted peer connection unread (match: its number) */
+	  "peer.accept") /* close an accepted peer connection unread (match: its number) */      \
+	X(TRACE_WRITE, "trace.write") /* the trace's writer takes nothing from its ring (pause) */
 
 #define KVS_FP_ONE_MORE(id, name) +1
 enum { KVS_FP_COUNT = 0 KVS_FAILPOINTS(KVS_FP_ONE_MORE) };

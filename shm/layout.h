@@ -119,6 +119,11 @@ struct kvs_stats {
 	/* appended: older readers stop at tcp_lowat_calls */
 	uint64_t tcp_zc_sends;	/* sendmsg with MSG_ZEROCOPY (--tcp-zerocopy) */
 	uint64_t tcp_zc_copied; /* ... of them, the kernel said it copied anyway (loopback, veth) */
+	/* appended: older readers stop at tcp_zc_copied. The lifecycle trace
+	 * (--trace-file): written by its writer thread, dropped by the loop
+	 * (its ring full) or the writer (the sink failed), a locked add each. */
+	uint64_t trace_written; /* lines written */
+	uint64_t trace_dropped; /* records dropped, never waited for */
 };
 
 /* The proxy is the counters' only writer, so a plain load and store (no

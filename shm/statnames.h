@@ -85,6 +85,8 @@ static const struct kvs_stat_name kvs_stat_names[] = {
 	KVS_STAT(tcp_lowat_calls),
 	KVS_STAT(tcp_zc_sends),
 	KVS_STAT(tcp_zc_copied),
+	KVS_STAT(trace_written),
+	KVS_STAT(trace_dropped),
 };
 
 /* Returns the counter's offset in struct kvs_stats, or -1. */

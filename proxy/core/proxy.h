@@ -27,6 +27,8 @@ struct kvsp_client;
 struct kvsp_metrics;
 struct kvsp_pending;
 struct kvsp_room;
+struct kvsp_room_trace;
+struct kvsp_trace;
 struct kvsp_transport;
 struct kvsp_xfer;
 
@@ -85,7 +87,9 @@ struct kvsp {
 	uint64_t spin_ns; /* the adaptive spin budget, from cfg.spin_ns up */
 	/* what the metrics thread reads besides the published counters */
 	struct kvsp_hist room_hist, chunk_hist;
-	struct kvsp_metrics *metrics; /* NULL: no --metrics-listen */
+	struct kvsp_metrics *metrics;	/* NULL: no --metrics-listen */
+	struct kvsp_trace *trace;	/* NULL: no --trace-file (base/trace.h) */
+	struct kvsp_room_trace *rtrace; /* per room, while tracing (core/roomtrace.c) */
 };
 
 #endif

@@ -138,6 +138,8 @@ void kvsp_rooms_fini(struct kvsp *p)
 {
 	free(p->rooms);
 	free(p->bits_arena);
+	free(p->rtrace);
+	p->rtrace = NULL;
 	p->rooms = NULL;
 	p->bits_arena = NULL;
 }
@@ -245,6 +247,8 @@ static void room_complete(struct kvsp *p, uint32_t i, uint8_t type)
 		note(p, i, KVSP_NOTE_DONE, 0);
 	}
 	post_final(p, &r->send.client, KVS_EV_SEND_DONE, 0, r->bytes, NONE, 0);
+	if (p->trace)
+		kvsp_rtrace_final(p, i, type, 0);
 	KVS_STAT_ADD(p->stats->rooms_done, 1);
 	kvsp_hist_add(&p->room_hist, p->now_ns - r->opened_ns);
 }
@@ -288,10 +292,15 @@ static void room_settle(struct kvsp *p, uint32_t i)
 			for (unsigned k = 0; k < r->recv.njoined; k++)
 				post_final(p, &r->recv.joined[k], r->final_type, r->status, 0, NONE,
 					   0);
+			if (p->trace)
+				kvsp_rtrace_final(p, i, r->final_type, r->status);
 		}
 	}
-	if (r->state == KVSP_ROOM_ENDED && !r->send.client.cid && !others_read(r, NULL))
+	if (r->state == KVSP_ROOM_ENDED && !r->send.client.cid && !others_read(r, NULL)) {
+		if (p->trace)
+			kvsp_rtrace_reaped(p, i);
 		room_free(p, i);
+	}
 }
 
 void kvsp_rooms_settle_marked(struct kvsp *p)
@@ -318,6 +327,8 @@ void kvsp_room_abort(struct kvsp *p, uint32_t i, int status, uint8_t type, bool 
 		KVS_STAT_ADD(p->stats->rooms_failed, 1);
 	else
 		KVS_STAT_ADD(p->stats->rooms_aborted, 1);
+	if (p->trace)
+		kvsp_rtrace_abort(p, i, status);
 	/* What the room holds is freed; what a transport still pins (sent
 	 * and not quiesced, posted and being written) becomes a tombstone. */
 	while (r->recv.placed_head != NONE) {
@@ -326,9 +337,11 @@ void kvsp_room_abort(struct kvsp *p, uint32_t i, int status, uint8_t type, bool 
 		kvsp_slot_kill(&p->slots, s);
 	}
 	for (uint32_t s = r->send.inflight_head; s != NONE; s = p->slots.priv[s].next)
-		kvsp_slot_kill(&p->slots, s);
+		if (kvsp_slot_kill(&p->slots, s) == KVS_SLOT_TOMBSTONE && p->trace)
+			kvsp_rtrace_tomb(p, i, KVSP_TR_SEND, p->slots.priv[s].chunk);
 	for (uint32_t s = r->recv.posted_head; s != NONE; s = p->slots.priv[s].next)
-		kvsp_slot_kill(&p->slots, s);
+		if (kvsp_slot_kill(&p->slots, s) == KVS_SLOT_TOMBSTONE && p->trace)
+			kvsp_rtrace_tomb(p, i, KVSP_TR_RECV, p->slots.priv[s].chunk);
 	/* Why, once (a timeout said so already); a client aborting at will
 	 * is held to the rate limit. */
 	if (status != -ETIMEDOUT)
@@ -433,6 +446,8 @@ int kvsp_room_open_recv(struct kvsp *p, struct kvsp_client *c, uint16_t h, uint6
 	r->recv.readers = (uint8_t)(readers ? readers : 1);
 	p->rooms_active++;
 	attach_handle(p, c, h, i, KVSP_RECV, user_data);
+	if (p->trace)
+		kvsp_rtrace_opened(p, i, KVSP_TR_RECV, NULL);
 
 	memset(d, 0, sizeof(*d));
 	d->magic = htole32(KVS_MAGIC_DESC);
@@ -487,6 +502,8 @@ static int open_send_far(struct kvsp *p, struct kvsp_client *c, uint16_t h,
 	}
 	p->rooms_active++;
 	attach_handle(p, c, h, i, KVSP_SEND, user_data);
+	if (p->trace)
+		kvsp_rtrace_opened(p, i, KVSP_TR_SEND, d);
 	*bytes = n;
 	return 0;
 }
@@ -545,6 +562,8 @@ int kvsp_room_open_send(struct kvsp *p, struct kvsp_client *c, uint16_t h,
 	if (r->send.client.cid || r->far)
 		return -EBUSY;
 	attach_handle(p, c, h, i, KVSP_SEND, user_data);
+	if (p->trace)
+		kvsp_rtrace_opened(p, i, KVSP_TR_SEND, NULL);
 	*bytes = r->bytes;
 	return 0;
 }

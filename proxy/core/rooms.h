@@ -9,6 +9,7 @@
  *          clients ask of a room.
  * xfer.c:  transfers and the transport API (xport.h): pins, quiescence,
  *          posting, the fence, what peers report.
+ * roomtrace.c: the lifecycle trace's points (design note 45).
  */
 #ifndef KVSP_ROOMS_H
 #define KVSP_ROOMS_H
@@ -16,6 +17,7 @@
 #include <stdbool.h>
 #include <stdint.h>
 
+#include "base/trace.h"
 #include "core/clients.h"
 #include "core/proxy.h"
 #include "kvstage.h"
@@ -43,6 +45,17 @@ struct kvsp_recv_half {
 struct kvsp_send_half {
 	struct kvsp_side client;
 	uint32_t inflight, inflight_head; /* slots pinned for the transport */
+};
+
+/* What the trace keeps of a room (core/roomtrace.c), beside it in p->rtrace,
+ * allocated only while tracing: the room itself stays as the chunk path
+ * had it. */
+struct kvsp_room_trace {
+	uint64_t instance;     /* the room's key: the receiving proxy's instance, */
+	uint32_t room, gen;    /* ... its room index and generation there */
+	uint32_t queued, sent; /* chunks given to the transport, and done with by it */
+	uint8_t sides;	       /* 1 << KVSP_TR_RECV, _SEND: the halves that said room_opened */
+	bool flight;	       /* a chunk failed in flight: the abort fences it */
 };
 
 /* Where the half this proxy does not hold lives. */
@@ -179,5 +192,39 @@ static inline void kvsp_rooms_settle(struct kvsp *p)
 void kvsp_xfer_send(struct kvsp *p, uint32_t owner, uint32_t i, const struct kvs_lease *l,
 		    uint32_t chunk);
 bool kvsp_token_eq(const uint8_t a[16], const uint8_t b[16]);
+
+/*
+ * roomtrace.c: the trace's points in a room's life (base/trace.h does the
+ * rest). Each is called behind `if (p->trace)`, so tracing off costs the
+ * chunk path one well-predicted branch on a pointer at each point, and
+ * nothing here runs. Lines name a room by its key (the receiving proxy's
+ * instance, room index and generation: what the engine's own trace names
+ * from the descriptor), never by its token.
+ */
+/* A half of room i is here (side: KVSP_TR_RECV or _SEND); d: the
+ * descriptor a far send half was opened with (its key), else NULL. */
+/* Traces rooms into t from now (p->trace). Returns 0, or -ENOMEM. */
+int kvsp_rtrace_attach(struct kvsp *p, struct kvsp_trace *t);
+void kvsp_rtrace_opened(struct kvsp *p, uint32_t i, uint8_t side, const struct kvs_desc_wire *d);
+/* The sending half gave chunk to a transport (its first and last get a line). */
+void kvsp_rtrace_queued(struct kvsp *p, uint32_t i, uint32_t chunk);
+/* The transport is done with chunk, sent (its room's last gets a line). */
+void kvsp_rtrace_sent(struct kvsp *p, uint32_t i, uint32_t chunk);
+/* Chunk landed in the receiving half (its first and last get a line). */
+void kvsp_rtrace_landed(struct kvsp *p, uint32_t i, uint32_t chunk);
+/* Both at once: a local hand-off. */
+void kvsp_rtrace_handed(struct kvsp *p, uint32_t i, uint32_t chunk);
+/* Queued, sent and landed at once: a chunk landed at its submit (the local hand-off). */
+void kvsp_rtrace_submitted(struct kvsp *p, uint32_t i, uint32_t chunk);
+/* A chunk of room i failed in flight: the abort that follows fences it. */
+void kvsp_rtrace_flight(struct kvsp *p, uint32_t i);
+/* Room i leaves OPEN (abort, failure, lost peer): fenced if anything was in flight here. */
+void kvsp_rtrace_abort(struct kvsp *p, uint32_t i, int status);
+/* A slot of room i's side, holding chunk, became a tombstone. */
+void kvsp_rtrace_tomb(struct kvsp *p, uint32_t i, uint8_t side, uint32_t chunk);
+/* Room i's finals were posted: type KVS_EV_* (RECV_DONE: the send side's is SEND_DONE). */
+void kvsp_rtrace_final(struct kvsp *p, uint32_t i, uint8_t type, int status);
+/* Room i is freed: nothing of it is held any more. */
+void kvsp_rtrace_reaped(struct kvsp *p, uint32_t i);
 
 #endif

@@ -95,17 +95,20 @@ static void land_at_submit(struct kvsp *p, uint32_t owner, uint32_t i, const str
 	claim(r, chunk);
 	kvsp_slot_unpin(&p->slots, l->slot);
 	land(p, i, l->slot, chunk, (uint32_t)kvsp_chunk_len(p, r, chunk), p->now_ns);
+	/* The chunk's one trace point, last: queued, sent and landed at once. */
+	if (__builtin_expect(p->trace != NULL, 0))
+		kvsp_rtrace_submitted(p, i, chunk);
 }
 
-void kvsp_xfer_send(struct kvsp *p, uint32_t owner, uint32_t i, const struct kvs_lease *l,
-		    uint32_t chunk)
+/* The general path: a transfer record, and the chunk given to the
+ * transport. Apart, so that the hand-off's path is compiled for itself. */
+static __attribute__((noinline)) void xfer_submit(struct kvsp *p, uint32_t owner, uint32_t i,
+						  const struct kvs_lease *l, uint32_t chunk)
 {
 	struct kvsp_room *r = &p->rooms[i];
 	struct kvsp_transport *t = r->xport;
-	if (t->lands_at_submit && r->recv.client.cid) {
-		land_at_submit(p, owner, i, l, chunk);
-		return;
-	}
+	if (p->trace)
+		kvsp_rtrace_queued(p, i, chunk);
 	kvsp_slot_pin(&p->slots, owner, l);
 	slot_to_room(p, l->slot, i, chunk, &r->send.inflight_head);
 	r->send.inflight++;
@@ -125,6 +128,16 @@ void kvsp_xfer_send(struct kvsp *p, uint32_t owner, uint32_t i, const struct kvs
 	int rc = t->ops->submit(t, x);
 	if (rc < 0)
 		kvsp_xfer_quiesced(p, x, rc); /* refused before touching: fail the room */
+}
+
+void kvsp_xfer_send(struct kvsp *p, uint32_t owner, uint32_t i, const struct kvs_lease *l,
+		    uint32_t chunk)
+{
+	const struct kvsp_room *r = &p->rooms[i];
+	if (r->xport->lands_at_submit && r->recv.client.cid)
+		land_at_submit(p, owner, i, l, chunk);
+	else
+		xfer_submit(p, owner, i, l, chunk);
 }
 
 /* The sending phase, common to both ends of a send: the transport is done
@@ -149,7 +162,7 @@ void kvsp_xfer_quiesced(struct kvsp *p, struct kvsp_xfer *x, int status)
 {
 	if (x->dir != KVSP_XFER_SEND)
 		return;
-	uint32_t i = x->room, slot = x->slot, len = x->len;
+	uint32_t i = x->room, slot = x->slot, len = x->len, x_chunk = x->chunk;
 	uint64_t sent_ns = x->sent_ns;
 	struct kvsp_room *r = &p->rooms[i];
 	if (send_quiesce(p, x) == KVS_SLOT_INFLIGHT)
@@ -157,10 +170,14 @@ void kvsp_xfer_quiesced(struct kvsp *p, struct kvsp_xfer *x, int status)
 		 * will; either way the slot is done with. */
 		kvsp_slot_kill(&p->slots, slot);
 	if (status) {
+		if (p->trace)
+			kvsp_rtrace_flight(p, i);
 		kvsp_room_abort(p, i, status, KVS_EV_FAILED, false);
 	} else if (r->state == KVSP_ROOM_OPEN && r->far) { /* local rooms count their landings */
 		count_moved(p, len);
 		kvsp_hist_add(&p->chunk_hist, p->now_ns - sent_ns);
+		if (p->trace)
+			kvsp_rtrace_sent(p, i, x_chunk);
 	}
 }
 
@@ -180,9 +197,13 @@ void kvsp_xfer_handoff(struct kvsp *p, struct kvsp_xfer *x, int status)
 		     r->gen == gen && r->state == KVSP_ROOM_OPEN && r->recv.client.cid;
 	if (lands) {
 		land(p, i, slot, chunk, len, sent_ns);
+		if (p->trace)
+			kvsp_rtrace_handed(p, i, chunk);
 	} else if (st == KVS_SLOT_INFLIGHT) {
 		/* Not tombstoned, yet not landing: the transport failed it. */
 		kvsp_slot_kill(&p->slots, slot);
+		if (p->trace)
+			kvsp_rtrace_flight(p, i);
 		kvsp_room_abort(p, i, status ? status : -EIO, KVS_EV_FAILED, false);
 	} else {
 		KVS_STAT_ADD(p->stats->chunks_discarded, 1); /* a tombstone, reaped */
@@ -305,6 +326,8 @@ int kvsp_chunk_land(struct kvsp *p, struct kvsp_xfer *x)
 	    r->state == KVSP_ROOM_OPEN) {
 		kvsp_slot_fill(&p->slots, slot);
 		placed(p, i, slot, chunk, len);
+		if (p->trace)
+			kvsp_rtrace_landed(p, i, chunk);
 		return 0;
 	}
 	if (st == KVS_SLOT_RECV_POSTED)
@@ -321,6 +344,8 @@ void kvsp_chunk_discard(struct kvsp *p, struct kvsp_xfer *x, int status)
 	if (recv_quiesce(p, x) == KVS_SLOT_RECV_POSTED)
 		kvsp_slot_kill(&p->slots, slot);
 	KVS_STAT_ADD(p->stats->chunks_discarded, 1);
+	if (p->trace)
+		kvsp_rtrace_flight(p, i);
 	kvsp_room_abort(p, i, status ? status : -EIO, KVS_EV_FAILED, false);
 }
 

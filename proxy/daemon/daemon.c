@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include "core/proxy.h"
+#include "core/rooms.h"
 #include "host/loop.h"
 #include "core/xport.h"
 #include "daemon/config_file.h"
@@ -20,6 +21,7 @@
 #include "daemon/metrics.h"
 #include "datapath/datapath.h"
 #include "base/notify.h"
+#include "base/trace.h"
 #include "kvs_build.h"
 #include "kvstage.h"
 #include "parse.h"
@@ -126,6 +128,15 @@ static void usage(FILE *f)
 		"      --metrics-listen [HOST:]PORT  serve Prometheus metrics over HTTP at\n"
 		"                           GET /metrics (HOST numeric; default 127.0.0.1;\n"
 		"                           port 0: any free one, logged); default: off\n"
+		"      --trace-file PATH    write each room's lifecycle (opened, chunks queued,\n"
+		"                           sent, landed, final, fenced, tombstones, reaped) as\n"
+		"                           JSON lines to PATH (appended), or to a unix socket:\n"
+		"                           unix:PATH (stream or datagram); default: off.\n"
+		"                           Lines name rooms by their key, never their token\n"
+		"      --trace-buffer N     records the trace buffers while its writer is\n"
+		"                           behind, 16 to 16777216 (default 16384); past that\n"
+		"                           they are dropped and counted (trace_dropped), and\n"
+		"                           the loop never waits\n"
 		"      --failpoints         accept failpoint control from kvstage-ctl (tests)\n"
 		"      --ready-fd FD        write \"ready\\n\" to FD once serving, then close it\n"
 		"                           (0, 1 and 2 are written to but kept open)\n"
@@ -216,6 +227,8 @@ enum {
 	O_KEYS,
 	O_METRICS,
 	O_TRANSPORT,
+	O_TRACE,
+	O_TRACE_BUF,
 };
 
 /* The --config FILE argument, if any, before anything is parsed: the
@@ -275,6 +288,8 @@ int kvsp_daemon_main(int argc, char **argv, const struct kvsp_daemon_hooks *hook
 		{ "rdma-gid-index", required_argument, NULL, O_GIDX },
 		{ "rdma-keys", required_argument, NULL, O_KEYS },
 		{ "metrics-listen", required_argument, NULL, O_METRICS },
+		{ "trace-file", required_argument, NULL, O_TRACE },
+		{ "trace-buffer", required_argument, NULL, O_TRACE_BUF },
 		{ "ready-fd", required_argument, NULL, O_READY },
 		{ "log-level", required_argument, NULL, 'l' },
 		{ "help", no_argument, NULL, 'h' },
@@ -303,7 +318,8 @@ int kvsp_daemon_main(int argc, char **argv, const struct kvsp_daemon_hooks *hook
 					      .peer_timeout_ns = 10000ull * 1000000,
 					      .rdma_gid_index = -1,
 					      .datapaths = kvsp_datapaths };
-	const char *secret_path = NULL, *conf_path, *metrics_listen = NULL;
+	const char *secret_path = NULL, *conf_path, *metrics_listen = NULL, *trace_file = NULL;
+	uint32_t trace_buffer = 16384;
 	int ready_fd = -1, opt;
 	uint64_t v;
 
@@ -519,6 +535,17 @@ int kvsp_daemon_main(int argc, char **argv, const struct kvsp_daemon_hooks *hook
 			metrics_listen = optarg;
 			break;
 		}
+		case O_TRACE:
+			if (!*optarg)
+				return bad("--trace-file", optarg, "want a path, or unix:PATH");
+			trace_file = optarg;
+			break;
+		case O_TRACE_BUF:
+			if (kvs_parse_uint(optarg, 1u << 24, &v) || v < 16)
+				return bad("--trace-buffer", optarg,
+					   "want records, 16 to 16777216");
+			trace_buffer = (uint32_t)v;
+			break;
 		case O_READY:
 			if (kvs_parse_uint(optarg, INT_MAX, &v) || fcntl((int)v, F_GETFD) < 0)
 				return bad("--ready-fd", optarg, "not an open file descriptor");
@@ -612,6 +639,17 @@ int kvsp_daemon_main(int argc, char **argv, const struct kvsp_daemon_hooks *hook
 		return 2;
 	}
 
+	/* The trace's sink is opened before anything is set up: a path we
+	 * cannot write is said at once, and nothing starts. */
+	struct kvsp_trace *trace = NULL;
+	if (trace_file) {
+		trace = kvsp_trace_open(trace_file, trace_buffer, why, sizeof(why));
+		if (!trace) {
+			fprintf(stderr, "kvstaged: --trace-file %s: %s\n", trace_file, why);
+			return 1;
+		}
+	}
+
 	cfg.xports[cfg.nxports++] = (struct kvsp_xport_conf){ &kvsp_local_kind, NULL };
 	if (peer.secret)
 		cfg.xports[cfg.nxports++] = (struct kvsp_xport_conf){ &kvsp_peer_kind, &peer };
@@ -623,6 +661,20 @@ int kvsp_daemon_main(int argc, char **argv, const struct kvsp_daemon_hooks *hook
 	int rc = kvsp_init(&p, &cfg);
 	if (rc == 0 && hooks && hooks->started)
 		hooks->started(&p);
+	if (rc == 0 && trace) {
+		struct kvsp_trace_conf tc = { .instance = p.instance,
+					      .written = &p.stats->trace_written,
+					      .dropped = &p.stats->trace_dropped,
+					      .wake_fd = -1 };
+		if (cfg.failpoints) { /* inert otherwise (invariant 8) */
+			tc.hold = &p.fp[KVSP_FP_TRACE_WRITE].action;
+			tc.hits = &p.fp[KVSP_FP_TRACE_WRITE].hits;
+			tc.wake_fd = p.wake_fd;
+		}
+		rc = kvsp_rtrace_attach(&p, trace);
+		if (rc == 0)
+			rc = kvsp_trace_start(trace, &tc);
+	}
 	if (rc == 0 && metrics_listen)
 		rc = kvsp_metrics_start(&p, metrics_listen); /* last: it reads everything above */
 	if (rc == 0)
@@ -630,6 +682,8 @@ int kvsp_daemon_main(int argc, char **argv, const struct kvsp_daemon_hooks *hook
 	if (rc < 0) {
 		LOG_ERR("cannot start: %s", strerror(-rc));
 		kvsp_metrics_stop(&p);
+		kvsp_trace_close(trace); /* before its counters go with the control segment */
+		p.trace = NULL;
 		kvsp_fini(&p);
 		return 1;
 	}
@@ -647,6 +701,11 @@ int kvsp_daemon_main(int argc, char **argv, const struct kvsp_daemon_hooks *hook
 			close(ready_fd);
 	}
 	rc = kvsp_run(&p);
+	/* What the loop queued is written before we go; what the fini below
+	 * would trace (rooms of clients still connected) is not: the trace's
+	 * counters live in the control segment that it unmaps. */
+	kvsp_trace_close(p.trace);
+	p.trace = NULL;
 	if (rc != 0)
 		return rc;     /* forced: leave memory a transport may touch mapped */
 	kvsp_metrics_stop(&p); /* first: it reads what the rest frees */

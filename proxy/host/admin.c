@@ -14,6 +14,7 @@
 
 #include "base/log.h"
 #include "base/loop_fd.h"
+#include "base/trace.h"
 #include "core/proxy.h"
 #include "core/xport.h"
 #include "host/loop.h"
@@ -136,6 +137,8 @@ static void on_admin(struct kvsp *p, struct kvsp_admin *a)
 		fp->match_set = q.match_set != 0;
 		fp->mask = q.mask ? q.mask : UINT64_MAX;
 		fp->match = q.match & fp->mask;
+		if (id == KVSP_FP_TRACE_WRITE && p->trace)
+			kvsp_trace_kick(p->trace); /* another thread holds there: it looks again */
 		LOG_INFO("failpoint %s: %s", q.name,
 			 q.action == KVS_FP_OFF	    ? "off"
 			 : q.action == KVS_FP_PAUSE ? "pause"

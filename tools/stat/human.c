@@ -60,6 +60,7 @@ void print_human(const struct kvs_ctrl *c, size_t len, const char *path, int slo
 	       S(rdma_sessions), S(rdma_reads), S(rdma_bytes_rx), S(rdma_binds),
 	       S(rdma_invalidates), S(rdma_regions), S(rdma_region_frees), S(rdma_reads_refused),
 	       S(rdma_links_lost));
+	printf("trace     written %llu  dropped %llu\n", S(trace_written), S(trace_dropped));
 	if (r && r->have)
 		printf("rates     rooms/s %.1f  aborts/s %.1f  failures/s %.1f  chunks/s %.0f  "
 		       "GB/s %.3f"

@@ -107,7 +107,8 @@ void print_json(const struct kvs_ctrl *c, size_t len, const char *path, int slot
 		else
 			printf("null}");
 	}
-	printf("]");
+	printf("],\"trace\":{\"written\":%llu,\"dropped\":%llu}", S(trace_written),
+	       S(trace_dropped));
 	/* The clients, by id; with --watch each has its rates (null on the
 	 * first sample that has it). */
 	if (tb->published) {
