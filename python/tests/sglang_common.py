@@ -1,4 +1,5 @@
 """Shared by the SGLang backend tests: the torch gate, a bigger proxy, and the pool-is-free check."""
+import contextlib
 import json
 import shutil
 import subprocess
@@ -126,9 +127,10 @@ def sender_done(s):
     assert s.kv_mgr.wait_until(lambda: s.poll() == KVPoll.Success, 10), s
 
 
-@pytest.fixture
-def two_proxies():
-    """Proxies A and B with one peer secret, B listening on 127.0.0.1, both with the default --peer-timeout."""
+@contextlib.contextmanager
+def proxy_pair(a_args=(), b_args=()):
+    """Proxies A and B with one peer secret, B listening on 127.0.0.1, both with the default --peer-timeout
+    (a_args, b_args: more options each); at the end both are stopped and must exit 0."""
     import os
     import tempfile
     d = tempfile.mkdtemp(prefix="kvs-secret-")
@@ -140,8 +142,8 @@ def two_proxies():
     pa = pb = None
     rcs = []
     try:
-        pa = Proxy(args)
-        pb = Proxy(args + ["--listen", "127.0.0.1:0"])
+        pa = Proxy(args + list(a_args))
+        pb = Proxy(args + ["--listen", "127.0.0.1:0"] + list(b_args))
         yield pa, pb
     finally:
         for px in (pa, pb):
@@ -150,3 +152,10 @@ def two_proxies():
                 shutil.rmtree(px.dir, ignore_errors=True)
         shutil.rmtree(d, ignore_errors=True)
     assert rcs == [0, 0], f"kvstaged exited with status {rcs} at SIGTERM"
+
+
+@pytest.fixture
+def two_proxies():
+    """proxy_pair()'s A and B."""
+    with proxy_pair() as pair:
+        yield pair

@@ -196,6 +196,9 @@ EXPECT = {
 NEVER = {None: {"abort", "transfer_failed"}, "prefix": {"abort", "transfer_failed"},
          "p-abort-staging": {"copy_in_done", "room_open"},
          "d-timeout": {"transfer_completed"}, "never-decoded": {"room_open"}, "d-abort-waiting": {"room_open"}}
+# each proxy's lines of a room that completed (kvstaged --trace-file; design note 45)
+PROXY_SEND = ["room_opened", "chunk_queued", "chunk_sent", "room_final", "room_reaped"]
+PROXY_RECV = ["room_opened", "chunk_landed", "room_final", "room_reaped"]
 ONCE = ("abort_to_final", "abort_to_reusable", "transfer_completed", "transfer_failed", "copy_in_done")
 
 
@@ -206,30 +209,36 @@ def _in_order(events, want):
 
 
 @NEED_TORCH
-def test_vllm_requests_followed_across_two_proxies(two_proxies, tmp_path):
+def test_vllm_requests_followed_across_two_proxies(tmp_path):
     """test_vllm_engines.py's 40 requests and plans (aborts from either side at every phase, a load timeout, stage
     expiry), the prefill engine on proxy A and the decode engine on proxy B (tcp, the default --peer-timeout),
-    lifecycle events on at rate 1 into a file per process: every request's events are there, in order, on both
-    sides; the decode side's room is the one the prefill side sent into; ids only hashed; kvstage-trace joins
-    them and prints a timeline and the stages' summary."""
+    lifecycle events on at rate 1 into a file per process, and each proxy's --trace-file: every request's events
+    are there, in order, on both sides; the decode side's room is the one the prefill side sent into, and the
+    one both proxies' lines name; ids only hashed; kvstage-trace joins them all and prints a timeline and the
+    stages' summary."""
     import test_vllm_engines as T
-    pa, pb = two_proxies
+    from sglang_common import proxy_pair
     pattern = str(tmp_path / "trace-{pid}.jsonl")
-    run = T.drive(pa.socket, pb.socket, extra={lc.SAMPLE_RATE_KEY: 1.0, "kvstage_trace": pattern})
-    T.check(run)
+    pfiles = [str(tmp_path / "proxy-a.jsonl"), str(tmp_path / "proxy-b.jsonl")]
+    with proxy_pair(["--trace-file", pfiles[0]], ["--trace-file", pfiles[1]]) as (pa, pb):
+        run = T.drive(pa.socket, pb.socket, extra={lc.SAMPLE_RATE_KEY: 1.0, "kvstage_trace": pattern})
+        T.check(run)
+    # the proxies stopped: their writers wrote every line
     files = sorted(str(tmp_path / f) for f in os.listdir(tmp_path) if f.startswith("trace-"))
     assert len(files) == 2, files  # one per engine process (scheduler and worker append to the same file)
-    raw = "".join(open(f).read() for f in files)
+    raw = "".join(open(f).read() for f in files + pfiles)
     errors = collections.Counter()
-    recs = timeline.read_records(files, errors)
+    recs = timeline.read_records(files + pfiles, errors)
     assert not errors, errors
     for r in recs:
+        if r["schema"] == timeline.PROXY_SCHEMA:
+            continue
         assert set(r) - {"_file"} <= ENGINE_FIELDS, r
         for k in ("request_id_hash", "request_group_id_hash", "remote_request_id_hash"):
             assert k not in r or (len(r[k]) == 16 and int(r[k], 16) >= 0), r
     for k in range(T.N):
         assert f'"p{k}"' not in raw and f'"d{k}"' not in raw
-    transfers, _ = timeline.join(recs)
+    transfers, unjoined = timeline.join(recs)
     h = lc.hash_request_id
     problems = []
     for k, plan in run["plans"].items():
@@ -237,9 +246,14 @@ def test_vllm_requests_followed_across_two_proxies(two_proxies, tmp_path):
         if t is None:
             problems.append(f"request {k} ({plan}): no events")
             continue
-        by_side = {"producer": [], "consumer": []}
+        by_side = {"producer": [], "consumer": [], "send": [], "recv": []}
         for r in sorted(t.records, key=lambda r: r["monotonic_ns"]):  # one host: one clock
-            by_side[r["role"]].append(r)
+            by_side[t.side(r)].append(r)
+        if plan in (None, "prefix", "d-after"):  # each proxy's side of the room, by its key
+            for side, want, f in (("send", PROXY_SEND, pfiles[0]), ("recv", PROXY_RECV, pfiles[1])):
+                got = [r["event"] for r in by_side[side]]
+                if not _in_order(got, want) or {r["_file"] for r in by_side[side]} != {f}:
+                    problems.append(f"request {k} ({plan}) proxy {side}: {got}, wanted in order {want}")
         for side, chains in EXPECT[plan].items():
             got = [r["event"] for r in by_side[side]]
             for want in chains:
@@ -260,7 +274,7 @@ def test_vllm_requests_followed_across_two_proxies(two_proxies, tmp_path):
             elif dr[0]["monotonic_ns"] > next(r for r in by_side["producer"] if r["event"] == "room_open")[
                     "monotonic_ns"]:
                 problems.append(f"request {k}: the prefill side sent into the room before the decode side opened it")
-            finals = {(r["role"], r["final"]) for r in t.records if r["event"] == "room_final"}
+            finals = {(r["role"], r["final"]) for r in t.records if r["event"] == "room_final" and "role" in r}
             if finals != {("producer", "send_done"), ("consumer", "recv_done")}:
                 problems.append(f"request {k} ({plan}): finals {finals}")
         if plan == "d-mid":
@@ -282,13 +296,14 @@ def test_vllm_requests_followed_across_two_proxies(two_proxies, tmp_path):
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        assert timeline.main(["--request", "d0", *files]) == 0
+        assert timeline.main(["--request", "d0", *files, *pfiles]) == 0
     text = out.getvalue()
     assert text.startswith(f"transfer {h('p0')}: completed") and "where the time went" in text, text
     assert "decode: copy out of slots" in text and "end to end" in text, text
+    assert "chunk_landed" in text and "proxies: first chunk queued until last landed" in text, text
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        assert timeline.main(["--summary", *files]) == 0
+        assert timeline.main(["--summary", *files, *pfiles]) == 0
     text = out.getvalue()
     assert f"every transfer: {T.N} (" in text and "consumer: abort to reusable" in text, text
     assert math.isfinite(float(text.split("end to end")[1].split()[1])), text
@@ -373,7 +388,7 @@ def test_sglang_requests_followed_across_two_proxies(two_proxies, tmp_path, monk
         if len(keys) != 1:
             problems.append(f"room {room}: room keys {keys}")
         if room in (500, 501):
-            finals = {(r["role"], r["final"]) for r in t.records if r["event"] == "room_final"}
+            finals = {(r["role"], r["final"]) for r in t.records if r["event"] == "room_final" and "role" in r}
             if finals != {("producer", "send_done"), ("consumer", "recv_done")}:
                 problems.append(f"room {room}: finals {finals}")
     assert not problems, "\n".join(problems)
