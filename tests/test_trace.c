@@ -150,6 +150,16 @@ static void key_of(const struct kvs_room_desc *d, char *key, size_t n)
 }
 
 /* Neither the token's bytes nor its hex are anywhere in file. */
+/* A's file (fa) holds the send side's lines of the room d names, send[] in
+ * order, B's (fb) the receive side's, recv[]; both read into la and lb. */
+static void expect_both(const struct kvs_room_desc *d, char *key, size_t keylen, struct line *la,
+			struct line *lb, const char *const *send, const char *const *recv)
+{
+	key_of(d, key, keylen);
+	expect(la, read_lines(fa, la), send, "send", key, pa.ctrl->instance, fa);
+	expect(lb, read_lines(fb, lb), recv, "recv", key, pb.ctrl->instance, fb);
+}
+
 static void no_token(const struct kvs_room_desc *d, const char *file)
 {
 	const struct kvs_desc_wire *w = (const void *)d->bytes;
@@ -198,17 +208,12 @@ Test(trace, one_room_is_followed_across_both_proxies_by_its_key)
 	cr_assert_eq(stat_get(&pb, "trace_dropped"), 0);
 
 	char key[48];
-	key_of(&x.d, key, sizeof(key));
 	static struct line la[MAX_LINES], lb[MAX_LINES];
-	unsigned na = read_lines(fa, la), nb = read_lines(fb, lb);
-	expect(la, na,
-	       (const char *[]){ "room_opened", "chunk_queued", "chunk_queued", "chunk_sent",
-				 "room_final", "room_reaped", NULL },
-	       "send", key, pa.ctrl->instance, fa);
-	expect(lb, nb,
-	       (const char *[]){ "room_opened", "chunk_landed", "chunk_landed", "room_final",
-				 "room_reaped", NULL },
-	       "recv", key, pb.ctrl->instance, fb);
+	expect_both(&x.d, key, sizeof(key), la, lb,
+		    (const char *[]){ "room_opened", "chunk_queued", "chunk_queued", "chunk_sent",
+				      "room_final", "room_reaped", NULL },
+		    (const char *[]){ "room_opened", "chunk_landed", "chunk_landed", "room_final",
+				      "room_reaped", NULL });
 	/* The key is the receiving proxy's room: its instance leads it. */
 	char inst[24];
 	snprintf(inst, sizeof(inst), "%016llx.", (unsigned long long)pb.ctrl->instance);
@@ -259,17 +264,12 @@ Test(trace, an_abort_mid_room_fences_both_sides)
 	stat_wait(&pb, "trace_written", 1, 5);
 
 	char key[48];
-	key_of(&x.d, key, sizeof(key));
 	static struct line la[MAX_LINES], lb[MAX_LINES];
-	unsigned na = read_lines(fa, la), nb = read_lines(fb, lb);
-	expect(la, na,
-	       (const char *[]){ "room_opened", "chunk_queued", "room_fenced", "slot_tombstoned",
-				 "room_final", "room_reaped", NULL },
-	       "send", key, pa.ctrl->instance, fa);
-	expect(lb, nb,
-	       (const char *[]){ "room_opened", "room_fenced", "slot_tombstoned", "room_final",
-				 "room_reaped", NULL },
-	       "recv", key, pb.ctrl->instance, fb);
+	expect_both(&x.d, key, sizeof(key), la, lb,
+		    (const char *[]){ "room_opened", "chunk_queued", "room_fenced",
+				      "slot_tombstoned", "room_final", "room_reaped", NULL },
+		    (const char *[]){ "room_opened", "room_fenced", "slot_tombstoned", "room_final",
+				      "room_reaped", NULL });
 	cr_assert_eq(la[3].chunk, 0);
 	cr_assert_eq(lb[2].chunk, 0);
 	cr_assert_str_eq(la[4].final, "aborted");
