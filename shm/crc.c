@@ -2,10 +2,10 @@
 /*
  * libkvstage: CRC32C (Castagnoli, reflected polynomial 0x82F63B78), the
  * checksum an engine's copy into slots computes and its peer checks before it
- * copies out. The same function as the proxy's chunk CRC (DPDK's
- * rte_hash_crc: SSE4.2's crc32 instruction, 8 bytes a step), written here
- * against the instruction itself: DPDK's header needs librte_eal (its CPU
- * flag query), which a client library does not link.
+ * copies out, and the proxy's chunk CRC on the tcp path. DPDK's rte_hash_crc
+ * computes the same with the same instruction, but its header needs
+ * librte_eal (its CPU flag query), which a client library does not link, and
+ * it runs one chain of it; this runs three.
  *
  * Standard form: start from ~0, end inverted, so kvs_crc32c(b, m,
  * kvs_crc32c(a, n, 0)) is the CRC of a then b.
