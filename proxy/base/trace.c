@@ -25,6 +25,7 @@
 #include <rte_ring.h>
 #include <rte_ring_elem.h>
 
+#include "base/clock.h"
 #include "base/log.h"
 #include "kvstage.h"
 
@@ -48,6 +49,7 @@ struct kvsp_trace {
 	bool parked;	   /* the writer stopped at the hold (its thread's own) */
 	uint32_t sleeping; /* the writer waits on this futex word; the loop wakes it */
 	uint32_t stop;
+	bool pushed; /* the loop's: records queued since its last flush */
 	char buf[BURST * TRACE_LINE_MAX];
 };
 
@@ -205,13 +207,6 @@ static int write_all(struct kvsp_trace *t, const char *buf, size_t len)
 	return 0;
 }
 
-static uint64_t mono_ns(void)
-{
-	struct timespec ts;
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
-}
-
 /* Writes n lines (ends[i]: where line i ends in t->buf). Counts them as
  * written, or, those the sink did not take, as dropped. */
 static void sink_write(struct kvsp_trace *t, const size_t *ends, unsigned n)
@@ -219,7 +214,7 @@ static void sink_write(struct kvsp_trace *t, const size_t *ends, unsigned n)
 	unsigned done = 0;
 	int rc = 0;
 	if (t->sock && t->fd < 0) {
-		uint64_t now = mono_ns();
+		uint64_t now = kvsp_now_ns();
 		rc = -ENOTCONN;
 		if (now >= t->retry_ns) { /* a lost socket: dialed again, not at every line */
 			t->retry_ns = now + RETRY_NS;
@@ -253,7 +248,7 @@ static void sink_write(struct kvsp_trace *t, const size_t *ends, unsigned n)
 	if (rc < 0 && t->sock && t->fd >= 0) {
 		close(t->fd);
 		t->fd = -1;
-		t->retry_ns = mono_ns() + RETRY_NS;
+		t->retry_ns = kvsp_now_ns() + RETRY_NS;
 	}
 }
 
@@ -361,13 +356,21 @@ void kvsp_trace_push(struct kvsp_trace *t, struct kvsp_trace_rec *rec)
 	struct timespec ts;
 	clock_gettime(CLOCK_REALTIME, &ts);
 	rec->wall_ns = (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
-	rec->mono_ns = mono_ns();
+	rec->mono_ns = kvsp_now_ns();
 	if (rte_ring_sp_enqueue_elem(t->ring, rec, sizeof(*rec)) < 0) {
 		/* Full: the writer is behind (or held). Never wait for it. */
 		__atomic_fetch_add(t->conf.dropped, 1, __ATOMIC_RELAXED);
 		return;
 	}
-	/* Pairs with writer_sleep: either it sees the record, or we see it asleep. */
+	t->pushed = true;
+}
+
+void kvsp_trace_flush(struct kvsp_trace *t)
+{
+	if (!t->pushed)
+		return;
+	t->pushed = false;
+	/* Pairs with writer_sleep: either it sees the records, or we see it asleep. */
 	__atomic_thread_fence(__ATOMIC_SEQ_CST);
 	if (__atomic_load_n(&t->sleeping, __ATOMIC_RELAXED) &&
 	    __atomic_exchange_n(&t->sleeping, 0, __ATOMIC_RELAXED))

@@ -73,8 +73,13 @@ struct kvsp_trace_conf {
 struct kvsp_trace *kvsp_trace_open(const char *where, uint32_t records, char *why, size_t n);
 /* Starts the writer thread. Returns 0, or -errno. */
 int kvsp_trace_start(struct kvsp_trace *t, const struct kvsp_trace_conf *conf);
-/* The loop's only call: stamps rec and queues it, or drops and counts it. */
+/* Stamps rec and queues it, or drops and counts it; never a syscall (the
+ * writer is woken by kvsp_trace_flush). */
 void kvsp_trace_push(struct kvsp_trace *t, struct kvsp_trace_rec *rec);
+/* Wakes the writer if records were queued since the last call and it
+ * sleeps: the loop calls it once a pass, so a busy pass costs one wakeup at
+ * most, not one a record. */
+void kvsp_trace_flush(struct kvsp_trace *t);
 /* The hold may have changed: the writer looks again. */
 void kvsp_trace_kick(struct kvsp_trace *t);
 /* Lets the writer write everything queued (a hold no longer holds), stops

@@ -24,6 +24,7 @@
 #include "base/log.h"
 #include "base/loop_fd.h"
 #include "base/notify.h"
+#include "base/trace.h"
 #include "core/proxy.h"
 #include "core/clients.h"
 #include "core/ops.h"
@@ -320,6 +321,8 @@ static uint64_t tick(struct kvsp *p)
 
 static void sleep_until_work(struct kvsp *p, uint64_t deadline)
 {
+	if (p->trace)
+		kvsp_trace_flush(p->trace); /* what the tick traced is not left for our wakeup */
 	__atomic_store_n(&p->ctrl->sleeping, 1, __ATOMIC_RELAXED);
 	/* Pairs with the client's fence between its enqueue and reading
 	 * `sleeping`: either it sees 1 and kicks, or we see its record. */
@@ -417,6 +420,8 @@ int kvsp_run(struct kvsp *p)
 			deadline = tick(p);
 		}
 		kvsp_kicks_flush(p);
+		if (p->trace)
+			kvsp_trace_flush(p->trace); /* what this pass traced, one wakeup */
 		if (p->term != p->terms_seen || p->draining)
 			if (shutdown_step(p, &exit_code))
 				return exit_code;
