@@ -32,24 +32,56 @@ static uint32_t table[8][256]; /* slicing by 8, when the CPU has no crc32 */
 static uint32_t shift_lane[4][256], shift_lane_c[4][256];
 static bool have_sse42;
 
-/* t: the operator "n zero bytes more" on a raw CRC, a byte of it at a time. */
+/* GF(2) matrices of 32 x 32 bits, as zlib's crc32_combine: mat[i] is the
+ * image of bit i. zeros_pow[k]: what 2^k zero bytes more do to a CRC (raw
+ * or final: the same linear map), so n zero bytes cost one product per bit
+ * of n. */
+static uint32_t zeros_pow[64][32];
+
+static uint32_t gf2_times(const uint32_t *mat, uint32_t vec)
+{
+	uint32_t sum = 0;
+	for (; vec; vec >>= 1, mat++)
+		if (vec & 1)
+			sum ^= *mat;
+	return sum;
+}
+
+static void make_zeros_pow(void)
+{
+	uint32_t bit[32], two[32];
+	bit[0] = POLY; /* one zero bit */
+	for (int i = 1; i < 32; i++)
+		bit[i] = 1u << (i - 1);
+	for (int k = 0; k < 3; k++) { /* 2, 4, 8 bits: one byte */
+		for (int i = 0; i < 32; i++)
+			two[i] = gf2_times(bit, bit[i]);
+		memcpy(bit, two, sizeof(bit));
+	}
+	memcpy(zeros_pow[0], bit, sizeof(bit));
+	for (int k = 1; k < 64; k++)
+		for (int i = 0; i < 32; i++)
+			zeros_pow[k][i] = gf2_times(zeros_pow[k - 1], zeros_pow[k - 1][i]);
+}
+
+/* crc followed by n zero bytes. */
+static uint32_t zeros(uint32_t crc, size_t n)
+{
+	for (int k = 0; n; n >>= 1, k++)
+		if (n & 1)
+			crc = gf2_times(zeros_pow[k], crc);
+	return crc;
+}
+
+/* t: zeros(., n) as tables, a byte of the CRC at a time (four lookups). */
 static void make_shift(uint32_t t[4][256], size_t n)
 {
 	uint32_t col[32];
-	for (int i = 0; i < 32; i++) {
-		uint32_t c = 1u << i;
-		for (size_t k = 0; k < n; k++)
-			c = (c >> 8) ^ table[0][c & 0xff];
-		col[i] = c;
-	}
+	for (int i = 0; i < 32; i++)
+		col[i] = zeros(1u << i, n);
 	for (int k = 0; k < 4; k++)
-		for (uint32_t b = 0; b < 256; b++) {
-			uint32_t v = 0;
-			for (int j = 0; j < 8; j++)
-				if (b & (1u << j))
-					v ^= col[8 * k + j];
-			t[k][b] = v;
-		}
+		for (uint32_t b = 0; b < 256; b++)
+			t[k][b] = gf2_times(col + 8 * k, b);
 }
 
 static inline uint32_t shift(const uint32_t t[4][256], uint32_t c)
@@ -71,6 +103,7 @@ __attribute__((constructor)) static void crc_init(void)
 	for (uint32_t i = 0; i < 256; i++)
 		for (int t = 1; t < 8; t++)
 			table[t][i] = (table[t - 1][i] >> 8) ^ table[0][table[t - 1][i] & 0xff];
+	make_zeros_pow();
 	make_shift(shift_lane, LANE);
 	make_shift(shift_lane_c, LANE_C);
 }
@@ -158,46 +191,7 @@ uint32_t kvs_copy_crc32c(void *dst, const void *src, size_t n, uint32_t crc)
 	return ~crc;
 }
 
-/* GF(2) matrices of 32 x 32 bits, as zlib's crc32_combine: mat is 32 columns. */
-static uint32_t gf2_times(const uint32_t *mat, uint32_t vec)
-{
-	uint32_t sum = 0;
-	for (; vec; vec >>= 1, mat++)
-		if (vec & 1)
-			sum ^= *mat;
-	return sum;
-}
-
-static void gf2_square(uint32_t *sq, const uint32_t *mat)
-{
-	for (int i = 0; i < 32; i++)
-		sq[i] = gf2_times(mat, mat[i]);
-}
-
 uint32_t kvs_crc32c_combine(uint32_t crc_a, uint32_t crc_b, size_t len_b)
 {
-	uint32_t even[32], odd[32];
-
-	if (len_b == 0)
-		return crc_a;
-	/* odd: the operator for one zero bit; then square to 2, 4 bits, ... */
-	odd[0] = POLY;
-	for (int i = 1; i < 32; i++)
-		odd[i] = 1u << (i - 1);
-	gf2_square(even, odd); /* 2 zero bits */
-	gf2_square(odd, even); /* 4 zero bits */
-	do {
-		/* Apply len_b zero bytes to crc_a, one bit of len_b at a time. */
-		gf2_square(even, odd);
-		if (len_b & 1)
-			crc_a = gf2_times(even, crc_a);
-		len_b >>= 1;
-		if (!len_b)
-			break;
-		gf2_square(odd, even);
-		if (len_b & 1)
-			crc_a = gf2_times(odd, crc_a);
-		len_b >>= 1;
-	} while (len_b);
-	return crc_a ^ crc_b;
+	return zeros(crc_a, len_b) ^ crc_b;
 }
