@@ -27,6 +27,19 @@ class ChecksumMismatch(Exception):
     """A room's bytes differ from what the sending engine copied into its slots."""
 
 
+def setting(value, what):
+    """Whether a setting turns checksums on (True, 1, "1", "true", "yes", "on"; off: False, 0, "", None, "0",
+    "false", "no", "off"); raises ValueError naming what for anything else."""
+    if isinstance(value, bool) or value is None:
+        return bool(value)
+    s = str(value).strip().lower()
+    if s in ("1", "true", "yes", "on"):
+        return True
+    if s in ("", "0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{what} must be true or false, not {value!r}")
+
+
 def chunks(payload, slot_size):
     """The payload's chunks (each one CRC)."""
     return -(-int(payload) // int(slot_size))

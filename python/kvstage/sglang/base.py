@@ -81,15 +81,6 @@ def _env_float(name, default):
         raise ValueError(f"${name} must be a number of seconds, not {os.environ[name]!r}") from None
 
 
-def _env_bool(name):
-    v = os.environ.get(name, "").strip().lower()
-    if v in ("1", "true", "yes", "on"):
-        return True
-    if v in ("", "0", "false", "no", "off"):
-        return False
-    raise ValueError(f"${name} must be 1 or 0, not {os.environ[name]!r}")
-
-
 def _mode(m):
     """Returns 'prefill' or 'decode' for a DisaggregationMode (any enum with that value) or string."""
     v = getattr(m, "value", m)

@@ -12,13 +12,14 @@ import socket
 import time
 from typing import TYPE_CHECKING, Dict, Optional
 
+from .. import checksum as _crc
 from .. import lifecycle as _lc
 from .. import sidechannel as _sidechannel
 from ..client import Client
 from ..errors import KvstageError, NotConnected, Timeout
 from ..plan import CpuCopier, CudaCopier
 from ..sidechannel import FrameListener, desc_bytes
-from .base import _env_bool, _env_float, _mode, BaseKVManager, KVArgs, KVPoll, PrefillServerInfo
+from .base import _env_float, _mode, BaseKVManager, KVArgs, KVPoll, PrefillServerInfo
 from .layout import MemoryMap
 from .topology import head_slice, tp_sizes_unsupported
 from .messages import _decode_rank_of, _http, _is_int, _url_host, check_side_message
@@ -146,7 +147,7 @@ class KvstageKVManager(BaseKVManager):
         # which both sides of a request know
         self.trace = _lc.create(connector="KvstageKVManager", transfer_mode="push", component="worker")
         # end-to-end checksums (kvstage.checksum): both sides alike; loads that failed theirs
-        self.checksum = _env_bool("KVSTAGE_CHECKSUM")
+        self.checksum = _crc.setting(os.environ.get("KVSTAGE_CHECKSUM"), "$KVSTAGE_CHECKSUM")
         self.checksum_failures = 0
 
     @staticmethod

@@ -55,7 +55,8 @@ class _SendShare:
         self.relayed = False
         self.key = None                   # the room's key (lifecycle events)
         self.crc = bool(meta.get("crc"))  # end-to-end checksums: the room ends with its chunks' CRCs
-        self.piece_crcs = collections.defaultdict(list)  # slot -> [(off, nbytes, CRC or None)] of payload pieces
+        self.piece_crcs = collections.defaultdict(list)  # slot -> [(off, nbytes, CRC)] of payload pieces
+        self.crcs_owed = []               # (slot, off, nbytes) of device pieces, CRCed once their copy landed
         self.trailer = None               # the trailer's bytes once built (kept for its copy)
 
     def _on_event(self, ev):
@@ -380,7 +381,11 @@ class KvstageKVSender(BaseKVSender):
                 if view is None and needs_view(head):
                     view = sh.views[s] = lease.view()
                 if sh.crc and sh.trailer is None:
-                    sh.piece_crcs[s].append((head.off, head.nbytes, cp.copy_in_crc(lease, view, head)))
+                    crc = cp.copy_in_crc(lease, view, head)
+                    if crc is None:
+                        sh.crcs_owed.append((s, head.off, head.nbytes))
+                    else:
+                        sh.piece_crcs[s].append((head.off, head.nbytes, crc))
                 else:
                     cp.copy_in(lease, view, head)
                 copied = True
@@ -411,12 +416,9 @@ class KvstageKVSender(BaseKVSender):
 
     def _fill_crcs(self, sh):
         """The CRCs of device pieces, from their slots, once copied (before a slot of theirs is sent)."""
-        if not sh.crc:
-            return
-        for s, pieces in sh.piece_crcs.items():
-            for k, (off, n, c) in enumerate(pieces):
-                if c is None:
-                    pieces[k] = (off, n, _crc.crc32c(sh.leases[s].address + off, n))
+        for s, off, n in sh.crcs_owed:
+            sh.piece_crcs[s].append((off, n, _crc.crc32c(sh.leases[s].address + off, n)))
+        sh.crcs_owed.clear()
 
     def _queue_trailer(self, sh, ss):
         """Every payload piece is in its slot: the trailer (its chunks' CRCs) becomes the next pieces to copy, before

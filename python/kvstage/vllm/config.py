@@ -5,22 +5,12 @@ from __future__ import annotations
 import os
 import typing
 
+from .. import checksum as _crc
 from .. import lifecycle as _lc
 from .layout import _cdiv
 
 STAGE_TIMEOUT_S = 120.0
 LOAD_TIMEOUT_S = 120.0
-
-
-def _bool(v, what):
-    if isinstance(v, bool):
-        return v
-    s = str(v).strip().lower()
-    if s in ("1", "true", "yes", "on"):
-        return True
-    if s in ("0", "false", "no", "off", ""):
-        return False
-    raise ValueError(f"{what} must be true or false, not {v!r}")
 
 
 def _float(v, what):
@@ -201,8 +191,8 @@ class _Settings:
         self.trace_sink = extra.get("kvstage_trace") or None
         self.trace_buffer = extra.get("kvstage_trace_buffer")
         # end-to-end checksums (kvstage.checksum): both sides of a deployment alike
-        self.checksum = _bool(extra.get("kvstage_checksum", os.environ.get("KVSTAGE_CHECKSUM", False)),
-                              "kvstage_checksum")
+        self.checksum = _crc.setting(extra.get("kvstage_checksum", os.environ.get("KVSTAGE_CHECKSUM")),
+                                     "kvstage_checksum")
         self.groups = _groups(kv_cache_config, self.block_size)
         # grouped: block ids per group everywhere (several groups, or one sliding-window group); else plain lists
         self.grouped = len(self.groups) > 1 or self.groups[0].kind != "full"
