@@ -73,11 +73,14 @@ example() {
 	tmp=$(mktemp -d /tmp/kvs-nixl-example.XXXXXX)
 	head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n' >"$tmp/peer.secret"
 	chmod 600 "$tmp/peer.secret"
+	mkfifo "$tmp/ready"
 	"$KVSTAGED" --socket "$tmp/kvs.sock" --slots 64 --slot-size 64K --ready-fd 3 3>"$tmp/ready" \
 		>"$tmp/kvstaged.log" 2>&1 &
 	pid=$!
-	for _ in $(seq 200); do grep -q ready "$tmp/ready" && break; sleep 0.05; done
-	if ! grep -q ready "$tmp/ready"; then
+	# --ready-fd: "ready" once it serves, EOF if it died first (tools/demo.sh's barrier), 30 s at most
+	local state=
+	read -r -t 30 state <"$tmp/ready" || true
+	if [ "$state" != ready ]; then
 		cat "$tmp/kvstaged.log"
 		echo "kvstaged did not start" >&2
 	elif (cd "$tmp" && KVSTAGE_SOCKET=$tmp/kvs.sock KVSTAGE_PEER_SECRET_FILE=$tmp/peer.secret \
