@@ -201,10 +201,10 @@ bool kvsp_token_eq(const uint8_t a[16], const uint8_t b[16]);
  * instance, room index and generation: what the engine's own trace names
  * from the descriptor), never by its token.
  */
-/* A half of room i is here (side: KVSP_TR_RECV or _SEND); d: the
- * descriptor a far send half was opened with (its key), else NULL. */
 /* Traces rooms into t from now (p->trace). Returns 0, or -ENOMEM. */
 int kvsp_rtrace_attach(struct kvsp *p, struct kvsp_trace *t);
+/* A half of room i is here (side: KVSP_TR_RECV or _SEND); d: the
+ * descriptor a far send half was opened with (its key), else NULL. */
 void kvsp_rtrace_opened(struct kvsp *p, uint32_t i, uint8_t side, const struct kvs_desc_wire *d);
 /* The sending half gave chunk to a transport (its first and last get a line). */
 void kvsp_rtrace_queued(struct kvsp *p, uint32_t i, uint32_t chunk);

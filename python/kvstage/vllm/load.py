@@ -190,7 +190,8 @@ class _LoadSide:
                 if joined is None:
                     self._by_uid.pop(uid, None)
                     return  # rank 0's descriptor has not come yet
-                sh.room = self._c().join(_sidechannel.desc_bytes(joined), user_data=uid)
+                desc = _sidechannel.desc_bytes(joined)
+                sh.room = self._c().join(desc, user_data=uid)
         except (NotConnected, Timeout):
             raise
         except (KvstageError, ValueError) as e:
@@ -201,7 +202,7 @@ class _LoadSide:
         sh.uid = uid
         ld.uids[uid] = sh
         ld.state = "open"
-        self._trace_open(ld, sh, desc if desc is not None else _sidechannel.desc_bytes(joined))
+        self._trace_open(ld, sh, desc)
         if self.tp_rank != leader:
             if sh.room.nbytes != sh.nbytes:
                 self._load_fail(ld, f"the shared room has {sh.room.nbytes} bytes, this rank expects {sh.nbytes}")

@@ -43,7 +43,7 @@ class _Stage:
         self.crc, self.payload = crc, self.part_nbytes
         if crc:
             self.part_nbytes += _crc.trailer_size(self.payload, ss)
-        self.piece_crcs = collections.defaultdict(list)  # slot -> [(off, nbytes, CRC or None)] of payload pieces
+        self.piece_crcs = collections.defaultdict(list)  # slot -> [(off, nbytes, CRC)] of payload pieces
         self.trailers = None  # each part's trailer, once every payload chunk's CRC is known (kept for the copy)
         self.nparts = 1 if shares is None else len(shares)
         self.part_chunks = _cdiv(self.part_nbytes, ss)
