@@ -24,7 +24,8 @@ enum kvs_fp_action {
 	KVS_FP_FAIL,	/* fail whatever reaches it with err */
 };
 
-/* The proxy's failpoints, by the names the admin protocol gives them:
+/* The proxy's own failpoints, by the names the admin protocol gives them
+ * (the data paths name theirs in their module: peer/datapath.h):
  * X(ID, "name"), in the order the proxy numbers them (KVSP_FP_ID in
  * core/failpoint.h). */
 #define KVS_FAILPOINTS(X)                                                                        \
@@ -33,7 +34,6 @@ enum kvs_fp_action {
 	X(RECV_OPEN, "recv_open")	  /* fail receiving-room opens */                        \
 	X(TCP_PAYLOAD, "tcp.payload")	  /* tcp: hold a chunk's payload after its header */     \
 	X(TCP_ZC_NOTIFY, "tcp.zc_notify") /* tcp: leave the kernel's zerocopy answers unread */  \
-	X(RDMA_READ, "rdma.read")	  /* rdma, receiving side: hold a READ into its slot */  \
 	X(PEER_ACCEPT,                                                                           \
 	  "peer.accept") /* close an accepted peer connection unread (match: its number) */      \
 	X(TRACE_WRITE, "trace.write") /* the trace's writer takes nothing from its ring (pause) */

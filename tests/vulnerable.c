@@ -142,6 +142,7 @@ static const struct kvsp_xport_kind vuln_kind = { "vulnerable (test only)", vuln
 #include "peer/plane.h"
 
 static struct kvsp_dp_ops vuln_stream_ops, vuln_rdma_ops;
+static void (*stream_cancel)(struct kvsp_dp *dp, uint32_t room, uint32_t gen);
 static struct kvsp_xfer nothing; /* what the late read ends on: no record, no effect */
 
 static void vuln_stream_cancel(struct kvsp_dp *dp, uint32_t room, uint32_t gen)
@@ -154,7 +155,7 @@ static void vuln_stream_cancel(struct kvsp_dp *dp, uint32_t room, uint32_t gen)
 			c->rx_x = &nothing; /* rx_dst still points into the slot */
 		}
 	}
-	kvsp_dp_stream.cancel(dp, room, gen); /* what it sends is dropped as ever */
+	stream_cancel(dp, room, gen); /* what it sends is dropped as ever */
 }
 
 static void vuln_rdma_cancel(struct kvsp_dp *dp, uint32_t room, uint32_t gen)
@@ -171,19 +172,23 @@ static void vuln_rdma_cancel(struct kvsp_dp *dp, uint32_t room, uint32_t gen)
 
 static void vulnerable_wrap(struct kvsp_transport **xports, unsigned n)
 {
-	vuln_stream_ops = kvsp_dp_stream;
-	vuln_stream_ops.cancel = vuln_stream_cancel;
-	vuln_rdma_ops = kvsp_dp_rdma;
-	vuln_rdma_ops.cancel = vuln_rdma_cancel;
 	for (unsigned k = 0; k < n; k++) {
 		if (strcmp(xports[k]->ops->name, "peer"))
 			continue;
 		unsigned ndps;
 		struct kvsp_dp *const *dps = kvsp_peer_datapaths(xports[k], &ndps);
-		for (unsigned d = 0; d < ndps; d++)
-			dps[d]->ops = dps[d]->ops == &kvsp_dp_stream ? &vuln_stream_ops
-				      : dps[d]->ops == &kvsp_dp_rdma ? &vuln_rdma_ops
-								     : dps[d]->ops;
+		for (unsigned d = 0; d < ndps; d++) { /* by name: a build may lack RDMA */
+			if (!strcmp(dps[d]->ops->name, "stream")) {
+				vuln_stream_ops = *dps[d]->ops;
+				stream_cancel = vuln_stream_ops.cancel;
+				vuln_stream_ops.cancel = vuln_stream_cancel;
+				dps[d]->ops = &vuln_stream_ops;
+			} else if (!strcmp(dps[d]->ops->name, "rdma")) {
+				vuln_rdma_ops = *dps[d]->ops;
+				vuln_rdma_ops.cancel = vuln_rdma_cancel;
+				dps[d]->ops = &vuln_rdma_ops;
+			}
+		}
 	}
 }
 

@@ -22,6 +22,7 @@ enum kvsp_fp_id {
 };
 
 #define KVSP_FP_HOLD 1
+#define KVSP_FP_MODULES 16 /* failpoints the data paths may register */
 
 struct kvsp_transport;
 

@@ -68,8 +68,11 @@ struct kvsp {
 	unsigned nxports;
 	struct kvsp_transport *local; /* carries rooms whose halves are both here */
 	char endpoint[64];	      /* where peers reach us, in our descriptors; "": nowhere */
-	/* failpoints */
-	struct kvsp_fp fp[KVSP_FP_COUNT];
+	/* failpoints: the core's and the plane's (admin.h), then the data
+	 * paths' (kvsp_fp_register), named by fp_names[id - KVSP_FP_COUNT] */
+	struct kvsp_fp fp[KVSP_FP_COUNT + KVSP_FP_MODULES];
+	char fp_names[KVSP_FP_MODULES][32];
+	unsigned nfp; /* failpoints in fp[] */
 	/* event loop */
 	int epfd, listen_fd, wake_fd, lock_fd;
 	int spare_fd;		     /* given up to accept (and refuse) when out of fds */

@@ -520,6 +520,27 @@ void kvsp_room_user_data(const struct kvsp *p, uint32_t i, uint64_t *recv_ud, ui
 	*send_ud = r->send.client.cid ? r->send.client.user_data : 0;
 }
 
+int kvsp_fp_lookup(const struct kvsp *p, const char *name)
+{
+	int id = kvs_fp_find(name);
+	for (unsigned k = KVSP_FP_COUNT; id < 0 && k < p->nfp; k++)
+		if (!strcmp(name, p->fp_names[k - KVSP_FP_COUNT]))
+			id = (int)k;
+	return id;
+}
+
+int kvsp_fp_register(struct kvsp *p, const char *name)
+{
+	if (!*name || strlen(name) >= sizeof(p->fp_names[0]))
+		return -EINVAL;
+	if (kvsp_fp_lookup(p, name) >= 0)
+		return -EEXIST;
+	if (p->nfp >= KVSP_FP_COUNT + KVSP_FP_MODULES)
+		return -ENOSPC;
+	strcpy(p->fp_names[p->nfp - KVSP_FP_COUNT], name);
+	return (int)p->nfp++;
+}
+
 int kvsp_xport_fp(struct kvsp *p, unsigned id, uint32_t i)
 {
 	uint64_t a, b;

@@ -220,7 +220,13 @@ uint64_t kvsp_xport_now(const struct kvsp *p);
 bool kvsp_room_live(const struct kvsp *p, uint32_t room, uint32_t gen);
 /* The room's user_data on each side (0 where none), for failpoint matching. */
 void kvsp_room_user_data(const struct kvsp *p, uint32_t room, uint64_t *recv_ud, uint64_t *send_ud);
-/* Evaluates failpoint id (enum kvsp_fp_id) for a room. Returns 0 (pass), KVSP_FP_HOLD, or -errno. */
+/* Adds failpoint name (at most 31 bytes; a module's own: "relay.send").
+ * Returns its id (for the calls below), or -EEXIST, -ENOSPC, -EINVAL. */
+int kvsp_fp_register(struct kvsp *p, const char *name);
+/* Returns the id of failpoint name (the core's, the plane's or a data
+ * path's), or -ENOENT. */
+int kvsp_fp_lookup(const struct kvsp *p, const char *name);
+/* Evaluates failpoint id (enum kvsp_fp_id, or a registered one) for a room. Returns 0 (pass), KVSP_FP_HOLD, or -errno. */
 int kvsp_xport_fp(struct kvsp *p, unsigned id, uint32_t room);
 /* Evaluates failpoint id for what ud names (not a room). Returns 0 (pass), KVSP_FP_HOLD, or -errno. */
 int kvsp_xport_fp_ud(struct kvsp *p, unsigned id, uint64_t ud);

@@ -1,9 +1,7 @@
 /* SPDX-License-Identifier: MIT */
-/* kvstaged: command line, then the loop. */
+/* kvstaged: its options checked as a whole, then the proxy made and run. */
 #include <errno.h>
 #include <fcntl.h>
-#include <getopt.h>
-#include <grp.h>
 #include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -15,8 +13,8 @@
 #include "core/rooms.h"
 #include "host/loop.h"
 #include "core/xport.h"
-#include "daemon/config_file.h"
 #include "daemon/daemon.h"
+#include "daemon/options.h"
 #include "base/log.h"
 #include "daemon/metrics.h"
 #include "datapath/datapath.h"
@@ -30,273 +28,10 @@
 #include "peer/plane.h"
 #include "peer/auth.h"
 
-static void usage(FILE *f)
+/* The defaults, before any option. */
+static void defaults(struct kvsp_args *a)
 {
-	fprintf(f,
-		"Usage: kvstaged [OPTION]...\n"
-		"The kvstage staging proxy: owns a shared-memory pool of slots that engines\n"
-		"lease, fill and hand to rooms; only its transports move slot bytes.\n"
-		"Runs in the foreground until SIGTERM or SIGINT (a second one exits at once).\n"
-		"\n"
-		"  -c, --config FILE        read options from FILE first: one \"name = value\"\n"
-		"                           per line for each long option below (a flag:\n"
-		"                           true or false), '#' or ';' comments (a line, or\n"
-		"                           after a value and a blank), an optional\n"
-		"                           [kvstaged] section; the command line overrides it\n"
-		"  -s, --socket PATH        Unix socket to serve (default: $KVSTAGE_SOCKET,\n"
-		"                           else " KVS_DEFAULT_SOCKET ")\n"
-		"  -n, --slots N            slots in the pool (default 256)\n"
-		"  -z, --slot-size BYTES    bytes per slot, a multiple of 4K below 4G; K, M, G\n"
-		"                           suffixes (default 1M)\n"
-		"      --hugepages MODE     auto | on | off (default auto: 2 MiB hugepages when\n"
-		"                           free, else normal pages with MADV_HUGEPAGE)\n"
-		"      --no-lock            do not mlock the pool\n"
-		"      --socket-mode MODE   the socket file's mode, octal (default 0660)\n"
-		"      --socket-group GROUP the socket file's group, a name or a gid (default:\n"
-		"                           ours); its members are admitted\n"
-		"      --allow-uid UID      also admit clients with this uid (repeatable)\n"
-		"      --allow-gid GID      also admit members of this group, primary or\n"
-		"                           supplementary (repeatable)\n"
-		"                           Admitted: root, our uid, --allow-uid, and members of\n"
-		"                           the socket's group or an --allow-gid. A mode that\n"
-		"                           would keep one of them out is refused at start.\n"
-		"      --max-rooms N        rooms open at once, proxy-wide (default 4096)\n"
-		"      --client-rooms N     rooms one connection may hold open (default 256)\n"
-		"      --max-clients N      connections at once (default 256)\n"
-		"      --uid-share PERCENT  the most of --max-clients and of --max-rooms the\n"
-		"                           clients of one uid may hold, and one process of\n"
-		"                           its uid's share (default 75; 100: no share)\n"
-		"      --ring N             submission ring entries per connection, a power of\n"
-		"                           two (default 1024)\n"
-		"      --room-timeout MS    abort a room that makes no progress for MS\n"
-		"                           milliseconds (default 30000; 0: never)\n"
-		"      --shutdown-grace MS  on SIGTERM, let active rooms finish for MS before\n"
-		"                           aborting them (default 5000)\n"
-		"      --spin-us US         busy-poll at least US microseconds after the last\n"
-		"                           work, then sleep until kicked (default 50; the\n"
-		"                           spin grows, up to 16x and 1 ms, while sleeps end\n"
-		"                           soon after they begin; 0: never spin). Once idle\n"
-		"                           for 5 us the spin yields its CPU every 5 us to\n"
-		"                           whoever shares it\n"
-		"      --listen HOST:PORT   take rooms from proxies on other hosts over TCP;\n"
-		"                           HOST is a numeric IPv4 address or [IPv6]; port 0:\n"
-		"                           any free one. Needs the peer secret\n"
-		"      --advertise HOST:PORT  the endpoint our descriptors name, when peers\n"
-		"                           must dial something else than --listen (NAT, or a\n"
-		"                           wildcard listen address)\n"
-		"      --peer-secret-file PATH  the deployment's shared secret (16 to 4096\n"
-		"                           bytes; mode 0600 or stricter); else the value of\n"
-		"                           $KVSTAGE_PEER_SECRET. With a secret and no --listen\n"
-		"                           this proxy only sends to others\n"
-		"      --tcp-streams N      connections to each peer, 1 to 16 (default 2)\n"
-		"      --peer-timeout MS    the bound on every wait on a peer (default 10000,\n"
-		"                           at least 100): silent this long, or owing an\n"
-		"                           answer or a payload this long, it is lost and its\n"
-		"                           rooms fail; a handshake gets a quarter of it\n"
-		"      --tcp-checksum       send a CRC32C of every chunk's payload (received\n"
-		"                           ones are always checked when they carry one)\n"
-		"      --tcp-zerocopy       send chunk payloads with MSG_ZEROCOPY: the NIC reads\n"
-		"                           them from the slot, which stays pinned until the\n"
-		"                           kernel says it is done (for a real NIC; to loopback\n"
-		"                           or veth the kernel copies anyway, and a connection\n"
-		"                           whose last 64 sends were copied stops asking)\n"
-		"      --transport MODE     how chunks go to peers: auto | tcp | verbs (default\n"
-		"                           auto: by RDMA READ on --rdma-device, else on the\n"
-		"                           first RDMA device listed if its port is up, else\n"
-		"                           by TCP;\n"
-		"                           tcp: never RDMA; verbs: RDMA, and no start\n"
-		"                           without a device). Each peer without RDMA gets\n"
-		"                           TCP; the log says which a peer gets\n"
-		"      --rdma-device NAME   move chunks by RDMA READ on this device with peers\n"
-		"                           that have one too (the others: by TCP); the pool\n"
-		"                           is registered for local access only, and a peer\n"
-		"                           reads each chunk under a key of its own (see\n"
-		"                           --rdma-keys). Needs the peer secret (control\n"
-		"                           stays on TCP)\n"
-		"      --rdma-gid-index N   the GID to use (default: the first RoCE v2 one,\n"
-		"                           IPv4-mapped first)\n"
-		"      --rdma-keys KIND     how each chunk's key is made: auto | windows |\n"
-		"                           regions (default auto: windows if the device has\n"
-		"                           type-2 memory windows, else regions). windows: a\n"
-		"                           window bound on the peer's queue pair, invalidated\n"
-		"                           at the chunk's ack or its room's abort (the NIC\n"
-		"                           refuses it to any other peer); no RDMA on a\n"
-		"                           device without them. regions: a memory region\n"
-		"                           registered per chunk, deregistered at its end\n"
-		"                           (costs a registration per chunk; any peer with\n"
-		"                           the key may use it till then)\n"
-		"      --metrics-listen [HOST:]PORT  serve Prometheus metrics over HTTP at\n"
-		"                           GET /metrics (HOST numeric; default 127.0.0.1;\n"
-		"                           port 0: any free one, logged); default: off\n"
-		"      --trace-file PATH    write each room's lifecycle (opened, chunks queued,\n"
-		"                           sent, landed, final, fenced, tombstones, reaped) as\n"
-		"                           JSON lines to PATH (appended), or to a unix socket:\n"
-		"                           unix:PATH (stream or datagram); default: off.\n"
-		"                           Lines name rooms by their key, never their token\n"
-		"      --trace-buffer N     records the trace buffers while its writer is\n"
-		"                           behind, 16 to 16777216 (default 16384); past that\n"
-		"                           they are dropped and counted (trace_dropped), and\n"
-		"                           the loop never waits\n"
-		"      --failpoints         accept failpoint control from kvstage-ctl (tests)\n"
-		"      --ready-fd FD        write \"ready\\n\" to FD once serving, then close it\n"
-		"                           (0, 1 and 2 are written to but kept open)\n"
-		"  -l, --log-level LEVEL    error | warn | info | debug (default info)\n"
-		"  -h, --help               show this help\n"
-		"  -V, --version            show the version\n");
-	if (*KVS_BUILT_WITHOUT)
-		fprintf(f,
-			"\nbuilt without: %s\n(the options that need them are refused; "
-			"meson_options.txt lists the parts)\n",
-			KVS_BUILT_WITHOUT);
-}
-
-/* An octal mode: digits 0-7 only, at most 0777. */
-static int parse_mode(const char *s, unsigned *out)
-{
-	if (!*s || strspn(s, "01234567") != strlen(s) || strlen(s) > 4)
-		return -EINVAL;
-	unsigned long v = strtoul(s, NULL, 8);
-	if (v > 0777)
-		return -EINVAL;
-	*out = (unsigned)v;
-	return 0;
-}
-
-/* A group name, or a gid. */
-static int parse_group(const char *s, gid_t *out)
-{
-	uint64_t v;
-	if (kvs_parse_uint(s, UINT32_MAX - 1, &v) == 0) {
-		*out = (gid_t)v;
-		return 0;
-	}
-	struct group *g = getgrnam(s);
-	if (!g)
-		return -ENOENT;
-	*out = g->gr_gid;
-	return 0;
-}
-
-/* "FILE:LINE: " while the option being parsed came from --config. */
-static char origin[320];
-
-static int bad(const char *opt, const char *val, const char *why)
-{
-	fprintf(stderr, "kvstaged: %sinvalid %s '%s': %s\n", origin, opt, val, why);
-	fprintf(stderr, "Try 'kvstaged --help'.\n");
-	return 2;
-}
-
-/* An option of a part this build lacks (meson_options.txt): one line, saying
- * which library was missing when it was built. */
-static int lacks(const char *opt, const char *part, const char *package)
-{
-	fprintf(stderr, "kvstaged: %s%s: this build has no %s (%s missing at build time)\n", origin,
-		opt, part, package);
-	return 2;
-}
-#define NO_RDMA(opt) lacks(opt, "RDMA", "libibverbs-dev")
-#define NO_METRICS(opt) lacks(opt, "metrics", "libmicrohttpd-dev")
-
-enum {
-	O_HUGE = 256,
-	O_NOLOCK,
-	O_UID,
-	O_GID,
-	O_ROOMS,
-	O_CROOMS,
-	O_CLIENTS,
-	O_USHARE,
-	O_RING,
-	O_TIMEOUT,
-	O_GRACE,
-	O_SPIN,
-	O_FP,
-	O_READY,
-	O_SMODE,
-	O_SGROUP,
-	O_LISTEN,
-	O_ADVERTISE,
-	O_SECRET,
-	O_STREAMS,
-	O_PTIMEOUT,
-	O_CSUM,
-	O_ZEROCOPY,
-	O_RDMA,
-	O_GIDX,
-	O_KEYS,
-	O_METRICS,
-	O_TRANSPORT,
-	O_TRACE,
-	O_TRACE_BUF,
-};
-
-/* The --config FILE argument, if any, before anything is parsed: the
- * file's options go first so that the command line overrides them.
- * Returns 0 (*path NULL: none), or 2 after saying why. */
-static int find_config(int argc, char **argv, const char **path)
-{
-	*path = NULL;
-	for (int i = 1; i < argc && strcmp(argv[i], "--"); i++) {
-		const char *v = NULL;
-		if (!strncmp(argv[i], "--config=", 9))
-			v = argv[i] + 9;
-		else if ((!strcmp(argv[i], "--config") || !strcmp(argv[i], "-c")) && i + 1 < argc)
-			v = argv[++i];
-		else
-			continue;
-		if (*path) {
-			fprintf(stderr, "kvstaged: --config given twice\nTry 'kvstaged --help'.\n");
-			return 2;
-		}
-		*path = v;
-	}
-	return 0;
-}
-
-int kvsp_daemon_main(int argc, char **argv, const struct kvsp_daemon_hooks *hooks)
-{
-	static const struct option opts[] = {
-		{ "config", required_argument, NULL, 'c' },
-		{ "socket", required_argument, NULL, 's' },
-		{ "slots", required_argument, NULL, 'n' },
-		{ "slot-size", required_argument, NULL, 'z' },
-		{ "hugepages", required_argument, NULL, O_HUGE },
-		{ "no-lock", no_argument, NULL, O_NOLOCK },
-		{ "socket-mode", required_argument, NULL, O_SMODE },
-		{ "socket-group", required_argument, NULL, O_SGROUP },
-		{ "allow-uid", required_argument, NULL, O_UID },
-		{ "allow-gid", required_argument, NULL, O_GID },
-		{ "max-rooms", required_argument, NULL, O_ROOMS },
-		{ "client-rooms", required_argument, NULL, O_CROOMS },
-		{ "max-clients", required_argument, NULL, O_CLIENTS },
-		{ "uid-share", required_argument, NULL, O_USHARE },
-		{ "ring", required_argument, NULL, O_RING },
-		{ "room-timeout", required_argument, NULL, O_TIMEOUT },
-		{ "shutdown-grace", required_argument, NULL, O_GRACE },
-		{ "spin-us", required_argument, NULL, O_SPIN },
-		{ "failpoints", no_argument, NULL, O_FP },
-		{ "listen", required_argument, NULL, O_LISTEN },
-		{ "advertise", required_argument, NULL, O_ADVERTISE },
-		{ "peer-secret-file", required_argument, NULL, O_SECRET },
-		{ "tcp-streams", required_argument, NULL, O_STREAMS },
-		{ "peer-timeout", required_argument, NULL, O_PTIMEOUT },
-		{ "tcp-checksum", no_argument, NULL, O_CSUM },
-		{ "tcp-zerocopy", no_argument, NULL, O_ZEROCOPY },
-		{ "transport", required_argument, NULL, O_TRANSPORT },
-		{ "rdma-device", required_argument, NULL, O_RDMA },
-		{ "rdma-gid-index", required_argument, NULL, O_GIDX },
-		{ "rdma-keys", required_argument, NULL, O_KEYS },
-		{ "metrics-listen", required_argument, NULL, O_METRICS },
-		{ "trace-file", required_argument, NULL, O_TRACE },
-		{ "trace-buffer", required_argument, NULL, O_TRACE_BUF },
-		{ "ready-fd", required_argument, NULL, O_READY },
-		{ "log-level", required_argument, NULL, 'l' },
-		{ "help", no_argument, NULL, 'h' },
-		{ "version", no_argument, NULL, 'V' },
-		{ 0 },
-	};
-	struct kvsp_config cfg = {
+	a->cfg = (struct kvsp_config){
 		.socket_path = getenv("KVSTAGE_SOCKET"),
 		.slot_count = 256,
 		.slot_size = 1 << 20,
@@ -314,276 +49,26 @@ int kvsp_daemon_main(int argc, char **argv, const struct kvsp_daemon_hooks *hook
 		.socket_mode = 0660,
 		.socket_group = getegid(),
 	};
-	static struct kvsp_peer_opts peer = { .streams = 2,
-					      .peer_timeout_ns = 10000ull * 1000000,
-					      .rdma_gid_index = -1,
-					      .datapaths = kvsp_datapaths };
-	const char *secret_path = NULL, *conf_path, *metrics_listen = NULL, *trace_file = NULL;
-	uint32_t trace_buffer = 16384;
-	int ready_fd = -1, opt;
-	uint64_t v;
+	a->peer = (struct kvsp_peer_opts){
+		.streams = 2,
+		.peer_timeout_ns = 10000ull * 1000000,
+	};
+	a->trace_buffer = 16384;
+	a->ready_fd = -1;
+}
 
-	static struct kvsp_conf_args conf; /* its strings are the options' values: kept */
-	if (find_config(argc, argv, &conf_path))
-		return 2;
-	static char **args; /* static: what it holds lives as long as the options do */
-	args = argv;
-	int nargs = argc;
-	if (conf_path) {
-		char why[512];
-		if (kvsp_conf_read(conf_path, opts, &conf, why, sizeof(why)) < 0) {
-			fprintf(stderr, "kvstaged: %s\nTry 'kvstaged --help'.\n", why);
-			return 2;
-		}
-		nargs = argc + conf.argc;
-		args = calloc((size_t)nargs + 1, sizeof(*args));
-		if (!args)
-			return 1;
-		args[0] = argv[0];
-		memcpy(args + 1, conf.argv, (size_t)conf.argc * sizeof(*args));
-		memcpy(args + 1 + conf.argc, argv + 1, (size_t)(argc - 1) * sizeof(*args));
-	}
-
-	for (;;) {
-		int at = optind; /* a file entry is one "--name=value": it is args[at] */
-		opt = getopt_long(nargs, args, "c:s:n:z:l:hV", opts, NULL);
-		if (opt == -1)
-			break;
-		origin[0] = 0;
-		if (at >= 1 && at <= conf.argc)
-			snprintf(origin, sizeof(origin), "%.255s:%u: ", conf_path,
-				 conf.line[at - 1]);
-		switch (opt) {
-		case 'c':
-			break; /* read first, above */
-		case 's':
-			if (!*optarg)
-				return bad("--socket", optarg, "want a path");
-			cfg.socket_path = optarg;
-			break;
-		case O_SMODE:
-			if (parse_mode(optarg, &cfg.socket_mode))
-				return bad("--socket-mode", optarg,
-					   "want an octal mode such as 0660");
-			break;
-		case O_SGROUP:
-			if (parse_group(optarg, &cfg.socket_group))
-				return bad("--socket-group", optarg, "no such group");
-			break;
-		case 'n':
-			if (kvs_parse_uint(optarg, 1u << 24, &v) || v == 0)
-				return bad("--slots", optarg, "want 1 to 16777216");
-			cfg.slot_count = (uint32_t)v;
-			break;
-		case 'z':
-			/* A chunk's length is 32-bit in kvs_send: a slot must fit in it. */
-			if (kvs_parse_size(optarg, &v) || v < 4096 || v % 4096 || v > UINT32_MAX)
-				return bad(
-					"--slot-size", optarg,
-					"want a multiple of 4K, at most 4G - 4K (kvs_send takes a "
-					"32-bit length)");
-			cfg.slot_size = v;
-			break;
-		case O_HUGE:
-			if (!strcmp(optarg, "auto"))
-				cfg.huge = KVSP_HUGE_AUTO;
-			else if (!strcmp(optarg, "on"))
-				cfg.huge = KVSP_HUGE_ON;
-			else if (!strcmp(optarg, "off"))
-				cfg.huge = KVSP_HUGE_OFF;
-			else
-				return bad("--hugepages", optarg, "want auto, on or off");
-			break;
-		case O_NOLOCK:
-			cfg.lock = false;
-			break;
-		case O_UID:
-		case O_GID:
-			if (kvs_parse_uint(optarg, UINT32_MAX - 1, &v))
-				return bad(opt == O_UID ? "--allow-uid" : "--allow-gid", optarg,
-					   "want a number");
-			if (opt == O_UID && cfg.n_allow_uid < KVSP_MAX_ALLOW)
-				cfg.allow_uid[cfg.n_allow_uid++] = (uid_t)v;
-			else if (opt == O_GID && cfg.n_allow_gid < KVSP_MAX_ALLOW)
-				cfg.allow_gid[cfg.n_allow_gid++] = (gid_t)v;
-			else
-				return bad(opt == O_UID ? "--allow-uid" : "--allow-gid", optarg,
-					   "at most 16 of each");
-			break;
-		case O_ROOMS:
-			if (kvs_parse_uint(optarg, 1u << 24, &v) || !v)
-				return bad("--max-rooms", optarg, "want 1 to 16777216");
-			cfg.max_rooms = (uint32_t)v;
-			break;
-		case O_CROOMS:
-			if (kvs_parse_uint(optarg, 65534, &v) || !v)
-				return bad("--client-rooms", optarg, "want 1 to 65534");
-			cfg.client_rooms = (uint32_t)v;
-			break;
-		case O_CLIENTS:
-			if (kvs_parse_uint(optarg, 65535, &v) || !v)
-				return bad("--max-clients", optarg, "want 1 to 65535");
-			cfg.max_clients = (uint32_t)v;
-			break;
-		case O_USHARE:
-			if (kvs_parse_uint(optarg, 100, &v) || !v)
-				return bad("--uid-share", optarg, "want a percent, 1 to 100");
-			cfg.uid_share_pct = (unsigned)v;
-			break;
-		case O_RING:
-			if (kvs_parse_uint(optarg, 65536, &v) || v < 64 || (v & (v - 1)))
-				return bad("--ring", optarg, "want a power of two, 64 to 65536");
-			cfg.sq_count = (uint32_t)v;
-			break;
-		case O_TIMEOUT:
-			if (kvs_parse_uint(optarg, 86400000, &v))
-				return bad("--room-timeout", optarg,
-					   "want milliseconds, 0 to 86400000");
-			cfg.room_timeout_ns = v * 1000000;
-			break;
-		case O_GRACE:
-			if (kvs_parse_uint(optarg, 86400000, &v))
-				return bad("--shutdown-grace", optarg, "want milliseconds");
-			cfg.shutdown_grace_ns = v * 1000000;
-			break;
-		case O_SPIN:
-			if (kvs_parse_uint(optarg, 1000000, &v))
-				return bad("--spin-us", optarg, "want 0 to 1000000");
-			cfg.spin_ns = v * 1000;
-			break;
-		case O_FP:
-			cfg.failpoints = true;
-			break;
-		case O_LISTEN:
-		case O_ADVERTISE: {
-			struct kvsp_endpoint ep;
-			if (kvsp_endpoint_parse(optarg, &ep) < 0)
-				return bad(opt == O_LISTEN ? "--listen" : "--advertise", optarg,
-					   "want IPV4:PORT or [IPV6]:PORT, numeric");
-			if (opt == O_LISTEN)
-				peer.listen = optarg;
-			else
-				peer.advertise = optarg;
-			break;
-		}
-		case O_SECRET:
-			secret_path = optarg;
-			break;
-		case O_STREAMS:
-			if (kvs_parse_uint(optarg, KVSP_PEER_MAX_STREAMS, &v) || !v)
-				return bad("--tcp-streams", optarg, "want 1 to 16");
-			peer.streams = (unsigned)v;
-			break;
-		case O_PTIMEOUT:
-			if (kvs_parse_uint(optarg, 86400000, &v) || v < 100)
-				return bad("--peer-timeout", optarg,
-					   "want milliseconds, 100 to 86400000");
-			peer.peer_timeout_ns = v * 1000000;
-			break;
-		case O_CSUM:
-			peer.checksum = true;
-			break;
-		case O_ZEROCOPY:
-			peer.zerocopy = true;
-			break;
-		case O_TRANSPORT:
-			if (!strcmp(optarg, "auto"))
-				peer.data = KVSP_DATA_AUTO;
-			else if (!strcmp(optarg, "tcp"))
-				peer.data = KVSP_DATA_STREAM;
-			else if (!strcmp(optarg, "verbs") && !KVS_HAVE_VERBS)
-				return NO_RDMA("--transport verbs");
-			else if (!strcmp(optarg, "verbs"))
-				peer.data = KVSP_DATA_VERBS;
-			else
-				return bad("--transport", optarg, "want auto, tcp or verbs");
-			break;
-		case O_RDMA:
-			if (!KVS_HAVE_VERBS)
-				return NO_RDMA("--rdma-device");
-			if (!*optarg)
-				return bad("--rdma-device", optarg,
-					   "want a device name (ibv_devices)");
-			peer.rdma_device = optarg;
-			break;
-		case O_GIDX:
-			if (!KVS_HAVE_VERBS)
-				return NO_RDMA("--rdma-gid-index");
-			if (kvs_parse_uint(optarg, 255, &v))
-				return bad("--rdma-gid-index", optarg, "want 0 to 255");
-			peer.rdma_gid_index = (int)v;
-			break;
-		case O_KEYS:
-			if (!KVS_HAVE_VERBS)
-				return NO_RDMA("--rdma-keys");
-			if (!strcmp(optarg, "auto"))
-				peer.rdma_keys = KVSP_KEYS_AUTO;
-			else if (!strcmp(optarg, "windows"))
-				peer.rdma_keys = KVSP_KEYS_WINDOW;
-			else if (!strcmp(optarg, "regions"))
-				peer.rdma_keys = KVSP_KEYS_REGION;
-			else
-				return bad("--rdma-keys", optarg, "want auto, windows or regions");
-			break;
-		case O_METRICS: {
-			if (!KVS_HAVE_METRICS)
-				return NO_METRICS("--metrics-listen");
-			struct kvsp_endpoint ep;
-			if (kvsp_metrics_parse(optarg, &ep) < 0)
-				return bad("--metrics-listen", optarg,
-					   "want PORT, IPV4:PORT or [IPV6]:PORT, numeric");
-			metrics_listen = optarg;
-			break;
-		}
-		case O_TRACE:
-			if (!*optarg)
-				return bad("--trace-file", optarg, "want a path, or unix:PATH");
-			trace_file = optarg;
-			break;
-		case O_TRACE_BUF:
-			if (kvs_parse_uint(optarg, 1u << 24, &v) || v < 16)
-				return bad("--trace-buffer", optarg,
-					   "want records, 16 to 16777216");
-			trace_buffer = (uint32_t)v;
-			break;
-		case O_READY:
-			if (kvs_parse_uint(optarg, INT_MAX, &v) || fcntl((int)v, F_GETFD) < 0)
-				return bad("--ready-fd", optarg, "not an open file descriptor");
-			ready_fd = (int)v;
-			break;
-		case 'l': {
-			int lvl = kvsp_log_parse(optarg);
-			if (lvl < 0)
-				return bad("--log-level", optarg,
-					   "want error, warn, info or debug");
-			cfg.log_level = lvl;
-			break;
-		}
-		case 'h':
-			usage(stdout);
-			return 0;
-		case 'V':
-			printf("kvstaged %s\n", KVS_VERSION_STRING);
-			return 0;
-		default:
-			fprintf(stderr, "Try 'kvstaged --help'.\n");
-			return 2;
-		}
-	}
-	origin[0] = 0;
-	if (optind < nargs) {
-		fprintf(stderr, "kvstaged: unexpected argument '%s'\nTry 'kvstaged --help'.\n",
-			args[optind]);
-		return 2;
-	}
-	if (!cfg.socket_path || !*cfg.socket_path)
-		cfg.socket_path = KVS_DEFAULT_SOCKET;
+/* What no single option can judge: the options together, and the peer
+ * secret. Returns -1 to go on, or the exit code (said on stderr). */
+static int check(struct kvsp_args *a)
+{
 	char why[256];
+	if (!a->cfg.socket_path || !*a->cfg.socket_path)
+		a->cfg.socket_path = KVS_DEFAULT_SOCKET;
 	/* The peer secret: never from the command line, where anyone reads it. */
 	char *secret_env = getenv("KVSTAGE_PEER_SECRET");
 	static struct kvsp_secret secret;
-	if (secret_path || (secret_env && *secret_env)) {
-		int rc = kvsp_secret_load(secret_path, secret_env, &secret, why, sizeof(why));
+	if (a->secret_path || (secret_env && *secret_env)) {
+		int rc = kvsp_secret_load(a->secret_path, secret_env, &secret, why, sizeof(why));
 		/* Read once. The value lives where the process's environment
 		 * does (what /proc/PID/environ shows), and unsetenv only drops
 		 * the pointer to it: its bytes are wiped first. */
@@ -594,71 +79,69 @@ int kvsp_daemon_main(int argc, char **argv, const struct kvsp_daemon_hooks *hook
 			fprintf(stderr, "kvstaged: peer secret: %s\n", why);
 			return 2;
 		}
-		peer.secret = &secret;
-	} else if (peer.listen) {
+		a->peer.secret = &secret;
+	} else if (a->peer.listen) {
 		fprintf(stderr, "kvstaged: --listen needs the deployment's peer secret: "
 				"--peer-secret-file PATH or $KVSTAGE_PEER_SECRET\nTry 'kvstaged "
 				"--help'.\n");
 		return 2;
 	}
-	if (peer.data == KVSP_DATA_STREAM &&
-	    (peer.rdma_device || peer.rdma_keys != KVSP_KEYS_AUTO)) {
-		fprintf(stderr,
-			"kvstaged: --transport tcp never uses RDMA: drop %s, or "
-			"say --transport verbs or auto\nTry 'kvstaged --help'.\n",
-			peer.rdma_device ? "--rdma-device" : "--rdma-keys");
-		return 2;
+	for (unsigned k = 0; a->peer.datapaths[k]; k++) {
+		const struct kvsp_dp_ops *dp = a->peer.datapaths[k];
+		if (dp->conf_check && dp->conf_check(a->dp_conf[k], &a->peer, why, sizeof(why))) {
+			fprintf(stderr, "kvstaged: %s\nTry 'kvstaged --help'.\n", why);
+			return 2;
+		}
 	}
-	if (peer.data == KVSP_DATA_VERBS && !peer.secret) {
-		fprintf(stderr,
-			"kvstaged: --transport verbs rides on the tcp transport's sessions: "
-			"it needs the peer secret (--peer-secret-file or $KVSTAGE_PEER_SECRET)\n"
-			"Try 'kvstaged --help'.\n");
-		return 2;
-	}
-	if (peer.rdma_device && !peer.secret) {
-		fprintf(stderr,
-			"kvstaged: --rdma-device rides on the tcp transport's sessions: it "
-			"needs the peer secret (--peer-secret-file or $KVSTAGE_PEER_SECRET)\n"
-			"Try 'kvstaged --help'.\n");
-		return 2;
-	}
-	if (peer.advertise && !peer.listen) {
+	if (a->peer.advertise && !a->peer.listen) {
 		fprintf(stderr, "kvstaged: --advertise names where --listen is reached: give both\n"
 				"Try 'kvstaged --help'.\n");
 		return 2;
 	}
-	if (kvsp_access_check(&cfg, why, sizeof(why))) {
+	if (kvsp_access_check(&a->cfg, why, sizeof(why))) {
 		fprintf(stderr, "kvstaged: %s\nTry 'kvstaged --help'.\n", why);
 		return 2;
 	}
-	if (cfg.slot_size * cfg.slot_count / cfg.slot_count != cfg.slot_size ||
-	    cfg.slot_size * cfg.slot_count > (1ull << 40)) {
+	if (a->cfg.slot_size * a->cfg.slot_count / a->cfg.slot_count != a->cfg.slot_size ||
+	    a->cfg.slot_size * a->cfg.slot_count > (1ull << 40)) {
 		fprintf(stderr, "kvstaged: pool of %u x %llu bytes is larger than 1 TiB\n",
-			cfg.slot_count, (unsigned long long)cfg.slot_size);
+			a->cfg.slot_count, (unsigned long long)a->cfg.slot_size);
 		return 2;
 	}
 
+	return -1;
+}
+
+/* Makes the proxy and runs it until it drains. Returns the exit code. */
+static int serve(struct kvsp_args *a, const struct kvsp_daemon_hooks *hooks)
+{
+	char why[256];
 	/* The trace's sink is opened before anything is set up: a path we
 	 * cannot write is said at once, and nothing starts. */
 	struct kvsp_trace *trace = NULL;
-	if (trace_file) {
-		trace = kvsp_trace_open(trace_file, trace_buffer, why, sizeof(why));
+	if (a->trace_file) {
+		trace = kvsp_trace_open(a->trace_file, a->trace_buffer, why, sizeof(why));
 		if (!trace) {
-			fprintf(stderr, "kvstaged: --trace-file %s: %s\n", trace_file, why);
+			fprintf(stderr, "kvstaged: --trace-file %s: %s\n", a->trace_file, why);
 			return 1;
 		}
 	}
 
-	cfg.xports[cfg.nxports++] = (struct kvsp_xport_conf){ &kvsp_local_kind, NULL };
-	if (peer.secret)
-		cfg.xports[cfg.nxports++] = (struct kvsp_xport_conf){ &kvsp_peer_kind, &peer };
+	a->cfg.xports[a->cfg.nxports++] = (struct kvsp_xport_conf){ &kvsp_local_kind, NULL };
+	if (a->peer.secret)
+		a->cfg.xports[a->cfg.nxports++] =
+			(struct kvsp_xport_conf){ &kvsp_peer_kind, &a->peer };
+	if (!KVS_HAVE_VERBS && a->peer.secret) /* no module to say it: this build has none */
+		LOG_INFO("peers: chunks by TCP (%s)",
+			 a->peer.data == KVSP_DATA_STREAM
+				 ? "--transport tcp"
+				 : "this build has no RDMA: libibverbs-dev missing at build time");
 	if (hooks && hooks->warning)
 		LOG_WARN("%s", hooks->warning);
 	if (hooks && hooks->configure)
-		hooks->configure(&cfg);
+		hooks->configure(&a->cfg);
 	static struct kvsp p;
-	int rc = kvsp_init(&p, &cfg);
+	int rc = kvsp_init(&p, &a->cfg);
 	if (rc == 0 && hooks && hooks->started)
 		hooks->started(&p);
 	if (rc == 0 && trace) {
@@ -666,7 +149,7 @@ int kvsp_daemon_main(int argc, char **argv, const struct kvsp_daemon_hooks *hook
 					      .written = &p.stats->trace_written,
 					      .dropped = &p.stats->trace_dropped,
 					      .wake_fd = -1 };
-		if (cfg.failpoints) { /* inert otherwise (invariant 8) */
+		if (a->cfg.failpoints) { /* inert otherwise (invariant 8) */
 			tc.hold = &p.fp[KVSP_FP_TRACE_WRITE].action;
 			tc.hits = &p.fp[KVSP_FP_TRACE_WRITE].hits;
 			tc.wake_fd = p.wake_fd;
@@ -675,8 +158,9 @@ int kvsp_daemon_main(int argc, char **argv, const struct kvsp_daemon_hooks *hook
 		if (rc == 0)
 			rc = kvsp_trace_start(trace, &tc);
 	}
-	if (rc == 0 && metrics_listen)
-		rc = kvsp_metrics_start(&p, metrics_listen); /* last: it reads everything above */
+	if (rc == 0 && a->metrics_listen)
+		rc = kvsp_metrics_start(&p,
+					a->metrics_listen); /* last: it reads everything above */
 	if (rc == 0)
 		rc = kvsp_listen(&p);
 	if (rc < 0) {
@@ -688,17 +172,18 @@ int kvsp_daemon_main(int argc, char **argv, const struct kvsp_daemon_hooks *hook
 		return 1;
 	}
 	char slot[32], pool[32];
-	LOG_INFO("serving %s: %u slots x %s = %s pool (hugepages %s, %slocked)%s", cfg.socket_path,
-		 cfg.slot_count, kvs_format_size(cfg.slot_size, slot, sizeof(slot)),
+	LOG_INFO("serving %s: %u slots x %s = %s pool (hugepages %s, %slocked)%s",
+		 a->cfg.socket_path, a->cfg.slot_count,
+		 kvs_format_size(a->cfg.slot_size, slot, sizeof(slot)),
 		 kvs_format_size(p.pool_size, pool, sizeof(pool)), p.huge ? "yes" : "no",
-		 p.locked ? "" : "not ", cfg.failpoints ? ", failpoints on" : "");
-	kvsp_notify("READY=1\nSTATUS=serving %s: %u slots x %s", cfg.socket_path, cfg.slot_count,
-		    slot);
-	if (ready_fd >= 0) {
-		if (write(ready_fd, "ready\n", 6) != 6)
+		 p.locked ? "" : "not ", a->cfg.failpoints ? ", failpoints on" : "");
+	kvsp_notify("READY=1\nSTATUS=serving %s: %u slots x %s", a->cfg.socket_path,
+		    a->cfg.slot_count, slot);
+	if (a->ready_fd >= 0) {
+		if (write(a->ready_fd, "ready\n", 6) != 6)
 			LOG_WARN("--ready-fd: %s", strerror(errno));
-		if (ready_fd > 2) /* stdin, stdout and stderr stay ours to use */
-			close(ready_fd);
+		if (a->ready_fd > 2) /* stdin, stdout and stderr stay ours to use */
+			close(a->ready_fd);
 	}
 	rc = kvsp_run(&p);
 	/* What the loop queued is written before we go; what the fini below
@@ -711,4 +196,14 @@ int kvsp_daemon_main(int argc, char **argv, const struct kvsp_daemon_hooks *hook
 	kvsp_metrics_stop(&p); /* first: it reads what the rest frees */
 	kvsp_fini(&p);
 	return 0;
+}
+
+int kvsp_daemon_main(int argc, char **argv, const struct kvsp_daemon_hooks *hooks)
+{
+	static struct kvsp_args a; /* the proxy keeps pointers into it while it runs */
+	defaults(&a);
+	int rc = kvsp_args_parse(&a, argc, argv);
+	if (rc < 0)
+		rc = check(&a);
+	return rc < 0 ? serve(&a, hooks) : rc;
 }

@@ -24,7 +24,8 @@
  *     quiesced once every work request it posted has completed (flushed)
  *     and every key it granted is dead; past the peer timeout the queue
  *     pair is destroyed instead.
- * A proxy without a device ignores RDMA_HELLO and chunks go by the stream.
+ * A proxy without a device has no RDMA data path: the plane answers RDMA
+ * frames by their type (peer/unowned.c), and chunks go by the stream.
  */
 #include "datapath/rdma.h"
 
@@ -37,6 +38,7 @@
 #include "core/xport.h"
 #include "base/log.h"
 #include "layout.h"
+#include "parse.h"
 #include "peer/conn.h"
 #include "peer/peer.h"
 
@@ -88,13 +90,117 @@ static void rdma_destroy(struct kvsp_dp *dp)
 	free(r);
 }
 
+/* ------------------------------------------------------------- options */
+
+static int opt_device(void *conf, const char *val, const char **why)
+{
+	if (!*val) {
+		*why = "want a device name (ibv_devices)";
+		return -EINVAL;
+	}
+	((struct rdma_conf *)conf)->device = val;
+	return 0;
+}
+
+static int opt_gid_index(void *conf, const char *val, const char **why)
+{
+	uint64_t v;
+	if (kvs_parse_uint(val, 255, &v)) {
+		*why = "want 0 to 255";
+		return -EINVAL;
+	}
+	((struct rdma_conf *)conf)->gid_index = (int)v;
+	return 0;
+}
+
+static int opt_keys(void *conf, const char *val, const char **why)
+{
+	static const char *const names[] = { [KVSP_KEYS_AUTO] = "auto",
+					     [KVSP_KEYS_WINDOW] = "windows",
+					     [KVSP_KEYS_REGION] = "regions" };
+	for (unsigned k = 0; k < sizeof(names) / sizeof(names[0]); k++)
+		if (!strcmp(val, names[k])) {
+			((struct rdma_conf *)conf)->keys = (enum kvsp_keys)k;
+			return 0;
+		}
+	*why = "want auto, windows or regions";
+	return -EINVAL;
+}
+
+static const struct kvsp_dp_opt rdma_opts[] = {
+	{ "rdma-device", "NAME",
+	  "move chunks by RDMA READ on this device with peers\n"
+	  "that have one too (the others: by TCP); the pool\n"
+	  "is registered for local access only, and a peer\n"
+	  "reads each chunk under a key of its own (see\n"
+	  "--rdma-keys). Needs the peer secret (control\n"
+	  "stays on TCP)",
+	  opt_device },
+	{ "rdma-gid-index", "N",
+	  "the GID to use (default: the first RoCE v2 one,\n"
+	  "IPv4-mapped first)",
+	  opt_gid_index },
+	{ "rdma-keys", "KIND",
+	  "how each chunk's key is made: auto | windows |\n"
+	  "regions (default auto: windows if the device has\n"
+	  "type-2 memory windows, else regions). windows: a\n"
+	  "window bound on the peer's queue pair, invalidated\n"
+	  "at the chunk's ack or its room's abort (the NIC\n"
+	  "refuses it to any other peer); no RDMA on a\n"
+	  "device without them. regions: a memory region\n"
+	  "registered per chunk, deregistered at its end\n"
+	  "(costs a registration per chunk; any peer with\n"
+	  "the key may use it till then)",
+	  opt_keys },
+	{ 0 },
+};
+
+static void rdma_conf_init(void *conf)
+{
+	*(struct rdma_conf *)conf = (struct rdma_conf){ .gid_index = -1 };
+}
+
+/* RDMA rides on the peer plane's sessions: it needs the secret. */
+static int rdma_conf_check(const void *conf, const struct kvsp_peer_opts *o, char *why, size_t len)
+{
+	const struct rdma_conf *c = conf;
+	if (o->data == KVSP_DATA_STREAM && (c->device || c->keys != KVSP_KEYS_AUTO)) {
+		snprintf(why, len,
+			 "--transport tcp never uses RDMA: drop %s, or say --transport "
+			 "verbs or auto",
+			 c->device ? "--rdma-device" : "--rdma-keys");
+		return -EINVAL;
+	}
+	if ((o->data == KVSP_DATA_VERBS || c->device) && !o->secret) {
+		snprintf(why, len,
+			 "%s rides on the tcp transport's sessions: it needs the peer "
+			 "secret (--peer-secret-file or $KVSTAGE_PEER_SECRET)",
+			 o->data == KVSP_DATA_VERBS ? "--transport verbs" : "--rdma-device");
+		return -EINVAL;
+	}
+	return 0;
+}
+
 /* --transport: opens the device it asks for (or finds one, for auto).
- * Without one it still answers what peers with one say (RDMA_HELLO
- * ignored, CHUNK_READ refused: their chunks come by the stream). */
+ * Without one this proxy has no RDMA data path: what peers with one say
+ * is answered by its type (peer/unowned.c: RDMA_HELLO ignored, CHUNK_READ
+ * refused), and their chunks come by the stream. */
 static struct kvsp_dp *rdma_create(const struct kvsp_dp *base, const struct kvsp_peer_opts *o,
 				   char *why, size_t len, int *err)
 {
+	const struct rdma_conf *c = base->conf;
 	*err = 0;
+	if (o->data == KVSP_DATA_STREAM) {
+		LOG_INFO("peers: chunks by TCP (--transport tcp)");
+		return NULL;
+	}
+	uint32_t slots = kvsp_slot_count(base->p);
+	if (slots > SLOTS_MAX) {
+		snprintf(why, len, "rdma data path: %u slots, more than work requests can name",
+			 slots);
+		*err = -E2BIG;
+		return NULL;
+	}
 	struct rdma *r = calloc(1, sizeof(*r));
 	if (!r) {
 		snprintf(why, len, "rdma data path: out of memory");
@@ -102,31 +208,19 @@ static struct kvsp_dp *rdma_create(const struct kvsp_dp *base, const struct kvsp
 		return NULL;
 	}
 	r->dp = *base;
-	if (o->data == KVSP_DATA_STREAM) {
-		LOG_INFO("peers: chunks by TCP (--transport tcp)");
-		return &r->dp;
-	}
-	uint32_t slots = kvsp_slot_count(base->p);
-	if (slots > SLOTS_MAX) {
-		snprintf(why, len, "rdma data path: %u slots, more than work requests can name",
-			 slots);
-		*err = -E2BIG;
-		rdma_destroy(&r->dp);
-		return NULL;
-	}
 	char e[256];
-	int rc = kvsp_verbs_open(&r->verbs, o->rdma_device, o->rdma_gid_index,
-				 kvsp_slot_mem(base->p, 0), (size_t)slots * kvsp_slot_size(base->p),
-				 PSESS_MAX * (SQ_DEPTH + 1), o->rdma_keys, e, sizeof(e));
+	int rc = kvsp_verbs_open(&r->verbs, c->device, c->gid_index, kvsp_slot_mem(base->p, 0),
+				 (size_t)slots * kvsp_slot_size(base->p),
+				 PSESS_MAX * (SQ_DEPTH + 1), c->keys, e, sizeof(e));
 	if (rc < 0) {
 		memset(&r->verbs, 0, sizeof(r->verbs));
-		if (o->rdma_device || o->data == KVSP_DATA_VERBS) {
-			if (o->rdma_device)
-				snprintf(why, len, "--rdma-device %s: %s", o->rdma_device, e);
+		rdma_destroy(&r->dp);
+		if (c->device || o->data == KVSP_DATA_VERBS) {
+			if (c->device)
+				snprintf(why, len, "--rdma-device %s: %s", c->device, e);
 			else
 				snprintf(why, len, "--transport verbs: %s", e);
 			*err = rc;
-			rdma_destroy(&r->dp);
 			return NULL;
 		}
 		/* auto, no device named: a device that will not open costs this
@@ -135,7 +229,7 @@ static struct kvsp_dp *rdma_create(const struct kvsp_dp *base, const struct kvsp
 			LOG_INFO("peers: chunks by TCP (--transport auto: no RDMA device here)");
 		else
 			LOG_WARN("peers: chunks by TCP (--transport auto: %s)", e);
-		return &r->dp;
+		return NULL;
 	}
 	r->rread = calloc(slots, sizeof(*r->rread));
 	r->rsend = calloc(slots, sizeof(*r->rsend));
@@ -145,19 +239,18 @@ static struct kvsp_dp *rdma_create(const struct kvsp_dp *base, const struct kvsp
 		*err = -ENOMEM;
 		return NULL;
 	}
-	const char *because = r->verbs.keys == KVSP_KEYS_REGION
-				      ? (o->rdma_keys == KVSP_KEYS_REGION
-						 ? "--rdma-keys regions"
-						 : "the device has no type-2 memory windows")
-			      : r->verbs.window_confines == 1
-				      ? "the device keeps a READ inside its window"
-			      : r->verbs.window_confines == 0
-				      ? "the device does not keep a READ inside its "
-					"window, only inside the region under it: each "
-					"chunk gets a region of its own"
-				      : "whether the device keeps a READ inside its window could "
-					"not be tried: each "
-					"chunk gets a region of its own";
+	const char *because =
+		r->verbs.keys == KVSP_KEYS_REGION
+			? (c->keys == KVSP_KEYS_REGION ? "--rdma-keys regions"
+						       : "the device has no type-2 memory windows")
+		: r->verbs.window_confines == 1 ? "the device keeps a READ inside its window"
+		: r->verbs.window_confines == 0
+			? "the device does not keep a READ inside its "
+			  "window, only inside the region under it: each "
+			  "chunk gets a region of its own"
+			: "whether the device keeps a READ inside its window could "
+			  "not be tried: each "
+			  "chunk gets a region of its own";
 	LOG_INFO("rdma: %s port %u, GID index %d: chunks by RDMA READ with peers that have it, "
 		 "each under a key of its own: %s (%s)",
 		 r->verbs.name, r->verbs.port, r->verbs.gid_index,
@@ -208,7 +301,7 @@ static void rdma_sess_up(struct kvsp_dp *dp, struct psess *s)
 {
 	struct rdma *r = rdma_of(dp);
 	struct rsess *rs = rs_of(r, s);
-	if (!rs->qp && r->verbs.ctx)
+	if (!rs->qp)
 		link_make(r, rs, s);
 }
 
@@ -251,15 +344,12 @@ static int on_hello(struct rdma *r, struct psess *s, const struct kvs_wire_rdma_
 	memcpy(p.gid, b->gid, sizeof(p.gid));
 	if (p.pool_addr + p.pool_len < p.pool_addr)
 		return -EPROTO; /* a pool that wraps the address space names nothing */
-	if (!r->verbs.ctx && rs->hellos > 1)
-		return -EPROTO; /* once per session to a proxy that cannot READ */
-	if (!r->verbs.ctx || (!rs->qp && !rs->broken)) {
+	if (!rs->qp && !rs->broken) {
 		KVS_STAT_ADD(r->dp.st->peer_frames_ignored, 1);
 		if (rs->hellos == 1)
-			LOG_INFO("rdma: peer %s offers RDMA; %s: chunks to it go by TCP",
-				 s->ep.text,
-				 r->verbs.ctx ? "we have no queue pair for it"
-					      : "this proxy has no RDMA device");
+			LOG_INFO("rdma: peer %s offers RDMA; we have no queue pair for it: "
+				 "chunks to it go by TCP",
+				 s->ep.text);
 		return 0;
 	}
 	rs->peer = p;
@@ -440,8 +530,6 @@ void rs_completed(struct rdma *r, struct rsess *rs, const struct ibv_wc *wc)
 static int rdma_poll(struct kvsp_dp *dp)
 {
 	struct rdma *r = rdma_of(dp);
-	if (!r->verbs.ctx)
-		return KVSP_IDLE;
 	int busy = rrecv_release_held(r);
 	struct ibv_wc wc[CQ_BATCH];
 	int n = kvsp_verbs_poll(&r->verbs, wc, CQ_BATCH);
@@ -584,12 +672,26 @@ static void rdma_sess_free(struct kvsp_dp *dp, struct psess *s)
 	rs->win = win;
 }
 
-static const uint16_t rdma_types[] = { KVS_WIRE_RDMA_HELLO, KVS_WIRE_CHUNK_READ, KVS_WIRE_CHUNK_ACK,
-				       0 };
+static const struct kvsp_dp_frame_type rdma_frames[] = {
+	{ KVS_WIRE_RDMA_HELLO, 0, 0 },
+	{ KVS_WIRE_CHUNK_READ, 0, 0 },
+	{ KVS_WIRE_CHUNK_ACK, 0, 0 },
+	{ 0, 0, 0 },
+};
+
+static const char *const rdma_failpoints[] = {
+	[RDMA_FP_READ] = "rdma.read", /* receiving side: hold a READ, its slot posted */
+	NULL,
+};
 
 const struct kvsp_dp_ops kvsp_dp_rdma = {
 	.name = "rdma",
-	.types = rdma_types,
+	.frames = rdma_frames,
+	.opts = rdma_opts,
+	.conf_size = sizeof(struct rdma_conf),
+	.conf_init = rdma_conf_init,
+	.conf_check = rdma_conf_check,
+	.failpoints = rdma_failpoints,
 	.create = rdma_create,
 	.destroy = rdma_destroy,
 	.sess_up = rdma_sess_up,

@@ -37,6 +37,16 @@
  * invalidate per key. */
 #define SQ_DEPTH (WINDOW + KEYS_MAX)
 
+/* Its options (kvstaged --rdma-*). */
+struct rdma_conf {
+	const char *device; /* --rdma-device; NULL: as --transport says */
+	int gid_index;	    /* -1: the device's first RoCE v2 GID, IPv4-mapped first */
+	enum kvsp_keys keys;
+};
+
+/* Its failpoints, from its first (dp.fp). */
+enum { RDMA_FP_READ = 0 };
+
 enum wr_kind { WR_READ = 1, WR_BIND, WR_INV, WR_SENTINEL };
 
 /* kind:4 | slot:28 | session id:32. */

@@ -110,7 +110,7 @@ int rrecv_on_read(struct rdma *r, struct psess *s, const struct kvs_wire_chunk_r
 			      .dst = dst,
 			      .raddr = rs->peer.pool_addr + off };
 	rs->out++;
-	if (kvsp_xport_fp(dp->p, KVSP_FP_RDMA_READ, n.room) == KVSP_FP_HOLD) {
+	if (kvsp_xport_fp(dp->p, dp->fp + RDMA_FP_READ, n.room) == KVSP_FP_HOLD) {
 		/* Test barrier: the slot is posted, the READ waits (as a slow one would). */
 		list_add(r, &rs->held_head, &rs->held_tail, x->slot);
 		r->nheld++;
@@ -184,7 +184,8 @@ bool rrecv_next(struct rdma *r, struct rsess *rs, struct kvsp_dp_frame *out)
 int rrecv_release_held(struct rdma *r)
 {
 	int err;
-	if (!r->nheld || kvsp_xport_fp_action(r->dp.p, KVSP_FP_RDMA_READ, &err) == KVS_FP_PAUSE)
+	if (!r->nheld ||
+	    kvsp_xport_fp_action(r->dp.p, r->dp.fp + RDMA_FP_READ, &err) == KVS_FP_PAUSE)
 		return KVSP_IDLE; /* every real run: nothing held */
 	for (unsigned i = 0; i < PSESS_MAX; i++) {
 		struct rsess *rs = &r->rs[i];

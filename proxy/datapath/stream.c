@@ -272,11 +272,11 @@ static int stream_poll(struct kvsp_dp *dp)
 	return KVSP_BUSY;
 }
 
-static const uint16_t stream_types[] = { KVS_WIRE_CHUNK, 0 };
+static const struct kvsp_dp_frame_type stream_frames[] = { { KVS_WIRE_CHUNK, 0, 0 }, { 0, 0, 0 } };
 
 const struct kvsp_dp_ops kvsp_dp_stream = {
 	.name = "stream",
-	.types = stream_types,
+	.frames = stream_frames,
 	.create = stream_create,
 	.destroy = stream_destroy,
 	.sess_up = sess_nothing,

@@ -44,7 +44,15 @@
 
 #include <infiniband/verbs.h>
 
-#include "peer/peer.h" /* enum kvsp_keys */
+#include "peer/peer.h"
+
+/* --rdma-keys: how the key a peer reads each chunk with is made
+ * (datapath/verbs.h says what each fences). */
+enum kvsp_keys {
+	KVSP_KEYS_AUTO = 0, /* windows where the device has them, else regions */
+	KVSP_KEYS_WINDOW,   /* type-2 memory windows, or no RDMA on this device */
+	KVSP_KEYS_REGION,   /* a memory region per chunk */
+};
 
 /* What a peer needs to reach one of our queue pairs; chunk keys come with
  * each CHUNK_READ. */

@@ -95,7 +95,7 @@ static bool admin_ready(struct kvsp *p, const struct kvs_admin_req *q, uint64_t 
 		*val = __atomic_load_n((uint64_t *)((uint8_t *)p->stats + off), __ATOMIC_RELAXED);
 		return q->action == 0 ? *val >= q->hits : *val <= q->hits;
 	}
-	*val = p->fp[kvs_fp_find(q->name)].hits;
+	*val = p->fp[kvsp_fp_lookup(p, q->name)].hits;
 	return *val >= q->hits;
 }
 
@@ -119,7 +119,7 @@ static void on_admin(struct kvsp *p, struct kvsp_admin *a)
 		a->waiting = true; /* answered by admin_poll once it holds */
 		return;
 	}
-	int id = kvs_fp_find(q.name);
+	int id = kvsp_fp_lookup(p, q.name);
 	if (id < 0) {
 		admin_reply(a, -ENOENT, 0, "no such failpoint");
 		return;

@@ -68,6 +68,7 @@ int kvsp_init(struct kvsp *p, const struct kvsp_config *cfg)
 	p->cfg.cq_count = pow2_at_least(2 * (cfg->client_rooms + 32));
 	p->epfd = p->listen_fd = p->wake_fd = p->lock_fd = p->pool_fd = p->ctrl_fd = -1;
 	p->spare_fd = -1;
+	p->nfp = KVSP_FP_COUNT; /* the data paths' come after the fixed ones */
 	kvsp_log_level = cfg->log_level;
 
 	/* The cheap checks first: a bad socket path is said at once, not

@@ -20,8 +20,15 @@
  * pair moved to error), and only once it says nothing of it can touch our
  * memory does the core release the session's pins.
  *
- * A new data path (UCX, EFA) is one file in datapath/ and a line in
- * datapath/datapath.c.
+ * A data path is a module: one file (or a folder's files) that defines
+ * `const struct kvsp_dp_ops kvsp_dp_NAME` and declares in it all it brings:
+ * its options (kvstaged's option table, --help and config file take them
+ * from here), its frame types (the protocol's, or its own: peer/frame.h),
+ * and its failpoints. The build lists the modules a kvstaged has
+ * (proxy/meson.build's kvsp_datapaths; a test's kvstaged adds its own),
+ * and the table it generates (datapath/table.c.in) is the order the plane
+ * asks them in. A frame of a data path this proxy does not run is answered
+ * by its type alone (peer/unowned.c).
  */
 #ifndef KVSP_PEER_DATAPATH_H
 #define KVSP_PEER_DATAPATH_H
@@ -43,6 +50,26 @@ struct pconn_table;
 struct psess;
 struct psess_table;
 
+/* A frame type a data path reads: the protocol's (size 0: wire.h says
+ * it), or its own, from KVSP_FRAME_OWN_MIN (frame.h), with its body's size
+ * and KVSP_FRAME_* flags. */
+struct kvsp_dp_frame_type {
+	uint16_t type;
+	uint32_t size;
+	unsigned flags;
+};
+
+/* An option a data path takes: kvstaged's command line and config file
+ * ("name = value") accept it, and --help shows it under the path's name. */
+struct kvsp_dp_opt {
+	const char *name; /* the long option, without "--" */
+	const char *arg;  /* its argument as --help names it; NULL: a flag */
+	const char *help; /* --help's text: lines of at most 50 columns, '\n' between */
+	/* Takes val (NULL for a flag) into conf. Returns 0, or -EINVAL with
+	 * *why saying what it wants ("want 0 to 255"). */
+	int (*parse)(void *conf, const char *val, const char **why);
+};
+
 /* What every data path shares: the peer plane's parts it works with. */
 struct kvsp_dp {
 	const struct kvsp_dp_ops *ops;
@@ -53,6 +80,8 @@ struct kvsp_dp {
 	struct kvs_stats *st;
 	struct kvsp_dp *const *dps; /* every data path of the plane, in order */
 	const unsigned *ndps;
+	const void *conf; /* its options' values (ops->conf_size bytes), or NULL */
+	unsigned fp;	  /* its first failpoint's id: ops->failpoints[i] is fp + i */
 };
 
 /* A frame a data path has for a connection, and the payload after it. */
@@ -66,7 +95,14 @@ struct kvsp_dp_frame {
 
 struct kvsp_dp_ops {
 	const char *name;
-	const uint16_t *types; /* the frame types it reads, 0-terminated */
+	const struct kvsp_dp_frame_type *frames; /* the frame types it reads; type 0 ends */
+	const struct kvsp_dp_opt *opts;		 /* its options; name NULL ends; or NULL */
+	size_t conf_size;			 /* its options' values, conf_init's defaults */
+	void (*conf_init)(void *conf);
+	/* Optional: its options together, and with the plane's (o). Returns 0,
+	 * or -EINVAL with why said (kvstaged does not start). */
+	int (*conf_check)(const void *conf, const struct kvsp_peer_opts *o, char *why, size_t len);
+	const char *const *failpoints; /* its failpoints' names ("rdma.read"); NULL ends; or NULL */
 	/* Makes this proxy's instance (a struct embedding *base first).
 	 * Returns it; or NULL with *err 0 when this proxy has none (why says
 	 * so, for the log), or *err < 0 when it was asked for and cannot be

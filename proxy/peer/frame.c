@@ -3,6 +3,7 @@
 
 #include <endian.h>
 #include <errno.h>
+#include <stdbool.h>
 #include <stddef.h>
 #include <string.h>
 
@@ -16,26 +17,59 @@
 static_assert(offsetof(struct kvs_wire_frame_hdr, mac) + KVS_WIRE_MAC_SIZE == 40,
 	      "the MAC ends the header");
 
-/* No body is empty: rx->need == HDR then means "header not judged yet". */
-static const uint32_t body_size[KVS_WIRE_NTYPES] = {
-	[KVS_WIRE_OPEN] = sizeof(struct kvs_wire_open),
-	[KVS_WIRE_OPEN_ACK] = sizeof(struct kvs_wire_open_ack),
-	[KVS_WIRE_CHUNK] = sizeof(struct kvs_wire_chunk),
-	[KVS_WIRE_CHUNK_ACK] = sizeof(struct kvs_wire_chunk_ack),
-	[KVS_WIRE_ABORT] = sizeof(struct kvs_wire_abort),
-	[KVS_WIRE_DONE] = sizeof(struct kvs_wire_done),
-	[KVS_WIRE_PING] = sizeof(struct kvs_wire_ping),
-	[KVS_WIRE_PONG] = sizeof(struct kvs_wire_ping),
-	[KVS_WIRE_BYE] = sizeof(struct kvs_wire_bye),
-	[KVS_WIRE_JOIN] = sizeof(struct kvs_wire_join),
-	[KVS_WIRE_ENDED] = sizeof(struct kvs_wire_ended),
-	[KVS_WIRE_RDMA_HELLO] = sizeof(struct kvs_wire_rdma_hello),
-	[KVS_WIRE_CHUNK_READ] = sizeof(struct kvs_wire_chunk_read),
+/* What the wire says of each type (frame.h's struct kvsp_frame_kind): the
+ * protocol's, then those a data path outside it registered. No body is
+ * empty: rx->need == HDR then means "header not judged yet", and a size of
+ * 0 means an unknown type. */
+#define DP KVSP_FRAME_DATAPATH
+static struct kvsp_frame_kind kinds[KVSP_FRAME_TYPES] = {
+	[KVS_WIRE_OPEN] = { sizeof(struct kvs_wire_open), 0 },
+	[KVS_WIRE_OPEN_ACK] = { sizeof(struct kvs_wire_open_ack), 0 },
+	[KVS_WIRE_CHUNK] = { sizeof(struct kvs_wire_chunk), DP | KVSP_FRAME_PAYLOAD },
+	[KVS_WIRE_CHUNK_ACK] = { sizeof(struct kvs_wire_chunk_ack), DP },
+	[KVS_WIRE_ABORT] = { sizeof(struct kvs_wire_abort), 0 },
+	[KVS_WIRE_DONE] = { sizeof(struct kvs_wire_done), 0 },
+	[KVS_WIRE_PING] = { sizeof(struct kvs_wire_ping), 0 },
+	[KVS_WIRE_PONG] = { sizeof(struct kvs_wire_ping), 0 },
+	[KVS_WIRE_BYE] = { sizeof(struct kvs_wire_bye), 0 },
+	[KVS_WIRE_JOIN] = { sizeof(struct kvs_wire_join), 0 },
+	[KVS_WIRE_ENDED] = { sizeof(struct kvs_wire_ended), 0 },
+	[KVS_WIRE_RDMA_HELLO] = { sizeof(struct kvs_wire_rdma_hello), DP | KVSP_FRAME_ONCE },
+	[KVS_WIRE_CHUNK_READ] = { sizeof(struct kvs_wire_chunk_read), DP | KVSP_FRAME_ASKS },
 };
+#undef DP
+
+const struct kvsp_frame_kind *kvsp_frame_kind(uint32_t type)
+{
+	return type < KVSP_FRAME_TYPES && kinds[type].size ? &kinds[type] : NULL;
+}
 
 uint32_t kvsp_frame_body_size(uint32_t type)
 {
-	return type < KVS_WIRE_NTYPES ? body_size[type] : 0;
+	return type < KVSP_FRAME_TYPES ? kinds[type].size : 0;
+}
+
+int kvsp_frame_register(uint16_t type, uint32_t size, unsigned flags)
+{
+	if (type < KVSP_FRAME_OWN_MIN || type >= KVSP_FRAME_TYPES)
+		return -EINVAL;
+	if (!size || size > KVS_WIRE_BODY_MAX || size % 8 ||
+	    (flags & KVSP_FRAME_PAYLOAD && size < sizeof(struct kvs_wire_chunk)) ||
+	    (flags & KVSP_FRAME_ASKS && size < sizeof(struct kvs_wire_chunk_ack)) ||
+	    (flags & ~(KVSP_FRAME_PAYLOAD | KVSP_FRAME_ASKS | KVSP_FRAME_ONCE)))
+		return -EINVAL;
+	if (kinds[type].size)
+		return kinds[type].size == size &&
+				       kinds[type].flags == (flags | KVSP_FRAME_DATAPATH)
+			       ? 0
+			       : -EEXIST;
+	kinds[type] = (struct kvsp_frame_kind){ size, flags | KVSP_FRAME_DATAPATH };
+	return 0;
+}
+
+static bool has_payload(uint16_t type)
+{
+	return type < KVSP_FRAME_TYPES && kinds[type].flags & KVSP_FRAME_PAYLOAD;
 }
 
 /* Keyed BLAKE2b-128 of the header up to its MAC, then the body. Both parts
@@ -81,9 +115,9 @@ int kvsp_frame_seal(struct kvsp_frame_tx *tx, uint16_t type, const void *body, u
 
 	/* Refused here what the peer's decoder would refuse: a frame it kills
 	 * the connection for must never leave us. */
-	if (!len || (plen && type != KVS_WIRE_CHUNK))
+	if (!len || (plen && !has_payload(type)))
 		return -EINVAL;
-	if (type == KVS_WIRE_CHUNK && chunk_len(body) != plen)
+	if (has_payload(type) && chunk_len(body) != plen)
 		return -EINVAL;
 
 	struct kvs_wire_frame_hdr h = {
@@ -173,7 +207,7 @@ static int judge_header(struct kvsp_frame_rx *rx)
 	if (le32toh(h.len) != len)
 		return -EBADMSG;
 	uint32_t plen = le32toh(h.plen);
-	if (plen && type != KVS_WIRE_CHUNK)
+	if (plen && !has_payload(type))
 		return -EMSGSIZE;
 	if (plen > rx->max_payload)
 		return -E2BIG;
@@ -201,7 +235,7 @@ static int judge_frame(struct kvsp_frame_rx *rx, struct kvsp_frame *f)
 		return -EOPNOTSUPP;
 	uint16_t type = le16toh(h.type);
 	uint32_t plen = le32toh(h.plen);
-	if (type == KVS_WIRE_CHUNK && chunk_len(body) != plen)
+	if (has_payload(type) && chunk_len(body) != plen)
 		return -ERANGE;
 
 	memset(f, 0, sizeof(*f));

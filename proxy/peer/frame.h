@@ -24,7 +24,7 @@
  *   -EPROTO       header magic is not KVS_WIRE_FRAME_MAGIC
  *   -ENOMSG       unknown frame type
  *   -EBADMSG      len is not the type's body size
- *   -EMSGSIZE     plen != 0 on a type other than CHUNK
+ *   -EMSGSIZE     plen != 0 on a type without a payload (CHUNK has one)
  *   -E2BIG        CHUNK plen above the decoder's max_payload
  *   -EACCES       MAC mismatch (forged, altered, or another key's)
  *   -EILSEQ       seq is not the next one (replayed, reordered, dropped)
@@ -38,6 +38,7 @@
 #ifndef KVSP_FRAME_H
 #define KVSP_FRAME_H
 
+#include <assert.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -75,8 +76,39 @@ struct kvsp_frame_rx {
 	_Alignas(8) uint8_t buf[KVS_WIRE_FRAME_MAX];
 };
 
+/* Frame types: the protocol's (wire.h) below KVS_WIRE_NTYPES; from
+ * KVSP_FRAME_OWN_MIN, a data path's outside the protocol (a test's, an
+ * experiment's), registered at start: both ends must run that path, a
+ * proxy without it refuses the frame as unknown. */
+#define KVSP_FRAME_TYPES 64
+#define KVSP_FRAME_OWN_MIN 48
+static_assert(KVS_WIRE_NTYPES <= KVSP_FRAME_OWN_MIN, "the protocol's types stay below 48");
+
+/* What a frame type is. A data path's type that no data path of this proxy
+ * reads (an RDMA frame to a build without RDMA, or to a proxy without a
+ * device) is answered by its flags (peer/unowned.c): ASKS, with a
+ * CHUNK_ACK -EOPNOTSUPP, so that the sender carries that chunk another
+ * way; ONCE, ignored the first time in a session (a second is out of
+ * protocol); else ignored. Each ignored one is counted. */
+#define KVSP_FRAME_PAYLOAD 0x1u	 /* plen payload bytes follow; the body starts as a CHUNK's */
+#define KVSP_FRAME_DATAPATH 0x2u /* a data path's, not the plane's own */
+#define KVSP_FRAME_ASKS 0x4u	 /* the body starts as a CHUNK's: room, chunk, len, xfer_ref */
+#define KVSP_FRAME_ONCE 0x8u
+struct kvsp_frame_kind {
+	uint32_t size; /* the body's bytes: exactly this */
+	unsigned flags;
+};
+
+/* Returns what type is, or NULL for an unknown type. */
+const struct kvsp_frame_kind *kvsp_frame_kind(uint32_t type);
 /* Returns the body size of frame type type, or 0 for an unknown type. */
 uint32_t kvsp_frame_body_size(uint32_t type);
+/* Makes type (KVSP_FRAME_OWN_MIN to KVSP_FRAME_TYPES - 1) a data path's, of
+ * size body bytes (8 to KVS_WIRE_BODY_MAX, a multiple of 8) and flags
+ * (PAYLOAD, ASKS, ONCE). Returns 0 (also when it already is exactly that),
+ * -EEXIST (it is something else), or -EINVAL. Called before any frame is
+ * sealed or decoded: the table is not locked. */
+int kvsp_frame_register(uint16_t type, uint32_t size, unsigned flags);
 
 /* Starts a sending direction at seq 0 under key (KVSP_KEY_SIZE bytes, copied). */
 void kvsp_frame_tx_init(struct kvsp_frame_tx *tx, const uint8_t *key);

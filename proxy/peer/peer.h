@@ -23,14 +23,6 @@ enum kvsp_peer_data {
 	KVSP_DATA_VERBS,  /* verbs: RDMA READ: a device must open, or the start fails */
 };
 
-/* --rdma-keys: how the key a peer reads each chunk with is made
- * (datapath/verbs.h says what each fences). */
-enum kvsp_keys {
-	KVSP_KEYS_AUTO = 0, /* windows where the device has them, else regions */
-	KVSP_KEYS_WINDOW,   /* type-2 memory windows, or no RDMA on this device */
-	KVSP_KEYS_REGION,   /* a memory region per chunk */
-};
-
 /* --listen, or a peer secret alone: dial only. */
 struct kvsp_peer_opts {
 	const char *listen;    /* "HOST:PORT", NULL: no listening */
@@ -40,13 +32,13 @@ struct kvsp_peer_opts {
 	bool checksum; /* CRC32C of every payload */
 	bool zerocopy; /* payloads sent with MSG_ZEROCOPY */
 	enum kvsp_peer_data data;
-	const char *rdma_device; /* chunks by RDMA READ with peers that have it; NULL: per data */
-	int rdma_gid_index;	 /* -1: the device's first RoCE v2 GID, IPv4-mapped first */
-	enum kvsp_keys rdma_keys;
 	const struct kvsp_secret *secret;
-	/* The data paths, in the order they are asked (datapath/datapath.h's
-	 * kvsp_datapaths; peer/datapath.h is their interface); NULL-terminated. */
+	/* The data paths, in the order they are asked (the build's table,
+	 * datapath/datapath.h; peer/datapath.h is their interface);
+	 * NULL-terminated; and each one's options' values (dp_conf[k]: its
+	 * conf_size bytes, or NULL). */
 	const struct kvsp_dp_ops *const *datapaths;
+	void *const *dp_conf;
 };
 
 #endif

@@ -36,16 +36,18 @@
 #include "layout.h"
 #include "peer/conn.h"
 #include "peer/datapath.h"
+#include "peer/frame.h"
 #include "peer/peer.h"
 #include "peer/plane.h"
 #include "peer/room.h"
 #include "peer/session.h"
+#include "peer/unowned.h"
 
 #define TAG_LISTEN UINT64_MAX
 #define TAG_TIMER (UINT64_MAX - 1)
 #define TAG_DP0 (UINT64_MAX - 2 - MAX_DPS) /* data path k's fd: TAG_DP0 + k */
 #define BURST 64
-#define MAX_DPS 4
+#define MAX_DPS 8 /* the build's, and the one for frames of no data path here */
 
 struct peer {
 	struct kvsp_transport t;
@@ -63,7 +65,7 @@ struct peer {
 	struct proom_table rooms;
 	struct kvsp_dp *dps[MAX_DPS];
 	unsigned ndps;
-	struct kvsp_dp *by_type[KVS_WIRE_NTYPES]; /* who reads each data path's frame types */
+	struct kvsp_dp *by_type[KVSP_FRAME_TYPES]; /* who reads each data path's frame types */
 	struct kvsp_rl rl_conn, rl_sess;
 	uint64_t accepts; /* connections accepted: failpoint peer.accept matches the count */
 };
@@ -158,7 +160,7 @@ static void on_sent(struct peer *pr, struct psess *s, uint16_t type, struct kvsp
 	s->last_tx_ns = now_of(pr);
 	if (type == KVS_WIRE_PING)
 		KVS_STAT_ADD(pr->st->peer_pings, 1);
-	if (x && type < KVS_WIRE_NTYPES && pr->by_type[type] && pr->by_type[type]->ops->sent)
+	if (x && type < KVSP_FRAME_TYPES && pr->by_type[type] && pr->by_type[type]->ops->sent)
 		pr->by_type[type]->ops->sent(pr->by_type[type], s, x);
 	if (type == KVS_WIRE_BYE && s->closing)
 		psess_bye_sent(&pr->sessions, s);
@@ -257,7 +259,7 @@ static int dispatch(struct peer *pr, struct pconn *c, const struct kvsp_frame *f
 			return -EPROTO; /* control goes on stream 0 only: that is its order */
 		return proom_on_frame(&pr->rooms, s, f);
 	}
-	struct kvsp_dp *dp = f->type < KVS_WIRE_NTYPES ? pr->by_type[f->type] : NULL;
+	struct kvsp_dp *dp = f->type < KVSP_FRAME_TYPES ? pr->by_type[f->type] : NULL;
 	if (!dp)
 		return -EPROTO; /* JOIN again, or a frame nobody here speaks */
 	return dp->ops->on_frame(dp, s, c, f);
@@ -267,7 +269,7 @@ static int dispatch(struct peer *pr, struct pconn *c, const struct kvsp_frame *f
  * Returns 0, or the refusal of the frame read with its tail (c is lost). */
 static int payload_end(struct peer *pr, struct pconn *c)
 {
-	struct kvsp_dp *dp = c->rx_type < KVS_WIRE_NTYPES ? pr->by_type[c->rx_type] : NULL;
+	struct kvsp_dp *dp = c->rx_type < KVSP_FRAME_TYPES ? pr->by_type[c->rx_type] : NULL;
 	struct psess *s = psess_up(&pr->sessions, c->sess);
 	if (dp && dp->ops->payload_end && s)
 		dp->ops->payload_end(dp, s, c);
@@ -655,6 +657,36 @@ static int open_listener(struct peer *pr, bool advertised, char *why, size_t len
 	return epoll_ctl(pr->epfd, EPOLL_CTL_ADD, fd, &ev) < 0 ? -errno : 0;
 }
 
+/* dp reads its frame types, and its failpoints get their ids. Returns 0,
+ * or -errno with why said (the proxy does not start). */
+static int datapath_parts(struct peer *pr, struct kvsp_dp *dp, char *why, size_t len)
+{
+	const struct kvsp_dp_ops *ops = dp->ops;
+	for (const struct kvsp_dp_frame_type *ft = ops->frames; ft && ft->type; ft++) {
+		int rc = ft->size ? kvsp_frame_register(ft->type, ft->size, ft->flags)
+				  : (kvsp_frame_kind(ft->type) ? 0 : -ENOMSG);
+		if (rc < 0 || pr->by_type[ft->type]) {
+			snprintf(why, len, "%s data path: frame type %u: %s", ops->name, ft->type,
+				 rc < 0 ? strerror(-rc) : "another data path reads it");
+			return rc < 0 ? rc : -EEXIST;
+		}
+		pr->by_type[ft->type] = dp;
+	}
+	for (unsigned i = 0; ops->failpoints && ops->failpoints[i]; i++) {
+		int id = kvsp_fp_register(pr->p, ops->failpoints[i]);
+		if (id < 0) {
+			snprintf(why, len, "%s data path: failpoint %s: %s", ops->name,
+				 ops->failpoints[i], strerror(-id));
+			return id;
+		}
+		if (i == 0)
+			dp->fp = (unsigned)id;
+	}
+	return 0;
+}
+
+/* The build's data paths that this proxy runs, in order, then the one that
+ * answers the frames of those it does not (peer/unowned.c). */
 static int open_datapaths(struct peer *pr, const struct kvsp_peer_opts *o, char *why, size_t len)
 {
 	struct kvsp_dp base = { .p = pr->p,
@@ -664,14 +696,19 @@ static int open_datapaths(struct peer *pr, const struct kvsp_peer_opts *o, char 
 				.st = pr->st,
 				.dps = pr->dps,
 				.ndps = &pr->ndps };
-	for (unsigned k = 0; o->datapaths[k] && pr->ndps < MAX_DPS; k++) {
-		base.ops = o->datapaths[k];
+	for (unsigned k = 0; k == 0 || o->datapaths[k - 1]; k++) {
+		base.ops = o->datapaths[k] ? o->datapaths[k] : &kvsp_unowned;
+		base.conf = o->datapaths[k] && o->dp_conf ? o->dp_conf[k] : NULL;
+		if (pr->ndps == MAX_DPS) {
+			snprintf(why, len, "peer plane: more than %u data paths", MAX_DPS - 1);
+			return -E2BIG;
+		}
 		int err = 0;
 		struct kvsp_dp *dp = base.ops->create(&base, o, why, len, &err);
 		if (!dp) {
 			if (err < 0)
 				return err;
-			continue; /* not on this proxy */
+			continue; /* not on this proxy: its frames are answered by their type */
 		}
 		int fd = dp->ops->loop_fd ? dp->ops->loop_fd(dp) : -1;
 		struct epoll_event ev = { .events = EPOLLIN, .data.u64 = TAG_DP0 + pr->ndps };
@@ -681,9 +718,17 @@ static int open_datapaths(struct peer *pr, const struct kvsp_peer_opts *o, char 
 				 strerror(errno));
 			return -errno;
 		}
-		for (const uint16_t *ty = dp->ops->types; *ty; ty++)
-			if (*ty < KVS_WIRE_NTYPES)
-				pr->by_type[*ty] = dp;
+		if (o->datapaths[k]) {
+			int rc = datapath_parts(pr, dp, why, len);
+			if (rc < 0)
+				return rc;
+			continue;
+		}
+		for (unsigned ty = 0; ty < KVSP_FRAME_TYPES; ty++) {
+			const struct kvsp_frame_kind *fk = kvsp_frame_kind(ty);
+			if (fk && fk->flags & KVSP_FRAME_DATAPATH && !pr->by_type[ty])
+				pr->by_type[ty] = dp;
+		}
 	}
 	return 0;
 }
