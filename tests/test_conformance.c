@@ -8,6 +8,11 @@
  *   tcp    two proxies on loopback; the receiving proxy posts a slot for
  *          each chunk (failpoint tcp.payload holds a payload after its
  *          header left)
+ *   relay  two proxies of kvstaged-relay with --relay-chunks: a data path
+ *          that lives in one file under tests/ (dp_relay.c), its own frame
+ *          type, option and failpoint (relay.land holds a chunk whose bytes
+ *          are in its posted slot before it lands): the proof that a data
+ *          path is a module
  *   verbs  the same two proxies with --rdma-device: the receiving proxy
  *          pulls each chunk by RDMA READ (failpoint rdma.read holds a READ
  *          there, its slot posted). Needs an RDMA device named by
@@ -20,6 +25,7 @@
  * death mid-transfer; a forged descriptor; and every one ends with each
  * pool fully free and the path still serving.
  */
+#include <assert.h>
 #include <criterion/criterion.h>
 #include <criterion/parameterized.h>
 #include <errno.h>
@@ -37,9 +43,9 @@
 
 #define SECRET "kvstage-conformance-secret-0123456789"
 
-enum kind { X_LOCAL, X_TCP, X_VERBS, X_NKINDS };
+enum kind { X_LOCAL, X_TCP, X_RELAY, X_VERBS, X_NKINDS };
 
-static const char *const kind_name[X_NKINDS] = { "local", "tcp", "verbs" };
+static const char *const kind_name[X_NKINDS] = { "local", "tcp", "relay", "verbs" };
 
 /* What a scenario needs to know of a transport. */
 struct xport {
@@ -52,12 +58,15 @@ struct xport {
 static const struct xport xports[X_NKINDS] = {
 	[X_LOCAL] = { false, "local.quiesce", false, false },
 	[X_TCP] = { true, "tcp.payload", true, false },
+	[X_RELAY] = { true, "relay.land", true, true },
 	[X_VERBS] = { true, "rdma.read", true, true },
 };
 
 static struct proxy p_rx = PROXY_INIT, p_tx = PROXY_INIT;
 static struct proxy *rxp, *txp; /* the same proxy for local */
 static enum kind cur_kind;
+static const char *cur_bin;	 /* the path's kvstaged: NULL for the build's */
+static const char *cur_args[12]; /* ... and its options */
 
 static void setup(void)
 {
@@ -101,10 +110,18 @@ static const struct xport *path(enum kind k, const char *slots)
 		args[8] = "--rdma-device";
 		args[9] = dev;
 	}
-	proxy_start(&p_rx, NULL, args);
+	const char *bin = NULL; /* kvstaged */
+	if (k == X_RELAY) {
+		args[8] = "--relay-chunks";
+		bin = build_path("tests/kvstaged-relay");
+	}
+	cur_bin = bin;
+	static_assert(sizeof(args) <= sizeof(cur_args), "cur_args holds a path's options");
+	memcpy(cur_args, args, sizeof(args));
+	proxy_start(&p_rx, bin, args);
 	rxp = txp = &p_rx;
 	if (xports[k].two_proxies) {
-		proxy_start(&p_tx, NULL, args);
+		proxy_start(&p_tx, bin, args);
 		txp = &p_tx;
 	}
 	return &xports[k];
@@ -158,7 +175,7 @@ static void wait_held(const struct xport *x, uint64_t posted_before)
 		stat_wait(rxp, "slots.recv_posted", 1, posted_before + 1);
 }
 
-static enum kind kinds[X_NKINDS] = { X_LOCAL, X_TCP, X_VERBS };
+static enum kind kinds[X_NKINDS] = { X_LOCAL, X_TCP, X_RELAY, X_VERBS };
 
 /* ------------------------------------------------------------- bytes */
 
@@ -390,19 +407,7 @@ ParameterizedTest(enum kind *k, conformance, the_sending_side_dies_mid_transfer)
 	cr_assert_eq(kvs_room_close(r.rr), 0);
 	if (x->two_proxies) {
 		proxy_stop(&p_tx);
-		const char *dev = getenv("KVSTAGE_TEST_RDMA_DEVICE");
-		const char *args[] = { "--slots",
-				       "64",
-				       "--slot-size",
-				       "64K",
-				       "--listen",
-				       "127.0.0.1:0",
-				       "--transport",
-				       cur_kind == X_VERBS ? "verbs" : "tcp",
-				       cur_kind == X_VERBS ? "--rdma-device" : NULL,
-				       dev,
-				       NULL };
-		proxy_start(&p_tx, NULL, args); /* the sending host, back */
+		proxy_start(&p_tx, cur_bin, cur_args); /* the sending host, back */
 	}
 	kvs_client *tx = connect_ok(txp);
 	path_ends_clean(rx, tx);

@@ -1244,6 +1244,50 @@ Test(frame, sizes_and_fields_refused)
 	cr_assert(!memcmp(b, b + 100, 88), "the sealer's frame is not the one wire.h describes");
 }
 
+/* A data path's own type (48 to 63): registered with its size and flags,
+ * then sealed and decoded as the protocol's are; its payload's length
+ * checked against its body as a CHUNK's. What the table cannot hold, or
+ * holds already as something else, is refused and changes nothing. */
+Test(frame, a_data_path_registers_its_own_type)
+{
+	enum { OWN = KVSP_FRAME_OWN_MIN + 3 };
+	cr_assert_eq(kvsp_frame_body_size(OWN), 0, "unknown before it is registered");
+	cr_assert_eq(kvsp_frame_register(KVS_WIRE_CHUNK, 48, 0), -EINVAL, "the protocol's");
+	cr_assert_eq(kvsp_frame_register(KVSP_FRAME_TYPES, 48, 0), -EINVAL);
+	cr_assert_eq(kvsp_frame_register(OWN, 0, 0), -EINVAL);
+	cr_assert_eq(kvsp_frame_register(OWN, KVS_WIRE_BODY_MAX + 8, 0), -EINVAL);
+	cr_assert_eq(kvsp_frame_register(OWN, 12, 0), -EINVAL, "not a multiple of 8");
+	cr_assert_eq(kvsp_frame_register(OWN, 16, KVSP_FRAME_PAYLOAD), -EINVAL,
+		     "a payload's body starts as a CHUNK's");
+	cr_assert_eq(kvsp_frame_register(OWN, 48, 0x100), -EINVAL);
+	cr_assert_eq(kvsp_frame_body_size(OWN), 0, "a refusal changed the table");
+	cr_assert_eq(kvsp_frame_register(OWN, 48, KVSP_FRAME_PAYLOAD), 0);
+	cr_assert_eq(kvsp_frame_register(OWN, 48, KVSP_FRAME_PAYLOAD), 0, "again, the same");
+	cr_assert_eq(kvsp_frame_register(OWN, 56, KVSP_FRAME_PAYLOAD), -EEXIST);
+	cr_assert_eq(kvsp_frame_body_size(OWN), 48);
+	cr_assert_eq(kvsp_frame_kind(OWN)->flags, KVSP_FRAME_PAYLOAD | KVSP_FRAME_DATAPATH);
+	cr_assert_eq(kvsp_frame_kind(KVS_WIRE_CHUNK_READ)->flags,
+		     KVSP_FRAME_DATAPATH | KVSP_FRAME_ASKS, "RDMA's READ is answered when unowned");
+	cr_assert_null(kvsp_frame_kind(OWN + 1));
+
+	union kvs_wire_body body = body_of(KVS_WIRE_CHUNK, 1, 64);
+	uint8_t b[KVS_WIRE_FRAME_MAX];
+	struct kvsp_frame_tx tx;
+	kvsp_frame_tx_init(&tx, KEY);
+	cr_assert_eq(kvsp_frame_seal(&tx, OWN, &body, 63, b), -EINVAL, "len is not plen");
+	int n = kvsp_frame_seal(&tx, OWN, &body, 64, b);
+	cr_assert_eq(n, (int)(sizeof(struct kvs_wire_frame_hdr) + 48));
+	struct kvsp_frame_rx rx;
+	struct kvsp_frame f;
+	size_t used;
+	kvsp_frame_rx_init(&rx, KEY, 64);
+	cr_assert_eq(kvsp_frame_rx_feed(&rx, b, (size_t)n, &used, &f), 1);
+	cr_assert_eq(f.type, OWN);
+	cr_assert_eq(f.plen, 64);
+	cr_assert_eq(kvsp_frame_rx_owed(&rx), 64, "its payload is owed as a CHUNK's");
+	cr_assert_eq(memcmp(&f.body.chunk, &body.chunk, sizeof(body.chunk)), 0);
+}
+
 Test(frame, garbage_refused)
 {
 	uint8_t b[1024];
