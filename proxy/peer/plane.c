@@ -30,6 +30,7 @@
 #include <sys/timerfd.h>
 #include <unistd.h>
 
+#include "core/counters.h"
 #include "core/failpoint.h"
 #include "core/xport.h"
 #include "base/log.h"
@@ -676,6 +677,14 @@ static int open_datapaths(struct peer *pr, const struct kvsp_peer_opts *o, char 
 		int fd = dp->ops->loop_fd ? dp->ops->loop_fd(dp) : -1;
 		struct epoll_event ev = { .events = EPOLLIN, .data.u64 = TAG_DP0 + pr->ndps };
 		pr->dps[pr->ndps++] = dp;
+		/* Its counters: a data path this proxy has not got shows none. */
+		int rc = dp->ops->counters ? kvsp_counters_add(pr->p, dp->ops->counters, &dp->ctr)
+					   : 0;
+		if (rc < 0) {
+			snprintf(why, len, "%s data path: its counters: %s", dp->ops->name,
+				 strerror(-rc));
+			return rc;
+		}
 		if (fd >= 0 && epoll_ctl(pr->epfd, EPOLL_CTL_ADD, fd, &ev) < 0) {
 			snprintf(why, len, "%s data path: epoll: %s", dp->ops->name,
 				 strerror(errno));
@@ -694,9 +703,15 @@ static int start(struct peer *pr, const struct kvsp_peer_opts *o, char *why, siz
 		snprintf(why, len, "peer plane: out of memory");
 		return -ENOMEM;
 	}
+	uint64_t *ctr;
+	int rc = kvsp_counters_add(pr->p, pconn_counters, &ctr);
+	if (rc < 0) {
+		snprintf(why, len, "peer plane: its counters: %s", strerror(-rc));
+		return rc;
+	}
 	if (pr->epfd < 0 || pr->timer_fd < 0 ||
 	    pconn_table_init(&pr->conns, pr->epfd, (uint32_t)kvsp_slot_size(pr->p),
-			     kvsp_instance(pr->p), o->secret, pr->st, o->zerocopy) < 0) {
+			     kvsp_instance(pr->p), o->secret, pr->st, ctr, o->zerocopy) < 0) {
 		snprintf(why, len, "peer plane: %s", strerror(errno ? errno : ENOMEM));
 		return -ENOMEM;
 	}
@@ -710,11 +725,11 @@ static int start(struct peer *pr, const struct kvsp_peer_opts *o, char *why, siz
 				 o->listen);
 			return -EINVAL;
 		}
-		int rc = open_listener(pr, o->advertise != NULL, why, len);
+		rc = open_listener(pr, o->advertise != NULL, why, len);
 		if (rc < 0)
 			return rc;
 	}
-	int rc = open_datapaths(pr, o, why, len);
+	rc = open_datapaths(pr, o, why, len);
 	if (rc < 0)
 		return rc;
 	uint64_t q = pr->timeout_ns / 8;
