@@ -20,7 +20,9 @@
 #include <stddef.h>
 #include <assert.h>
 
-#define KVS_ABI 3		    /* 3: the 32-byte kvs_sqe */
+/* 3: the 32-byte kvs_sqe; 4: the data paths' counters in a named block
+ * (struct kvs_counter), out of struct kvs_stats */
+#define KVS_ABI 4
 #define KVS_MAGIC_CTRL 0x4b565343u  /* "KVSC" */
 #define KVS_MAGIC_HELLO 0x4b565348u /* "KVSH" */
 #define KVS_MAGIC_DESC 0x4b565344u  /* "KVSD" */
@@ -68,7 +70,10 @@ static_assert(sizeof(struct kvs_slot) == 16, "slot metadata is 16 bytes");
 #define KVS_CTRL_WITHOUT_SYSTEMD 0x20u /* no sd_notify */
 #define KVS_CTRL_WITHOUT_ACL 0x40u     /* a peer secret with an ACL is refused, not judged */
 
-/* Counters the proxy publishes (kvstage-stat reads them). */
+/* Counters the proxy publishes (kvstage-stat reads them): the core's, the
+ * peer plane's sessions and frames, the trace's. A data path's or the
+ * socket layer's counters are named records in the counter block
+ * (struct kvs_counter), registered by whoever counts them. */
 struct kvs_stats {
 	uint64_t slots[KVS_SLOT_NSTATES]; /* slots in each state, right now */
 	uint64_t rooms_open;		  /* rooms not yet freed */
@@ -83,7 +88,7 @@ struct kvs_stats {
 	uint64_t draining;	   /* 1 once SIGTERM was seen */
 	uint64_t log_suppressed;   /* log lines the rate limits kept back */
 	uint64_t chunks_discarded; /* late or refused chunks the fence kept out */
-	/* peers (the tcp transport) */
+	/* peers (the peer plane) */
 	uint64_t peer_sessions;	   /* up now */
 	uint64_t peer_lost;	   /* sessions lost: dropped, cut, silent past --peer-timeout */
 	uint64_t peer_auth_failed; /* connections that did not prove the secret in time */
@@ -91,39 +96,42 @@ struct kvs_stats {
 	uint64_t peer_frames_refused; /* malformed, forged or replayed frames (connection dropped) */
 	uint64_t peer_frames_ignored; /* authentic frames naming no room of ours (stale, wrong token) */
 	uint64_t peer_crc_errors;     /* chunks whose payload failed --tcp-checksum */
-	uint64_t tcp_bytes_tx, tcp_bytes_rx;
-	uint64_t peer_byes;  /* peers that said they are draining */
-	uint64_t rdma_reads; /* chunks pulled by RDMA READ (landed or not) */
-	uint64_t rdma_bytes_rx;
-	/* appended: older readers stop at rdma_bytes_rx */
-	uint64_t peer_timeouts; /* sessions and handshakes lost at a deadline */
-	uint64_t peer_evicted;	/* joining or idle sessions dropped to make room for a new one */
-	uint64_t peer_closed;	/* sessions closed quietly: idle, or the peer restarted */
-	uint64_t peer_pings;	/* PINGs sent: a quiet session's keep-alive */
-	/* appended: older readers stop at peer_pings */
-	uint64_t rdma_binds;	     /* chunk keys granted by binding a memory window */
-	uint64_t rdma_invalidates;   /* window keys revoked by a local invalidate (completed) */
-	uint64_t rdma_regions;	     /* chunk keys granted by registering a region (no windows) */
-	uint64_t rdma_region_frees;  /* region keys revoked by deregistering */
-	uint64_t rdma_reads_refused; /* peers' READs our NIC refused (a key not held, or past it) */
-	uint64_t rdma_links_lost;    /* queue pairs that failed under a live session (made again) */
-	uint64_t rdma_sessions; /* sessions whose chunks go by RDMA READ now (both ends connected) */
-	/* appended: older readers stop at rdma_sessions. The tcp path's
-	 * syscalls, EAGAIN ones included (kvstage-bench tcp: per chunk). */
-	uint64_t tcp_send_calls;   /* sendmsg/send on peer connections */
-	uint64_t tcp_recv_calls;   /* recv/recvmsg on peer connections */
-	uint64_t peer_epoll_waits; /* the peer plane's epoll_wait */
+	uint64_t peer_byes;	      /* peers that said they are draining */
+	uint64_t peer_timeouts;	      /* sessions and handshakes lost at a deadline */
+	uint64_t peer_evicted;	   /* joining or idle sessions dropped to make room for a new one */
+	uint64_t peer_closed;	   /* sessions closed quietly: idle, or the peer restarted */
+	uint64_t peer_pings;	   /* PINGs sent: a quiet session's keep-alive */
+	uint64_t peer_epoll_waits; /* the peer plane's epoll_wait (kvstage-bench tcp: per chunk) */
 	uint64_t peer_epoll_ctls;  /* ... and epoll_ctl (a full socket's EPOLLOUT, a pause) */
-	/* appended: older readers stop at peer_epoll_ctls */
-	uint64_t tcp_lowat_calls; /* setsockopt(SO_RCVLOWAT): a large payload's wake-up mark */
-	/* appended: older readers stop at tcp_lowat_calls */
-	uint64_t tcp_zc_sends;	/* sendmsg with MSG_ZEROCOPY (--tcp-zerocopy) */
-	uint64_t tcp_zc_copied; /* ... of them, the kernel said it copied anyway (loopback, veth) */
-	/* appended: older readers stop at tcp_zc_copied. The lifecycle trace
-	 * (--trace-file): written by its writer thread, dropped by the loop
-	 * (its ring full) or the writer (the sink failed), a locked add each. */
+	/* The lifecycle trace (--trace-file): written by its writer thread,
+	 * dropped by the loop (its ring full) or the writer (the sink failed),
+	 * a locked add each. */
 	uint64_t trace_written; /* lines written */
 	uint64_t trace_dropped; /* records dropped, never waited for */
+};
+
+/* One named counter of the block: what it is called, in the block's
+ * records; its value is the block's value[] at the same index, so that a
+ * counter's owner adds to values[i] of one array, as to a struct's fields.
+ * Names are NUL-terminated (the proxy cuts nothing: a name that does not
+ * fit is refused when it is registered). */
+enum kvs_counter_kind { KVS_COUNTER = 0, KVS_GAUGE = 1 };
+struct kvs_counter {
+	uint32_t kind; /* enum kvs_counter_kind */
+	uint32_t rsvd;
+	char name[32];	 /* kvstage-stat's, --json's and admin barriers' name: "rdma_reads" */
+	char metric[64]; /* its Prometheus name: "kvstage_rdma_reads_total" */
+	char help[152];	 /* its Prometheus help: one sentence */
+};
+static_assert(sizeof(struct kvs_counter) == 256, "a counter record is 256 bytes");
+
+/* The counter block, at ctrl's counters_off: counter_count records are
+ * published (the rest are zero). Its capacity is the ABI's: a reader
+ * steps nothing by a size the proxy says. */
+#define KVS_COUNTERS_MAX 64
+struct kvs_counters {
+	uint64_t value[KVS_COUNTERS_MAX];
+	struct kvs_counter rec[KVS_COUNTERS_MAX];
 };
 
 /* The proxy is the counters' only writer, so a plain load and store (no
@@ -228,9 +236,10 @@ struct kvs_ctrl {
 	uint64_t started_ns;  /* CLOCK_REALTIME */
 	uint64_t peers_off;   /* struct kvs_peer[peer_count]: sessions with other proxies */
 	uint32_t peer_count;
-	uint32_t rsvd2;
-	/* Added in the header's padding (readers of an older proxy see 0 here):
-	 * struct kvs_client_row[client_count], client_row_size bytes apart. */
+	/* Records of the counter block published (release; the proxy registers
+	 * them all before it takes a connection, and never removes one). */
+	uint32_t counter_count;
+	/* struct kvs_client_row[client_count], client_row_size bytes apart. */
 	uint64_t clients_off;
 	uint32_t client_count;
 	uint32_t client_row_size;
@@ -238,10 +247,15 @@ struct kvs_ctrl {
 	/* Set while the proxy sleeps on its wake eventfd: clients kick it after
 	 * enqueueing. Own cache line: it flips on every sleep. */
 	uint32_t sleeping __attribute__((aligned(KVS_CACHE_LINE)));
+	/* Where the counter block lies (struct kvs_counters). In sleeping's
+	 * line, the header's first being full: written once before the loop
+	 * runs, and read once a walk. */
+	uint64_t counters_off;
 
 	struct kvs_stats stats __attribute__((aligned(KVS_CACHE_LINE)));
 };
-/* The fields above were placed without moving any older one. */
+/* Where ABI 2 put them: a reader of another ABI still finds magic and abi
+ * (and refuses the segment) and nothing else moved with ABI 4. */
 static_assert(offsetof(struct kvs_ctrl, sleeping) == 128, "ctrl header is two cache lines");
 static_assert(offsetof(struct kvs_ctrl, stats) == 192, "stats stay where ABI 2 put them");
 

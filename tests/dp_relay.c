@@ -8,9 +8,10 @@
  * It declares what a data path brings: an option (--relay-chunks: carry
  * every session's chunks; both ends need it), a frame type of its own
  * outside the protocol (RELAY_CHUNK, 48: a CHUNK's body, the payload
- * behind it, always with its CRC32C), and a failpoint (relay.land: a
- * received chunk whose bytes are all in its posted slot waits before it
- * lands, as a slow completion would).
+ * behind it, always with its CRC32C), a counter (relay_chunks: chunks it
+ * landed) and a failpoint (relay.land: a received chunk whose bytes are
+ * all in its posted slot waits before it lands, as a slow completion
+ * would).
  *
  *   sending:   a session's chunks queue in order and go on its last
  *              stream; quiesced once the payload left the slot; one still
@@ -27,6 +28,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "core/counters.h"
 #include "core/failpoint.h"
 #include "core/xport.h"
 #include "layout.h"
@@ -215,6 +217,8 @@ static int relay_on_frame(struct kvsp_dp *dp, struct psess *s, struct pconn *c,
 	return 0;
 }
 
+static void land(struct relay *r, struct kvsp_xfer *x);
+
 static void relay_payload_end(struct kvsp_dp *dp, struct psess *s, struct pconn *c)
 {
 	struct relay *r = relay_of(dp);
@@ -235,7 +239,7 @@ static void relay_payload_end(struct kvsp_dp *dp, struct psess *s, struct pconn 
 			r->held_head = x->slot;
 		r->held_tail = x->slot;
 	} else {
-		kvsp_chunk_land(dp->p, x);
+		land(r, x);
 	}
 }
 
@@ -340,7 +344,8 @@ static bool none(const struct kvsp_xfer *x, const void *arg)
 
 static void land(struct relay *r, struct kvsp_xfer *x)
 {
-	kvsp_chunk_land(r->dp.p, x);
+	if (kvsp_chunk_land(r->dp.p, x) == 0)
+		KVS_STAT_ADD(r->dp.ctr[0], 1);
 }
 
 /* Chunks held at relay.land land once it lets go. */
@@ -359,6 +364,12 @@ static const struct kvsp_dp_frame_type relay_frames[] = {
 
 static const char *const relay_failpoints[] = { "relay.land", NULL };
 
+static const struct kvsp_counter_def relay_counters[] = {
+	{ "relay_chunks", "kvstage_relay_chunks_total", "Chunks the relay data path landed.",
+	  false },
+	{ 0 },
+};
+
 const struct kvsp_dp_ops kvsp_dp_relay = {
 	.name = "relay",
 	.frames = relay_frames,
@@ -366,6 +377,7 @@ const struct kvsp_dp_ops kvsp_dp_relay = {
 	.conf_size = sizeof(struct relay_conf),
 	.conf_init = relay_conf_init,
 	.failpoints = relay_failpoints,
+	.counters = relay_counters,
 	.create = relay_create,
 	.destroy = relay_destroy,
 	.sess_up = sess_nothing,

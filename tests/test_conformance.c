@@ -132,6 +132,7 @@ static const struct xport *path(enum kind k, const char *slots)
 static void path_ends_clean(kvs_client *rx, kvs_client *tx)
 {
 	uint64_t reads = stat_get(rxp, "rdma_reads");
+	uint64_t relayed = cur_kind == X_RELAY ? stat_get(rxp, "relay_chunks") : 0;
 	if (cur_kind == X_VERBS) /* an abort may have cost a session its queue pair: made again */
 		for (uint64_t n;
 		     (n = stat_get(txp, "peer_sessions")) > stat_get(txp, "rdma_sessions");)
@@ -143,6 +144,9 @@ static void path_ends_clean(kvs_client *rx, kvs_client *tx)
 	else /* and --transport tcp kept RDMA out, even where a device is */
 		cr_assert_eq(stat_get(rxp, "rdma_reads"), 0, "%s: chunks came by READ",
 			     kind_name[cur_kind]);
+	if (cur_kind == X_RELAY) /* and the relay carried it, not the stream */
+		cr_assert_geq(stat_get(rxp, "relay_chunks"), relayed + 3,
+			      "the room's 3 chunks came by the relay");
 	kvs_close(tx);
 	kvs_close(rx);
 	wait_idle(rxp, 0);

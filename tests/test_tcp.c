@@ -97,6 +97,117 @@ Test(tcp, one_session_serves_every_room_and_kvstage_stat_shows_it)
 	cr_assert_eq(stat_get(&pb, "chunks_discarded"), 0);
 }
 
+/* The keys of JSON text j, in order, each and a blank into keys. */
+static void json_keys(const char *j, char *keys, size_t cap)
+{
+	size_t n = 0;
+	keys[0] = 0;
+	for (const char *q = j; *q; q++) {
+		if (*q != '"')
+			continue;
+		const char *e = q + 1;
+		while (*e && *e != '"')
+			e += *e == '\\' && e[1] ? 2 : 1;
+		if (!*e)
+			break;
+		if (e[1] == ':' && n < cap)
+			n += (size_t)snprintf(keys + n, cap - n, "%.*s ", (int)(e - q - 1), q + 1);
+		q = e;
+	}
+}
+
+/* The number at key in the object that starts at section ("\"tcp\":{"). */
+static uint64_t json_at(const char *j, const char *section, const char *key)
+{
+	const char *o = strstr(j, section);
+	cr_assert_not_null(o, "no %s in %s", section, j);
+	const char *end = strchr(o, '}');
+	char k[64];
+	snprintf(k, sizeof(k), "\"%s\":", key);
+	const char *v = strstr(o, k);
+	cr_assert(v && v < end, "no %s in %s of %s", key, section, j);
+	return strtoull(v + strlen(k), NULL, 10);
+}
+
+/* ABI 4 moved the data paths' counters into the counter block: --json
+ * still has every key of ABI 3's, in its place, and each of those
+ * counters' figures under its old key. */
+Test(tcp, stat_json_keeps_every_key_and_figure_of_the_data_paths)
+{
+	LISTEN(&pb);
+	LISTEN(&pa);
+	kvs_client *rx = connect_ok(&pb), *tx = connect_ok(&pa);
+	struct xroom x;
+	xroom_open(&x, rx, tx, 3 * SLOT, 0x40);
+	xroom_send(&x, tx);
+	cr_assert_eq(wait_event(tx).type, KVS_EV_SEND_DONE);
+	cr_assert_eq(wait_event(rx).type, KVS_EV_RECV_DONE);
+	xroom_verify(&x, rx);
+	xroom_close(&x);
+
+	static const struct {
+		const char *name, *section, *key;
+	} moved[] = {
+		{ "tcp_bytes_tx", "\"tcp\":{", "bytes_tx" },
+		{ "tcp_bytes_rx", "\"tcp\":{", "bytes_rx" },
+		{ "tcp_send_calls", "\"tcp\":{", "send_calls" },
+		{ "tcp_recv_calls", "\"tcp\":{", "recv_calls" },
+		{ "tcp_lowat_calls", "\"tcp\":{", "lowat_calls" },
+		{ "tcp_zc_sends", "\"tcp\":{", "zerocopy_sends" },
+		{ "tcp_zc_copied", "\"tcp\":{", "zerocopy_copied" },
+		{ "rdma_reads", "\"rdma\":{", "reads" },
+		{ "rdma_bytes_rx", "\"rdma\":{", "bytes_rx" },
+		{ "rdma_binds", "\"rdma\":{", "binds" },
+		{ "rdma_invalidates", "\"rdma\":{", "invalidates" },
+		{ "rdma_regions", "\"rdma\":{", "regions" },
+		{ "rdma_region_frees", "\"rdma\":{", "region_frees" },
+		{ "rdma_reads_refused", "\"rdma\":{", "reads_refused" },
+		{ "rdma_links_lost", "\"rdma\":{", "links_lost" },
+		{ "rdma_sessions", "\"rdma\":{", "sessions" },
+	};
+	enum { N = sizeof(moved) / sizeof(moved[0]) };
+	uint64_t lo[N], hi[N];
+	for (unsigned i = 0; i < N; i++)
+		lo[i] = stat_get(&pb, moved[i].name);
+	static char out[16384], err[1024], keys[4096];
+	cr_assert_eq(run_cmd((const char *[]){ build_path("tools/kvstage-stat"), "--json",
+					       "--socket", pb.sock, NULL },
+			     out, sizeof(out), err, sizeof(err)),
+		     0, "%s", err);
+	for (unsigned i = 0; i < N; i++)
+		hi[i] = stat_get(&pb, moved[i].name);
+	cr_assert_gt(hi[0] + hi[8], 0, "B answered by tcp or read by RDMA");
+
+	/* main's (ABI 3's) keys, with B's one peer and one client */
+	const char *want =
+		"socket up draining pid instance uptime_s built_without slot_count slot_size "
+		"pool_size hugepages locked failpoints slot_metadata_bytes slots free leased "
+		"inflight tombstone recv_posted recv_filled rooms open done aborted failed "
+		"timed_out clients now total closed died refused rejected stale perm busy inval "
+		"token nobufs chunks_moved bytes_moved ops events events_dropped tombstones_reaped "
+		"sleeps log_suppressed tcp peers lost auth_failed refused frames_refused "
+		"frames_ignored crc_errors chunks_discarded bytes_tx bytes_rx deadlines evicted "
+		"closed pings send_calls recv_calls epoll_waits epoll_ctls lowat_calls "
+		"zerocopy_sends zerocopy_copied rdma reads bytes_rx binds invalidates regions "
+		"region_frees reads_refused links_lost sessions peers endpoint state streams "
+		"instance bytes_tx bytes_rx chunks_sunk rdma reads_refused keys trace written "
+		"dropped clients_table id pid uid gid command since_ns leases inflight rooms_open "
+		"rooms_done rooms_aborted rooms_failed ops rejects chunks_sent bytes_sent "
+		"chunks_recv bytes_recv ";
+	json_keys(out, keys, sizeof(keys));
+	cr_assert_str_eq(keys, want, "%s", out);
+	for (unsigned i = 0; i < N; i++) {
+		uint64_t v = json_at(out, moved[i].section, moved[i].key);
+		cr_assert(lo[i] <= v && v <= hi[i], "%s: %llu in --json, %llu to %llu",
+			  moved[i].name, (unsigned long long)v, (unsigned long long)lo[i],
+			  (unsigned long long)hi[i]);
+	}
+	kvs_close(rx);
+	kvs_close(tx);
+	wait_idle(&pa, 0);
+	wait_idle(&pb, 0);
+}
+
 /* ------------------------------------------------ the decisive scenario */
 
 /* The suite runs twice: over the sockets, and (in the soft-RoCE guest, with

@@ -435,16 +435,22 @@ Test(tools, stat_json_escapes_strings)
 	cr_assert_neq(json_lines_ok(out, NULL), 0, "not JSON: %s\n%s", err, out);
 }
 
-/* Something at the socket path answers the hello with a segment size
- * larger than the memfd it hands over: mapping that much would fault at
- * the first read past the file's end. kvstage-stat says what is wrong. */
+/* Something at the socket path answers the hello with a control segment
+ * of its own making: abi is what its header says, said the size it says
+ * (the memfd holds 4 KiB). */
+struct liar_cfg {
+	const char *path;
+	uint32_t abi;
+	uint64_t said;
+};
+
 static int liar(int rd, int wr, void *arg)
 {
 	(void)rd;
-	const char *path = arg;
+	const struct liar_cfg *cfg = arg;
 	int l = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
 	struct sockaddr_un a = { .sun_family = AF_UNIX };
-	snprintf(a.sun_path, sizeof(a.sun_path), "%s", path);
+	snprintf(a.sun_path, sizeof(a.sun_path), "%s", cfg->path);
 	if (l < 0 || bind(l, (struct sockaddr *)&a, sizeof(a)) < 0 || listen(l, 4) < 0)
 		return 1;
 	chan_put(wr, "ready", 5);
@@ -457,12 +463,12 @@ static int liar(int rd, int wr, void *arg)
 		return 3;
 	struct kvs_ctrl *ctl = mmap(NULL, 4096, PROT_WRITE, MAP_SHARED, fd, 0);
 	ctl->magic = KVS_MAGIC_CTRL;
-	ctl->abi = KVS_ABI;
+	ctl->abi = cfg->abi;
 	ctl->slot_count = 16; /* its tables past the file's end, inside the size it says */
 	ctl->slots_off = 64 << 10;
 	ctl->peer_count = 64;
 	ctl->peers_off = 128 << 10;
-	struct kvs_welcome w = { .magic = KVS_MAGIC_HELLO, .abi = KVS_ABI, .ctrl_size = 1 << 20 };
+	struct kvs_welcome w = { .magic = KVS_MAGIC_HELLO, .abi = KVS_ABI, .ctrl_size = cfg->said };
 	if (kvs_sock_send(c, &w, sizeof(w), &fd, 1) < 0)
 		return 4;
 	char b;
@@ -470,20 +476,49 @@ static int liar(int rd, int wr, void *arg)
 	return 0;
 }
 
-Test(tools, stat_refuses_a_segment_smaller_than_it_is_said)
+/* Runs kvstage-stat ARGS... against a liar of cfg (its path set here);
+ * returns its exit status, with out and err. */
+static int stat_liar(struct liar_cfg *cfg, const char *json)
 {
 	char path[108];
 	snprintf(path, sizeof(path), "/tmp/kvstage-liar-%d.sock", (int)getpid());
 	unlink(path);
+	cfg->path = path;
 	struct child ch;
-	child_start(&ch, liar, path);
+	child_start(&ch, liar, cfg);
 	char ready[5];
 	cr_assert_eq(chan_get(ch.from, ready, 5), 0);
-	int rc = RUN(build_path("tools/kvstage-stat"), "-s", path, "--slots");
-	cr_assert_eq(rc, 1, "exit %d (a signal?): %s", rc, err);
-	cr_assert(strstr(err, "smaller than the size it says"), "%s", err);
+	int rc = json ? RUN(build_path("tools/kvstage-stat"), "-s", path, json)
+		      : RUN(build_path("tools/kvstage-stat"), "-s", path, "--slots");
 	child_wait(&ch);
 	unlink(path);
+	return rc;
+}
+
+/* Mapping a larger segment than the memfd would fault at the first read
+ * past the file's end. kvstage-stat says what is wrong. */
+Test(tools, stat_refuses_a_segment_smaller_than_it_is_said)
+{
+	struct liar_cfg cfg = { .abi = KVS_ABI, .said = 1 << 20 };
+	int rc = stat_liar(&cfg, NULL);
+	cr_assert_eq(rc, 1, "exit %d (a signal?): %s", rc, err);
+	cr_assert(strstr(err, "smaller than the size it says"), "%s", err);
+}
+
+/* A segment of ABI 3 (its data paths' counters were fields of struct
+ * kvs_stats) is not read as ABI 4's: refused, with the ABI this tool reads. */
+Test(tools, stat_refuses_a_segment_of_abi_3)
+{
+	cr_assert_eq(KVS_ABI, 4, "this test names the ABI before this one");
+	struct liar_cfg cfg = { .abi = 3, .said = 4096 };
+	int rc = stat_liar(&cfg, NULL);
+	cr_assert_eq(rc, 1, "exit %d (a signal?): %s", rc, err);
+	cr_assert(strstr(err, ": it speaks another ABI (its control segment is not kvstage ABI "
+			      "4)\n"),
+		  "%s", err);
+	rc = stat_liar(&cfg, "--json");
+	cr_assert_eq(rc, 1, "exit %d: %s", rc, err);
+	cr_assert(strstr(err, "it speaks another ABI"), "%s", err);
 }
 
 /* A watching stat asks anew every sample: the proxy dies, it says so and

@@ -1,7 +1,7 @@
 /* SPDX-License-Identifier: MIT */
 /*
  * The pool (slot payload) and the control segment (header, stats, slot
- * table, ring geometry, the peer and client tables). Both are memfds
+ * table, ring geometry, the peer and client tables, the counter block). Both are memfds
  * handed to clients; both are sealed against resizing so no client can
  * make the proxy fault, and the control segment is sealed against any new
  * writable mapping.
@@ -82,7 +82,7 @@ static int ring_geometry(uint8_t *geom, uint8_t *tmpl, unsigned count, const cha
 /* Where the control segment's parts lie: a function of the configuration
  * only, so the proxy finds them without reading the segment back. */
 struct ctrl_geom {
-	size_t hdr, table, peers_off, clients_off, len;
+	size_t hdr, table, peers_off, clients_off, counters_off, len;
 };
 
 static void ctrl_geom(const struct kvsp_config *cfg, struct ctrl_geom *g)
@@ -94,7 +94,8 @@ static void ctrl_geom(const struct kvsp_config *cfg, struct ctrl_geom *g)
 		KVS_ALIGN_UP((size_t)cfg->max_clients * sizeof(struct kvs_client_row), KVS_PAGE);
 	g->peers_off = g->hdr + g->table + 2 * KVS_PAGE;
 	g->clients_off = g->peers_off + peers;
-	g->len = g->clients_off + clients;
+	g->counters_off = g->clients_off + clients;
+	g->len = g->counters_off + KVS_ALIGN_UP(sizeof(struct kvs_counters), KVS_PAGE);
 }
 
 struct kvs_client_row *kvsp_client_rows(const struct kvsp *p)
@@ -148,6 +149,7 @@ static int ctrl_create(struct kvsp *p)
 	c->clients_off = g.clients_off;
 	c->client_count = cfg->max_clients;
 	c->client_row_size = sizeof(struct kvs_client_row);
+	c->counters_off = g.counters_off; /* its records come as their owners start */
 	c->proxy_pid = getpid();
 	c->ring_layout = kvs_ring_layout();
 	struct timespec ts;

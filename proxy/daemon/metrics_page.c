@@ -18,6 +18,7 @@
 #include "core/proxy.h"
 #include "core/clients.h"
 #include "core/pool.h"
+#include "statnames.h"
 
 #define ST(f) offsetof(struct kvs_stats, f)
 
@@ -26,8 +27,9 @@ struct metric {
 	size_t off; /* in struct kvs_stats */
 };
 
-/* One line each: every counter kvstage-stat shows, named after Prometheus's
- * conventions (base units, _total on counters). */
+/* One line each: every counter of struct kvs_stats kvstage-stat shows,
+ * named after Prometheus's conventions (base units, _total on counters).
+ * The counter block's follow them, named by their records. */
 static const struct metric plain[] = {
 	{ "kvstage_rooms_open", "gauge", "Rooms not yet freed.", ST(rooms_open) },
 	{ "kvstage_rooms_done_total", "counter",
@@ -93,55 +95,15 @@ static const struct metric plain[] = {
 	  "Authentic peer frames naming no room of ours.", ST(peer_frames_ignored) },
 	{ "kvstage_peer_checksum_errors_total", "counter",
 	  "Chunks whose payload failed its CRC32C.", ST(peer_crc_errors) },
-	{ "kvstage_tcp_sent_bytes_total", "counter", "Bytes written to peer connections.",
-	  ST(tcp_bytes_tx) },
-	{ "kvstage_tcp_received_bytes_total", "counter", "Bytes read from peer connections.",
-	  ST(tcp_bytes_rx) },
-	{ "kvstage_tcp_send_calls_total", "counter",
-	  "sendmsg and send calls on peer connections, those that found the socket full included.",
-	  ST(tcp_send_calls) },
-	{ "kvstage_tcp_recv_calls_total", "counter",
-	  "recv and recvmsg calls on peer connections, those that found nothing included.",
-	  ST(tcp_recv_calls) },
 	{ "kvstage_peer_epoll_waits_total", "counter", "epoll_wait calls of the peer plane.",
 	  ST(peer_epoll_waits) },
 	{ "kvstage_peer_epoll_ctls_total", "counter", "epoll_ctl calls of the peer plane.",
 	  ST(peer_epoll_ctls) },
-	{ "kvstage_tcp_lowat_calls_total", "counter",
-	  "setsockopt(SO_RCVLOWAT) calls on peer connections: a large payload's wake-up mark.",
-	  ST(tcp_lowat_calls) },
-	{ "kvstage_tcp_zerocopy_sends_total", "counter",
-	  "sendmsg calls with MSG_ZEROCOPY on peer connections (--tcp-zerocopy).",
-	  ST(tcp_zc_sends) },
-	{ "kvstage_tcp_zerocopy_copied_total", "counter",
-	  "Zerocopy sendmsg calls the kernel said it copied anyway (loopback, veth).",
-	  ST(tcp_zc_copied) },
 	{ "kvstage_trace_written_total", "counter", "Lifecycle trace lines written (--trace-file).",
 	  ST(trace_written) },
 	{ "kvstage_trace_dropped_total", "counter",
 	  "Lifecycle trace records dropped: its buffer was full, or the sink failed.",
 	  ST(trace_dropped) },
-	{ "kvstage_rdma_reads_total", "counter", "Chunks pulled by RDMA READ (landed or not).",
-	  ST(rdma_reads) },
-	{ "kvstage_rdma_received_bytes_total", "counter", "Bytes pulled by RDMA READ.",
-	  ST(rdma_bytes_rx) },
-	{ "kvstage_rdma_window_binds_total", "counter",
-	  "Chunk keys granted by binding a memory window.", ST(rdma_binds) },
-	{ "kvstage_rdma_window_invalidates_total", "counter",
-	  "Window keys revoked by a local invalidate.", ST(rdma_invalidates) },
-	{ "kvstage_rdma_region_registrations_total", "counter",
-	  "Chunk keys granted by registering a memory region (no windows).", ST(rdma_regions) },
-	{ "kvstage_rdma_region_deregistrations_total", "counter",
-	  "Region keys revoked by deregistering.", ST(rdma_region_frees) },
-	{ "kvstage_rdma_reads_refused_total", "counter",
-	  "Peers' READs our NIC refused: a key not held, or past its chunk.",
-	  ST(rdma_reads_refused) },
-	{ "kvstage_rdma_links_lost_total", "counter",
-	  "Queue pairs that failed under a live session: its chunks went by TCP until a new one "
-	  "was connected.",
-	  ST(rdma_links_lost) },
-	{ "kvstage_rdma_sessions", "gauge", "Peer sessions whose chunks go by RDMA READ now.",
-	  ST(rdma_sessions) },
 };
 
 static uint64_t ld(const uint64_t *v)
@@ -317,6 +279,13 @@ int kvsp_metrics_render(const struct kvsp *p, FILE *f)
 		head(f, plain[i].name, plain[i].type, plain[i].help);
 		fprintf(f, "%s %llu\n", plain[i].name,
 			(unsigned long long)stat_at(st, plain[i].off));
+	}
+	uint32_t nb;
+	const struct kvs_counters *b = kvs_counters_of(c, p->ctrl_size, &nb);
+	for (uint32_t i = 0; i < nb; i++) {
+		const struct kvs_counter *r = &b->rec[i];
+		head(f, r->metric, r->kind == KVS_GAUGE ? "gauge" : "counter", r->help);
+		fprintf(f, "%s %llu\n", r->metric, (unsigned long long)ld(&b->value[i]));
 	}
 	head(f, "kvstage_requests_rejected_total", "counter",
 	     "Client requests refused, by reason (stale epoch, not the owner, busy, invalid, wrong "

@@ -35,6 +35,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "core/counters.h"
 #include "core/xport.h"
 #include "base/log.h"
 #include "layout.h"
@@ -290,7 +291,7 @@ static void link_connect(struct rdma *r, struct rsess *rs, struct psess *s)
 		return;
 	}
 	rs->up = true;
-	KVS_STAT_ADD(r->dp.st->rdma_sessions, 1);
+	KVS_STAT_ADD(r->dp.ctr[RDMA_CTR_SESSIONS], 1);
 	PUB(s->pub->flags, keys_flag(r));
 	LOG_INFO("rdma: peer %s: chunks by RDMA READ on %s; ours under %s, its under %s%s",
 		 s->ep.text, r->verbs.name, kvsp_keys_wire_name(kvsp_verbs_keys_wire(&r->verbs)),
@@ -454,7 +455,7 @@ static void judge(struct rdma *r, struct rsess *rs)
 	bool refused = !rs->own_fault,
 	     forged = rs->own_fault == RS_PEER_SENT || (refused && !rs->revoked_early);
 	if (refused) {
-		KVS_STAT_ADD(dp->st->rdma_reads_refused, 1);
+		KVS_STAT_ADD(dp->ctr[RDMA_CTR_READS_REFUSED], 1);
 		if (s)
 			PUB(s->pub->reads_refused, s->pub->reads_refused + 1);
 	}
@@ -476,7 +477,7 @@ static void judge(struct rdma *r, struct rsess *rs)
 		psess_lost(dp->sessions, s, -EACCES);
 		return;
 	}
-	KVS_STAT_ADD(dp->st->rdma_links_lost, 1);
+	KVS_STAT_ADD(dp->ctr[RDMA_CTR_LINKS_LOST], 1);
 	PUB(s->pub->flags, 0);
 	relink(r, rs, s);
 	const char *why = rs->own_fault == RS_PEER_GAVE_UP    ? "it says it cannot READ from us"
@@ -499,7 +500,7 @@ void rs_break(struct rdma *r, struct rsess *rs, int why)
 	if (!rs->broken) {
 		rs->broken = true;
 		if (rs->up)
-			KVS_STAT_SUB(r->dp.st->rdma_sessions, 1);
+			KVS_STAT_SUB(r->dp.ctr[RDMA_CTR_SESSIONS], 1);
 		rs->up = false;
 		if (rs->qp)
 			kvsp_verbs_qp_error(rs->qp); /* flushes what is posted; no READ is served */
@@ -617,7 +618,7 @@ static bool rdma_sess_quiesce(struct kvsp_dp *dp, struct psess *s)
 	if (rs->id != s->id)
 		return false;
 	if (rs->up)
-		KVS_STAT_SUB(dp->st->rdma_sessions, 1);
+		KVS_STAT_SUB(dp->ctr[RDMA_CTR_SESSIONS], 1);
 	rs->up = false;
 	if (!rs->lost) {
 		rs->lost = true;
@@ -659,7 +660,7 @@ static void rdma_sess_free(struct kvsp_dp *dp, struct psess *s)
 	if (rs->id != s->id)
 		return;
 	if (rs->up)
-		KVS_STAT_SUB(dp->st->rdma_sessions, 1);
+		KVS_STAT_SUB(dp->ctr[RDMA_CTR_SESSIONS], 1);
 	if (rs->qp)
 		kvsp_verbs_qp_error(rs->qp);
 	rsend_link_dead(r, rs, NULL, false); /* its windows before its queue pair (verbs.h) */
@@ -682,6 +683,33 @@ static const struct kvsp_dp_frame_type rdma_frames[] = {
 static const char *const rdma_failpoints[] = {
 	[RDMA_FP_READ] = "rdma.read", /* receiving side: hold a READ, its slot posted */
 	NULL,
+};
+
+/* Named as they were when they were fields of struct kvs_stats, so
+ * kvstage-stat, --json, /metrics and barriers say what they said. */
+static const struct kvsp_counter_def rdma_counters[RDMA_NCTR + 1] = {
+	[RDMA_CTR_READS] = { "rdma_reads", "kvstage_rdma_reads_total",
+			     "Chunks pulled by RDMA READ (landed or not)." },
+	[RDMA_CTR_BYTES_RX] = { "rdma_bytes_rx", "kvstage_rdma_received_bytes_total",
+				"Bytes pulled by RDMA READ." },
+	[RDMA_CTR_BINDS] = { "rdma_binds", "kvstage_rdma_window_binds_total",
+			     "Chunk keys granted by binding a memory window." },
+	[RDMA_CTR_INVALIDATES] = { "rdma_invalidates", "kvstage_rdma_window_invalidates_total",
+				   "Window keys revoked by a local invalidate." },
+	[RDMA_CTR_REGIONS] = { "rdma_regions", "kvstage_rdma_region_registrations_total",
+			       "Chunk keys granted by registering a memory region (no windows)." },
+	[RDMA_CTR_REGION_FREES] = { "rdma_region_frees",
+				    "kvstage_rdma_region_deregistrations_total",
+				    "Region keys revoked by deregistering." },
+	[RDMA_CTR_READS_REFUSED] = { "rdma_reads_refused", "kvstage_rdma_reads_refused_total",
+				     "Peers' READs our NIC refused: a key not held, or past its "
+				     "chunk." },
+	[RDMA_CTR_LINKS_LOST] = { "rdma_links_lost", "kvstage_rdma_links_lost_total",
+				  "Queue pairs that failed under a live session: its chunks went "
+				  "by TCP until a new one was connected." },
+	[RDMA_CTR_SESSIONS] = { "rdma_sessions", "kvstage_rdma_sessions",
+				"Peer sessions whose chunks go by RDMA READ now.", true },
+	[RDMA_NCTR] = { NULL },
 };
 
 const struct kvsp_dp_ops kvsp_dp_rdma = {
@@ -709,4 +737,5 @@ const struct kvsp_dp_ops kvsp_dp_rdma = {
 	.pending = rdma_pending,
 	.loop_fd = rdma_loop_fd,
 	.on_fd = rdma_on_fd,
+	.counters = rdma_counters,
 };

@@ -141,6 +141,21 @@ struct rsess {
 	uint16_t nwin, win_free, win_last;
 };
 
+/* Its counters in the counter block (rdma.c's rdma_counters, in this
+ * order): r->dp.ctr[RDMA_CTR_*]. */
+enum rdma_ctr {
+	RDMA_CTR_READS,		/* chunks pulled by RDMA READ (landed or not) */
+	RDMA_CTR_BYTES_RX,	/* ... their bytes */
+	RDMA_CTR_BINDS,		/* chunk keys granted by binding a memory window */
+	RDMA_CTR_INVALIDATES,	/* window keys revoked by a local invalidate (completed) */
+	RDMA_CTR_REGIONS,	/* chunk keys granted by registering a region (no windows) */
+	RDMA_CTR_REGION_FREES,	/* region keys revoked by deregistering */
+	RDMA_CTR_READS_REFUSED, /* peers' READs our NIC refused (a key not held, or past it) */
+	RDMA_CTR_LINKS_LOST,	/* queue pairs that failed under a live session (made again) */
+	RDMA_CTR_SESSIONS,	/* gauge: sessions whose chunks go by READ now */
+	RDMA_NCTR,
+};
+
 struct rdma {
 	struct kvsp_dp dp;
 	struct kvsp_verbs verbs;

@@ -131,8 +131,8 @@ void rrecv_read_done(struct rdma *r, struct rsess *rs, uint32_t slot, const stru
 	struct kvsp_xfer *x = kvsp_xfer_of(dp->p, slot);
 	if (wc->status == IBV_WC_SUCCESS) {
 		struct psess *s = rs_session(r, rs);
-		KVS_STAT_ADD(dp->st->rdma_reads, 1);
-		KVS_STAT_ADD(dp->st->rdma_bytes_rx, wc->byte_len);
+		KVS_STAT_ADD(dp->ctr[RDMA_CTR_READS], 1);
+		KVS_STAT_ADD(dp->ctr[RDMA_CTR_BYTES_RX], wc->byte_len);
 		if (s)
 			KVS_STAT_ADD(s->pub->bytes_rx, wc->byte_len);
 		list_add(r, &rs->ack_head, &rs->ack_tail, slot);

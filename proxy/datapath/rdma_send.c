@@ -148,7 +148,7 @@ static void region_drop(struct rdma *r, struct ibv_mr **mr)
 {
 	if (*mr) {
 		kvsp_verbs_region_free(*mr);
-		KVS_STAT_ADD(r->dp.st->rdma_region_frees, 1);
+		KVS_STAT_ADD(r->dp.ctr[RDMA_CTR_REGION_FREES], 1);
 		*mr = NULL;
 	}
 }
@@ -210,7 +210,7 @@ static int grant(struct rdma *r, struct rsess *rs, uint32_t slot)
 		struct ibv_mr *mr = kvsp_verbs_region_new(&r->verbs, addr, x->len, false);
 		if (!mr)
 			return -(errno ? errno : ENOMEM);
-		KVS_STAT_ADD(r->dp.st->rdma_regions, 1);
+		KVS_STAT_ADD(r->dp.ctr[RDMA_CTR_REGIONS], 1);
 		e->region = mr;
 		e->rkey = mr->rkey;
 		e->state = S_READY;
@@ -231,7 +231,7 @@ static int grant(struct rdma *r, struct rsess *rs, uint32_t slot)
 			win_put(rs, w);
 			return -e2;
 		}
-		KVS_STAT_ADD(r->dp.st->rdma_regions, 1);
+		KVS_STAT_ADD(r->dp.ctr[RDMA_CTR_REGIONS], 1);
 	}
 	uint32_t key = rs->win[w].mw->rkey; /* the next tag after it */
 	int rc = kvsp_verbs_bind(&r->verbs, rs->qp, wr_id(WR_BIND, slot, rs->id), rs->win[w].mw,
@@ -243,7 +243,7 @@ static int grant(struct rdma *r, struct rsess *rs, uint32_t slot)
 	}
 	e->region = under;
 	rs_posted(r, rs);
-	KVS_STAT_ADD(r->dp.st->rdma_binds, 1);
+	KVS_STAT_ADD(r->dp.ctr[RDMA_CTR_BINDS], 1);
 	e->win = w;
 	e->rkey = key;
 	e->state = S_BINDING;
@@ -324,7 +324,7 @@ void rsend_inv_done(struct rdma *r, struct rsess *rs, uint32_t slot, const struc
 	 * queue pair is in the error state, and the key dies with it
 	 * (rsend_link_dead, once every work request is in). */
 	if (wc->status == IBV_WC_SUCCESS) {
-		KVS_STAT_ADD(r->dp.st->rdma_invalidates, 1);
+		KVS_STAT_ADD(r->dp.ctr[RDMA_CTR_INVALIDATES], 1);
 		finish(r, rs, slot, true);
 	}
 }

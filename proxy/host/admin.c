@@ -91,8 +91,9 @@ static void admin_close(struct kvsp *p, struct kvsp_admin *a)
 static bool admin_ready(struct kvsp *p, const struct kvs_admin_req *q, uint64_t *val)
 {
 	if (q->op == KVS_ADMIN_STAT_WAIT) {
-		long off = kvs_stat_find(q->name);
-		*val = __atomic_load_n((uint64_t *)((uint8_t *)p->stats + off), __ATOMIC_RELAXED);
+		/* Found when it was asked for (on_admin); none is ever removed. */
+		const uint64_t *v = kvs_stat_at(p->ctrl, p->ctrl_size, q->name);
+		*val = __atomic_load_n(v, __ATOMIC_RELAXED);
 		return q->action == 0 ? *val >= q->hits : *val <= q->hits;
 	}
 	*val = p->fp[kvsp_fp_lookup(p, q->name)].hits;
@@ -111,7 +112,7 @@ static void on_admin(struct kvsp *p, struct kvsp_admin *a)
 	}
 	q.name[sizeof(q.name) - 1] = 0;
 	if (q.op == KVS_ADMIN_STAT_WAIT) {
-		if (kvs_stat_find(q.name) < 0 || q.action > 1) {
+		if (!kvs_stat_at(p->ctrl, p->ctrl_size, q.name) || q.action > 1) {
 			admin_reply(a, -ENOENT, 0, "no such counter");
 			return;
 		}

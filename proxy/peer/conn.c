@@ -27,10 +27,37 @@
 #include <sys/uio.h>
 #include <unistd.h>
 
+#include "core/counters.h"
 #include "layout.h"
 
+/* Named as they were when they were fields of struct kvs_stats, so
+ * kvstage-stat, --json, /metrics and barriers say what they said. */
+const struct kvsp_counter_def pconn_counters[PCONN_NCTR + 1] = {
+	[PCONN_CTR_BYTES_TX] = { "tcp_bytes_tx", "kvstage_tcp_sent_bytes_total",
+				 "Bytes written to peer connections." },
+	[PCONN_CTR_BYTES_RX] = { "tcp_bytes_rx", "kvstage_tcp_received_bytes_total",
+				 "Bytes read from peer connections." },
+	[PCONN_CTR_SEND_CALLS] = { "tcp_send_calls", "kvstage_tcp_send_calls_total",
+				   "sendmsg and send calls on peer connections, those that found "
+				   "the socket full included." },
+	[PCONN_CTR_RECV_CALLS] = { "tcp_recv_calls", "kvstage_tcp_recv_calls_total",
+				   "recv and recvmsg calls on peer connections, those that found "
+				   "nothing included." },
+	[PCONN_CTR_LOWAT_CALLS] = { "tcp_lowat_calls", "kvstage_tcp_lowat_calls_total",
+				    "setsockopt(SO_RCVLOWAT) calls on peer connections: a large "
+				    "payload's wake-up mark." },
+	[PCONN_CTR_ZC_SENDS] = { "tcp_zc_sends", "kvstage_tcp_zerocopy_sends_total",
+				 "sendmsg calls with MSG_ZEROCOPY on peer connections "
+				 "(--tcp-zerocopy)." },
+	[PCONN_CTR_ZC_COPIED] = { "tcp_zc_copied", "kvstage_tcp_zerocopy_copied_total",
+				  "Zerocopy sendmsg calls the kernel said it copied anyway "
+				  "(loopback, veth)." },
+	[PCONN_NCTR] = { NULL },
+};
+
 int pconn_table_init(struct pconn_table *t, int epfd, uint32_t max_payload, uint64_t instance,
-		     const struct kvsp_secret *secret, struct kvs_stats *st, bool zerocopy)
+		     const struct kvsp_secret *secret, struct kvs_stats *st, uint64_t *ctr,
+		     bool zerocopy)
 {
 	t->zerocopy = zerocopy;
 	for (unsigned i = 0; i < PCONN_MAX; i++)
@@ -41,6 +68,7 @@ int pconn_table_init(struct pconn_table *t, int epfd, uint32_t max_payload, uint
 	t->instance = instance;
 	t->secret = secret;
 	t->st = st;
+	t->ctr = ctr;
 	t->sink = malloc(PCONN_SINK_SIZE);
 	return t->sink ? 0 : -ENOMEM;
 }
@@ -225,7 +253,7 @@ uint64_t pconn_deadline(const struct pconn *c, uint64_t hs_ns, uint64_t timeout_
 static int hs_send(struct pconn_table *t, struct pconn *c)
 {
 	while (c->hs_out_off < c->hs_out_len) {
-		KVS_STAT_ADD(t->st->tcp_send_calls, 1);
+		KVS_STAT_ADD(t->ctr[PCONN_CTR_SEND_CALLS], 1);
 		ssize_t n = send(c->fd, c->hs_out + c->hs_out_off, c->hs_out_len - c->hs_out_off,
 				 MSG_DONTWAIT | MSG_NOSIGNAL);
 		if (n < 0) {
@@ -274,7 +302,7 @@ int pconn_handshake(struct pconn_table *t, struct pconn *c, uint64_t now)
 			uint32_t need = step == KVSP_AUTH_RECV_HELLO ? KVS_WIRE_HELLO_SIZE
 								     : KVS_WIRE_PROOF_SIZE;
 			/* Exactly this message: what follows it is the first frame's. */
-			KVS_STAT_ADD(t->st->tcp_recv_calls, 1);
+			KVS_STAT_ADD(t->ctr[PCONN_CTR_RECV_CALLS], 1);
 			ssize_t n =
 				recv(c->fd, c->hs_in + c->hs_have, need - c->hs_have, MSG_DONTWAIT);
 			if (n == 0)
@@ -448,11 +476,11 @@ int pconn_write(struct pconn_table *t, struct pconn *c, uint64_t now)
 	/* Zerocopy for a batch with payload enough to pay for the answer, while
 	 * the kernel owes fewer answers than the window. */
 	bool zc = c->zc_on && want >= PCONN_ZC_MIN && c->zc.sent - c->zc.done < PCONN_ZC_WINDOW;
-	KVS_STAT_ADD(t->st->tcp_send_calls, 1);
+	KVS_STAT_ADD(t->ctr[PCONN_CTR_SEND_CALLS], 1);
 	ssize_t n = sendmsg(c->fd, &m, MSG_DONTWAIT | MSG_NOSIGNAL | (zc ? MSG_ZEROCOPY : 0));
 	if (n < 0 && zc && errno == ENOBUFS) { /* no memory left for its answer: copy */
 		zc = false;
-		KVS_STAT_ADD(t->st->tcp_send_calls, 1);
+		KVS_STAT_ADD(t->ctr[PCONN_CTR_SEND_CALLS], 1);
 		n = sendmsg(c->fd, &m, MSG_DONTWAIT | MSG_NOSIGNAL);
 	}
 	if (n < 0) {
@@ -461,12 +489,12 @@ int pconn_write(struct pconn_table *t, struct pconn *c, uint64_t now)
 		tx_full(t, c);
 		return 0;
 	}
-	KVS_STAT_ADD(t->st->tcp_bytes_tx, (uint64_t)n);
+	KVS_STAT_ADD(t->ctr[PCONN_CTR_BYTES_TX], (uint64_t)n);
 	if (c->pub)
 		KVS_STAT_ADD(c->pub->bytes_tx, (uint64_t)n);
 	if (zc) { /* the call took bytes: the kernel numbered it, as we do */
 		c->zc.sent++;
-		KVS_STAT_ADD(t->st->tcp_zc_sends, 1);
+		KVS_STAT_ADD(t->ctr[PCONN_CTR_ZC_SENDS], 1);
 	}
 	tx_advance(c, (size_t)n, zc);
 	/* A short write filled the socket: asking again would only hear
@@ -570,7 +598,7 @@ static void rx_lowat(struct pconn_table *t, struct pconn *c)
 	if (want == c->rx_lowat)
 		return;
 	int v = want ? (int)want : 1;
-	KVS_STAT_ADD(t->st->tcp_lowat_calls, 1);
+	KVS_STAT_ADD(t->ctr[PCONN_CTR_LOWAT_CALLS], 1);
 	/* It cannot fail on a TCP socket. Were it to, the mark is unknown: the
 	 * next read sets it again, and the timer's ticks read meanwhile. */
 	c->rx_lowat = setsockopt(c->fd, SOL_SOCKET, SO_RCVLOWAT, &v, sizeof(v)) ? UINT32_MAX : want;
@@ -589,7 +617,7 @@ int pconn_read(struct pconn_table *t, struct pconn *c, struct kvsp_frame *f, uin
 	uint32_t owed = kvsp_frame_rx_owed(&c->frx);
 	ssize_t n;
 	int what = PCONN_NOTHING;
-	KVS_STAT_ADD(t->st->tcp_recv_calls, 1);
+	KVS_STAT_ADD(t->ctr[PCONN_CTR_RECV_CALLS], 1);
 	if (owed) {
 		n = read_payload(t, c, owed, &what);
 	} else {
@@ -614,7 +642,7 @@ int pconn_read(struct pconn_table *t, struct pconn *c, struct kvsp_frame *f, uin
 	if (n < 0)
 		return errno == EAGAIN ? PCONN_NOTHING : -errno;
 	c->last_rx_ns = now;
-	KVS_STAT_ADD(t->st->tcp_bytes_rx, (uint64_t)n);
+	KVS_STAT_ADD(t->ctr[PCONN_CTR_BYTES_RX], (uint64_t)n);
 	if (c->pub)
 		KVS_STAT_ADD(c->pub->bytes_rx, (uint64_t)n);
 	if (what == PCONN_PAYLOAD_END)

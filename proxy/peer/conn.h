@@ -39,6 +39,7 @@
 #include <stdbool.h>
 #include <stdint.h>
 
+#include "core/counters.h"
 #include "peer/endpoint.h"
 #include "peer/frame.h"
 #include "peer/auth.h"
@@ -46,6 +47,20 @@
 struct kvsp_xfer;
 struct kvs_peer;
 struct kvs_stats;
+
+/* The socket layer's counters in the counter block, as pconn_counters
+ * names them (conn.c), in its order: values[PCONN_CTR_*]. */
+enum pconn_ctr {
+	PCONN_CTR_BYTES_TX,    /* bytes written to peer connections */
+	PCONN_CTR_BYTES_RX,    /* ... read from them */
+	PCONN_CTR_SEND_CALLS,  /* sendmsg/send, EAGAIN ones included */
+	PCONN_CTR_RECV_CALLS,  /* recv/recvmsg, EAGAIN ones included */
+	PCONN_CTR_LOWAT_CALLS, /* setsockopt(SO_RCVLOWAT) */
+	PCONN_CTR_ZC_SENDS,    /* sendmsg with MSG_ZEROCOPY */
+	PCONN_CTR_ZC_COPIED,   /* ... of them, the kernel copied anyway */
+	PCONN_NCTR,
+};
+extern const struct kvsp_counter_def pconn_counters[PCONN_NCTR + 1];
 
 #define PCONN_HANDSHAKES 256 /* accepted connections not joined yet, in all */
 #define PCONN_PER_SOURCE 32  /* ... and from one address: a peer's streams (16) twice over */
@@ -157,14 +172,17 @@ struct pconn_table {
 	uint64_t instance; /* ours, in every handshake */
 	const struct kvsp_secret *secret;
 	struct kvs_stats *st;
+	uint64_t *ctr; /* its counters in the block: [PCONN_CTR_*] */
 	bool zerocopy; /* --tcp-zerocopy */
 	struct pconn_zombie zombie[PCONN_MAX];
 	unsigned nzombies;
 };
 
-/* Sets t up (epfd is the plane's). Returns 0, or -ENOMEM. */
+/* Sets t up (epfd is the plane's; ctr: pconn_counters' values, as
+ * registered). Returns 0, or -ENOMEM. */
 int pconn_table_init(struct pconn_table *t, int epfd, uint32_t max_payload, uint64_t instance,
-		     const struct kvsp_secret *secret, struct kvs_stats *st, bool zerocopy);
+		     const struct kvsp_secret *secret, struct kvs_stats *st, uint64_t *ctr,
+		     bool zerocopy);
 /* --tcp-zerocopy's part (zerocopy.c), design note 36. */
 /* With --tcp-zerocopy: SO_ZEROCOPY on fd, a socket about to connect or
  * listen (for a kernel that takes it only then). */

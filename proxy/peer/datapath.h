@@ -44,6 +44,7 @@ struct kvsp_transport;
 struct kvsp_xfer;
 struct kvsp_frame;
 struct kvsp_peer_opts;
+struct kvsp_counter_def;
 struct kvs_stats;
 struct pconn;
 struct pconn_table;
@@ -81,7 +82,10 @@ struct kvsp_dp {
 	struct kvsp_dp *const *dps; /* every data path of the plane, in order */
 	const unsigned *ndps;
 	const void *conf; /* its options' values (ops->conf_size bytes), or NULL */
-	unsigned fp;	  /* its first failpoint's id: ops->failpoints[i] is fp + i */
+	unsigned fp; /* its first failpoint's id: ops->failpoints[i] is fp + i (set before create) */
+	/* Its ops->counters' values in the counter block, in their order (the
+	 * plane registers them before create); NULL: it names none. */
+	uint64_t *ctr;
 };
 
 /* A frame a data path has for a connection, and the payload after it. */
@@ -155,6 +159,9 @@ struct kvsp_dp_ops {
 	 * channel), or -1; on_fd runs when it did. */
 	int (*loop_fd)(const struct kvsp_dp *dp);
 	void (*on_fd)(struct kvsp_dp *dp);
+	/* Optional: the counters it keeps (core/counters.h; NULL-name
+	 * terminated), published under these names while it exists. */
+	const struct kvsp_counter_def *counters;
 };
 
 #endif

@@ -30,6 +30,7 @@
 #include <sys/timerfd.h>
 #include <unistd.h>
 
+#include "core/counters.h"
 #include "core/failpoint.h"
 #include "core/xport.h"
 #include "base/log.h"
@@ -657,9 +658,35 @@ static int open_listener(struct peer *pr, bool advertised, char *why, size_t len
 	return epoll_ctl(pr->epfd, EPOLL_CTL_ADD, fd, &ev) < 0 ? -errno : 0;
 }
 
-/* dp reads its frame types, and its failpoints get their ids. Returns 0,
- * or -errno with why said (the proxy does not start). */
-static int datapath_parts(struct peer *pr, struct kvsp_dp *dp, char *why, size_t len)
+/* What a data path of the build names, before it is made (create copies
+ * base, so its instance and any it makes of its own hold them): its
+ * counters, in the counter block, and its failpoints' ids. They are there
+ * whether or not this proxy runs it. Returns 0, or -errno with why said. */
+static int datapath_names(struct peer *pr, struct kvsp_dp *base, char *why, size_t len)
+{
+	const struct kvsp_dp_ops *ops = base->ops;
+	base->ctr = NULL;
+	int rc = ops->counters ? kvsp_counters_add(pr->p, ops->counters, &base->ctr) : 0;
+	if (rc < 0) {
+		snprintf(why, len, "%s data path: its counters: %s", ops->name, strerror(-rc));
+		return rc;
+	}
+	base->fp = 0;
+	for (unsigned i = 0; ops->failpoints && ops->failpoints[i]; i++) {
+		int id = kvsp_fp_register(pr->p, ops->failpoints[i]);
+		if (id < 0) {
+			snprintf(why, len, "%s data path: failpoint %s: %s", ops->name,
+				 ops->failpoints[i], strerror(-id));
+			return id;
+		}
+		if (i == 0)
+			base->fp = (unsigned)id;
+	}
+	return 0;
+}
+
+/* dp, made, reads its frame types. Returns 0, or -errno with why said. */
+static int datapath_frames(struct peer *pr, struct kvsp_dp *dp, char *why, size_t len)
 {
 	const struct kvsp_dp_ops *ops = dp->ops;
 	for (const struct kvsp_dp_frame_type *ft = ops->frames; ft && ft->type; ft++) {
@@ -671,16 +698,6 @@ static int datapath_parts(struct peer *pr, struct kvsp_dp *dp, char *why, size_t
 			return rc < 0 ? rc : -EEXIST;
 		}
 		pr->by_type[ft->type] = dp;
-	}
-	for (unsigned i = 0; ops->failpoints && ops->failpoints[i]; i++) {
-		int id = kvsp_fp_register(pr->p, ops->failpoints[i]);
-		if (id < 0) {
-			snprintf(why, len, "%s data path: failpoint %s: %s", ops->name,
-				 ops->failpoints[i], strerror(-id));
-			return id;
-		}
-		if (i == 0)
-			dp->fp = (unsigned)id;
 	}
 	return 0;
 }
@@ -703,6 +720,9 @@ static int open_datapaths(struct peer *pr, const struct kvsp_peer_opts *o, char 
 			snprintf(why, len, "peer plane: more than %u data paths", MAX_DPS - 1);
 			return -E2BIG;
 		}
+		int rc = datapath_names(pr, &base, why, len);
+		if (rc < 0)
+			return rc;
 		int err = 0;
 		struct kvsp_dp *dp = base.ops->create(&base, o, why, len, &err);
 		if (!dp) {
@@ -719,7 +739,7 @@ static int open_datapaths(struct peer *pr, const struct kvsp_peer_opts *o, char 
 			return -errno;
 		}
 		if (o->datapaths[k]) {
-			int rc = datapath_parts(pr, dp, why, len);
+			rc = datapath_frames(pr, dp, why, len);
 			if (rc < 0)
 				return rc;
 			continue;
@@ -739,9 +759,15 @@ static int start(struct peer *pr, const struct kvsp_peer_opts *o, char *why, siz
 		snprintf(why, len, "peer plane: out of memory");
 		return -ENOMEM;
 	}
+	uint64_t *ctr;
+	int rc = kvsp_counters_add(pr->p, pconn_counters, &ctr);
+	if (rc < 0) {
+		snprintf(why, len, "peer plane: its counters: %s", strerror(-rc));
+		return rc;
+	}
 	if (pr->epfd < 0 || pr->timer_fd < 0 ||
 	    pconn_table_init(&pr->conns, pr->epfd, (uint32_t)kvsp_slot_size(pr->p),
-			     kvsp_instance(pr->p), o->secret, pr->st, o->zerocopy) < 0) {
+			     kvsp_instance(pr->p), o->secret, pr->st, ctr, o->zerocopy) < 0) {
 		snprintf(why, len, "peer plane: %s", strerror(errno ? errno : ENOMEM));
 		return -ENOMEM;
 	}
@@ -755,11 +781,11 @@ static int start(struct peer *pr, const struct kvsp_peer_opts *o, char *why, siz
 				 o->listen);
 			return -EINVAL;
 		}
-		int rc = open_listener(pr, o->advertise != NULL, why, len);
+		rc = open_listener(pr, o->advertise != NULL, why, len);
 		if (rc < 0)
 			return rc;
 	}
-	int rc = open_datapaths(pr, o, why, len);
+	rc = open_datapaths(pr, o, why, len);
 	if (rc < 0)
 		return rc;
 	uint64_t q = pr->timeout_ns / 8;

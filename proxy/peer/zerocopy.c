@@ -83,7 +83,7 @@ static int zc_read(struct pconn_table *t, int fd, struct pconn_zc *z)
 			if (n > PCONN_ZC_WINDOW)
 				n = PCONN_ZC_WINDOW;
 			if (e.ee_code & SO_EE_CODE_ZEROCOPY_COPIED) {
-				KVS_STAT_ADD(t->st->tcp_zc_copied, n);
+				KVS_STAT_ADD(t->ctr[PCONN_CTR_ZC_COPIED], n);
 				z->copied_run += n;
 			} else {
 				z->copied_run = 0;

@@ -327,6 +327,26 @@ def test_two_proxies_show_their_peer_session(tmp_path):
                                    timeout=60)
                 assert r.returncode == 0 and not (r.stdout + r.stderr).strip(), r.stdout + r.stderr
         assert samples(scrape(metrics_url(pa)))["kvstage_tcp_sent_bytes_total"] >= 3 * SLOT_SIZE
+        # The data paths' counters (ABI 4: the control segment's counter block) keep their
+        # names and types; the RDMA data path's are there wherever the build has it.
+        page = scrape(metrics_url(pb))
+        types = dict(re.findall(r"^# TYPE (\S+) (\S+)$", page, re.M))
+        want = {n: "counter" for n in (
+            "kvstage_tcp_sent_bytes_total", "kvstage_tcp_received_bytes_total", "kvstage_tcp_send_calls_total",
+            "kvstage_tcp_recv_calls_total", "kvstage_tcp_lowat_calls_total", "kvstage_tcp_zerocopy_sends_total",
+            "kvstage_tcp_zerocopy_copied_total")}
+        stat = os.path.join(os.path.dirname(os.path.dirname(os.environ["KVSTAGED"])), "tools", "kvstage-stat")
+        built = json.loads(subprocess.run([stat, "--json", "-s", pb.socket], capture_output=True, text=True,
+                                          timeout=30, check=True).stdout)
+        if "verbs" not in built["built_without"]:
+            want.update({n: "counter" for n in (
+                "kvstage_rdma_reads_total", "kvstage_rdma_received_bytes_total", "kvstage_rdma_window_binds_total",
+                "kvstage_rdma_window_invalidates_total", "kvstage_rdma_region_registrations_total",
+                "kvstage_rdma_region_deregistrations_total", "kvstage_rdma_reads_refused_total",
+                "kvstage_rdma_links_lost_total")})
+            want["kvstage_rdma_sessions"] = "gauge"
+        assert {n: types.get(n) for n in want} == want
+        assert samples(page)["kvstage_tcp_received_bytes_total"] >= 3 * SLOT_SIZE
     finally:
         for px in (pa, pb):
             px.stop()

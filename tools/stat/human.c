@@ -8,6 +8,7 @@
 #include "layout.h"
 #include "parse.h"
 #include "stat.h"
+#include "statnames.h"
 
 void print_human(const struct kvs_ctrl *c, size_t len, const char *path, int slots, int restarted,
 		 const struct rates *r, const struct tables *tb)
@@ -47,20 +48,36 @@ void print_human(const struct kvs_ctrl *c, size_t len, const char *path, int slo
 	       "  frames-ignored %llu  crc-errors %llu  discarded %llu  tx %llu  rx %llu\n",
 	       S(peer_sessions), S(peer_lost), S(peer_auth_failed), S(peer_refused),
 	       S(peer_frames_refused), S(peer_frames_ignored), S(peer_crc_errors),
-	       S(chunks_discarded), S(tcp_bytes_tx), S(tcp_bytes_rx));
+	       S(chunks_discarded), B("tcp_bytes_tx"), B("tcp_bytes_rx"));
 	printf("peers     deadlines %llu  evicted %llu  closed %llu  pings %llu\n",
 	       S(peer_timeouts), S(peer_evicted), S(peer_closed), S(peer_pings));
 	printf("syscalls  tcp-sends %llu  tcp-recvs %llu  epoll-waits %llu  epoll-ctls %llu  "
 	       "lowat-sets %llu  zerocopy-sends %llu  zerocopy-copied %llu\n",
-	       S(tcp_send_calls), S(tcp_recv_calls), S(peer_epoll_waits), S(peer_epoll_ctls),
-	       S(tcp_lowat_calls), S(tcp_zc_sends), S(tcp_zc_copied));
+	       B("tcp_send_calls"), B("tcp_recv_calls"), S(peer_epoll_waits), S(peer_epoll_ctls),
+	       B("tcp_lowat_calls"), B("tcp_zc_sends"), B("tcp_zc_copied"));
 	printf("rdma      sessions %llu  reads %llu  rx %llu  binds %llu  invalidates %llu  "
 	       "regions %llu"
 	       "  region-frees %llu  reads-refused %llu  links-lost %llu\n",
-	       S(rdma_sessions), S(rdma_reads), S(rdma_bytes_rx), S(rdma_binds),
-	       S(rdma_invalidates), S(rdma_regions), S(rdma_region_frees), S(rdma_reads_refused),
-	       S(rdma_links_lost));
+	       B("rdma_sessions"), B("rdma_reads"), B("rdma_bytes_rx"), B("rdma_binds"),
+	       B("rdma_invalidates"), B("rdma_regions"), B("rdma_region_frees"),
+	       B("rdma_reads_refused"), B("rdma_links_lost"));
 	printf("trace     written %llu  dropped %llu\n", S(trace_written), S(trace_dropped));
+	/* The block's other counters (a data path's this tool does not name), as
+	 * the proxy names them. */
+	uint32_t nb;
+	const struct kvs_counters *b = kvs_counters_of(c, len, &nb);
+	bool any = false;
+	for (uint32_t i = 0; i < nb; i++) {
+		char name[sizeof(b->rec[i].name) + 1] = "";
+		memcpy(name, b->rec[i].name, sizeof(b->rec[i].name));
+		if (block_shown(name))
+			continue;
+		printf("%s %s %llu", any ? " " : "counters ", name,
+		       (unsigned long long)__atomic_load_n(&b->value[i], __ATOMIC_RELAXED));
+		any = true;
+	}
+	if (any)
+		printf("\n");
 	if (r && r->have)
 		printf("rates     rooms/s %.1f  aborts/s %.1f  failures/s %.1f  chunks/s %.0f  "
 		       "GB/s %.3f"

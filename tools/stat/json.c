@@ -83,12 +83,12 @@ void print_json(const struct kvs_ctrl *c, size_t len, const char *path, int slot
 	       "\"links_lost\":%llu,\"sessions\":%llu},\"peers\":[",
 	       S(peer_sessions), S(peer_lost), S(peer_auth_failed), S(peer_refused),
 	       S(peer_frames_refused), S(peer_frames_ignored), S(peer_crc_errors),
-	       S(chunks_discarded), S(tcp_bytes_tx), S(tcp_bytes_rx), S(peer_timeouts),
-	       S(peer_evicted), S(peer_closed), S(peer_pings), S(tcp_send_calls), S(tcp_recv_calls),
-	       S(peer_epoll_waits), S(peer_epoll_ctls), S(tcp_lowat_calls), S(tcp_zc_sends),
-	       S(tcp_zc_copied), S(rdma_reads), S(rdma_bytes_rx), S(rdma_binds),
-	       S(rdma_invalidates), S(rdma_regions), S(rdma_region_frees), S(rdma_reads_refused),
-	       S(rdma_links_lost), S(rdma_sessions));
+	       S(chunks_discarded), B("tcp_bytes_tx"), B("tcp_bytes_rx"), S(peer_timeouts),
+	       S(peer_evicted), S(peer_closed), S(peer_pings), B("tcp_send_calls"),
+	       B("tcp_recv_calls"), S(peer_epoll_waits), S(peer_epoll_ctls), B("tcp_lowat_calls"),
+	       B("tcp_zc_sends"), B("tcp_zc_copied"), B("rdma_reads"), B("rdma_bytes_rx"),
+	       B("rdma_binds"), B("rdma_invalidates"), B("rdma_regions"), B("rdma_region_frees"),
+	       B("rdma_reads_refused"), B("rdma_links_lost"), B("rdma_sessions"));
 	for (uint32_t i = 0; i < tb->npe; i++) {
 		const struct peer_row *k = &tb->pe[i];
 		printf("%s{\"endpoint\":", i ? "," : "");

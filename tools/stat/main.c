@@ -189,7 +189,7 @@ int main(int argc, char **argv)
 			struct rates r;
 			struct tables tb = { 0 };
 			int restarted = last_instance && c->instance != last_instance;
-			rates_take(c, &r);
+			rates_take(c, len, &r);
 			tables_take(c, len, &tb);
 			if (json) {
 				print_json(c, len, path, slots, watch ? &r : NULL, &tb);

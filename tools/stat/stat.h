@@ -13,6 +13,9 @@
 
 /* A counter of the struct kvs_stats *st in scope, read once. */
 #define S(f) ((unsigned long long)__atomic_load_n(&st->f, __ATOMIC_RELAXED))
+/* A counter of the block of the segment c in scope (len bytes of it
+ * mapped), by its name, read once. */
+#define B(name) block_value(c, len, name)
 
 /* The slot states' names, by enum kvs_slot_state. */
 extern const char *const state_names[KVS_SLOT_NSTATES];
@@ -77,8 +80,15 @@ const char *state_word(const struct kvs_stats *st);
 /* The parts the proxy was built without (its KVS_CTRL_WITHOUT_* flags),
  * in order; n is how many (at most 4). */
 unsigned built_without(const struct kvs_ctrl *c, const char *names[4]);
+/* Returns the value of the counter block's record called name, or 0 where
+ * the proxy has none (a data path it has not got has never counted). */
+unsigned long long block_value(const struct kvs_ctrl *c, size_t len, const char *name);
+/* True if the views name this block counter in a place of their own (the
+ * tcp, syscalls and rdma lines, --json's "tcp" and "rdma"); the others are
+ * listed as they come. */
+bool block_shown(const char *name);
 /* Fills *r with the rates since the previous call for the same instance. */
-void rates_take(const struct kvs_ctrl *c, struct rates *r);
+void rates_take(const struct kvs_ctrl *c, size_t len, struct rates *r);
 /* qsort order of struct client: by id, lowest first. */
 int by_id(const void *a, const void *b);
 /* Reads the clients and peers of one sample into *tb (free it with

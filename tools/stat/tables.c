@@ -9,6 +9,7 @@
 
 #include "layout.h"
 #include "stat.h"
+#include "statnames.h"
 
 const char *const state_names[KVS_SLOT_NSTATES] = {
 	"free", "leased", "inflight", "tombstone", "recv_posted", "recv_filled",
@@ -89,15 +90,35 @@ unsigned built_without(const struct kvs_ctrl *c, const char *names[4])
 	return n;
 }
 
-void rates_take(const struct kvs_ctrl *c, struct rates *r)
+unsigned long long block_value(const struct kvs_ctrl *c, size_t len, const char *name)
+{
+	const uint64_t *v = kvs_stat_at(c, len, name);
+	return v ? (unsigned long long)__atomic_load_n(v, __ATOMIC_RELAXED) : 0;
+}
+
+bool block_shown(const char *name)
+{
+	static const char *const shown[] = {
+		"tcp_bytes_tx",	     "tcp_bytes_rx",	   "tcp_send_calls",   "tcp_recv_calls",
+		"tcp_lowat_calls",   "tcp_zc_sends",	   "tcp_zc_copied",    "rdma_reads",
+		"rdma_bytes_rx",     "rdma_binds",	   "rdma_invalidates", "rdma_regions",
+		"rdma_region_frees", "rdma_reads_refused", "rdma_links_lost",  "rdma_sessions",
+	};
+	for (size_t i = 0; i < sizeof(shown) / sizeof(shown[0]); i++)
+		if (!strcmp(shown[i], name))
+			return true;
+	return false;
+}
+
+void rates_take(const struct kvs_ctrl *c, size_t len, struct rates *r)
 {
 	static uint64_t inst, prev[R_N];
 	static struct timespec prev_t;
 	const struct kvs_stats *st = &c->stats;
 	uint64_t now[R_N] = {
-		S(rooms_done),	 S(rooms_aborted), S(rooms_failed) + S(rooms_timed_out),
-		S(chunks_moved), S(bytes_moved),   S(tcp_bytes_tx),
-		S(tcp_bytes_rx), S(rdma_bytes_rx)
+		S(rooms_done),	   S(rooms_aborted),  S(rooms_failed) + S(rooms_timed_out),
+		S(chunks_moved),   S(bytes_moved),    B("tcp_bytes_tx"),
+		B("tcp_bytes_rx"), B("rdma_bytes_rx")
 	};
 	struct timespec t;
 	clock_gettime(CLOCK_MONOTONIC, &t);
