@@ -7,6 +7,7 @@
 #include "layout.h"
 #include "parse.h"
 #include "stat.h"
+#include "statnames.h"
 
 void json_key(const char *key)
 {
@@ -80,7 +81,7 @@ void print_json(const struct kvs_ctrl *c, size_t len, const char *path, int slot
 	       "\"zerocopy_copied\":%llu},"
 	       "\"rdma\":{\"reads\":%llu,\"bytes_rx\":%llu,\"binds\":%llu,\"invalidates\":%llu,"
 	       "\"regions\":%llu,\"region_frees\":%llu,\"reads_refused\":%llu,"
-	       "\"links_lost\":%llu,\"sessions\":%llu},\"peers\":[",
+	       "\"links_lost\":%llu,\"sessions\":%llu},",
 	       S(peer_sessions), S(peer_lost), S(peer_auth_failed), S(peer_refused),
 	       S(peer_frames_refused), S(peer_frames_ignored), S(peer_crc_errors),
 	       S(chunks_discarded), B("tcp_bytes_tx"), B("tcp_bytes_rx"), S(peer_timeouts),
@@ -89,6 +90,20 @@ void print_json(const struct kvs_ctrl *c, size_t len, const char *path, int slot
 	       B("tcp_zc_sends"), B("tcp_zc_copied"), B("rdma_reads"), B("rdma_bytes_rx"),
 	       B("rdma_binds"), B("rdma_invalidates"), B("rdma_regions"), B("rdma_region_frees"),
 	       B("rdma_reads_refused"), B("rdma_links_lost"), B("rdma_sessions"));
+	/* Every counter of the block, by the name its owner gave it (a data
+	 * path's: a rail's, a test's), whether or not it is shown above. */
+	uint32_t nb;
+	const struct kvs_counters *b = kvs_counters_of(c, len, &nb);
+	printf("\"counters\":{");
+	for (uint32_t i = 0; i < nb; i++) {
+		char name[sizeof(b->rec[i].name) + 1] = "";
+		memcpy(name, b->rec[i].name, sizeof(b->rec[i].name));
+		printf("%s", i ? "," : "");
+		kvs_json_string(stdout, name);
+		printf(":%llu",
+		       (unsigned long long)__atomic_load_n(&b->value[i], __ATOMIC_RELAXED));
+	}
+	printf("},\"peers\":[");
 	for (uint32_t i = 0; i < tb->npe; i++) {
 		const struct peer_row *k = &tb->pe[i];
 		printf("%s{\"endpoint\":", i ? "," : "");
