@@ -149,6 +149,10 @@ bool hz_recv_for(struct hz *z, int ms, struct kvsp_frame *out)
 			struct kvsp_frame f = frame_from(z, i);
 			if (f.type == KVS_WIRE_PING || f.type == KVS_WIRE_PONG)
 				continue;
+			/* We have one rail: a proxy with more says a HELLO for each,
+			 * and a peer ignores those of rails it lacks. */
+			if (f.type == KVS_WIRE_RDMA_HELLO && f.body.rdma_hello.rail != 0)
+				continue;
 			cr_assert_eq(i, 0, "frame type %u on stream %u", f.type, i);
 			*out = f;
 			return true;
@@ -190,7 +194,7 @@ void hz_accept(struct hz *z)
 					  .pool_addr = le64toh(b->pool_addr),
 					  .pool_len = le64toh(b->pool_len),
 					  .keys = le32toh(b->keys),
-					  .mtu = le32toh(b->mtu) };
+					  .mtu = le16toh(b->mtu) };
 	memcpy(z->peer.gid, b->gid, sizeof(z->peer.gid));
 	z->buf = aligned_alloc(4096, HZ_BUF);
 	cr_assert_not_null(z->buf);
@@ -206,7 +210,7 @@ void hz_accept(struct hz *z)
 					 .pool_addr = htole64(z->local.pool_addr),
 					 .pool_len = htole64(z->local.pool_len),
 					 .keys = htole32(KVSP_KEYS_WIRE_REGION),
-					 .mtu = htole32(z->local.mtu) };
+					 .mtu = htole16((uint16_t)z->local.mtu) };
 	memcpy(h.gid, z->local.gid, sizeof(h.gid));
 	hp_send(&z->conn[0], KVS_WIRE_RDMA_HELLO, &h, 0, NULL);
 	cr_assert_eq(kvsp_verbs_qp_connect(&z->v, z->qp, &z->local, &z->peer), 0);

@@ -481,6 +481,6 @@ Test(conformance, auto_finds_the_device_and_reads)
 	char log[16384];
 	proxy_log(&p_rx, log, sizeof(log));
 	char want[96];
-	snprintf(want, sizeof(want), "rdma: %s port", dev);
+	snprintf(want, sizeof(want), "rdma: rail 0: %s port", dev);
 	cr_assert(strstr(log, want), "the log does not say it uses %s:\n%s", dev, log);
 }

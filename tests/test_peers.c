@@ -268,7 +268,7 @@ Test(peers, rdma_frames_to_a_proxy_without_a_device)
 					     .pool_addr = htole64(0x7f0000000000ull),
 					     .pool_len = htole64(64 * SLOT),
 					     .keys = htole32(1),
-					     .mtu = htole32(3 /* IBV_MTU_1024 */) };
+					     .mtu = htole16(3 /* IBV_MTU_1024 */) };
 	hp_send(&h, KVS_WIRE_RDMA_HELLO, &hello, 0, NULL);
 	struct kvs_wire_chunk_read rd = { .room = room_name(),
 					  .chunk = 0,
@@ -316,7 +316,7 @@ Test(peers, rdma_frames_to_a_proxy_with_a_device)
 					     .pool_addr = htole64(0x7f0000000000ull),
 					     .pool_len = htole64(64 * SLOT),
 					     .keys = htole32(1),
-					     .mtu = htole32(3 /* IBV_MTU_1024 */) };
+					     .mtu = htole16(3 /* IBV_MTU_1024 */) };
 	uint64_t lost = stat_get(&pb, "peer_lost");
 	struct hpeer h;
 	join_b(&h, &good);

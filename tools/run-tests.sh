@@ -87,6 +87,16 @@ for suite in tcp peers hostile; do
 done
 RXE_WORKDIR="$PWD/build/rxe" tests/rxe/run.sh --timeout 900 "${asan_env[@]}" --env KVSTAGE_BUILD_DIR="$PWD/build-asan" -- \
   build-asan/tests/test-hostile-rdma --jobs=1
+echo "== two rails in that guest (rxe0 and rxe1 on two links, every proxy --rdma-device rxe0 --rdma-device rxe1): chunks spread, a link cut mid-room; then conformance's verbs cases and the hostile RDMA peer against two-rail proxies"
+RXE_WORKDIR="$PWD/build/rxe" tests/rxe/run.sh --timeout 600 --env KVSTAGE_BUILD_DIR="$PWD/build" -- \
+  build/tests/test-rails --jobs=1
+RXE_WORKDIR="$PWD/build/rxe" tests/rxe/run.sh --timeout 900 --env KVSTAGE_TEST_RDMA_DEVICE=rxe0 \
+  --env KVSTAGE_TEST_ONLY_KIND=verbs --env "KVSTAGE_TEST_PROXY_ARGS=--rdma-device rxe1" \
+  --env KVSTAGE_BUILD_DIR="$PWD/build" -- build/tests/test-conformance --jobs=1
+RXE_WORKDIR="$PWD/build/rxe" tests/rxe/run.sh --timeout 900 --env "KVSTAGE_TEST_PROXY_ARGS=--rdma-device rxe1" \
+  --env KVSTAGE_BUILD_DIR="$PWD/build" -- build/tests/test-hostile-rdma --jobs=1
+RXE_WORKDIR="$PWD/build/rxe" tests/rxe/run.sh --timeout 600 "${asan_env[@]}" --env KVSTAGE_BUILD_DIR="$PWD/build-asan" -- \
+  build-asan/tests/test-rails --jobs=1
 echo "== kvstage-bench verbs in that guest (the output's shape; no speed means anything there)"
 RXE_WORKDIR="$PWD/build/rxe" tests/rxe/run.sh --timeout 300 -- tools/bench/smoke-verbs.sh build
 echo "== short fuzz pass (fuzz/run.sh: libFuzzer, clang, ASan+UBSan; see docs/testing.md for the long run)"

@@ -91,159 +91,40 @@ static void rdma_destroy(struct kvsp_dp *dp)
 	free(r);
 }
 
-/* ------------------------------------------------------------- options */
-
-static int opt_device(void *conf, const char *val, const char **why)
+struct rdma *rail_open(const struct kvsp_dp *base, const char *device, int gid_index,
+		       enum kvsp_keys keys, unsigned idx, char *e, size_t elen, int *rc)
 {
-	if (!*val) {
-		*why = "want a device name (ibv_devices)";
-		return -EINVAL;
-	}
-	((struct rdma_conf *)conf)->device = val;
-	return 0;
-}
-
-static int opt_gid_index(void *conf, const char *val, const char **why)
-{
-	uint64_t v;
-	if (kvs_parse_uint(val, 255, &v)) {
-		*why = "want 0 to 255";
-		return -EINVAL;
-	}
-	((struct rdma_conf *)conf)->gid_index = (int)v;
-	return 0;
-}
-
-static int opt_keys(void *conf, const char *val, const char **why)
-{
-	static const char *const names[] = { [KVSP_KEYS_AUTO] = "auto",
-					     [KVSP_KEYS_WINDOW] = "windows",
-					     [KVSP_KEYS_REGION] = "regions" };
-	for (unsigned k = 0; k < sizeof(names) / sizeof(names[0]); k++)
-		if (!strcmp(val, names[k])) {
-			((struct rdma_conf *)conf)->keys = (enum kvsp_keys)k;
-			return 0;
-		}
-	*why = "want auto, windows or regions";
-	return -EINVAL;
-}
-
-static const struct kvsp_dp_opt rdma_opts[] = {
-	{ "rdma-device", "NAME",
-	  "move chunks by RDMA READ on this device with peers\n"
-	  "that have one too (the others: by TCP); the pool\n"
-	  "is registered for local access only, and a peer\n"
-	  "reads each chunk under a key of its own (see\n"
-	  "--rdma-keys). Needs the peer secret (control\n"
-	  "stays on TCP)",
-	  opt_device },
-	{ "rdma-gid-index", "N",
-	  "the GID to use (default: the first RoCE v2 one,\n"
-	  "IPv4-mapped first)",
-	  opt_gid_index },
-	{ "rdma-keys", "KIND",
-	  "how each chunk's key is made: auto | windows |\n"
-	  "regions (default auto: windows if the device has\n"
-	  "type-2 memory windows, else regions). windows: a\n"
-	  "window bound on the peer's queue pair, invalidated\n"
-	  "at the chunk's ack or its room's abort (the NIC\n"
-	  "refuses it to any other peer); no RDMA on a\n"
-	  "device without them. regions: a memory region\n"
-	  "registered per chunk, deregistered at its end\n"
-	  "(costs a registration per chunk; any peer with\n"
-	  "the key may use it till then)",
-	  opt_keys },
-	{ 0 },
-};
-
-static void rdma_conf_init(void *conf)
-{
-	*(struct rdma_conf *)conf = (struct rdma_conf){ .gid_index = -1 };
-}
-
-/* RDMA rides on the peer plane's sessions: it needs the secret. */
-static int rdma_conf_check(const void *conf, const struct kvsp_peer_opts *o, char *why, size_t len)
-{
-	const struct rdma_conf *c = conf;
-	if (o->data == KVSP_DATA_STREAM && (c->device || c->keys != KVSP_KEYS_AUTO)) {
-		snprintf(why, len,
-			 "--transport tcp never uses RDMA: drop %s, or say --transport "
-			 "verbs or auto",
-			 c->device ? "--rdma-device" : "--rdma-keys");
-		return -EINVAL;
-	}
-	if ((o->data == KVSP_DATA_VERBS || c->device) && !o->secret) {
-		snprintf(why, len,
-			 "%s rides on the tcp transport's sessions: it needs the peer "
-			 "secret (--peer-secret-file or $KVSTAGE_PEER_SECRET)",
-			 o->data == KVSP_DATA_VERBS ? "--transport verbs" : "--rdma-device");
-		return -EINVAL;
-	}
-	return 0;
-}
-
-/* --transport: opens the device it asks for (or finds one, for auto).
- * Without one this proxy has no RDMA data path: what peers with one say
- * is answered by its type (peer/unowned.c: RDMA_HELLO ignored, CHUNK_READ
- * refused), and their chunks come by the stream. */
-static struct kvsp_dp *rdma_create(const struct kvsp_dp *base, const struct kvsp_peer_opts *o,
-				   char *why, size_t len, int *err)
-{
-	const struct rdma_conf *c = base->conf;
-	*err = 0;
-	if (o->data == KVSP_DATA_STREAM) {
-		LOG_INFO("peers: chunks by TCP (--transport tcp)");
-		return NULL;
-	}
 	uint32_t slots = kvsp_slot_count(base->p);
-	if (slots > SLOTS_MAX) {
-		snprintf(why, len, "rdma data path: %u slots, more than work requests can name",
-			 slots);
-		*err = -E2BIG;
-		return NULL;
-	}
 	struct rdma *r = calloc(1, sizeof(*r));
 	if (!r) {
-		snprintf(why, len, "rdma data path: out of memory");
-		*err = -ENOMEM;
+		snprintf(e, elen, "out of memory");
+		*rc = -ENOMEM;
 		return NULL;
 	}
 	r->dp = *base;
-	char e[256];
-	int rc = kvsp_verbs_open(&r->verbs, c->device, c->gid_index, kvsp_slot_mem(base->p, 0),
-				 (size_t)slots * kvsp_slot_size(base->p),
-				 PSESS_MAX * (SQ_DEPTH + 1), c->keys, e, sizeof(e));
-	if (rc < 0) {
-		memset(&r->verbs, 0, sizeof(r->verbs));
-		rdma_destroy(&r->dp);
-		if (c->device || o->data == KVSP_DATA_VERBS) {
-			if (c->device)
-				snprintf(why, len, "--rdma-device %s: %s", c->device, e);
-			else
-				snprintf(why, len, "--transport verbs: %s", e);
-			*err = rc;
-			return NULL;
+	r->dp.ops = &kvsp_rail_ops;
+	r->rail = idx;
+	*rc = kvsp_verbs_open(&r->verbs, device, gid_index, kvsp_slot_mem(base->p, 0),
+			      (size_t)slots * kvsp_slot_size(base->p), PSESS_MAX * (SQ_DEPTH + 1),
+			      keys, e, elen);
+	if (*rc == 0) {
+		r->rread = calloc(slots, sizeof(*r->rread));
+		r->rsend = calloc(slots, sizeof(*r->rsend));
+		if (!r->rread || !r->rsend) {
+			snprintf(e, elen, "out of memory");
+			*rc = -ENOMEM;
 		}
-		/* auto, no device named: a device that will not open costs this
-		 * proxy RDMA, never its start. */
-		if (rc == -ENODEV && strstr(e, "found none"))
-			LOG_INFO("peers: chunks by TCP (--transport auto: no RDMA device here)");
-		else
-			LOG_WARN("peers: chunks by TCP (--transport auto: %s)", e);
-		return NULL;
+	} else {
+		memset(&r->verbs, 0, sizeof(r->verbs));
 	}
-	r->rread = calloc(slots, sizeof(*r->rread));
-	r->rsend = calloc(slots, sizeof(*r->rsend));
-	if (!r->rread || !r->rsend) {
+	if (*rc < 0) {
 		rdma_destroy(&r->dp);
-		snprintf(why, len, "rdma data path: out of memory");
-		*err = -ENOMEM;
 		return NULL;
 	}
 	const char *because =
 		r->verbs.keys == KVSP_KEYS_REGION
-			? (c->keys == KVSP_KEYS_REGION ? "--rdma-keys regions"
-						       : "the device has no type-2 memory windows")
+			? (keys == KVSP_KEYS_REGION ? "--rdma-keys regions"
+						    : "the device has no type-2 memory windows")
 		: r->verbs.window_confines == 1 ? "the device keeps a READ inside its window"
 		: r->verbs.window_confines == 0
 			? "the device does not keep a READ inside its "
@@ -252,11 +133,23 @@ static struct kvsp_dp *rdma_create(const struct kvsp_dp *base, const struct kvsp
 			: "whether the device keeps a READ inside its window could "
 			  "not be tried: each "
 			  "chunk gets a region of its own";
-	LOG_INFO("rdma: %s port %u, GID index %d: chunks by RDMA READ with peers that have it, "
-		 "each under a key of its own: %s (%s)",
-		 r->verbs.name, r->verbs.port, r->verbs.gid_index,
+	LOG_INFO("rdma: rail %u: %s port %u, GID index %d: chunks by RDMA READ with peers that "
+		 "have it, each under a key of its own: %s (%s)",
+		 idx, r->verbs.name, r->verbs.port, r->verbs.gid_index,
 		 kvsp_keys_wire_name(kvsp_verbs_keys_wire(&r->verbs)), because);
-	return &r->dp;
+	return r;
+}
+
+void rail_link(struct rdma *r, struct rsess *rs, bool up)
+{
+	if (rs->up == up)
+		return;
+	rs->up = up;
+	if (up)
+		KVS_STAT_ADD(r->rail_ctr[RAIL_CTR_LINKS], 1);
+	else
+		KVS_STAT_SUB(r->rail_ctr[RAIL_CTR_LINKS], 1);
+	rails_link(r->rails, rs->id, up);
 }
 
 /* rs's queue pair for s: made, its sentinel posted, its HELLO owed.
@@ -290,12 +183,13 @@ static void link_connect(struct rdma *r, struct rsess *rs, struct psess *s)
 		rs_break(r, rs, RS_POST_FAILED); /* its sentinel flushes; then it is made again */
 		return;
 	}
-	rs->up = true;
-	KVS_STAT_ADD(r->dp.ctr[RDMA_CTR_SESSIONS], 1);
+	rail_link(r, rs, true);
 	PUB(s->pub->flags, keys_flag(r));
-	LOG_INFO("rdma: peer %s: chunks by RDMA READ on %s; ours under %s, its under %s%s",
-		 s->ep.text, r->verbs.name, kvsp_keys_wire_name(kvsp_verbs_keys_wire(&r->verbs)),
-		 kvsp_keys_wire_name(rs->peer.keys), rs->relinks ? " (queue pair made again)" : "");
+	LOG_INFO(
+		"rdma: peer %s: chunks by RDMA READ on rail %u (%s); ours under %s, its under %s%s",
+		s->ep.text, r->rail, r->verbs.name,
+		kvsp_keys_wire_name(kvsp_verbs_keys_wire(&r->verbs)),
+		kvsp_keys_wire_name(rs->peer.keys), rs->relinks ? " (queue pair made again)" : "");
 }
 
 static void rdma_sess_up(struct kvsp_dp *dp, struct psess *s)
@@ -340,7 +234,7 @@ static int on_hello(struct rdma *r, struct psess *s, const struct kvs_wire_rdma_
 		.pool_addr = le64toh(b->pool_addr),
 		.pool_len = le64toh(b->pool_len),
 		.keys = le32toh(b->keys),
-		.mtu = le32toh(b->mtu),
+		.mtu = le16toh(b->mtu),
 	};
 	memcpy(p.gid, b->gid, sizeof(p.gid));
 	if (p.pool_addr + p.pool_len < p.pool_addr)
@@ -403,7 +297,8 @@ static bool rdma_next_control(struct kvsp_dp *dp, struct psess *s, struct kvsp_d
 						      .pool_addr = htole64(e->pool_addr),
 						      .pool_len = htole64(e->pool_len),
 						      .keys = htole32(e->keys),
-						      .mtu = htole32(e->mtu) };
+						      .mtu = htole16((uint16_t)e->mtu),
+						      .rail = (uint8_t)r->rail };
 		memcpy(out->body.rdma_hello.gid, e->gid, sizeof(e->gid));
 	}
 	return true;
@@ -478,6 +373,7 @@ static void judge(struct rdma *r, struct rsess *rs)
 		return;
 	}
 	KVS_STAT_ADD(dp->ctr[RDMA_CTR_LINKS_LOST], 1);
+	KVS_STAT_ADD(r->rail_ctr[RAIL_CTR_LINKS_LOST], 1);
 	PUB(s->pub->flags, 0);
 	relink(r, rs, s);
 	const char *why = rs->own_fault == RS_PEER_GAVE_UP    ? "it says it cannot READ from us"
@@ -499,9 +395,7 @@ void rs_break(struct rdma *r, struct rsess *rs, int why)
 		rs->own_fault = why;
 	if (!rs->broken) {
 		rs->broken = true;
-		if (rs->up)
-			KVS_STAT_SUB(r->dp.ctr[RDMA_CTR_SESSIONS], 1);
-		rs->up = false;
+		rail_link(r, rs, false);
 		if (rs->qp)
 			kvsp_verbs_qp_error(rs->qp); /* flushes what is posted; no READ is served */
 	}
@@ -617,9 +511,7 @@ static bool rdma_sess_quiesce(struct kvsp_dp *dp, struct psess *s)
 	struct rsess *rs = &r->rs[s->idx];
 	if (rs->id != s->id)
 		return false;
-	if (rs->up)
-		KVS_STAT_SUB(dp->ctr[RDMA_CTR_SESSIONS], 1);
-	rs->up = false;
+	rail_link(r, rs, false);
 	if (!rs->lost) {
 		rs->lost = true;
 		rrecv_drop_held(r, rs, true); /* never posted: nothing of ours reads for them */
@@ -659,8 +551,7 @@ static void rdma_sess_free(struct kvsp_dp *dp, struct psess *s)
 	struct rsess *rs = &r->rs[s->idx];
 	if (rs->id != s->id)
 		return;
-	if (rs->up)
-		KVS_STAT_SUB(dp->ctr[RDMA_CTR_SESSIONS], 1);
+	rail_link(r, rs, false);
 	if (rs->qp)
 		kvsp_verbs_qp_error(rs->qp);
 	rsend_link_dead(r, rs, NULL, false); /* its windows before its queue pair (verbs.h) */
@@ -673,54 +564,10 @@ static void rdma_sess_free(struct kvsp_dp *dp, struct psess *s)
 	rs->win = win;
 }
 
-static const struct kvsp_dp_frame_type rdma_frames[] = {
-	{ KVS_WIRE_RDMA_HELLO, 0, 0 },
-	{ KVS_WIRE_CHUNK_READ, 0, 0 },
-	{ KVS_WIRE_CHUNK_ACK, 0, 0 },
-	{ 0, 0, 0 },
-};
-
-static const char *const rdma_failpoints[] = {
-	[RDMA_FP_READ] = "rdma.read", /* receiving side: hold a READ, its slot posted */
-	NULL,
-};
-
-/* Named as they were when they were fields of struct kvs_stats, so
- * kvstage-stat, --json, /metrics and barriers say what they said. */
-static const struct kvsp_counter_def rdma_counters[RDMA_NCTR + 1] = {
-	[RDMA_CTR_READS] = { "rdma_reads", "kvstage_rdma_reads_total",
-			     "Chunks pulled by RDMA READ (landed or not)." },
-	[RDMA_CTR_BYTES_RX] = { "rdma_bytes_rx", "kvstage_rdma_received_bytes_total",
-				"Bytes pulled by RDMA READ." },
-	[RDMA_CTR_BINDS] = { "rdma_binds", "kvstage_rdma_window_binds_total",
-			     "Chunk keys granted by binding a memory window." },
-	[RDMA_CTR_INVALIDATES] = { "rdma_invalidates", "kvstage_rdma_window_invalidates_total",
-				   "Window keys revoked by a local invalidate." },
-	[RDMA_CTR_REGIONS] = { "rdma_regions", "kvstage_rdma_region_registrations_total",
-			       "Chunk keys granted by registering a memory region (no windows)." },
-	[RDMA_CTR_REGION_FREES] = { "rdma_region_frees",
-				    "kvstage_rdma_region_deregistrations_total",
-				    "Region keys revoked by deregistering." },
-	[RDMA_CTR_READS_REFUSED] = { "rdma_reads_refused", "kvstage_rdma_reads_refused_total",
-				     "Peers' READs our NIC refused: a key not held, or past its "
-				     "chunk." },
-	[RDMA_CTR_LINKS_LOST] = { "rdma_links_lost", "kvstage_rdma_links_lost_total",
-				  "Queue pairs that failed under a live session: its chunks went "
-				  "by TCP until a new one was connected." },
-	[RDMA_CTR_SESSIONS] = { "rdma_sessions", "kvstage_rdma_sessions",
-				"Peer sessions whose chunks go by RDMA READ now.", true },
-	[RDMA_NCTR] = { NULL },
-};
-
-const struct kvsp_dp_ops kvsp_dp_rdma = {
-	.name = "rdma",
-	.frames = rdma_frames,
-	.opts = rdma_opts,
-	.conf_size = sizeof(struct rdma_conf),
-	.conf_init = rdma_conf_init,
-	.conf_check = rdma_conf_check,
-	.failpoints = rdma_failpoints,
-	.create = rdma_create,
+/* A rail behind the data path (rails.c), which reads the frames, names
+ * the options, counters and failpoints, and asks each rail in turn. */
+const struct kvsp_dp_ops kvsp_rail_ops = {
+	.name = "rdma rail",
 	.destroy = rdma_destroy,
 	.sess_up = rdma_sess_up,
 	.carries = rdma_carries,
@@ -737,5 +584,4 @@ const struct kvsp_dp_ops kvsp_dp_rdma = {
 	.pending = rdma_pending,
 	.loop_fd = rdma_loop_fd,
 	.on_fd = rdma_on_fd,
-	.counters = rdma_counters,
 };

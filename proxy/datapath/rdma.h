@@ -37,10 +37,14 @@
  * invalidate per key. */
 #define SQ_DEPTH (WINDOW + KEYS_MAX)
 
+/* Rails: devices a proxy drives at once (--rdma-device, each its own). */
+#define RAILS_MAX 4
+
 /* Its options (kvstaged --rdma-*). */
 struct rdma_conf {
-	const char *device; /* --rdma-device; NULL: as --transport says */
-	int gid_index;	    /* -1: the device's first RoCE v2 GID, IPv4-mapped first */
+	const char *devices[RAILS_MAX]; /* --rdma-device, in order; none: as --transport says */
+	unsigned ndevices;
+	int gid_index; /* -1: each device's first RoCE v2 GID, IPv4-mapped first */
 	enum kvsp_keys keys;
 };
 
@@ -156,8 +160,26 @@ enum rdma_ctr {
 	RDMA_NCTR,
 };
 
+/* What each rail counts of its own (rdma_rail<N>_*, rails.c). */
+enum rail_ctr {
+	RAIL_CTR_SENT,	     /* chunks announced on it (CHUNK_READ sent) */
+	RAIL_CTR_SENT_BYTES, /* ... their bytes */
+	RAIL_CTR_READS,	     /* chunks pulled on it */
+	RAIL_CTR_BYTES_RX,   /* ... their bytes */
+	RAIL_CTR_LINKS_LOST, /* its queue pairs that failed under a live session */
+	RAIL_CTR_LINKS,	     /* gauge: sessions with a queue pair up on it */
+	RAIL_NCTR,
+};
+
+struct rails;
+
+/* One rail: a device, and a queue pair on it for each session whose peer
+ * has that rail too. The RDMA data path (rails.c) is one or more of them. */
 struct rdma {
-	struct kvsp_dp dp;
+	struct kvsp_dp dp; /* the data path's, ops: kvsp_rail_ops */
+	unsigned rail;	   /* its place in --rdma-device: it pairs with the peer's of that place */
+	struct rails *rails;
+	uint64_t *rail_ctr; /* RAIL_CTR_* */
 	struct kvsp_verbs verbs;
 	struct kvsp_rl rl; /* lines a peer can cause */
 	bool armed;	   /* the CQ will raise an event on its next completion */
@@ -203,6 +225,23 @@ static inline bool rs_usable(const struct rsess *rs)
 {
 	return rs->qp && rs->up && !rs->broken && !rs->lost;
 }
+
+/* rdma.c: a rail's life, and its half of the data path interface. */
+extern const struct kvsp_dp_ops kvsp_rail_ops;
+/* Opens rail idx on device (NULL: the first found) for base's plane.
+ * Returns it, or NULL with *rc (-errno) and e (why) said. */
+struct rdma *rail_open(const struct kvsp_dp *base, const char *device, int gid_index,
+		       enum kvsp_keys keys, unsigned idx, char *e, size_t elen, int *rc);
+/* s's queue pair on r came up or went down (counted once a change). */
+void rail_link(struct rdma *r, struct rsess *rs, bool up);
+
+/* rails.c: what a rail asks of the data path it is part of. */
+/* x goes to s another way: another rail that carries s, else the next
+ * data path. Returns 0, or -errno (no other way: nothing started). */
+int rails_elsewhere(struct rails *rl, struct rdma *from, struct psess *s, struct kvsp_xfer *x,
+		    const struct kvs_wire_room *room);
+/* s has a queue pair up on a rail more (up), or one less. */
+void rails_link(struct rails *rl, uint32_t sess, bool up);
 
 /* rdma_send.c */
 int rsend_chunk(struct rdma *r, struct psess *s, struct kvsp_xfer *x,

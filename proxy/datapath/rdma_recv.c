@@ -85,7 +85,7 @@ int rrecv_on_read(struct rdma *r, struct psess *s, const struct kvs_wire_chunk_r
 		return 0;
 	}
 	if (!len || len > kvsp_slot_size(dp->p) || off > rs->peer.pool_len ||
-	    len > rs->peer.pool_len - off || b->rsvd)
+	    len > rs->peer.pool_len - off || le32toh(b->rail) != r->rail)
 		return -EPROTO;
 	struct kvsp_room_name n = { le32toh(b->room.room), le32toh(b->room.gen), { 0 } };
 	memcpy(n.token, b->room.token, sizeof(n.token));
@@ -133,6 +133,8 @@ void rrecv_read_done(struct rdma *r, struct rsess *rs, uint32_t slot, const stru
 		struct psess *s = rs_session(r, rs);
 		KVS_STAT_ADD(dp->ctr[RDMA_CTR_READS], 1);
 		KVS_STAT_ADD(dp->ctr[RDMA_CTR_BYTES_RX], wc->byte_len);
+		KVS_STAT_ADD(r->rail_ctr[RAIL_CTR_READS], 1);
+		KVS_STAT_ADD(r->rail_ctr[RAIL_CTR_BYTES_RX], wc->byte_len);
 		if (s)
 			KVS_STAT_ADD(s->pub->bytes_rx, wc->byte_len);
 		list_add(r, &rs->ack_head, &rs->ack_tail, slot);

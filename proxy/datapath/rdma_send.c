@@ -129,18 +129,6 @@ static void win_put(struct rsess *rs, uint16_t w)
 
 /* ----------------------------------------------------------- an end */
 
-/* Gives x to the first other data path that carries s (the stream). */
-static int carry_elsewhere(struct rdma *r, struct psess *s, struct kvsp_xfer *x,
-			   const struct kvs_wire_room *room)
-{
-	for (unsigned k = 0; k < *r->dp.ndps; k++) {
-		struct kvsp_dp *d = r->dp.dps[k];
-		if (d != &r->dp && d->ops->carries(d, s))
-			return d->ops->send(d, s, x, room);
-	}
-	return -EOPNOTSUPP;
-}
-
 /* slot's key is dead (reuse: by its invalidate, so its window may be
  * bound again): its transfer ends as planned, or goes on by the stream. */
 /* Deregisters a chunk's region, if it has one: its key is dead once this returns. */
@@ -169,7 +157,7 @@ static void finish(struct rdma *r, struct rsess *rs, uint32_t slot, bool reuse)
 	struct psess *s = then == T_RECARRY ? rs_session(r, rs) : NULL;
 	int rc = then == T_ACKED       ? 0
 		 : then == T_CANCELLED ? -ECANCELED
-		 : s		       ? carry_elsewhere(r, s, x, &room)
+		 : s		       ? rails_elsewhere(r->rails, r, s, x, &room)
 				       : -ECONNRESET;
 	if (then != T_RECARRY || rc < 0)
 		kvsp_xfer_quiesced(r->dp.p, x, rc);
@@ -275,7 +263,8 @@ int rsend_pump(struct rdma *r, struct rsess *rs)
 		e->state = S_NONE;
 		RLOG(r, KVSP_LOG_WARN, "rdma: no key for a chunk (%s): it goes by TCP",
 		     strerror(-rc));
-		rc = s ? carry_elsewhere(r, s, kvsp_xfer_of(r->dp.p, slot), &room) : -ECONNRESET;
+		rc = s ? rails_elsewhere(r->rails, r, s, kvsp_xfer_of(r->dp.p, slot), &room)
+		       : -ECONNRESET;
 		if (rc < 0)
 			kvsp_xfer_quiesced(r->dp.p, kvsp_xfer_of(r->dp.p, slot), rc);
 	}
@@ -350,7 +339,10 @@ bool rsend_next(struct rdma *r, struct rsess *rs, struct kvsp_dp_frame *out)
 		.xfer_ref = htole64((uint64_t)x->epoch << 32 | x->slot),
 		.offset = htole64((uint64_t)x->slot * kvsp_slot_size(r->dp.p)),
 		.rkey = htole32(e->rkey),
+		.rail = htole32(r->rail),
 	};
+	KVS_STAT_ADD(r->rail_ctr[RAIL_CTR_SENT], 1);
+	KVS_STAT_ADD(r->rail_ctr[RAIL_CTR_SENT_BYTES], x->len);
 	return true;
 }
 
@@ -511,7 +503,7 @@ void rsend_link_dead(struct rdma *r, struct rsess *rs, struct psess *s, bool lin
 		struct kvs_wire_room room = r->rsend[q].room;
 		r->rsend[q].state = S_NONE;
 		struct kvsp_xfer *x = kvsp_xfer_of(r->dp.p, q);
-		int rc = carry_elsewhere(r, s, x, &room);
+		int rc = rails_elsewhere(r->rails, r, s, x, &room);
 		if (rc < 0)
 			kvsp_xfer_quiesced(r->dp.p, x, rc);
 	}

@@ -51,7 +51,9 @@
 #include <assert.h>
 #include <stdint.h>
 
-#define KVS_WIRE_VERSION 2 /* 2: CHUNK_READ carries the chunk's own key */
+/* 2: CHUNK_READ carries the chunk's own key; 3: RDMA_HELLO and CHUNK_READ
+ * name their rail */
+#define KVS_WIRE_VERSION 3
 
 /* --------------------------------------------------------------- handshake */
 
@@ -222,15 +224,20 @@ struct kvs_wire_bye {
 };
 static_assert(sizeof(struct kvs_wire_bye) == 8, "bye is 8 bytes");
 
-/* RDMA_HELLO: how to reach the speaker's queue pair for this session
- * (struct kvsp_verbs_ep on the wire). No key: each CHUNK_READ carries its
- * chunk's own. A proxy without RDMA ignores it, and chunks go on the sockets. */
+/* RDMA_HELLO: how to reach the speaker's queue pair for this session on
+ * one rail (struct kvsp_verbs_ep on the wire). A rail is a device of each
+ * end, paired by their order (--rdma-device): rail 1 is each end's second;
+ * a session has a queue pair on every rail both ends have, each said by
+ * its own HELLO. No key: each CHUNK_READ carries its chunk's own. A proxy
+ * without RDMA ignores it, and chunks go on the sockets. */
 struct kvs_wire_rdma_hello {
 	uint32_t qpn, psn;
 	uint8_t gid[16];
 	uint64_t pool_addr, pool_len;
 	uint32_t keys; /* the speaker's chunk keys: 1 windows, 2 regions, 3 windows over regions */
-	uint32_t mtu;
+	uint16_t mtu;  /* enum ibv_mtu */
+	uint8_t rail;
+	uint8_t rsvd; /* 0 */
 };
 static_assert(sizeof(struct kvs_wire_rdma_hello) == 48, "rdma hello is 48 bytes");
 
@@ -238,7 +245,7 @@ static_assert(sizeof(struct kvs_wire_rdma_hello) == 48, "rdma hello is 48 bytes"
  * offset (within the pool its RDMA_HELLO named), with rkey: a key that
  * covers exactly these len bytes, for this session's queue pair, until
  * the CHUNK_ACK that echoes xfer_ref, the room's abort or the session's
- * loss. The sender's slot stays its transport's until that key is revoked. */
+ * loss, on its rail. The sender's slot stays its transport's until that key is revoked. */
 struct kvs_wire_chunk_read {
 	struct kvs_wire_room room;
 	uint32_t chunk;
@@ -246,7 +253,7 @@ struct kvs_wire_chunk_read {
 	uint64_t xfer_ref;
 	uint64_t offset;
 	uint32_t rkey;
-	uint32_t rsvd; /* 0 */
+	uint32_t rail; /* the rail whose queue pairs the key is for: READ it there */
 };
 static_assert(sizeof(struct kvs_wire_chunk_read) == 56, "chunk read is 56 bytes");
 

@@ -61,38 +61,56 @@ done
 stage rxe
 # Everything stays in the initial network namespace: on this kernel an rxe
 # device made on a netdev in another namespace does not receive, so all
-# queue pairs are loopback ones on the one device rxe0, over veth0.
+# queue pairs are loopback ones on each device. Two links, a device on
+# each: rxe0 over veth0 (10.79.0.1) and rxe1 over veth2 (10.79.1.1), the
+# two rails of a proxy given both (--rdma-device rxe0 --rdma-device rxe1).
 ip link set lo up
-ip link add veth0 type veth peer name veth1
-ip addr add 10.79.0.1/24 dev veth0
-ip addr add 10.79.0.2/24 dev veth1
-ip link set veth0 up
-ip link set veth1 up
-rdma link add rxe0 type rxe netdev veth0 || fail "rdma link add rxe0 failed"
+# rail N: vethN*2 (10.79.N.1) and its peer (10.79.N.2), rxeN on the first.
+make_rail() {
+	local n=$1 a=veth$(($1 * 2)) b=veth$(($1 * 2 + 1))
+	ip link add "$a" type veth peer name "$b"
+	ip addr add "10.79.$n.1/24" dev "$a"
+	ip addr add "10.79.$n.2/24" dev "$b"
+	ip link set "$a" up
+	ip link set "$b" up
+	rdma link add "rxe$n" type rxe netdev "$a" || fail "rdma link add rxe$n failed"
+}
 
 # ib_core fills the GID table from the netdev's addresses asynchronously;
-# wait for the RoCE v2 GID of 10.79.0.1 (IPv4-mapped, ::ffff:10.79.0.1)
-# and an ACTIVE port. Its index is what ibv_*_pingpong -g and the like want.
-port=/sys/class/infiniband/rxe0/ports/1
-want=0000:0000:0000:0000:0000:ffff:0a4f:0001
-gid_index=
-for _ in $(seq 100); do
-	for f in "$port"/gids/*; do
-		i=${f##*/}
-		if [ "$(cat "$f" 2>/dev/null)" = "$want" ] &&
-			[ "$(cat "$port/gid_attrs/types/$i" 2>/dev/null)" = "RoCE v2" ]; then
-			gid_index=$i
+# wait for rxeN's RoCE v2 GID of 10.79.N.1 (IPv4-mapped, ::ffff:10.79.N.1)
+# and an ACTIVE port; its index (what ibv_*_pingpong -g wants) in gid_index.
+rail_gid() {
+	local n=$1 port=/sys/class/infiniband/rxe$1/ports/1
+	local want f i
+	want=$(printf '0000:0000:0000:0000:0000:ffff:0a4f:%02x01' "$n")
+	gid_index=
+	for _ in $(seq 100); do
+		for f in "$port"/gids/*; do
+			i=${f##*/}
+			if [ "$(cat "$f" 2>/dev/null)" = "$want" ] &&
+				[ "$(cat "$port/gid_attrs/types/$i" 2>/dev/null)" = "RoCE v2" ]; then
+				gid_index=$i
+				break
+			fi
+		done
+		if [ -n "$gid_index" ] && grep -q ACTIVE "$port/state"; then
 			break
 		fi
+		sleep 0.1
 	done
-	if [ -n "$gid_index" ] && grep -q ACTIVE "$port/state"; then
-		break
-	fi
-	sleep 0.1
-done
-[ -n "$gid_index" ] || fail "rxe0 has no RoCE v2 GID for 10.79.0.1"
-grep -q ACTIVE "$port/state" || fail "rxe0 port 1 is not ACTIVE: $(cat "$port/state")"
+	[ -n "$gid_index" ] || fail "rxe$n has no RoCE v2 GID for 10.79.$n.1"
+	grep -q ACTIVE "$port/state" || fail "rxe$n port 1 is not ACTIVE: $(cat "$port/state")"
+}
+
+make_rail 0
+rail_gid 0
+gid_index0=$gid_index
+make_rail 1
+rail_gid 1
+gid_index1=$gid_index
+gid_index=$gid_index0
 echo "rxe-guest: rxe0 up on veth0, RoCE v2 GID index $gid_index"
+echo "rxe-guest: rxe1 up on veth2, RoCE v2 GID index $gid_index1"
 
 stage running
 cd "$RXE_CWD" || fail "cannot enter $RXE_CWD in the guest"
@@ -103,6 +121,7 @@ rc=0
 # A minimal environment, plus what the caller passed with run.sh --env.
 env -i PATH="$PATH" HOME=/root LANG=C.UTF-8 TERM=dumb TMPDIR=/tmp \
 	RXE_DEV=rxe0 RXE_GID_INDEX="$gid_index" RXE_IP=10.79.0.1 \
+	RXE_DEV1=rxe1 RXE_GID_INDEX1="$gid_index1" RXE_IP1=10.79.1.1 RXE_NETDEV1=veth2 \
 	"${RXE_ENV[@]}" "${RXE_CMD[@]}" </dev/null >"$OUT/output" 2>&1 || rc=$?
 read -r end _ </proc/uptime
 echo "$start $end" >"$OUT/times"

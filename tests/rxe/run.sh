@@ -6,9 +6,11 @@
 # The guest boots Debian's packaged kernel (this machine's own kernel has no
 # RDMA support), sees this machine's root filesystem read-only over 9p, and
 # runs COMMAND in the directory run.sh was started from, after creating
-# rxe0 on veth0 (10.79.0.1/24; its peer veth1 is 10.79.0.2/24). COMMAND gets
-# a minimal environment plus RXE_DEV=rxe0, RXE_GID_INDEX (the RoCE v2 GID
-# of 10.79.0.1) and RXE_IP=10.79.0.1. Writable in the guest: /tmp, /run,
+# rxe0 on veth0 (10.79.0.1/24; its peer veth1 is 10.79.0.2/24), and a second
+# link, rxe1 on veth2 (10.79.1.1/24; veth3 10.79.1.2/24). COMMAND gets a
+# minimal environment plus RXE_DEV=rxe0, RXE_GID_INDEX (the RoCE v2 GID of
+# 10.79.0.1) and RXE_IP=10.79.0.1, and RXE_DEV1, RXE_GID_INDEX1, RXE_IP1 for
+# rxe1 (two rails: tests/test_rails.c). Writable in the guest: /tmp, /run,
 # /dev/shm (all fresh tmpfs) and each --rw DIR (shared back to the host).
 #
 # Prints COMMAND's stdout and stderr (merged) on stdout as it runs, a timing
