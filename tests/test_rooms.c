@@ -304,7 +304,7 @@ Test(rooms, an_abort_mid_write_tombstones_the_slot_and_the_late_chunk_is_discard
 	/* Another client drains the pool: the tombstone is not among it. */
 	struct kvsp_client *b = client(2);
 	struct kvs_lease all[NSLOTS];
-	cr_assert_eq(kvsp_slot_acquire(&P.slots, b->id, NSLOTS - 1, all), 0);
+	cr_assert_eq(kvsp_slot_acquire(&P.slots, b->id, NSLOTS - 1, -1, all), 0);
 	for (unsigned k = 0; k < NSLOTS - 1; k++)
 		cr_assert_neq(all[k].slot, slot, "a slot being written was leased");
 	memset(dst, 0xEE, SLOT); /* the late bytes */
@@ -367,7 +367,7 @@ Test(rooms, a_send_half_for_a_far_room_quiesces_then_completes_on_the_peers_word
 	uint32_t room = F.attached_room, gen = F.attached_gen;
 	cr_assert_eq(P.rooms[room].far, KVSP_FAR_RECV);
 	struct kvs_lease l[2];
-	cr_assert_eq(kvsp_slot_acquire(&P.slots, tx->id, 2, l), 0);
+	cr_assert_eq(kvsp_slot_acquire(&P.slots, tx->id, 2, -1, l), 0);
 	for (int k = 0; k < 2; k++)
 		cr_assert_eq(kvsp_room_send(&P, tx, 0, &l[k], (uint64_t)k * SLOT, SLOT), 0);
 	cr_assert_eq(F.nsent, 2);
@@ -394,7 +394,7 @@ Test(rooms, a_send_half_aborted_in_flight_waits_for_quiescence_and_the_peer)
 	cr_assert_eq(kvsp_room_open_send(&P, tx, 0, &d, 9, &bytes), 0);
 	uint32_t room = F.attached_room, gen = F.attached_gen;
 	struct kvs_lease l;
-	cr_assert_eq(kvsp_slot_acquire(&P.slots, tx->id, 1, &l), 0);
+	cr_assert_eq(kvsp_slot_acquire(&P.slots, tx->id, 1, -1, &l), 0);
 	cr_assert_eq(kvsp_room_send(&P, tx, 0, &l, 0, SLOT), 0);
 	kvsp_room_abort_from(&P, tx, 0, -ECANCELED);
 	cr_assert_eq(pub(l.slot)->state, KVS_SLOT_TOMBSTONE, "the transport still reads it");
@@ -479,7 +479,7 @@ Test(rooms, a_lost_peer_releases_exactly_its_own_pins)
 	uint64_t bytes;
 	cr_assert_eq(kvsp_room_open_send(&P, tx, 0, &d3, 9, &bytes), 0);
 	struct kvs_lease l;
-	cr_assert_eq(kvsp_slot_acquire(&P.slots, tx->id, 1, &l), 0);
+	cr_assert_eq(kvsp_slot_acquire(&P.slots, tx->id, 1, -1, &l), 0);
 	cr_assert_eq(kvsp_room_send(&P, tx, 0, &l, 0, SLOT), 0);
 
 	kvsp_peer_lost(&P, &F.t, 1, -ECONNRESET);
@@ -513,7 +513,7 @@ Test(rooms, a_local_room_hands_its_slots_over_and_leaves_no_record)
 	cr_assert_eq(kvsp_room_open_recv(&P, rx, 0, 2 * SLOT, 1, 1, &d), 0);
 	cr_assert_eq(kvsp_room_open_send(&P, tx, 0, &d, 2, &bytes), 0);
 	struct kvs_lease l[2];
-	cr_assert_eq(kvsp_slot_acquire(&P.slots, tx->id, 2, l), 0);
+	cr_assert_eq(kvsp_slot_acquire(&P.slots, tx->id, 2, -1, l), 0);
 	for (int k = 0; k < 2; k++)
 		cr_assert_eq(kvsp_room_send(&P, tx, 0, &l[k], (uint64_t)k * SLOT, SLOT), 0);
 	for (int k = 0; k < 2; k++) {
@@ -539,7 +539,7 @@ Test(rooms, the_receivers_final_is_posted_before_the_senders)
 	cr_assert_eq(kvsp_room_open_recv(&P, c, 0, SLOT, 1, 10, &d), 0);
 	cr_assert_eq(kvsp_room_open_send(&P, c, 1, &d, 11, &bytes), 0);
 	struct kvs_lease l;
-	cr_assert_eq(kvsp_slot_acquire(&P.slots, c->id, 1, &l), 0);
+	cr_assert_eq(kvsp_slot_acquire(&P.slots, c->id, 1, -1, &l), 0);
 	cr_assert_eq(kvsp_room_send(&P, c, 1, &l, 0, SLOT), 0);
 	struct kvs_cqe e;
 	cr_assert(next_event(c, &e));

@@ -57,7 +57,7 @@ static void assert_unchanged(const struct snap *x, const char *what)
 static struct kvs_lease lease1(uint32_t owner)
 {
 	struct kvs_lease l;
-	cr_assert_eq(kvsp_slot_acquire(&s, owner, 1, &l), 0);
+	cr_assert_eq(kvsp_slot_acquire(&s, owner, 1, -1, &l), 0);
 	return l;
 }
 
@@ -74,7 +74,7 @@ Test(slots, starts_free_at_the_base_epoch)
 Test(slots, acquire_leases_and_exhaustion_leases_none)
 {
 	struct kvs_lease l[N + 1];
-	cr_assert_eq(kvsp_slot_acquire(&s, 7, 5, l), 0);
+	cr_assert_eq(kvsp_slot_acquire(&s, 7, 5, -1, l), 0);
 	for (int i = 0; i < 5; i++) {
 		cr_assert_eq(pub[l[i].slot].state, KVS_SLOT_LEASED);
 		cr_assert_eq(pub[l[i].slot].owner, 7);
@@ -83,11 +83,11 @@ Test(slots, acquire_leases_and_exhaustion_leases_none)
 			cr_assert_neq(l[i].slot, l[j].slot, "one slot leased twice");
 	}
 	struct snap x = snap();
-	cr_assert_eq(kvsp_slot_acquire(&s, 8, N - 4, l), -ENOBUFS);
+	cr_assert_eq(kvsp_slot_acquire(&s, 8, N - 4, -1, l), -ENOBUFS);
 	assert_unchanged(&x, "a failed acquire");
-	cr_assert_eq(kvsp_slot_acquire(&s, 8, N - 5, l), 0);
+	cr_assert_eq(kvsp_slot_acquire(&s, 8, N - 5, -1, l), 0);
 	x = snap();
-	cr_assert_eq(kvsp_slot_acquire(&s, 8, 1, l), -ENOBUFS);
+	cr_assert_eq(kvsp_slot_acquire(&s, 8, 1, -1, l), -ENOBUFS);
 	assert_unchanged(&x, "acquire from an empty pool");
 }
 
@@ -161,15 +161,15 @@ Test(slots, kill_tombstones_pinned_and_reaps_on_quiescence)
 	cr_assert_eq(pub[l.slot].epoch, l.epoch + 1, "the old owner's handle goes stale at once");
 	cr_assert_eq(kvsp_slot_kill(&s, l.slot), KVS_SLOT_TOMBSTONE, "kill is idempotent");
 	struct kvs_lease all[N];
-	cr_assert_eq(kvsp_slot_acquire(&s, 4, N - 1, all), 0);
+	cr_assert_eq(kvsp_slot_acquire(&s, 4, N - 1, -1, all), 0);
 	for (int i = 0; i < N - 1; i++)
 		cr_assert_neq(all[i].slot, l.slot, "a tombstone was leased");
 	struct kvs_lease one;
-	cr_assert_eq(kvsp_slot_acquire(&s, 4, 1, &one), -ENOBUFS, "a tombstone is not free");
+	cr_assert_eq(kvsp_slot_acquire(&s, 4, 1, -1, &one), -ENOBUFS, "a tombstone is not free");
 	cr_assert_eq(kvsp_slot_unpin(&s, l.slot), KVS_SLOT_FREE, "last pin reaps");
 	cr_assert_eq(pub[l.slot].epoch, l.epoch + 2);
 	cr_assert_eq(reaped, 1);
-	cr_assert_eq(kvsp_slot_acquire(&s, 4, 1, &one), 0);
+	cr_assert_eq(kvsp_slot_acquire(&s, 4, 1, -1, &one), 0);
 	cr_assert_eq(one.slot, l.slot);
 	cr_assert_eq(one.epoch, l.epoch + 2);
 }
@@ -191,7 +191,7 @@ Test(slots, kill_frees_held_and_unpinned)
 Test(slots, post_fill_and_posted_tombstone)
 {
 	uint32_t a, b;
-	cr_assert_eq(kvsp_slot_post(&s, 6, &a), 0);
+	cr_assert_eq(kvsp_slot_post(&s, 6, -1, &a), 0);
 	cr_assert_eq(pub[a].state, KVS_SLOT_RECV_POSTED);
 	cr_assert_eq(pub[a].pins, 1);
 	struct snap x = snap();
@@ -207,14 +207,14 @@ Test(slots, post_fill_and_posted_tombstone)
 	x = snap();
 	cr_assert_eq(kvsp_slot_fill(&s, a), -EINVAL, "filled twice");
 	cr_assert_eq(kvsp_slot_unpin(&s, a), -EINVAL, "unpinned with no pin");
-	cr_assert_eq(kvsp_slot_post(&s, 0, &b), -EINVAL, "posted for nobody");
+	cr_assert_eq(kvsp_slot_post(&s, 0, -1, &b), -EINVAL, "posted for nobody");
 	assert_unchanged(&x, "bad post and fill");
-	cr_assert_eq(kvsp_slot_post(&s, 6, &b), 0);
+	cr_assert_eq(kvsp_slot_post(&s, 6, -1, &b), 0);
 	cr_assert_eq(kvsp_slot_kill(&s, b), KVS_SLOT_TOMBSTONE, "a writer may still land");
 	cr_assert_eq(kvsp_slot_unpin(&s, b), KVS_SLOT_FREE);
 	cr_assert_eq(kvsp_slot_kill(&s, a), KVS_SLOT_FREE);
 	/* A posted slot whose writer quiesced without landing: nothing to wait for. */
-	cr_assert_eq(kvsp_slot_post(&s, 6, &b), 0);
+	cr_assert_eq(kvsp_slot_post(&s, 6, -1, &b), 0);
 	cr_assert_eq(kvsp_slot_unpin(&s, b), KVS_SLOT_RECV_POSTED);
 	cr_assert_eq(kvsp_slot_kill(&s, b), KVS_SLOT_FREE);
 }
@@ -246,11 +246,11 @@ static uint32_t make_state(uint8_t st, struct kvs_lease *l)
 		l->epoch++;
 		return l->slot;
 	case KVS_SLOT_RECV_POSTED:
-		kvsp_slot_post(&s, 3, &slot);
+		kvsp_slot_post(&s, 3, -1, &slot);
 		*l = (struct kvs_lease){ slot, pub[slot].epoch };
 		return slot;
 	default:
-		kvsp_slot_post(&s, 3, &slot);
+		kvsp_slot_post(&s, 3, -1, &slot);
 		kvsp_slot_unpin(&s, slot);
 		kvsp_slot_fill(&s, slot);
 		*l = (struct kvs_lease){ slot, pub[slot].epoch };
@@ -327,7 +327,7 @@ Test(slots, random_walk_keeps_every_invariant)
 		switch (rand_r(&seed) % 8) {
 		case 0: {
 			struct kvs_lease l;
-			if (kvsp_slot_acquire(&s, who, 1, &l) == 0) {
+			if (kvsp_slot_acquire(&s, who, 1, -1, &l) == 0) {
 				cr_assert_eq(owner_of[l.slot], 0, "leased a held slot");
 				owner_of[l.slot] = who;
 				held[l.slot] = l;
@@ -376,7 +376,7 @@ Test(slots, random_walk_keeps_every_invariant)
 		}
 		case 6: {
 			uint32_t slot;
-			if (kvsp_slot_post(&s, who, &slot) == 0) {
+			if (kvsp_slot_post(&s, who, -1, &slot) == 0) {
 				cr_assert_eq(owner_of[slot], 0, "posted a held slot");
 				owner_of[slot] = who;
 				held[slot] = (struct kvs_lease){ slot, pub[slot].epoch };
@@ -414,4 +414,31 @@ Test(slots, random_walk_keeps_every_invariant)
 		for (uint32_t k = 0; k < s.nfree; k++)
 			cr_assert_eq(pub[s.free_stack[k]].state, KVS_SLOT_FREE);
 	}
+}
+
+/* A pool split by NUMA node: each lease comes from its part while the part
+ * has free slots, then from the fullest other; a freed slot goes back to its
+ * own part; the split is refused once a slot is out, or if it is not one. */
+Test(slots, parts_lease_from_their_own_node_first)
+{
+	const uint32_t bad[] = { 0, N, N, N };
+	cr_assert_eq(kvsp_slots_split(&s, 3, bad), -EINVAL, "an empty part");
+	const uint32_t start[] = { 0, N / 2, N };
+	cr_assert_eq(kvsp_slots_split(&s, 2, start), 0);
+	cr_assert_eq(kvsp_slot_part(&s, 0), 0);
+	cr_assert_eq(kvsp_slot_part(&s, N / 2 - 1), 0);
+	cr_assert_eq(kvsp_slot_part(&s, N / 2), 1);
+	struct kvs_lease l[N];
+	cr_assert_eq(kvsp_slot_acquire(&s, 9, N / 2, 1, l), 0);
+	for (unsigned i = 0; i < N / 2; i++)
+		cr_assert_eq(kvsp_slot_part(&s, l[i].slot), 1, "lease %u: slot %u", i, l[i].slot);
+	cr_assert_eq(l[0].slot, N / 2, "the part's lowest first");
+	struct kvs_lease more;
+	cr_assert_eq(kvsp_slot_acquire(&s, 9, 1, 1, &more), 0);
+	cr_assert_eq(kvsp_slot_part(&s, more.slot), 0, "part 1 is out: the other's");
+	cr_assert_eq(kvsp_slot_release(&s, 9, &l[3]), 0);
+	struct kvs_lease again;
+	cr_assert_eq(kvsp_slot_acquire(&s, 9, 1, 1, &again), 0);
+	cr_assert_eq(again.slot, l[3].slot, "a freed slot went back to its own part");
+	cr_assert_eq(kvsp_slots_split(&s, 2, start), -EINVAL, "slots are out");
 }

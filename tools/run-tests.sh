@@ -97,6 +97,11 @@ RXE_WORKDIR="$PWD/build/rxe" tests/rxe/run.sh --timeout 900 --env "KVSTAGE_TEST_
   --env KVSTAGE_BUILD_DIR="$PWD/build" -- build/tests/test-hostile-rdma --jobs=1
 RXE_WORKDIR="$PWD/build/rxe" tests/rxe/run.sh --timeout 600 "${asan_env[@]}" --env KVSTAGE_BUILD_DIR="$PWD/build-asan" -- \
   build-asan/tests/test-rails --jobs=1
+echo "== the pool split by NUMA node in that guest (qemu gives it two nodes): pages placed, clients lease on their node"
+RXE_WORKDIR="$PWD/build/rxe" tests/rxe/run.sh --timeout 600 --env KVSTAGE_BUILD_DIR="$PWD/build" -- \
+  build/tests/test-numa --jobs=1
+RXE_WORKDIR="$PWD/build/rxe" tests/rxe/run.sh --timeout 600 "${asan_env[@]}" --env KVSTAGE_BUILD_DIR="$PWD/build-asan" -- \
+  build-asan/tests/test-numa --jobs=1
 echo "== kvstage-bench verbs in that guest (the output's shape; no speed means anything there)"
 RXE_WORKDIR="$PWD/build/rxe" tests/rxe/run.sh --timeout 300 -- tools/bench/smoke-verbs.sh build
 echo "== short fuzz pass (fuzz/run.sh: libFuzzer, clang, ASan+UBSan; see docs/testing.md for the long run)"

@@ -20,6 +20,7 @@
 #include <rte_atomic.h>
 
 #include "base/log.h"
+#include "base/numa.h"
 #include "core/proxy.h"
 #include "core/clients.h"
 #include "core/pool.h"
@@ -174,6 +175,7 @@ struct kvsp_client *kvsp_client_new(struct kvsp *p, int sock, pid_t pid, uid_t u
 	c->id = p->next_cid;
 	c->idx = (uint16_t)idx;
 	c->pid = pid;
+	c->part = kvsp_pool_part_of(p, kvsp_numa_of_pid(pid));
 	c->uid = uid;
 	c->proc = proc;
 	c->share = share;

@@ -21,6 +21,7 @@ struct kvsp_side {
 	uint16_t cidx;
 	uint16_t handle;
 	uint64_t user_data;
+	int part; /* its client's part of the pool (kvsp_client.part): where its slots come from */
 };
 
 enum kvsp_handle_state {
@@ -59,6 +60,7 @@ struct kvsp_client {
 	uint16_t share;	       /* its uid's entry in p->shares */
 	uint16_t pshare;       /* its process's, or KVSP_NO_SHARE (not known) */
 	uint64_t proc;	       /* its process (kvsp_client_new) */
+	int part;	       /* the pool's part of its NUMA node: it leases there; -1: any */
 	struct kvs_cshm *cshm; /* client-writable: copy before trusting */
 	size_t cmem_size;
 	struct kvs_lease *reply_leases;

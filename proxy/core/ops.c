@@ -36,7 +36,8 @@ static void op_sync(struct kvsp *p, struct kvsp_client *c, const struct kvs_sqe 
 		}
 		rc = kvsp_fp_eval(&p->fp[KVSP_FP_ACQUIRE], p->cfg.failpoints, 0, 0);
 		if (rc == 0)
-			rc = kvsp_slot_acquire(&p->slots, c->id, (unsigned)q->arg, c->reply_leases);
+			rc = kvsp_slot_acquire(&p->slots, c->id, (unsigned)q->arg, c->part,
+					       c->reply_leases);
 		else if (rc > 0)
 			rc = -EAGAIN; /* pause is not meaningful here */
 		break;

@@ -19,6 +19,7 @@
 #include "base/log.h"
 #include "kvs_build.h"
 #include "parse.h"
+#include "base/numa.h"
 #include "core/pool.h"
 #include "core/proxy.h"
 #include "ring.h"
@@ -32,6 +33,76 @@
 
 #define HUGE_2M (2u << 20)
 
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23
+#endif
+
+/* The pool's parts: one per NUMA node with memory (at most
+ * KVSP_SLOT_PARTS), each a run of slots that starts on a page of the
+ * mapping (page bytes: 2 MiB with hugepages), as even as that allows.
+ * Returns how many (1: not split), with part k's first slot in start[k]
+ * and start[n] the slot count. */
+static unsigned plan_parts(struct kvsp *p, size_t page, uint32_t *start)
+{
+	uint32_t count = p->cfg.slot_count;
+	uint64_t size = p->cfg.slot_size;
+	int n = kvsp_numa_nodes(p->node_ids, KVSP_SLOT_PARTS);
+	p->nnodes = 1;
+	if (n < 0)
+		p->node_ids[0] = 0;
+	if (n < 2)
+		return 1;
+	/* Slots per page-aligned step: the least multiple of the slot size
+	 * that is a multiple of the page. */
+	uint64_t step = 1;
+	while (step * size % page)
+		step++;
+	/* Too few slots for a page-aligned run on each node: not split. */
+	start[0] = 0;
+	for (int k = 1; k < n; k++) {
+		start[k] = (uint32_t)((uint64_t)count * (unsigned)k / (unsigned)n / step * step);
+		if (start[k] <= start[k - 1])
+			return 1;
+	}
+	if (count <= start[n - 1])
+		return 1;
+	start[n] = count;
+	p->nnodes = (unsigned)n;
+	for (int k = 0; k < n; k++)
+		LOG_INFO("pool: slots %u to %u on NUMA node %u", start[k], start[k + 1] - 1,
+			 p->node_ids[k]);
+	return (unsigned)n;
+}
+
+/* Maps the pool's memfd, its parts (start, n of them) each preferring its
+ * node's memory, and populates it. Returns the mapping, or MAP_FAILED with errno. */
+static void *map_placed(struct kvsp *p, int fd, size_t len, const uint32_t *start, unsigned n)
+{
+	if (n < 2) /* With hugetlb, MAP_POPULATE reserves the pages now: when
+		    * none are free this is where it fails, not at memfd_create. */
+		return mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
+	/* Each page's node is chosen when it is first touched: the policy
+	 * first, then every page touched (a failure is an error, not a SIGBUS). */
+	void *base = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+	if (base == MAP_FAILED)
+		return base;
+	for (unsigned k = 0; k < n; k++) {
+		size_t off = (size_t)start[k] * p->cfg.slot_size,
+		       end = k + 1 == n ? len : (size_t)start[k + 1] * p->cfg.slot_size;
+		int rc = kvsp_numa_prefer((uint8_t *)base + off, end - off, p->node_ids[k]);
+		if (rc < 0)
+			LOG_WARN("pool: slots %u to %u on NUMA node %u: %s (left where they fall)",
+				 start[k], start[k + 1] - 1, p->node_ids[k], strerror(-rc));
+	}
+	if (madvise(base, len, MADV_POPULATE_WRITE) < 0) {
+		int err = errno;
+		munmap(base, len);
+		errno = err;
+		return MAP_FAILED;
+	}
+	return base;
+}
+
 static int pool_map(struct kvsp *p, bool huge, size_t len)
 {
 	unsigned flags = MFD_CLOEXEC | MFD_ALLOW_SEALING | (huge ? MFD_HUGETLB : 0);
@@ -43,9 +114,9 @@ static int pool_map(struct kvsp *p, bool huge, size_t len)
 		close(fd);
 		return err;
 	}
-	/* With hugetlb, MAP_POPULATE reserves the pages now: when none are
-	 * free this is where it fails, not at memfd_create. */
-	void *base = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
+	uint32_t start[KVSP_SLOT_PARTS + 1];
+	unsigned n = plan_parts(p, huge ? HUGE_2M : KVS_PAGE, start);
+	void *base = map_placed(p, fd, len, start, n);
 	if (base == MAP_FAILED) {
 		int err = -errno;
 		close(fd);
@@ -57,11 +128,13 @@ static int pool_map(struct kvsp *p, bool huge, size_t len)
 		close(fd);
 		return err;
 	}
+	memcpy(p->part_start, start, (n + 1) * sizeof(*start));
 	p->pool_fd = fd;
 	p->pool = base;
 	p->pool_size = len;
 	return 0;
 }
+
 
 /* The rte_ring geometry at the tail of page geom, and the header a fresh
  * ring body starts with. rte_ring_init does the work; we split its result. */
@@ -171,6 +244,8 @@ static int ctrl_create(struct kvsp *p)
 		return -EIO;
 	rc = kvsp_slots_init(&p->slots, (struct kvs_slot *)((uint8_t *)c + hdr), cfg->slot_count,
 			     c->stats.slots, &c->stats.tombstones_reaped, base);
+	if (rc == 0 && p->nnodes > 1)
+		rc = kvsp_slots_split(&p->slots, p->nnodes, p->part_start);
 	if (rc < 0)
 		return rc;
 	/* Last: a client that sees the magic sees everything above. */

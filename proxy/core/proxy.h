@@ -42,6 +42,12 @@ struct kvsp {
 	size_t ctrl_size;
 	struct kvs_stats *stats;
 	bool huge, locked;
+	/* The pool's parts, one per NUMA node with memory (slots.part_start
+	 * says whose slots): node_ids[k] is part k's node. One part, node 0,
+	 * on a machine of one node. */
+	unsigned nnodes;
+	unsigned node_ids[KVSP_SLOT_PARTS];
+	uint32_t part_start[KVSP_SLOT_PARTS + 1];
 	uint8_t sq_tmpl[KVS_PAGE], cq_tmpl[KVS_PAGE]; /* a fresh ring body's header */
 	size_t tmpl_len;
 	struct kvsp_slots slots;
@@ -94,5 +100,15 @@ struct kvsp {
 	struct kvsp_trace *trace;	/* NULL: no --trace-file (base/trace.h) */
 	struct kvsp_room_trace *rtrace; /* per room, while tracing (core/roomtrace.c) */
 };
+
+/* Returns the pool's part on NUMA node node, or -1 (node -1, the pool is
+ * not split, or it has no part there). */
+static inline int kvsp_pool_part_of(const struct kvsp *p, int node)
+{
+	for (unsigned k = 0; p->nnodes > 1 && node >= 0 && k < p->nnodes; k++)
+		if (p->node_ids[k] == (unsigned)node)
+			return (int)k;
+	return -1;
+}
 
 #endif

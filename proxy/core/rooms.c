@@ -414,7 +414,7 @@ static void attach_handle(struct kvsp *p, struct kvsp_client *c, uint16_t h, uin
 	struct kvsp_side *s = role == KVSP_RECV	  ? &r->recv.client
 			      : role == KVSP_SEND ? &r->send.client
 						  : &r->recv.joined[r->recv.njoined++];
-	*s = (struct kvsp_side){ c->id, c->idx, h, user_data };
+	*s = (struct kvsp_side){ c->id, c->idx, h, user_data, c->part };
 	c->handles[h] = (struct kvsp_handle){ .state = KVSP_H_OPEN,
 					      .role = role,
 					      .room = i,

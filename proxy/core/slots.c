@@ -3,6 +3,7 @@
 
 #include <errno.h>
 #include <stdlib.h>
+#include <string.h>
 
 /* Clients read the table while we write it; single-field stores that
  * cannot tear are all they need (events order everything else). */
@@ -30,7 +31,57 @@ static void to_free(struct kvsp_slots *s, uint32_t i)
 	PUB_SET(p->pins, 0);
 	set_state(s, i, KVS_SLOT_FREE);
 	s->priv[i].room = KVSP_NONE;
-	s->free_stack[s->nfree++] = i;
+	unsigned k = kvsp_slot_part(s, i);
+	s->free_stack[s->part_start[k] + s->part_free[k]++] = i;
+	s->nfree++;
+}
+
+unsigned kvsp_slot_part(const struct kvsp_slots *s, uint32_t slot)
+{
+	unsigned k = 0;
+	while (k + 1 < s->nparts && slot >= s->part_start[k + 1])
+		k++;
+	return k;
+}
+
+/* A FREE slot off part's stack, or the fullest one's. The caller checked
+ * that one is free. */
+static uint32_t pop_free(struct kvsp_slots *s, int part)
+{
+	unsigned k = part >= 0 && (unsigned)part < s->nparts ? (unsigned)part : 0;
+	if (part < 0 || !s->part_free[k])
+		for (unsigned j = 0; j < s->nparts; j++)
+			if (s->part_free[j] > s->part_free[k])
+				k = j;
+	s->nfree--;
+	return s->free_stack[s->part_start[k] + --s->part_free[k]];
+}
+
+/* Every slot of every part free, pushed high to low so each part's lowest
+ * slot is handed out first. */
+static void stack_all(struct kvsp_slots *s)
+{
+	s->nfree = 0;
+	for (unsigned k = 0; k < s->nparts; k++) {
+		s->part_free[k] = 0;
+		for (uint32_t i = s->part_start[k + 1]; i-- > s->part_start[k];)
+			s->free_stack[s->part_start[k] + s->part_free[k]++] = i;
+		s->nfree += s->part_free[k];
+	}
+}
+
+int kvsp_slots_split(struct kvsp_slots *s, unsigned n, const uint32_t *start)
+{
+	if (n < 2 || n > KVSP_SLOT_PARTS || start[0] != 0 || start[n] != s->count ||
+	    s->nfree != s->count)
+		return -EINVAL;
+	for (unsigned k = 0; k < n; k++)
+		if (start[k] >= start[k + 1])
+			return -EINVAL;
+	s->nparts = n;
+	memcpy(s->part_start, start, (n + 1) * sizeof(*start));
+	stack_all(s);
+	return 0;
 }
 
 int kvsp_slots_init(struct kvsp_slots *s, struct kvs_slot *pub, uint32_t count, uint64_t *nstate,
@@ -49,13 +100,14 @@ int kvsp_slots_init(struct kvsp_slots *s, struct kvs_slot *pub, uint32_t count, 
 	for (unsigned st = 0; st < KVS_SLOT_NSTATES; st++)
 		nstate[st] = 0;
 	nstate[KVS_SLOT_FREE] = count;
-	/* Pushed high to low so slot 0 is handed out first. */
-	s->nfree = 0;
-	for (uint32_t i = count; i-- > 0;) {
+	for (uint32_t i = 0; i < count; i++) {
 		pub[i] = (struct kvs_slot){ .epoch = epoch_base, .state = KVS_SLOT_FREE };
 		s->priv[i] = (struct kvsp_slot_priv){ .room = KVSP_NONE };
-		s->free_stack[s->nfree++] = i;
 	}
+	s->nparts = 1;
+	s->part_start[0] = 0;
+	s->part_start[1] = count;
+	stack_all(s);
 	*reaped = 0;
 	return 0;
 }
@@ -68,12 +120,13 @@ void kvsp_slots_fini(struct kvsp_slots *s)
 	s->free_stack = NULL;
 }
 
-int kvsp_slot_acquire(struct kvsp_slots *s, uint32_t owner, unsigned n, struct kvs_lease *out)
+int kvsp_slot_acquire(struct kvsp_slots *s, uint32_t owner, unsigned n, int part,
+		      struct kvs_lease *out)
 {
 	if (n > s->nfree)
 		return -ENOBUFS;
 	for (unsigned k = 0; k < n; k++) {
-		uint32_t i = s->free_stack[--s->nfree];
+		uint32_t i = pop_free(s, part);
 		PUB_SET(s->pub[i].owner, owner);
 		set_state(s, i, KVS_SLOT_LEASED);
 		out[k].slot = i;
@@ -134,13 +187,13 @@ int kvsp_slot_handoff(struct kvsp_slots *s, uint32_t slot, uint32_t new_owner)
 	return 0;
 }
 
-int kvsp_slot_post(struct kvsp_slots *s, uint32_t owner, uint32_t *slot)
+int kvsp_slot_post(struct kvsp_slots *s, uint32_t owner, int part, uint32_t *slot)
 {
 	if (!owner)
 		return -EINVAL;
 	if (!s->nfree)
 		return -ENOBUFS;
-	uint32_t i = s->free_stack[--s->nfree];
+	uint32_t i = pop_free(s, part);
 	PUB_SET(s->pub[i].owner, owner);
 	PUB_SET(s->pub[i].pins, 1);
 	set_state(s, i, KVS_SLOT_RECV_POSTED);

@@ -31,12 +31,21 @@ struct kvsp_slot_priv {
 	uint32_t prev, next; /* the room's list it is on */
 };
 
+#define KVSP_SLOT_PARTS 8 /* KVSP_NUMA_MAX: the pool's parts, one per NUMA node */
+
 struct kvsp_slots {
 	struct kvs_slot *pub; /* published in the control segment */
 	struct kvsp_slot_priv *priv;
-	uint32_t *free_stack; /* LIFO: the most recently freed slot is cache-hot */
+	/* Free slots, a LIFO per part of the pool (the most recently freed
+	 * slot is cache-hot): part k's are free_stack[part_start[k] ..
+	 * part_start[k] + part_free[k]), as its slots are part_start[k] ..
+	 * part_start[k + 1] - 1. One part unless the pool is split by node. */
+	uint32_t *free_stack;
 	uint32_t nfree;
 	uint32_t count;
+	unsigned nparts;
+	uint32_t part_start[KVSP_SLOT_PARTS + 1];
+	uint32_t part_free[KVSP_SLOT_PARTS];
 	uint64_t *nstate; /* published: slots in each state */
 	uint64_t *reaped; /* published: tombstones reaped */
 };
@@ -47,8 +56,17 @@ int kvsp_slots_init(struct kvsp_slots *s, struct kvs_slot *pub, uint32_t count, 
 		    uint64_t *reaped, uint32_t epoch_base);
 void kvsp_slots_fini(struct kvsp_slots *s);
 
-/* Leases n FREE slots to owner into out[]. Returns 0, or -ENOBUFS (none leased). */
-int kvsp_slot_acquire(struct kvsp_slots *s, uint32_t owner, unsigned n, struct kvs_lease *out);
+/* Splits the pool into n parts (2 to KVSP_SLOT_PARTS): part k is slots
+ * start[k] .. start[k + 1] - 1 (start[0] 0, start[n] the count, ascending).
+ * Only while every slot is FREE. Returns 0, or -EINVAL. */
+int kvsp_slots_split(struct kvsp_slots *s, unsigned n, const uint32_t *start);
+/* Returns the part slot is in. */
+unsigned kvsp_slot_part(const struct kvsp_slots *s, uint32_t slot);
+/* Leases n FREE slots to owner into out[], from part as far as it has them
+ * (part -1, or once it has none: the part with the most free). Returns 0,
+ * or -ENOBUFS (none leased). */
+int kvsp_slot_acquire(struct kvsp_slots *s, uint32_t owner, unsigned n, int part,
+		      struct kvs_lease *out);
 /* Judges owner's lease l. Returns its state, or -EINVAL (no such slot), -ESTALE, -EPERM. */
 static inline int kvsp_slot_check(const struct kvsp_slots *s, uint32_t owner,
 				  const struct kvs_lease *l)
@@ -70,8 +88,9 @@ int kvsp_slot_pin(struct kvsp_slots *s, uint32_t owner, const struct kvs_lease *
 int kvsp_slot_unpin(struct kvsp_slots *s, uint32_t slot);
 /* Unpinned INFLIGHT slot -> RECV_FILLED owned by new_owner (epoch+1). Returns 0, or -EINVAL. */
 int kvsp_slot_handoff(struct kvsp_slots *s, uint32_t slot, uint32_t new_owner);
-/* A FREE slot -> RECV_POSTED for owner, pinned for the writing transport. Returns 0, or -ENOBUFS. */
-int kvsp_slot_post(struct kvsp_slots *s, uint32_t owner, uint32_t *slot);
+/* A FREE slot (of part, as kvsp_slot_acquire) -> RECV_POSTED for owner,
+ * pinned for the writing transport. Returns 0, or -ENOBUFS. */
+int kvsp_slot_post(struct kvsp_slots *s, uint32_t owner, int part, uint32_t *slot);
 /* RECV_POSTED slot whose writer quiesced (unpinned) -> RECV_FILLED. Returns 0, or -EINVAL. */
 int kvsp_slot_fill(struct kvsp_slots *s, uint32_t slot);
 /* The owner is gone: held slots are freed, pinned ones become tombstones. Returns the new state, or -EINVAL. */

@@ -274,7 +274,8 @@ int kvsp_chunk_post(struct kvsp *p, struct kvsp_transport *t, uint32_t peer, uin
 	if (claimed(r, chunk))
 		return -EEXIST;
 	uint32_t slot;
-	if (kvsp_slot_post(&p->slots, r->recv.client.cid, &slot) < 0) {
+	/* On the receiving client's node, which reads it. */
+	if (kvsp_slot_post(&p->slots, r->recv.client.cid, r->recv.client.part, &slot) < 0) {
 		/* No slot to land in: the room cannot complete. */
 		KVS_STAT_ADD(p->stats->rej_nobufs, 1);
 		kvsp_room_abort(p, i, -ENOBUFS, KVS_EV_FAILED, false);
@@ -458,6 +459,11 @@ int kvsp_xport_register(struct kvsp *p, struct kvsp_transport *t)
 	}
 	p->xports[p->nxports++] = t;
 	return 0;
+}
+
+int kvsp_slot_node(const struct kvsp *p, uint32_t slot)
+{
+	return p->nnodes > 1 ? (int)p->node_ids[kvsp_slot_part(&p->slots, slot)] : -1;
 }
 
 struct kvsp_xfer *kvsp_xfer_of(struct kvsp *p, uint32_t slot)

@@ -204,6 +204,8 @@ void kvsp_peer_lost(struct kvsp *p, struct kvsp_transport *t, uint32_t peer, int
 struct kvsp_xfer *kvsp_xfer_of(struct kvsp *p, uint32_t slot);
 /* The slot's bytes. */
 void *kvsp_slot_mem(struct kvsp *p, uint32_t slot);
+/* The NUMA node the slot's memory is on, or -1 (the pool is not split by node). */
+int kvsp_slot_node(const struct kvsp *p, uint32_t slot);
 uint64_t kvsp_slot_size(const struct kvsp *p);
 uint32_t kvsp_slot_count(const struct kvsp *p);
 /* Rooms this proxy can hold (core room indices run below it). */

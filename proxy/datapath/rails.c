@@ -298,14 +298,18 @@ static bool rails_carries(const struct kvsp_dp *dp, const struct psess *s)
 	return false;
 }
 
-/* x on the next rail, from s's turn on, that carries s (but skip). Returns
- * 0, or -EOPNOTSUPP (none does). */
+/* x on the next rail, from s's turn on, that carries s (but skip): one
+ * whose device is on the NUMA node of x's slot first, if any. Returns 0,
+ * or -EOPNOTSUPP (none does). */
 static int send_on_a_rail(struct rails *rl, struct psess *s, struct kvsp_xfer *x,
 			  const struct kvs_wire_room *room, const struct rdma *skip)
 {
 	unsigned *turn = &rl->turn[s->idx];
-	for (unsigned k = 0; k < rl->n; k++) {
+	int node = rl->n > 1 ? kvsp_slot_node(rl->dp.p, x->slot) : -1;
+	for (unsigned k = 0; k < 2 * rl->n; k++) {
 		struct rdma *r = rl->rail[(*turn + k) % rl->n];
+		if (k < rl->n && node >= 0 && r->node != node)
+			continue; /* the first round: the slot's node's rails */
 		if (r == skip || !r->dp.ops->carries(&r->dp, s))
 			continue;
 		*turn = (r->rail + 1) % rl->n;

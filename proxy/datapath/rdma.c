@@ -36,6 +36,7 @@
 #include <string.h>
 
 #include "core/counters.h"
+#include "base/numa.h"
 #include "core/xport.h"
 #include "base/log.h"
 #include "layout.h"
@@ -133,9 +134,13 @@ struct rdma *rail_open(const struct kvsp_dp *base, const char *device, int gid_i
 			: "whether the device keeps a READ inside its window could "
 			  "not be tried: each "
 			  "chunk gets a region of its own";
-	LOG_INFO("rdma: rail %u: %s port %u, GID index %d: chunks by RDMA READ with peers that "
+	char dev[128];
+	snprintf(dev, sizeof(dev), "/sys/class/infiniband/%s/device", r->verbs.name);
+	r->node = kvsp_numa_of_device(dev);
+	LOG_INFO("rdma: rail %u: %s port %u, GID index %d%s: chunks by RDMA READ with peers that "
 		 "have it, each under a key of its own: %s (%s)",
 		 idx, r->verbs.name, r->verbs.port, r->verbs.gid_index,
+		 r->node >= 0 ? ", on its NUMA node's slots first" : "",
 		 kvsp_keys_wire_name(kvsp_verbs_keys_wire(&r->verbs)), because);
 	return r;
 }

@@ -178,6 +178,7 @@ struct rails;
 struct rdma {
 	struct kvsp_dp dp; /* the data path's, ops: kvsp_rail_ops */
 	unsigned rail;	   /* its place in --rdma-device: it pairs with the peer's of that place */
+	int node;	   /* the NUMA node its device hangs off, or -1 */
 	struct rails *rails;
 	uint64_t *rail_ctr; /* RAIL_CTR_* */
 	struct kvsp_verbs verbs;

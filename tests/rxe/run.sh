@@ -217,10 +217,14 @@ printf ')\n' >>"$run/job.sh"
 # -nodefaults: no NIC (the guest needs no network), no VGA; the serial
 # console goes to a file, the monitor nowhere, so stdin is never read.
 # -no-reboot with panic=-1: a guest panic ends qemu instead of looping.
+# Two NUMA nodes, a vCPU and 1 GiB each: every proxy in the guest splits
+# its pool by node (tests/test_numa.c checks where the pages are).
 # shellcheck disable=SC2054 # the commas are qemu's
 qemu=(
 	qemu-system-x86_64
 	-accel tcg,thread=multi -cpu max -smp 2 -m 2G
+	-object memory-backend-ram,id=mem0,size=1G -object memory-backend-ram,id=mem1,size=1G
+	-numa node,nodeid=0,cpus=0,memdev=mem0 -numa node,nodeid=1,cpus=1,memdev=mem1
 	-nodefaults -no-user-config -display none -monitor none -no-reboot
 	-serial "file:$run/serial.log"
 	-kernel "$kernel" -initrd "$initrd"
