@@ -22,7 +22,7 @@ static void bump(struct kvsp_slots *s, uint32_t i)
 	PUB_SET(s->pub[i].epoch, s->pub[i].epoch + 1);
 }
 
-static void to_free(struct kvsp_slots *s, uint32_t i)
+static inline __attribute__((always_inline)) void to_free(struct kvsp_slots *s, uint32_t i)
 {
 	struct kvs_slot *p = &s->pub[i];
 	bump(s, i);
@@ -31,23 +31,21 @@ static void to_free(struct kvsp_slots *s, uint32_t i)
 	PUB_SET(p->pins, 0);
 	set_state(s, i, KVS_SLOT_FREE);
 	s->priv[i].room = KVSP_NONE;
+	if (s->nparts == 1) { /* one node: one stack, nfree its height */
+		s->free_stack[s->nfree++] = i;
+		return;
+	}
 	unsigned k = kvsp_slot_part(s, i);
 	s->free_stack[s->part_start[k] + s->part_free[k]++] = i;
 	s->nfree++;
 }
 
-unsigned kvsp_slot_part(const struct kvsp_slots *s, uint32_t slot)
-{
-	unsigned k = 0;
-	while (k + 1 < s->nparts && slot >= s->part_start[k + 1])
-		k++;
-	return k;
-}
-
 /* A FREE slot off part's stack, or the fullest one's. The caller checked
  * that one is free. */
-static uint32_t pop_free(struct kvsp_slots *s, int part)
+static inline __attribute__((always_inline)) uint32_t pop_free(struct kvsp_slots *s, int part)
 {
+	if (s->nparts == 1)
+		return s->free_stack[--s->nfree];
 	unsigned k = part >= 0 && (unsigned)part < s->nparts ? (unsigned)part : 0;
 	if (part < 0 || !s->part_free[k])
 		for (unsigned j = 0; j < s->nparts; j++)

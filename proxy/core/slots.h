@@ -39,7 +39,8 @@ struct kvsp_slots {
 	/* Free slots, a LIFO per part of the pool (the most recently freed
 	 * slot is cache-hot): part k's are free_stack[part_start[k] ..
 	 * part_start[k] + part_free[k]), as its slots are part_start[k] ..
-	 * part_start[k + 1] - 1. One part unless the pool is split by node. */
+	 * part_start[k + 1] - 1. One part unless the pool is split by node:
+	 * then the stack is free_stack[0 .. nfree) and part_free is not kept. */
 	uint32_t *free_stack;
 	uint32_t nfree;
 	uint32_t count;
@@ -61,7 +62,13 @@ void kvsp_slots_fini(struct kvsp_slots *s);
  * Only while every slot is FREE. Returns 0, or -EINVAL. */
 int kvsp_slots_split(struct kvsp_slots *s, unsigned n, const uint32_t *start);
 /* Returns the part slot is in. */
-unsigned kvsp_slot_part(const struct kvsp_slots *s, uint32_t slot);
+static inline unsigned kvsp_slot_part(const struct kvsp_slots *s, uint32_t slot)
+{
+	unsigned k = 0;
+	while (k + 1 < s->nparts && slot >= s->part_start[k + 1])
+		k++;
+	return k;
+}
 /* Leases n FREE slots to owner into out[], from part as far as it has them
  * (part -1, or once it has none: the part with the most free). Returns 0,
  * or -ENOBUFS (none leased). */
