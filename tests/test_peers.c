@@ -244,10 +244,12 @@ Test(peers, forged_and_stale_tokens_change_nothing)
 	real_room_arrives();
 }
 
-/* RDMA frames to a proxy with no --rdma-device: the HELLO is ignored and
- * counted, a CHUNK_READ is answered "not supported" (the sender then sends
- * by TCP), an ack for a read we never asked for is ignored, and a second
- * HELLO on the session drops the connection. The real room is untouched. */
+/* RDMA frames to a proxy with no RDMA data path (no --rdma-device, or a
+ * build without libibverbs): answered by their type (peer/unowned.c). A
+ * CHUNK_READ, before a HELLO or after, is answered "not supported" (the
+ * sender then sends by TCP), the HELLO is ignored and counted, an ack for
+ * a read we never asked for is ignored, and a second HELLO on the session
+ * drops the connection. The real room is untouched. */
 static bool proxies_have_rdma(void)
 {
 	const char *e = getenv("KVSTAGE_TEST_PROXY_ARGS");
@@ -269,15 +271,22 @@ Test(peers, rdma_frames_to_a_proxy_without_a_device)
 					     .pool_len = htole64(64 * SLOT),
 					     .keys = htole32(1),
 					     .mtu = htole16(3 /* IBV_MTU_1024 */) };
-	hp_send(&h, KVS_WIRE_RDMA_HELLO, &hello, 0, NULL);
+	/* A READ before any HELLO: refused by its type as well. */
 	struct kvs_wire_chunk_read rd = { .room = room_name(),
 					  .chunk = 0,
 					  .len = htole32(SLOT),
-					  .xfer_ref = htole64(0xabcdef),
+					  .xfer_ref = htole64(0x1234),
 					  .offset = 0,
 					  .rkey = htole32(0x33) };
 	hp_send(&h, KVS_WIRE_CHUNK_READ, &rd, 0, NULL);
 	struct kvsp_frame f = hp_recv(&h);
+	cr_assert_eq(f.type, KVS_WIRE_CHUNK_ACK, "got frame type %u", f.type);
+	cr_assert_eq((int32_t)le32toh((uint32_t)f.body.chunk_ack.status), -EOPNOTSUPP);
+	cr_assert_eq(le64toh(f.body.chunk_ack.xfer_ref), 0x1234);
+	hp_send(&h, KVS_WIRE_RDMA_HELLO, &hello, 0, NULL);
+	rd.xfer_ref = htole64(0xabcdef);
+	hp_send(&h, KVS_WIRE_CHUNK_READ, &rd, 0, NULL);
+	f = hp_recv(&h);
 	cr_assert_eq(f.type, KVS_WIRE_CHUNK_ACK, "got frame type %u", f.type);
 	cr_assert_eq((int32_t)le32toh((uint32_t)f.body.chunk_ack.status), -EOPNOTSUPP);
 	cr_assert_eq(le64toh(f.body.chunk_ack.xfer_ref), 0xabcdef,

@@ -175,7 +175,9 @@ struct kvsp_client *kvsp_client_new(struct kvsp *p, int sock, pid_t pid, uid_t u
 	c->id = p->next_cid;
 	c->idx = (uint16_t)idx;
 	c->pid = pid;
-	c->part = kvsp_pool_part_of(p, kvsp_numa_of_pid(pid));
+	/* Its node, from the CPUs it may run on: sysfs is read only where the
+	 * pool has parts to choose from. */
+	c->part = p->nnodes > 1 ? kvsp_pool_part_of(p, kvsp_numa_of_pid(pid)) : -1;
 	c->uid = uid;
 	c->proc = proc;
 	c->share = share;
