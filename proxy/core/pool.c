@@ -135,7 +135,6 @@ static int pool_map(struct kvsp *p, bool huge, size_t len)
 	return 0;
 }
 
-
 /* The rte_ring geometry at the tail of page geom, and the header a fresh
  * ring body starts with. rte_ring_init does the work; we split its result. */
 static int ring_geometry(uint8_t *geom, uint8_t *tmpl, unsigned count, const char *name)

@@ -164,8 +164,8 @@ static void rails_destroy(struct kvsp_dp *dp)
 	free(rl);
 }
 
-/* Rail i's own counters, rdma_rail<i>_*: what it carried. */
-static int rail_counters(struct rails *rl, struct rdma *r)
+/* Rail r's own counters, rdma_rail<N>_*: what it carried. */
+static int rail_counters(struct rdma *r)
 {
 	static const char *const what[RAIL_NCTR][3] = {
 		[RAIL_CTR_SENT] = { "sent", "sent_total", "Chunks announced for READ on rail" },
@@ -189,7 +189,6 @@ static int rail_counters(struct rails *rl, struct rdma *r)
 		defs[k] = (struct kvsp_counter_def){ names[k], metrics[k], helps[k],
 						     k == RAIL_CTR_LINKS };
 	}
-	(void)rl;
 	return kvsp_counters_add(r->dp.p, defs, &r->rail_ctr);
 }
 
@@ -256,7 +255,7 @@ static struct kvsp_dp *rails_create(const struct kvsp_dp *base, const struct kvs
 		rl->rail[rl->n++] = r;
 		struct epoll_event ev = { .events = EPOLLIN, .data.u32 = i };
 		int fd = r->dp.ops->loop_fd(&r->dp);
-		rc = rail_counters(rl, r);
+		rc = rail_counters(r);
 		if (rc == 0 && fd >= 0 && epoll_ctl(rl->epfd, EPOLL_CTL_ADD, fd, &ev) < 0)
 			rc = -errno;
 		if (rc < 0) {
