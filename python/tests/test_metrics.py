@@ -335,7 +335,11 @@ def test_two_proxies_show_their_peer_session(tmp_path):
             "kvstage_tcp_sent_bytes_total", "kvstage_tcp_received_bytes_total", "kvstage_tcp_send_calls_total",
             "kvstage_tcp_recv_calls_total", "kvstage_tcp_lowat_calls_total", "kvstage_tcp_zerocopy_sends_total",
             "kvstage_tcp_zerocopy_copied_total")}
-        stat = os.path.join(os.path.dirname(os.path.dirname(os.environ["KVSTAGED"])), "tools", "kvstage-stat")
+        # kvstage-stat beside this kvstaged: a build's tools/, or the bin of a wheel's venv.
+        kvsd = os.environ["KVSTAGED"]
+        stat = next(p for p in (os.path.join(os.path.dirname(os.path.dirname(kvsd)), "tools", "kvstage-stat"),
+                                os.path.join(os.path.dirname(kvsd), "kvstage-stat"), shutil.which("kvstage-stat"))
+                    if p and os.path.exists(p))
         built = json.loads(subprocess.run([stat, "--json", "-s", pb.socket], capture_output=True, text=True,
                                           timeout=30, check=True).stdout)
         if "verbs" not in built["built_without"]:
