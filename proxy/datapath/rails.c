@@ -491,29 +491,32 @@ static const char *const rdma_failpoints[] = {
  * kvstage-stat, --json, /metrics and barriers say what they said. */
 static const struct kvsp_counter_def rdma_counters[RDMA_NCTR + 1] = {
 	[RDMA_CTR_READS] = { "rdma_reads", "kvstage_rdma_reads_total",
-			     "Chunks pulled by RDMA READ (landed or not)." },
+			     "Chunks pulled by RDMA READ (landed or not).", false },
 	[RDMA_CTR_BYTES_RX] = { "rdma_bytes_rx", "kvstage_rdma_received_bytes_total",
-				"Bytes pulled by RDMA READ." },
+				"Bytes pulled by RDMA READ.", false },
 	[RDMA_CTR_BINDS] = { "rdma_binds", "kvstage_rdma_window_binds_total",
-			     "Chunk keys granted by binding a memory window." },
+			     "Chunk keys granted by binding a memory window.", false },
 	[RDMA_CTR_INVALIDATES] = { "rdma_invalidates", "kvstage_rdma_window_invalidates_total",
-				   "Window keys revoked by a local invalidate." },
+				   "Window keys revoked by a local invalidate.", false },
 	[RDMA_CTR_REGIONS] = { "rdma_regions", "kvstage_rdma_region_registrations_total",
-			       "Chunk keys granted by registering a memory region (no windows)." },
+			       "Chunk keys granted by registering a memory region (no windows).",
+			       false },
 	[RDMA_CTR_REGION_FREES] = { "rdma_region_frees",
 				    "kvstage_rdma_region_deregistrations_total",
-				    "Region keys revoked by deregistering." },
+				    "Region keys revoked by deregistering.", false },
 	[RDMA_CTR_READS_REFUSED] = { "rdma_reads_refused", "kvstage_rdma_reads_refused_total",
 				     "Peers' READs our NIC refused: a key not held, or past its "
-				     "chunk." },
+				     "chunk.",
+				     false },
 	[RDMA_CTR_LINKS_LOST] = { "rdma_links_lost", "kvstage_rdma_links_lost_total",
 				  "Queue pairs that failed under a live session: its chunks went "
-				  "by TCP until a new one was connected." },
+				  "by TCP until a new one was connected.",
+				  false },
 	[RDMA_CTR_SESSIONS] = { "rdma_sessions", "kvstage_rdma_sessions",
 				"Peer sessions whose chunks go by RDMA READ now (on one rail or "
 				"more).",
 				true },
-	[RDMA_NCTR] = { NULL },
+	[RDMA_NCTR] = { 0 },
 };
 
 const struct kvsp_dp_ops kvsp_dp_rdma = {

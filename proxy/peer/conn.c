@@ -34,25 +34,30 @@
  * kvstage-stat, --json, /metrics and barriers say what they said. */
 const struct kvsp_counter_def pconn_counters[PCONN_NCTR + 1] = {
 	[PCONN_CTR_BYTES_TX] = { "tcp_bytes_tx", "kvstage_tcp_sent_bytes_total",
-				 "Bytes written to peer connections." },
+				 "Bytes written to peer connections.", false },
 	[PCONN_CTR_BYTES_RX] = { "tcp_bytes_rx", "kvstage_tcp_received_bytes_total",
-				 "Bytes read from peer connections." },
+				 "Bytes read from peer connections.", false },
 	[PCONN_CTR_SEND_CALLS] = { "tcp_send_calls", "kvstage_tcp_send_calls_total",
 				   "sendmsg and send calls on peer connections, those that found "
-				   "the socket full included." },
+				   "the socket full included.",
+				   false },
 	[PCONN_CTR_RECV_CALLS] = { "tcp_recv_calls", "kvstage_tcp_recv_calls_total",
 				   "recv and recvmsg calls on peer connections, those that found "
-				   "nothing included." },
+				   "nothing included.",
+				   false },
 	[PCONN_CTR_LOWAT_CALLS] = { "tcp_lowat_calls", "kvstage_tcp_lowat_calls_total",
 				    "setsockopt(SO_RCVLOWAT) calls on peer connections: a large "
-				    "payload's wake-up mark." },
+				    "payload's wake-up mark.",
+				    false },
 	[PCONN_CTR_ZC_SENDS] = { "tcp_zc_sends", "kvstage_tcp_zerocopy_sends_total",
 				 "sendmsg calls with MSG_ZEROCOPY on peer connections "
-				 "(--tcp-zerocopy)." },
+				 "(--tcp-zerocopy).",
+				 false },
 	[PCONN_CTR_ZC_COPIED] = { "tcp_zc_copied", "kvstage_tcp_zerocopy_copied_total",
 				  "Zerocopy sendmsg calls the kernel said it copied anyway "
-				  "(loopback, veth)." },
-	[PCONN_NCTR] = { NULL },
+				  "(loopback, veth).",
+				  false },
+	[PCONN_NCTR] = { 0 },
 };
 
 int pconn_table_init(struct pconn_table *t, int epfd, uint32_t max_payload, uint64_t instance,
