@@ -194,7 +194,6 @@ static int lacks(const char *opt, const char *part, const char *package)
 		opt, part, package);
 	return 2;
 }
-#define NO_RDMA(opt) lacks(opt, "RDMA", "libibverbs-dev")
 #define NO_METRICS(opt) lacks(opt, "metrics", "libmicrohttpd-dev")
 
 enum {
@@ -541,7 +540,8 @@ int kvsp_args_parse(struct kvsp_args *a, int argc, char **argv)
 			else if (!strcmp(optarg, "tcp"))
 				a->peer.data = KVSP_DATA_STREAM;
 			else if (!strcmp(optarg, "verbs") && !KVS_HAVE_VERBS)
-				return NO_RDMA("--transport verbs");
+				return lacks("--transport verbs", lacking[0].part, /* RDMA's */
+					     lacking[0].package);
 			else if (!strcmp(optarg, "verbs"))
 				a->peer.data = KVSP_DATA_VERBS;
 			else

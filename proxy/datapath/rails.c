@@ -36,10 +36,6 @@ struct rails {
 	uint8_t *rail_of;	  /* by our slot: the rail its chunk was announced on */
 	unsigned turn[PSESS_MAX]; /* by session index: the rail its next chunk tries first */
 	unsigned rr;		  /* the rail whose frames are asked first next */
-	struct {
-		uint32_t id; /* the session, by index */
-		uint8_t up;  /* rails with its queue pair up */
-	} links[PSESS_MAX];
 };
 
 static struct rails *rails_of(struct kvsp_dp *dp)
@@ -272,12 +268,13 @@ static struct kvsp_dp *rails_create(const struct kvsp_dp *base, const struct kvs
 
 void rails_link(struct rails *rl, uint32_t sess, bool up)
 {
-	unsigned i = (sess & 0xff) % PSESS_MAX;
-	if (rl->links[i].id != sess)
-		rl->links[i].id = sess, rl->links[i].up = 0;
-	if (up && rl->links[i].up++ == 0)
+	/* The session's queue pairs up now, the one that changed counted. */
+	unsigned i = (sess & 0xff) % PSESS_MAX, n = 0;
+	for (unsigned k = 0; k < rl->n; k++)
+		n += rl->rail[k]->rs[i].id == sess && rl->rail[k]->rs[i].up;
+	if (up && n == 1)
 		KVS_STAT_ADD(rl->dp.ctr[RDMA_CTR_SESSIONS], 1);
-	else if (!up && rl->links[i].up && --rl->links[i].up == 0)
+	else if (!up && n == 0)
 		KVS_STAT_SUB(rl->dp.ctr[RDMA_CTR_SESSIONS], 1);
 }
 

@@ -241,7 +241,8 @@ void rail_link(struct rdma *r, struct rsess *rs, bool up);
  * data path. Returns 0, or -errno (no other way: nothing started). */
 int rails_elsewhere(struct rails *rl, struct rdma *from, struct psess *s, struct kvsp_xfer *x,
 		    const struct kvs_wire_room *room);
-/* s has a queue pair up on a rail more (up), or one less. */
+/* A rail's queue pair for session sess went up (up) or down, its rs->up
+ * already set: rdma_sessions counts the sessions with one up or more. */
 void rails_link(struct rails *rl, uint32_t sess, bool up);
 
 /* rdma_send.c */
